@@ -1,0 +1,431 @@
+//! [`Allocator`]: one device's caching allocator — [`Pools`] behind a lock, plus the
+//! out-of-memory ladder that calls the [`Device`].
+//!
+//! # Note [The allocation ladder and the lock]
+//!
+//! `malloc` climbs these rungs until one serves the request (PyTorch's order, with our fences):
+//!
+//! 1. a cached block (after making completed fence batches reusable);
+//! 2. close the open fence batch and look again (it may complete at once on an idle GPU);
+//! 3. garbage collection, when `garbage_collection_threshold` is set and reserved memory is above
+//!    that fraction of the limit: release old free segments;
+//! 4. wait for pending fence batches, oldest first, looking again after each — only while the
+//!    pending blocks of the request's pool, with its free blocks, add up to the request;
+//! 5. a new segment from the device;
+//! 6. release free oversize segments (with `max_split_size`) and try the device again;
+//! 7. release every free segment (empty the cache) and try the device once more;
+//! 8. fail with an [`OomReport`].
+//!
+//! The lock is never held across a device allocation, a device release or a fence wait: a real
+//! `cudaFree` synchronizes the whole device, and `cudaMalloc` can take milliseconds, and other
+//! threads must keep allocating from the cache meanwhile. So each of those rungs takes what it
+//! needs out of the pools under the lock (segments to release are removed from the books first,
+//! bytes about to be allocated are counted against the limit first), unlocks, talks to the
+//! device, and relocks. Another thread may change the pools in between; every rung re-reads the
+//! state after relocking, so the worst outcome is one segment more than strictly needed, exactly
+//! as with PyTorch's `release_lock_on_cudamalloc`. Fence recording and querying (CUDA events) are
+//! cheap and happen under the lock.
+
+use std::fmt;
+
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::config::AllocatorConfig;
+use crate::device::{Device, DeviceError};
+use crate::pools::{
+    AddressInfo, Allocation, FreeError, Freed, Pools, ReleasedSegment, SegmentSnapshot,
+};
+use crate::sizes::{self, PoolKind};
+use crate::stats::Stats;
+
+/// Everything known about a request that could not be served, for the stderr paragraph, the
+/// trace's `oom` record and the tools.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OomReport {
+    /// The application's request.
+    pub requested: u64,
+    /// The request after rounding.
+    pub rounded: u64,
+    /// The pool it would come from.
+    pub pool: PoolKind,
+    /// Size of the segment that was asked of the device.
+    pub segment_size: u64,
+    /// Bytes handed to the application.
+    pub allocated: u64,
+    /// Bytes held from the device.
+    pub reserved: u64,
+    /// Reserved bytes in free blocks (cached, not allocated).
+    pub cached_free: u64,
+    /// The largest free block.
+    pub largest_free_block: u64,
+    /// Share of cached free memory outside the largest free block (0 = one free block,
+    /// near 1 = scattered in small pieces).
+    pub fragmentation: f64,
+    /// What the device reports as free.
+    pub device_free: u64,
+    /// The device's total memory.
+    pub device_total: u64,
+    /// The process's memory limit (`per_process_memory_fraction` × total).
+    pub limit: u64,
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let g = |b: u64| format_bytes(b);
+        write!(
+            f,
+            "cachealloc: out of memory: tried to allocate {} (rounded to {} in the {} pool, needing a {} segment). \
+             The device has {} in total, of which {} is free; this process may reserve {}. \
+             cachealloc holds {} reserved, {} of it allocated to the application and {} cached free; \
+             the largest free block is {} (fragmentation {:.0}%).",
+            g(self.requested),
+            g(self.rounded),
+            self.pool.segment_type(),
+            g(self.segment_size),
+            g(self.device_total),
+            g(self.device_free),
+            g(self.limit),
+            g(self.reserved),
+            g(self.allocated),
+            g(self.cached_free),
+            g(self.largest_free_block),
+            self.fragmentation * 100.0,
+        )?;
+        if self.cached_free >= self.rounded {
+            write!(
+                f,
+                " Enough memory is cached but no free block is big enough: fragmentation; \
+                 try max_split_size_mb or expandable_segments."
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Bytes in binary units, as the reports print them.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+/// Why `malloc` failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum AllocError {
+    /// Every rung of the ladder failed.
+    #[error("{0}")]
+    OutOfMemory(Box<OomReport>),
+    /// The device failed in some other way.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+/// What happened to device segments during an operation, for the caller to trace.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SegmentChanges {
+    /// Segments allocated on the device: (address, size).
+    pub allocated: Vec<(u64, u64)>,
+    /// Segments released on the device.
+    pub released: Vec<ReleasedSegment>,
+    /// Releases the device refused (the memory is lost to us; reported, not fatal).
+    pub release_errors: Vec<(ReleasedSegment, DeviceError)>,
+}
+
+/// One device's caching allocator. Thread-safe; see the module docs for the locking rules.
+#[derive(Debug)]
+pub struct Allocator<D: Device> {
+    device: D,
+    pools: Mutex<Pools<D::Fence>>,
+    config: AllocatorConfig,
+    /// Bytes this process may reserve on the device.
+    limit: u64,
+}
+
+impl<D: Device> Allocator<D> {
+    /// An allocator over `device` with the given policy. Reads the device's total memory once,
+    /// for the memory limit.
+    pub fn new(device: D, config: AllocatorConfig) -> Self {
+        let total = device.mem_info().total;
+        let limit = (total as f64 * config.per_process_memory_fraction) as u64;
+        Allocator {
+            pools: Mutex::new(Pools::new(&config)),
+            device,
+            config,
+            limit,
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The policy in force.
+    pub fn config(&self) -> &AllocatorConfig {
+        &self.config
+    }
+
+    /// Bytes this process may reserve.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Allocate `size` bytes. `tag` is kept with the block (a stack id for the recorder).
+    pub fn malloc(&self, size: u64, tag: u64) -> Result<Allocation, AllocError> {
+        self.malloc_traced(size, tag, &mut SegmentChanges::default())
+    }
+
+    /// [`Allocator::malloc`], also reporting the segments it allocated or released.
+    pub fn malloc_traced(
+        &self,
+        size: u64,
+        tag: u64,
+        changes: &mut SegmentChanges,
+    ) -> Result<Allocation, AllocError> {
+        let rounded = sizes::round_size(size, &self.config.roundup);
+        let mut pools = self.pools.lock();
+
+        // 1. The cache, after collecting completed fences.
+        if pools.has_pending() {
+            pools.process_completed(&self.device);
+        }
+        if let Some(a) = pools.alloc_cached(rounded, size, tag) {
+            return Ok(a);
+        }
+        self.malloc_slow(pools, size, rounded, tag, changes)
+    }
+
+    #[cold]
+    fn malloc_slow(
+        &self,
+        mut pools: MutexGuard<'_, Pools<D::Fence>>,
+        size: u64,
+        rounded: u64,
+        tag: u64,
+        changes: &mut SegmentChanges,
+    ) -> Result<Allocation, AllocError> {
+        let segment_size = sizes::segment_size(rounded);
+
+        // 2. Close the open batch; on an idle device it may complete at once.
+        if pools.close_open_batch(&self.device)? {
+            pools.process_completed(&self.device);
+            if let Some(a) = pools.alloc_cached(rounded, size, tag) {
+                return Ok(a);
+            }
+        }
+
+        // 3. Garbage collection of old cached segments.
+        if self.config.garbage_collection_threshold > 0.0 {
+            let garbage = pools.take_garbage(self.config.garbage_collection_threshold, self.limit);
+            self.release_unlocked(&mut pools, garbage, changes);
+        }
+
+        // 4. Wait for pending fences, oldest first, while they could serve the request.
+        while pools.pending_could_serve(rounded)
+            && let Some(fence) = pools.oldest_pending_fence()
+        {
+            pools.stats.num_fence_waits += 1;
+            MutexGuard::unlocked(&mut pools, || self.device.wait_fence(&fence))?;
+            pools.process_completed(&self.device);
+            if let Some(a) = pools.alloc_cached(rounded, size, tag) {
+                return Ok(a);
+            }
+        }
+
+        // 5. A new segment.
+        if let Some(address) = self.grow(&mut pools, segment_size, false)? {
+            changes.allocated.push((address, segment_size));
+            return Ok(pools.add_segment_and_alloc(address, segment_size, rounded, size, tag));
+        }
+
+        // 6. Release free oversize segments, then try again.
+        let oversize = pools.take_oversize_segments(rounded);
+        if !oversize.is_empty() {
+            self.release_unlocked(&mut pools, oversize, changes);
+            if let Some(address) = self.grow(&mut pools, segment_size, false)? {
+                changes.allocated.push((address, segment_size));
+                return Ok(pools.add_segment_and_alloc(address, segment_size, rounded, size, tag));
+            }
+        }
+
+        // 7. Empty the cache, then try once more.
+        let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
+        self.release_unlocked(&mut pools, all, changes);
+        if let Some(address) = self.grow(&mut pools, segment_size, true)? {
+            changes.allocated.push((address, segment_size));
+            return Ok(pools.add_segment_and_alloc(address, segment_size, rounded, size, tag));
+        }
+
+        // 8. Out of memory.
+        pools.stats.num_ooms += 1;
+        let report = self.oom_report(&pools, size, rounded, segment_size);
+        Err(AllocError::OutOfMemory(Box::new(report)))
+    }
+
+    /// Ask the device for a segment without holding the lock. `Ok(None)` means out of memory
+    /// (by the limit or the device).
+    fn grow(
+        &self,
+        pools: &mut MutexGuard<'_, Pools<D::Fence>>,
+        segment_size: u64,
+        is_retry: bool,
+    ) -> Result<Option<u64>, DeviceError> {
+        if is_retry {
+            pools.stats.num_alloc_retries += 1;
+        }
+        if pools.reserved().saturating_add(segment_size) > self.limit {
+            return Ok(None);
+        }
+        pools.begin_growth(segment_size);
+        let result = MutexGuard::unlocked(pools, || self.device.allocate_segment(segment_size));
+        pools.end_growth(segment_size);
+        match result {
+            Ok(address) => Ok(Some(address)),
+            Err(DeviceError::OutOfMemory) => Ok(None),
+            Err(other) => Err(other),
+        }
+    }
+
+    /// Release segments (already out of the books) on the device without holding the lock.
+    fn release_unlocked(
+        &self,
+        pools: &mut MutexGuard<'_, Pools<D::Fence>>,
+        segments: Vec<ReleasedSegment>,
+        changes: &mut SegmentChanges,
+    ) {
+        if !segments.is_empty() {
+            MutexGuard::unlocked(pools, || self.release_segments(segments, changes));
+        }
+    }
+
+    fn release_segments(&self, segments: Vec<ReleasedSegment>, changes: &mut SegmentChanges) {
+        for seg in segments {
+            match self.device.free_segment(seg.address, seg.size) {
+                Ok(()) => changes.released.push(seg),
+                Err(e) => changes.release_errors.push((seg, e)),
+            }
+        }
+    }
+
+    fn oom_report(
+        &self,
+        pools: &Pools<D::Fence>,
+        requested: u64,
+        rounded: u64,
+        segment_size: u64,
+    ) -> OomReport {
+        let info = self.device.mem_info();
+        let cached_free = pools.cached_free_bytes();
+        let largest = pools.largest_free_block();
+        OomReport {
+            requested,
+            rounded,
+            pool: sizes::pool_for(rounded),
+            segment_size,
+            allocated: pools.stats.allocated_bytes.all.current as u64,
+            reserved: pools.stats.reserved_bytes.all.current as u64,
+            cached_free,
+            largest_free_block: largest,
+            fragmentation: if cached_free == 0 {
+                0.0
+            } else {
+                1.0 - largest as f64 / cached_free as f64
+            },
+            device_free: info.free,
+            device_total: info.total,
+            limit: self.limit,
+        }
+    }
+
+    /// Free a block handed out by [`Allocator::malloc`]. A pointer that is not ours, a double
+    /// free and an interior pointer are refused with nothing changed.
+    pub fn free(&self, address: u64) -> Result<Freed, FreeError> {
+        self.pools.lock().free(address)
+    }
+
+    /// Release every cached free segment to the device (`torch.cuda.empty_cache`), after waiting
+    /// for all pending fences.
+    pub fn empty_cache(&self) -> Result<SegmentChanges, DeviceError> {
+        let mut changes = SegmentChanges::default();
+        let mut pools = self.pools.lock();
+        pools.close_open_batch(&self.device)?;
+        while let Some(fence) = pools.oldest_pending_fence() {
+            pools.stats.num_fence_waits += 1;
+            MutexGuard::unlocked(&mut pools, || self.device.wait_fence(&fence))?;
+            pools.process_completed(&self.device);
+        }
+        let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
+        self.release_unlocked(&mut pools, all, &mut changes);
+        Ok(changes)
+    }
+
+    /// Close the open fence batch now (for example before a long pause, or at a stream
+    /// synchronization the caller saw), and collect completed ones.
+    pub fn flush_fences(&self) -> Result<(), DeviceError> {
+        let mut pools = self.pools.lock();
+        pools.close_open_batch(&self.device)?;
+        pools.process_completed(&self.device);
+        Ok(())
+    }
+
+    /// Switch to fenced reuse (see [`Pools::start_fencing`]); a no-op unless the policy is
+    /// `auto` and fencing has not started.
+    pub fn start_fencing(&self) -> Result<(), DeviceError> {
+        self.pools.lock().start_fencing(&self.device)
+    }
+
+    /// Forget every segment without releasing it (the device context was reset).
+    pub fn forget_all(&self) {
+        self.pools.lock().forget_all();
+    }
+
+    /// A copy of the stats.
+    pub fn stats(&self) -> Stats {
+        self.pools.lock().stats.clone()
+    }
+
+    /// Reset peak stats.
+    pub fn reset_peak_stats(&self) {
+        self.pools.lock().stats.reset_peaks();
+    }
+
+    /// Reset accumulated stats.
+    pub fn reset_accumulated_stats(&self) {
+        self.pools.lock().stats.reset_accumulated();
+    }
+
+    /// Reserved bytes not allocated to the application (what `cudaMemGetInfo` may add to
+    /// `free`).
+    pub fn cached_free_bytes(&self) -> u64 {
+        self.pools.lock().cached_free_bytes()
+    }
+
+    /// Where `address` lies in our memory.
+    pub fn lookup(&self, address: u64) -> Option<AddressInfo> {
+        self.pools.lock().lookup(address)
+    }
+
+    /// Every segment with its blocks.
+    pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
+        self.pools.lock().snapshot()
+    }
+
+    /// Run [`Pools::check_invariants`].
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.pools.lock().check_invariants()
+    }
+
+    /// Run `f` on the pools under the lock (for callers that need several queries at once).
+    pub fn with_pools<R>(&self, f: impl FnOnce(&mut Pools<D::Fence>) -> R) -> R {
+        f(&mut self.pools.lock())
+    }
+}

@@ -1,0 +1,951 @@
+//! [`Pools`]: the bookkeeping of one device's caching allocator — segments, blocks, free lists,
+//! reuse fences and stats. Every method is pure bookkeeping under the allocator's lock; device
+//! memory is never allocated or released here (that is [`crate::Allocator`]'s job, done outside
+//! the lock), only fences are recorded and queried, which is cheap.
+//!
+//! # Note [Reuse fences]
+//!
+//! A real `cudaFree` waits for the device, so an application may free memory that kernels it
+//! queued earlier still read or write. A caching allocator that handed such a block to the next
+//! `cudaMalloc` at once would let new work on another stream overwrite it while old work still
+//! uses it. PyTorch avoids this by giving every block a home stream and recording events for
+//! cross-stream uses (`record_stream`); an interposed `cudaMalloc` knows no streams, so we keep
+//! `cudaFree`'s promise differently:
+//!
+//! * A freed block becomes **pending**: it stays *active* in the stats (PyTorch's
+//!   `free_requested`), joins the **open batch**, and is not reusable.
+//! * When the allocator next needs memory that the free lists cannot give, it **closes** the open
+//!   batch: [`Device::record_fence`] marks all work enqueued so far on every stream that may use
+//!   our memory (the shim records one event on the legacy default stream, which orders after all
+//!   blocking streams, plus one on each live non-blocking stream).
+//! * Batches complete in the order they were closed. A completed batch's blocks become **free**
+//!   (PyTorch's `free_completed`): they merge with free neighbours and join the free lists.
+//!   Completion is *queried* (never waited for) on the allocation path.
+//! * Only when nothing else satisfies a request does the allocator wait for the oldest batch, and
+//!   only after that does it grow (see the ladder in [`crate::allocator`]).
+//!
+//! With [`ReusePolicy::Immediate`] a freed block is free at once: right when all work runs on one
+//! stream (CUDA orders it), as in a process that created no stream. [`ReusePolicy::Auto`] starts
+//! that way and switches to fenced reuse at the first stream creation
+//! ([`Pools::start_fencing`]): every block already in the free lists then goes behind one
+//! *gate* fence, recorded before the new stream can have any work, and no free-list block is
+//! reused until it completes.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use rustc_hash::FxHashMap;
+
+use crate::config::{AllocatorConfig, ReusePolicy};
+use crate::device::Device;
+use crate::sizes::{self, PoolKind};
+use crate::stats::Stats;
+
+/// Index of a block in the block table.
+type BlockId = u32;
+/// Index of a segment in the segment table.
+type SegmentId = u32;
+/// "No block" in the neighbour links.
+const NIL: BlockId = u32::MAX;
+
+/// Where a block is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockState {
+    /// Handed to the application.
+    Active,
+    /// Freed by the application; waiting for its fence before it can be reused.
+    PendingFree,
+    /// In a free list, reusable.
+    Free,
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    address: u64,
+    size: u64,
+    /// The application's unrounded request (0 for free blocks).
+    requested: u64,
+    segment: SegmentId,
+    prev: BlockId,
+    next: BlockId,
+    state: BlockState,
+    pool: PoolKind,
+    /// Value of [`Pools::lookups`] when the block joined a free list (its age for GC).
+    free_since: u64,
+    /// The caller's tag at allocation (a stack id for the recorder); 0 when none.
+    tag: u64,
+}
+
+impl Block {
+    fn is_split(&self) -> bool {
+        self.prev != NIL || self.next != NIL
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Segment {
+    address: u64,
+    size: u64,
+    pool: PoolKind,
+    first: BlockId,
+    /// The caller's tag when the segment was allocated.
+    tag: u64,
+}
+
+/// Free blocks of one pool ordered by `(size, address)`: best fit is the first entry at or after
+/// `(request, 0)`.
+type FreeList = BTreeMap<(u64, u64), BlockId>;
+
+/// Freed blocks behind one fence.
+#[derive(Debug)]
+struct Batch<F> {
+    fence: F,
+    blocks: Vec<BlockId>,
+    /// Completing this batch opens the free lists again ([`Pools::start_fencing`]).
+    gate: bool,
+}
+
+/// A block handed to the application.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Address of the block.
+    pub address: u64,
+    /// Size of the block (the rounded request, or more when the rest was too small to split).
+    pub size: u64,
+    /// The application's request.
+    pub requested: u64,
+    /// Address of the segment the block lies in.
+    pub segment_address: u64,
+    /// The pool it came from.
+    pub pool: PoolKind,
+}
+
+/// What a successful free did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Freed {
+    /// Address of the block.
+    pub address: u64,
+    /// Its size.
+    pub size: u64,
+    /// The application's request.
+    pub requested: u64,
+    /// Whether it is reusable already (immediate reuse) or waits for a fence.
+    pub pending: bool,
+}
+
+/// Why a free was refused. Nothing was changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FreeError {
+    /// The pointer is not in any of our segments: it belongs to someone else (pass it on).
+    #[error("pointer {0:#x} was not allocated by cachealloc")]
+    NotOurs(u64),
+    /// The block at this address is not allocated (freed before, or never handed out).
+    #[error("double free of {address:#x} (block of {size} bytes, already {state:?})")]
+    DoubleFree {
+        /// The pointer.
+        address: u64,
+        /// The block's size.
+        size: u64,
+        /// The block's state.
+        state: BlockState,
+    },
+    /// The pointer lies inside a block, not at its start.
+    #[error("pointer {address:#x} is {offset} bytes into a block of {size} bytes at {block:#x}")]
+    InteriorPointer {
+        /// The pointer.
+        address: u64,
+        /// The block that contains it.
+        block: u64,
+        /// The block's size.
+        size: u64,
+        /// How far into the block the pointer is.
+        offset: u64,
+    },
+}
+
+/// Where an address lies in our memory (for IPC handles and error reports).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AddressInfo {
+    /// The block containing the address.
+    pub block_address: u64,
+    /// Its size.
+    pub block_size: u64,
+    /// Its state.
+    pub state: BlockState,
+    /// The segment containing it.
+    pub segment_address: u64,
+    /// The segment's size.
+    pub segment_size: u64,
+}
+
+/// A segment taken out of the pools, to be released on the device by the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReleasedSegment {
+    /// Its address.
+    pub address: u64,
+    /// Its size.
+    pub size: u64,
+    /// Its pool.
+    pub pool: PoolKind,
+}
+
+/// One block of a [`SegmentSnapshot`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockSnapshot {
+    /// Address.
+    pub address: u64,
+    /// Size.
+    pub size: u64,
+    /// Requested size (0 for free blocks).
+    pub requested_size: u64,
+    /// State.
+    pub state: BlockState,
+    /// The caller's tag at allocation.
+    pub tag: u64,
+}
+
+/// One segment with its blocks, in address order (PyTorch's snapshot `segments` entries).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentSnapshot {
+    /// Address.
+    pub address: u64,
+    /// Size.
+    pub total_size: u64,
+    /// Pool.
+    pub pool: PoolKind,
+    /// Bytes of allocated blocks.
+    pub allocated_size: u64,
+    /// Bytes of allocated and pending-free blocks.
+    pub active_size: u64,
+    /// Requested bytes of allocated and pending-free blocks.
+    pub requested_size: u64,
+    /// The caller's tag when the segment was allocated.
+    pub tag: u64,
+    /// The blocks, tiling the segment.
+    pub blocks: Vec<BlockSnapshot>,
+}
+
+/// The bookkeeping of one device's allocator. See the module docs.
+#[derive(Debug)]
+pub struct Pools<F> {
+    max_split_size: u64,
+    reuse: ReusePolicy,
+    /// Whether frees currently go behind fences.
+    fencing: bool,
+    /// While a gate batch is pending, no free-list block may be reused.
+    gated: bool,
+    blocks: Vec<Block>,
+    spare_blocks: Vec<BlockId>,
+    segments: Vec<Option<Segment>>,
+    spare_segments: Vec<SegmentId>,
+    /// Live segments by address, to find the segment containing a pointer.
+    segment_index: BTreeMap<u64, SegmentId>,
+    free_small: FreeList,
+    free_large: FreeList,
+    /// Allocated blocks by address.
+    active: FxHashMap<u64, BlockId>,
+    /// Freed blocks not yet behind a fence.
+    open_batch: Vec<BlockId>,
+    /// Fenced batches, oldest first.
+    pending: VecDeque<Batch<F>>,
+    /// Number of free-list searches so far (the clock of GC ages, PyTorch's
+    /// `get_free_blocks_call_count`).
+    lookups: u64,
+    /// Bytes of device allocations in progress outside the lock (counted against the limit).
+    growing: u64,
+    /// The statistics.
+    pub stats: Stats,
+}
+
+impl<F: Clone> Pools<F> {
+    /// Empty pools with the given policy.
+    pub fn new(config: &AllocatorConfig) -> Self {
+        Pools {
+            max_split_size: config.max_split_size,
+            reuse: config.reuse,
+            fencing: config.reuse == ReusePolicy::Fenced,
+            gated: false,
+            blocks: Vec::new(),
+            spare_blocks: Vec::new(),
+            segments: Vec::new(),
+            spare_segments: Vec::new(),
+            segment_index: BTreeMap::new(),
+            free_small: FreeList::new(),
+            free_large: FreeList::new(),
+            active: FxHashMap::default(),
+            open_batch: Vec::new(),
+            pending: VecDeque::new(),
+            lookups: 0,
+            growing: 0,
+            stats: Stats {
+                max_split_size: config.max_split_size,
+                ..Stats::default()
+            },
+        }
+    }
+
+    // ----- allocation -------------------------------------------------------------------------
+
+    /// Serve a rounded request from the free lists, or `None` when no cached block fits.
+    pub fn alloc_cached(&mut self, rounded: u64, requested: u64, tag: u64) -> Option<Allocation> {
+        self.lookups += 1;
+        if self.gated {
+            return None;
+        }
+        let pool = sizes::pool_for(rounded);
+        let list = self.free_list(pool);
+        let (&(size, address), &id) = list.range((rounded, 0)..).next()?;
+        if !sizes::fits(size, rounded, self.max_split_size) {
+            return None;
+        }
+        self.unlist_free(id);
+        debug_assert_eq!(self.blocks[id as usize].address, address);
+        self.stats.num_cache_hits += 1;
+        Some(self.carve(id, rounded, requested, tag))
+    }
+
+    /// Take a new segment from the device into the pool and serve the request from it at once
+    /// (so no other thread can take it first).
+    pub fn add_segment_and_alloc(
+        &mut self,
+        address: u64,
+        segment_size: u64,
+        rounded: u64,
+        requested: u64,
+        tag: u64,
+    ) -> Allocation {
+        let pool = sizes::pool_for(rounded);
+        let segment = self.new_segment_slot();
+        let id = self.new_block(Block {
+            address,
+            size: segment_size,
+            requested: 0,
+            segment,
+            prev: NIL,
+            next: NIL,
+            state: BlockState::Free,
+            pool,
+            free_since: self.lookups,
+            tag,
+        });
+        self.segments[segment as usize] = Some(Segment {
+            address,
+            size: segment_size,
+            pool,
+            first: id,
+            tag,
+        });
+        self.segment_index.insert(address, segment);
+        self.stats.segment.increase(pool, 1);
+        self.stats.reserved_bytes.increase(pool, segment_size);
+        if sizes::is_oversize(segment_size, self.max_split_size) {
+            self.stats.oversize_segments.increase(1);
+        }
+        self.stats.num_device_alloc += 1;
+        self.carve(id, rounded, requested, tag)
+    }
+
+    /// Hand out the (unlisted, free) block `id` for a request, splitting off the rest if the
+    /// split rules say so.
+    fn carve(&mut self, id: BlockId, rounded: u64, requested: u64, tag: u64) -> Allocation {
+        let (pool, size) = {
+            let b = &self.blocks[id as usize];
+            (b.pool, b.size)
+        };
+        if sizes::should_split(pool, size, rounded, self.max_split_size) {
+            let b = &self.blocks[id as usize];
+            let rest = Block {
+                address: b.address + rounded,
+                size: size - rounded,
+                requested: 0,
+                segment: b.segment,
+                prev: id,
+                next: b.next,
+                state: BlockState::Free,
+                pool,
+                free_since: b.free_since,
+                tag: 0,
+            };
+            let rest_id = self.new_block(rest);
+            let old_next = self.blocks[id as usize].next;
+            if old_next != NIL {
+                self.blocks[old_next as usize].prev = rest_id;
+            }
+            let b = &mut self.blocks[id as usize];
+            b.next = rest_id;
+            b.size = rounded;
+            self.list_free(rest_id);
+        }
+        let b = &mut self.blocks[id as usize];
+        b.state = BlockState::Active;
+        b.requested = requested;
+        b.tag = tag;
+        let (address, size, segment) = (b.address, b.size, b.segment);
+        self.active.insert(address, id);
+        let s = &mut self.stats;
+        s.allocation.increase(pool, 1);
+        s.allocated_bytes.increase(pool, size);
+        s.active.increase(pool, 1);
+        s.active_bytes.increase(pool, size);
+        s.requested_bytes.increase(pool, requested);
+        if sizes::is_oversize(size, self.max_split_size) {
+            s.oversize_allocations.increase(1);
+        }
+        let segment_address = self.segment(segment).address;
+        Allocation {
+            address,
+            size,
+            requested,
+            segment_address,
+            pool,
+        }
+    }
+
+    // ----- free -------------------------------------------------------------------------------
+
+    /// The application frees `address`. With fencing the block waits in the open batch;
+    /// otherwise it is free at once.
+    pub fn free(&mut self, address: u64) -> Result<Freed, FreeError> {
+        let Some(id) = self.active.remove(&address) else {
+            return Err(self.explain_bad_free(address));
+        };
+        let b = &mut self.blocks[id as usize];
+        let (pool, size, requested) = (b.pool, b.size, b.requested);
+        self.stats.allocation.decrease(pool, 1);
+        self.stats.allocated_bytes.decrease(pool, size);
+        if sizes::is_oversize(size, self.max_split_size) {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        if self.fencing {
+            b.state = BlockState::PendingFree;
+            self.open_batch.push(id);
+        } else {
+            self.release_to_free_list(id);
+        }
+        Ok(Freed {
+            address,
+            size,
+            requested,
+            pending: self.fencing,
+        })
+    }
+
+    fn explain_bad_free(&self, address: u64) -> FreeError {
+        match self.find_block(address) {
+            None => FreeError::NotOurs(address),
+            Some(id) => {
+                let b = &self.blocks[id as usize];
+                if b.address == address {
+                    FreeError::DoubleFree {
+                        address,
+                        size: b.size,
+                        state: b.state,
+                    }
+                } else {
+                    FreeError::InteriorPointer {
+                        address,
+                        block: b.address,
+                        size: b.size,
+                        offset: address - b.address,
+                    }
+                }
+            }
+        }
+    }
+
+    /// A pending or active block becomes free: it merges with free neighbours and joins its free
+    /// list (PyTorch's `free_block`).
+    fn release_to_free_list(&mut self, id: BlockId) {
+        let (pool, size, requested) = {
+            let b = &self.blocks[id as usize];
+            (b.pool, b.size, b.requested)
+        };
+        self.stats.active.decrease(pool, 1);
+        self.stats.active_bytes.decrease(pool, size);
+        self.stats.requested_bytes.decrease(pool, requested);
+        let prev = self.blocks[id as usize].prev;
+        if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
+            self.merge_into(id, prev);
+        }
+        let next = self.blocks[id as usize].next;
+        if next != NIL && self.blocks[next as usize].state == BlockState::Free {
+            self.merge_into(id, next);
+        }
+        let b = &mut self.blocks[id as usize];
+        b.state = BlockState::Free;
+        b.requested = 0;
+        b.tag = 0;
+        b.free_since = self.lookups;
+        self.list_free(id);
+    }
+
+    /// Absorb the free neighbour `other` into `id`.
+    fn merge_into(&mut self, id: BlockId, other: BlockId) {
+        self.unlist_free(other);
+        let o = self.blocks[other as usize].clone();
+        let b = &mut self.blocks[id as usize];
+        if o.next == id {
+            b.address = o.address;
+            b.prev = o.prev;
+            if o.prev != NIL {
+                self.blocks[o.prev as usize].next = id;
+            } else {
+                let segment = self.blocks[id as usize].segment;
+                self.segment_mut(segment).first = id;
+            }
+        } else {
+            b.next = o.next;
+            if o.next != NIL {
+                self.blocks[o.next as usize].prev = id;
+            }
+        }
+        self.blocks[id as usize].size += o.size;
+        self.spare_blocks.push(other);
+    }
+
+    // ----- fences -----------------------------------------------------------------------------
+
+    /// Whether freed blocks wait behind fences now.
+    pub fn is_fencing(&self) -> bool {
+        self.fencing
+    }
+
+    /// Whether any freed block waits for a fence (open or closed batch).
+    pub fn has_pending(&self) -> bool {
+        !self.open_batch.is_empty() || !self.pending.is_empty()
+    }
+
+    /// Close the open batch behind a new fence. Returns whether a batch was closed.
+    pub fn close_open_batch<D: Device<Fence = F>>(
+        &mut self,
+        device: &D,
+    ) -> Result<bool, crate::DeviceError> {
+        if self.open_batch.is_empty() {
+            return Ok(false);
+        }
+        let fence = device.record_fence()?;
+        let blocks = std::mem::take(&mut self.open_batch);
+        self.pending.push_back(Batch {
+            fence,
+            blocks,
+            gate: false,
+        });
+        Ok(true)
+    }
+
+    /// Make the blocks of every completed batch reusable, oldest first, stopping at the first
+    /// batch that has not completed. Returns the number of blocks that became free.
+    pub fn process_completed<D: Device<Fence = F>>(&mut self, device: &D) -> usize {
+        let mut released = 0;
+        while let Some(batch) = self.pending.front() {
+            if !device.fence_completed(&batch.fence) {
+                break;
+            }
+            let batch = self.pending.pop_front().expect("front exists");
+            released += batch.blocks.len();
+            for id in batch.blocks {
+                self.release_to_free_list(id);
+            }
+            if batch.gate {
+                self.gated = false;
+            }
+            device.release_fence(batch.fence);
+        }
+        released
+    }
+
+    /// Whether waiting for pending batches could serve a rounded request: the pending blocks of
+    /// its pool plus its free bytes add up to the request. (A cheap necessary condition; it
+    /// keeps a big request from stalling behind many small pending frees.)
+    pub fn pending_could_serve(&self, rounded: u64) -> bool {
+        let pool = sizes::pool_for(rounded);
+        let pending: u64 = self
+            .pending
+            .iter()
+            .flat_map(|b| b.blocks.iter())
+            .map(|&id| &self.blocks[id as usize])
+            .filter(|b| b.pool == pool)
+            .map(|b| b.size)
+            .sum();
+        let free: u64 = self.free_list(pool).keys().map(|k| k.0).sum();
+        self.gated || pending + free >= rounded
+    }
+
+    /// The fence of the oldest pending batch, to wait for outside the lock.
+    pub fn oldest_pending_fence(&self) -> Option<F> {
+        self.pending.front().map(|b| b.fence.clone())
+    }
+
+    /// Switch from immediate to fenced reuse (under [`ReusePolicy::Auto`], at the first stream
+    /// creation): the free lists stay closed until a gate fence recorded now completes.
+    pub fn start_fencing<D: Device<Fence = F>>(
+        &mut self,
+        device: &D,
+    ) -> Result<(), crate::DeviceError> {
+        if self.fencing || self.reuse == ReusePolicy::Immediate {
+            return Ok(());
+        }
+        self.fencing = true;
+        if self.free_small.is_empty() && self.free_large.is_empty() {
+            return Ok(());
+        }
+        let fence = device.record_fence()?;
+        self.pending.push_back(Batch {
+            fence,
+            blocks: Vec::new(),
+            gate: true,
+        });
+        self.gated = true;
+        Ok(())
+    }
+
+    // ----- releasing segments -----------------------------------------------------------------
+
+    /// Take every free whole segment (in the given pools) out of the pools. The caller releases
+    /// them on the device.
+    pub fn take_free_segments(&mut self, pools: &[PoolKind]) -> Vec<ReleasedSegment> {
+        let mut ids = Vec::new();
+        for &pool in pools {
+            ids.extend(
+                self.free_list(pool)
+                    .values()
+                    .copied()
+                    .filter(|&id| !self.blocks[id as usize].is_split()),
+            );
+        }
+        ids.into_iter().map(|id| self.take_segment(id)).collect()
+    }
+
+    /// Take free whole oversize segments of the large pool out, largest that serves `rounded`
+    /// first, as PyTorch's `release_available_cached_blocks` does: the smallest one at least as
+    /// big as the request if there is one, else the biggest ones until their sizes add up to it
+    /// (or all of them: they are released even when they do not add up, as in PyTorch; the
+    /// device may have the rest).
+    pub fn take_oversize_segments(&mut self, rounded: u64) -> Vec<ReleasedSegment> {
+        if self.max_split_size == u64::MAX {
+            return Vec::new();
+        }
+        let key = rounded.max(self.max_split_size);
+        let candidates: Vec<(u64, BlockId)> = self
+            .free_large
+            .range((self.max_split_size, 0)..)
+            .filter(|(_, id)| !self.blocks[**id as usize].is_split())
+            .map(|(&(size, _), &id)| (size, id))
+            .collect();
+        let chosen: Vec<BlockId> =
+            if let Some(&(_, id)) = candidates.iter().find(|(size, _)| *size >= key) {
+                vec![id]
+            } else {
+                let mut total = 0;
+                let mut chosen = Vec::new();
+                for &(size, id) in candidates.iter().rev() {
+                    if total >= key {
+                        break;
+                    }
+                    total += size;
+                    chosen.push(id);
+                }
+                chosen
+            };
+        chosen.into_iter().map(|id| self.take_segment(id)).collect()
+    }
+
+    /// Garbage collection (PyTorch's `garbage_collect_cached_blocks`): when reserved memory is
+    /// above `threshold × limit`, take out free whole segments of the large pool whose age (free
+    /// list searches since they became free) is at least the average, repeatedly, until enough
+    /// is reclaimed or nothing more can be.
+    pub fn take_garbage(&mut self, threshold: f64, limit: u64) -> Vec<ReleasedSegment> {
+        let gc_limit = (threshold * limit as f64) as u64;
+        let reserved = self.reserved();
+        if threshold <= 0.0 || reserved <= gc_limit {
+            return Vec::new();
+        }
+        let target = reserved - gc_limit;
+        let mut candidates: Vec<(BlockId, u64, u64)> = self
+            .free_large
+            .values()
+            .filter(|&&id| !self.blocks[id as usize].is_split())
+            .map(|&id| {
+                let b = &self.blocks[id as usize];
+                (id, b.size, self.lookups - b.free_since)
+            })
+            .collect();
+        let mut reclaimed = 0;
+        let mut out = Vec::new();
+        while reclaimed < target && !candidates.is_empty() {
+            let total_age: u64 = candidates.iter().map(|c| c.2).sum();
+            let threshold_age = total_age as f64 / candidates.len() as f64;
+            let mut kept = Vec::with_capacity(candidates.len());
+            let mut freed_any = false;
+            for c in candidates {
+                if reclaimed < target && c.2 as f64 >= threshold_age {
+                    reclaimed += c.1;
+                    freed_any = true;
+                    out.push(self.take_segment(c.0));
+                } else {
+                    kept.push(c);
+                }
+            }
+            candidates = kept;
+            if !freed_any {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Remove the segment whose only block is the free block `id`.
+    fn take_segment(&mut self, id: BlockId) -> ReleasedSegment {
+        self.unlist_free(id);
+        let b = &self.blocks[id as usize];
+        debug_assert!(!b.is_split() && b.state == BlockState::Free);
+        let segment = b.segment;
+        let seg = self.segments[segment as usize]
+            .take()
+            .expect("live segment");
+        self.spare_segments.push(segment);
+        self.spare_blocks.push(id);
+        self.segment_index.remove(&seg.address);
+        self.stats.segment.decrease(seg.pool, 1);
+        self.stats.reserved_bytes.decrease(seg.pool, seg.size);
+        if sizes::is_oversize(seg.size, self.max_split_size) {
+            self.stats.oversize_segments.decrease(1);
+        }
+        self.stats.num_device_free += 1;
+        ReleasedSegment {
+            address: seg.address,
+            size: seg.size,
+            pool: seg.pool,
+        }
+    }
+
+    /// Forget everything without releasing it (the device context was reset). Accumulated
+    /// counters are kept; current values drop to zero.
+    pub fn forget_all(&mut self) {
+        let config = AllocatorConfig {
+            max_split_size: self.max_split_size,
+            reuse: self.reuse,
+            ..AllocatorConfig::default()
+        };
+        let mut stats = std::mem::take(&mut self.stats);
+        for seg in self.segments.iter().flatten() {
+            stats.segment.decrease(seg.pool, 1);
+            stats.reserved_bytes.decrease(seg.pool, seg.size);
+            if sizes::is_oversize(seg.size, self.max_split_size) {
+                stats.oversize_segments.decrease(1);
+            }
+        }
+        for b in self.live_blocks() {
+            match b.state {
+                BlockState::Active => {
+                    stats.allocation.decrease(b.pool, 1);
+                    stats.allocated_bytes.decrease(b.pool, b.size);
+                    if sizes::is_oversize(b.size, self.max_split_size) {
+                        stats.oversize_allocations.decrease(1);
+                    }
+                }
+                BlockState::PendingFree => {}
+                BlockState::Free => {
+                    if b.is_split() {
+                        stats.inactive_split.decrease(b.pool, 1);
+                        stats.inactive_split_bytes.decrease(b.pool, b.size);
+                    }
+                    continue;
+                }
+            }
+            stats.active.decrease(b.pool, 1);
+            stats.active_bytes.decrease(b.pool, b.size);
+            stats.requested_bytes.decrease(b.pool, b.requested);
+        }
+        let fencing = self.fencing;
+        *self = Pools::new(&config);
+        self.fencing = fencing;
+        self.stats = stats;
+    }
+
+    // ----- queries ----------------------------------------------------------------------------
+
+    /// Bytes reserved from the device, including allocations in progress.
+    pub fn reserved(&self) -> u64 {
+        self.stats.reserved_bytes.all.current as u64 + self.growing
+    }
+
+    /// Count `size` bytes as being allocated on the device outside the lock.
+    pub fn begin_growth(&mut self, size: u64) {
+        self.growing += size;
+    }
+
+    /// The device allocation of `size` bytes started by [`Pools::begin_growth`] has ended.
+    pub fn end_growth(&mut self, size: u64) {
+        self.growing -= size;
+    }
+
+    /// Bytes in free lists (reusable now or after the gate).
+    pub fn cached_free_bytes(&self) -> u64 {
+        (self.stats.reserved_bytes.all.current - self.stats.active_bytes.all.current) as u64
+    }
+
+    /// The largest free block of either pool (0 when none).
+    pub fn largest_free_block(&self) -> u64 {
+        let last = |l: &FreeList| l.keys().next_back().map_or(0, |k| k.0);
+        last(&self.free_small).max(last(&self.free_large))
+    }
+
+    /// Where `address` lies in our memory, if anywhere.
+    pub fn lookup(&self, address: u64) -> Option<AddressInfo> {
+        let id = self.find_block(address)?;
+        let b = &self.blocks[id as usize];
+        let seg = self.segment(b.segment);
+        Some(AddressInfo {
+            block_address: b.address,
+            block_size: b.size,
+            state: b.state,
+            segment_address: seg.address,
+            segment_size: seg.size,
+        })
+    }
+
+    fn find_block(&self, address: u64) -> Option<BlockId> {
+        if let Some(&id) = self.active.get(&address) {
+            return Some(id);
+        }
+        let (_, &segment) = self.segment_index.range(..=address).next_back()?;
+        let seg = self.segment(segment);
+        if address >= seg.address + seg.size {
+            return None;
+        }
+        let mut id = seg.first;
+        while id != NIL {
+            let b = &self.blocks[id as usize];
+            if address < b.address + b.size {
+                return Some(id);
+            }
+            id = b.next;
+        }
+        None
+    }
+
+    /// Every segment with its blocks, in address order.
+    pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
+        self.segment_index
+            .values()
+            .map(|&segment| {
+                let seg = self.segment(segment);
+                let mut snap = SegmentSnapshot {
+                    address: seg.address,
+                    total_size: seg.size,
+                    pool: seg.pool,
+                    allocated_size: 0,
+                    active_size: 0,
+                    requested_size: 0,
+                    tag: seg.tag,
+                    blocks: Vec::new(),
+                };
+                let mut id = seg.first;
+                while id != NIL {
+                    let b = &self.blocks[id as usize];
+                    if b.state == BlockState::Active {
+                        snap.allocated_size += b.size;
+                    }
+                    if b.state != BlockState::Free {
+                        snap.active_size += b.size;
+                        snap.requested_size += b.requested;
+                    }
+                    snap.blocks.push(BlockSnapshot {
+                        address: b.address,
+                        size: b.size,
+                        requested_size: b.requested,
+                        state: b.state,
+                        tag: b.tag,
+                    });
+                    id = b.next;
+                }
+                snap
+            })
+            .collect()
+    }
+
+    // ----- small helpers ----------------------------------------------------------------------
+
+    fn free_list(&self, pool: PoolKind) -> &FreeList {
+        match pool {
+            PoolKind::Small => &self.free_small,
+            PoolKind::Large => &self.free_large,
+        }
+    }
+
+    fn free_list_mut(&mut self, pool: PoolKind) -> &mut FreeList {
+        match pool {
+            PoolKind::Small => &mut self.free_small,
+            PoolKind::Large => &mut self.free_large,
+        }
+    }
+
+    /// Put a free block into its free list, counting it as inactive-split if its segment is
+    /// split. (A listed block's split-ness cannot change while it stays listed: neighbours
+    /// change only by splitting or merging, which unlist it first.)
+    fn list_free(&mut self, id: BlockId) {
+        let b = &self.blocks[id as usize];
+        let (pool, size, address, split) = (b.pool, b.size, b.address, b.is_split());
+        self.free_list_mut(pool).insert((size, address), id);
+        if split {
+            self.stats.inactive_split.increase(pool, 1);
+            self.stats.inactive_split_bytes.increase(pool, size);
+        }
+    }
+
+    fn unlist_free(&mut self, id: BlockId) {
+        let b = &self.blocks[id as usize];
+        let (pool, size, address, split) = (b.pool, b.size, b.address, b.is_split());
+        let removed = self.free_list_mut(pool).remove(&(size, address));
+        debug_assert_eq!(removed, Some(id));
+        if split {
+            self.stats.inactive_split.decrease(pool, 1);
+            self.stats.inactive_split_bytes.decrease(pool, size);
+        }
+    }
+
+    fn new_block(&mut self, block: Block) -> BlockId {
+        match self.spare_blocks.pop() {
+            Some(id) => {
+                self.blocks[id as usize] = block;
+                id
+            }
+            None => {
+                self.blocks.push(block);
+                (self.blocks.len() - 1) as BlockId
+            }
+        }
+    }
+
+    fn new_segment_slot(&mut self) -> SegmentId {
+        self.spare_segments.pop().unwrap_or_else(|| {
+            self.segments.push(None);
+            (self.segments.len() - 1) as SegmentId
+        })
+    }
+
+    fn segment(&self, id: SegmentId) -> &Segment {
+        self.segments[id as usize].as_ref().expect("live segment")
+    }
+
+    fn segment_mut(&mut self, id: SegmentId) -> &mut Segment {
+        self.segments[id as usize].as_mut().expect("live segment")
+    }
+
+    /// Blocks of live segments, in address order per segment.
+    fn live_blocks(&self) -> impl Iterator<Item = &Block> {
+        self.segments.iter().flatten().flat_map(move |seg| {
+            let mut id = seg.first;
+            std::iter::from_fn(move || {
+                if id == NIL {
+                    return None;
+                }
+                let b = &self.blocks[id as usize];
+                id = b.next;
+                Some(b)
+            })
+        })
+    }
+}
+
+mod invariants;

@@ -1,0 +1,225 @@
+//! [`Pools::check_invariants`]: a full recount of the bookkeeping, run after every operation in
+//! tests. It is O(blocks) and meant for tests and debugging, not for production paths.
+
+use std::collections::{BTreeSet, HashSet};
+
+use super::{BlockState, NIL, Pools};
+use crate::sizes::{self, PoolKind};
+use crate::stats::{StatArray, Stats};
+
+impl<F: Clone> Pools<F> {
+    /// Check that the bookkeeping is consistent:
+    ///
+    /// * the blocks of each segment tile it exactly, in address order, with consistent links;
+    /// * no two adjacent blocks of a segment are both free (they would have been merged);
+    /// * the free lists hold exactly the free blocks, each in its pool's list;
+    /// * the active map holds exactly the allocated blocks; the open and pending batches hold
+    ///   exactly the pending-free blocks, each once;
+    /// * every current stat equals a recount.
+    ///
+    /// Returns a description of the first violation found.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut recount = Stats::default();
+        let mut free_seen = BTreeSet::new();
+        let mut active_seen = HashSet::new();
+        let mut pending_seen = HashSet::new();
+        let mut segments_seen = 0usize;
+
+        for (segment_id, seg) in self.segments.iter().enumerate() {
+            let Some(seg) = seg else { continue };
+            segments_seen += 1;
+            if self.segment_index.get(&seg.address) != Some(&(segment_id as u32)) {
+                return Err(format!(
+                    "segment {:#x} missing from the address index",
+                    seg.address
+                ));
+            }
+            recount.segment.increase(seg.pool, 1);
+            recount.reserved_bytes.increase(seg.pool, seg.size);
+            if sizes::is_oversize(seg.size, self.max_split_size) {
+                recount.oversize_segments.increase(1);
+            }
+            let mut expected_address = seg.address;
+            let mut prev = NIL;
+            let mut id = seg.first;
+            let mut previous_free = false;
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                let here = format!(
+                    "block {:#x}+{} of segment {:#x}",
+                    b.address, b.size, seg.address
+                );
+                if b.address != expected_address {
+                    return Err(format!(
+                        "{here}: expected to start at {expected_address:#x}"
+                    ));
+                }
+                if b.size == 0 || b.size % sizes::MIN_BLOCK_SIZE != 0 {
+                    return Err(format!("{here}: size is not a positive multiple of 512"));
+                }
+                if b.prev != prev || b.segment != segment_id as u32 || b.pool != seg.pool {
+                    return Err(format!("{here}: bad prev link, segment or pool"));
+                }
+                let free = b.state == BlockState::Free;
+                if free && previous_free {
+                    return Err(format!("{here}: two adjacent free blocks were not merged"));
+                }
+                previous_free = free;
+                match b.state {
+                    BlockState::Free => {
+                        free_seen.insert((b.pool, b.size, b.address, id));
+                        if b.is_split() {
+                            recount.inactive_split.increase(b.pool, 1);
+                            recount.inactive_split_bytes.increase(b.pool, b.size);
+                        }
+                    }
+                    BlockState::Active | BlockState::PendingFree => {
+                        if b.requested > b.size {
+                            return Err(format!(
+                                "{here}: requested {} exceeds the block",
+                                b.requested
+                            ));
+                        }
+                        if b.state == BlockState::Active {
+                            active_seen.insert(id);
+                            recount.allocation.increase(b.pool, 1);
+                            recount.allocated_bytes.increase(b.pool, b.size);
+                            if sizes::is_oversize(b.size, self.max_split_size) {
+                                recount.oversize_allocations.increase(1);
+                            }
+                        } else {
+                            pending_seen.insert(id);
+                        }
+                        recount.active.increase(b.pool, 1);
+                        recount.active_bytes.increase(b.pool, b.size);
+                        recount.requested_bytes.increase(b.pool, b.requested);
+                    }
+                }
+                expected_address += b.size;
+                prev = id;
+                id = b.next;
+            }
+            if expected_address != seg.address + seg.size {
+                return Err(format!(
+                    "segment {:#x}: blocks cover {} of {} bytes",
+                    seg.address,
+                    expected_address - seg.address,
+                    seg.size
+                ));
+            }
+        }
+
+        if self.segment_index.len() != segments_seen {
+            return Err(format!(
+                "address index has {} segments, table {segments_seen}",
+                self.segment_index.len()
+            ));
+        }
+        let listed: BTreeSet<_> = [
+            (PoolKind::Small, &self.free_small),
+            (PoolKind::Large, &self.free_large),
+        ]
+        .into_iter()
+        .flat_map(|(pool, list)| {
+            list.iter()
+                .map(move |(&(size, address), &id)| (pool, size, address, id))
+        })
+        .collect();
+        if listed != free_seen {
+            return Err(format!(
+                "free lists ({} entries) differ from the free blocks ({})",
+                listed.len(),
+                free_seen.len()
+            ));
+        }
+        let mapped: HashSet<u32> = self.active.values().copied().collect();
+        if mapped != active_seen || self.active.len() != active_seen.len() {
+            return Err("active map differs from the allocated blocks".to_string());
+        }
+        for (&address, &id) in &self.active {
+            if self.blocks[id as usize].address != address {
+                return Err(format!(
+                    "active map key {address:#x} points at another block"
+                ));
+            }
+        }
+        let mut batched = HashSet::new();
+        for &id in self
+            .open_batch
+            .iter()
+            .chain(self.pending.iter().flat_map(|b| b.blocks.iter()))
+        {
+            if !batched.insert(id) {
+                return Err(format!("block id {id} is in two fence batches"));
+            }
+        }
+        if batched != pending_seen {
+            return Err("fence batches differ from the pending-free blocks".to_string());
+        }
+        if self.gated != self.pending.iter().any(|b| b.gate) {
+            return Err("gate flag disagrees with the pending batches".to_string());
+        }
+
+        let pairs: [(&str, &StatArray, &StatArray); 9] = [
+            ("allocation", &self.stats.allocation, &recount.allocation),
+            ("segment", &self.stats.segment, &recount.segment),
+            ("active", &self.stats.active, &recount.active),
+            (
+                "inactive_split",
+                &self.stats.inactive_split,
+                &recount.inactive_split,
+            ),
+            (
+                "allocated_bytes",
+                &self.stats.allocated_bytes,
+                &recount.allocated_bytes,
+            ),
+            (
+                "reserved_bytes",
+                &self.stats.reserved_bytes,
+                &recount.reserved_bytes,
+            ),
+            (
+                "active_bytes",
+                &self.stats.active_bytes,
+                &recount.active_bytes,
+            ),
+            (
+                "inactive_split_bytes",
+                &self.stats.inactive_split_bytes,
+                &recount.inactive_split_bytes,
+            ),
+            (
+                "requested_bytes",
+                &self.stats.requested_bytes,
+                &recount.requested_bytes,
+            ),
+        ];
+        for (name, kept, counted) in pairs {
+            for (pool, a, b) in [
+                ("all", &kept.all, &counted.all),
+                ("small_pool", &kept.small_pool, &counted.small_pool),
+                ("large_pool", &kept.large_pool, &counted.large_pool),
+            ] {
+                if a.current != b.current {
+                    return Err(format!(
+                        "{name}.{pool}.current is {} but a recount gives {}",
+                        a.current, b.current
+                    ));
+                }
+                if a.peak < a.current {
+                    return Err(format!(
+                        "{name}.{pool}.peak {} is below current {}",
+                        a.peak, a.current
+                    ));
+                }
+            }
+        }
+        if self.stats.oversize_allocations.current != recount.oversize_allocations.current
+            || self.stats.oversize_segments.current != recount.oversize_segments.current
+        {
+            return Err("oversize stats differ from a recount".to_string());
+        }
+        Ok(())
+    }
+}

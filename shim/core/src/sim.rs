@@ -1,0 +1,251 @@
+//! [`SimDevice`]: a simulated device for tests, benchmarks and `cachealloc simulate`.
+//!
+//! It has a fixed capacity, hands out increasing addresses that are never reused (so a stale
+//! pointer can never alias a new segment by accident), and completes fences either at once or
+//! when the test says so. Failures can be injected.
+
+use std::collections::BTreeMap;
+
+use parking_lot::Mutex;
+
+use crate::device::{Device, DeviceError, MemInfo};
+
+/// First address handed out; arbitrary, but high like a real device's.
+const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
+/// Alignment of segment addresses (the CUDA driver aligns large allocations to 2 MiB).
+const SEGMENT_ALIGNMENT: u64 = 2 << 20;
+
+/// When fences complete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FenceMode {
+    /// Every fence is complete as soon as it is recorded (an idle GPU).
+    #[default]
+    Immediate,
+    /// Fences complete only through [`SimDevice::complete_fences`] or a wait.
+    Manual,
+}
+
+/// A fence of the simulated device: its sequence number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SimFence(pub u64);
+
+/// Counters of what the allocator asked of the simulated device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Successful segment allocations.
+    pub allocs: u64,
+    /// Segment releases.
+    pub frees: u64,
+    /// Allocations refused (capacity or injected).
+    pub failed_allocs: u64,
+    /// Fences recorded.
+    pub fences: u64,
+    /// Blocking waits on a fence.
+    pub waits: u64,
+}
+
+#[derive(Debug)]
+struct SimState {
+    capacity: u64,
+    used: u64,
+    next_address: u64,
+    /// Live segments: address → size.
+    segments: BTreeMap<u64, u64>,
+    fence_mode: FenceMode,
+    next_fence: u64,
+    completed_through: u64,
+    fail_next_allocs: u32,
+    counters: SimCounters,
+}
+
+/// A capacity-limited simulated device. Cheap to share between threads.
+#[derive(Debug)]
+pub struct SimDevice {
+    state: Mutex<SimState>,
+}
+
+impl SimDevice {
+    /// A device with `capacity` bytes whose fences complete immediately.
+    pub fn new(capacity: u64) -> Self {
+        Self::with_fence_mode(capacity, FenceMode::Immediate)
+    }
+
+    /// A device with `capacity` bytes and the given fence behaviour.
+    pub fn with_fence_mode(capacity: u64, fence_mode: FenceMode) -> Self {
+        SimDevice {
+            state: Mutex::new(SimState {
+                capacity,
+                used: 0,
+                next_address: BASE_ADDRESS,
+                segments: BTreeMap::new(),
+                fence_mode,
+                next_fence: 1,
+                completed_through: 0,
+                fail_next_allocs: 0,
+                counters: SimCounters::default(),
+            }),
+        }
+    }
+
+    /// Mark every fence recorded so far as complete (the GPU caught up).
+    pub fn complete_fences(&self) {
+        let mut s = self.state.lock();
+        s.completed_through = s.next_fence - 1;
+    }
+
+    /// Make the next `n` segment allocations fail with out-of-memory.
+    pub fn fail_next_allocs(&self, n: u32) {
+        self.state.lock().fail_next_allocs = n;
+    }
+
+    /// Bytes of live segments.
+    pub fn used(&self) -> u64 {
+        self.state.lock().used
+    }
+
+    /// Number of live segments.
+    pub fn live_segments(&self) -> usize {
+        self.state.lock().segments.len()
+    }
+
+    /// Number of fences recorded so far (fences are numbered from 1).
+    pub fn fences_recorded(&self) -> u64 {
+        self.state.lock().next_fence - 1
+    }
+
+    /// Every fence numbered up to this one has completed.
+    pub fn completed_through(&self) -> u64 {
+        self.state.lock().completed_through
+    }
+
+    /// What the allocator asked so far.
+    pub fn counters(&self) -> SimCounters {
+        self.state.lock().counters
+    }
+}
+
+impl Device for SimDevice {
+    type Fence = SimFence;
+
+    fn mem_info(&self) -> MemInfo {
+        let s = self.state.lock();
+        MemInfo {
+            free: s.capacity - s.used,
+            total: s.capacity,
+        }
+    }
+
+    fn allocate_segment(&self, size: u64) -> Result<u64, DeviceError> {
+        let mut s = self.state.lock();
+        if s.fail_next_allocs > 0 {
+            s.fail_next_allocs -= 1;
+            s.counters.failed_allocs += 1;
+            return Err(DeviceError::OutOfMemory);
+        }
+        if size == 0 || size > s.capacity - s.used {
+            s.counters.failed_allocs += 1;
+            return Err(DeviceError::OutOfMemory);
+        }
+        let address = s.next_address;
+        s.next_address += crate::sizes::round_up(size, SEGMENT_ALIGNMENT);
+        s.used += size;
+        s.segments.insert(address, size);
+        s.counters.allocs += 1;
+        Ok(address)
+    }
+
+    fn free_segment(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        match s.segments.remove(&address) {
+            Some(recorded) if recorded == size => {
+                s.used -= size;
+                s.counters.frees += 1;
+                Ok(())
+            }
+            Some(recorded) => {
+                s.segments.insert(address, recorded);
+                Err(DeviceError::Other {
+                    code: 1,
+                    message: format!("segment {address:#x} has {recorded} bytes, not {size}"),
+                })
+            }
+            None => Err(DeviceError::Other {
+                code: 1,
+                message: format!("{address:#x} is not a live segment"),
+            }),
+        }
+    }
+
+    fn record_fence(&self) -> Result<SimFence, DeviceError> {
+        let mut s = self.state.lock();
+        let fence = SimFence(s.next_fence);
+        s.next_fence += 1;
+        s.counters.fences += 1;
+        if s.fence_mode == FenceMode::Immediate {
+            s.completed_through = fence.0;
+        }
+        Ok(fence)
+    }
+
+    fn fence_completed(&self, fence: &SimFence) -> bool {
+        fence.0 <= self.state.lock().completed_through
+    }
+
+    fn wait_fence(&self, fence: &SimFence) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        s.counters.waits += 1;
+        s.completed_through = s.completed_through.max(fence.0);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_increase_and_capacity_is_enforced() {
+        let dev = SimDevice::new(8 << 20);
+        let a = dev.allocate_segment(2 << 20).unwrap();
+        let b = dev.allocate_segment(4 << 20).unwrap();
+        assert!(b > a);
+        assert_eq!(dev.allocate_segment(4 << 20), Err(DeviceError::OutOfMemory));
+        dev.free_segment(a, 2 << 20).unwrap();
+        let c = dev.allocate_segment(4 << 20).unwrap();
+        assert!(c > b, "addresses are never reused");
+        assert_eq!(
+            dev.mem_info(),
+            MemInfo {
+                free: 0,
+                total: 8 << 20
+            }
+        );
+        assert!(
+            dev.free_segment(a, 2 << 20).is_err(),
+            "double release is refused"
+        );
+    }
+
+    #[test]
+    fn manual_fences_complete_on_demand() {
+        let dev = SimDevice::with_fence_mode(1 << 30, FenceMode::Manual);
+        let f1 = dev.record_fence().unwrap();
+        assert!(!dev.fence_completed(&f1));
+        dev.complete_fences();
+        assert!(dev.fence_completed(&f1));
+        let f2 = dev.record_fence().unwrap();
+        assert!(!dev.fence_completed(&f2));
+        dev.wait_fence(&f2).unwrap();
+        assert!(dev.fence_completed(&f2));
+        assert_eq!(dev.counters().waits, 1);
+    }
+
+    #[test]
+    fn injected_failures_are_counted() {
+        let dev = SimDevice::new(1 << 30);
+        dev.fail_next_allocs(1);
+        assert!(dev.allocate_segment(2 << 20).is_err());
+        assert!(dev.allocate_segment(2 << 20).is_ok());
+        assert_eq!(dev.counters().failed_allocs, 1);
+    }
+}

@@ -1,0 +1,301 @@
+//! Allocator statistics with PyTorch's names and meaning (`torch.cuda.memory_stats()`).
+//!
+//! Each [`Stat`] has `current`, `peak`, `allocated` (sum of increases) and `freed` (sum of
+//! decreases), kept for `all`, `small_pool` and `large_pool`. Definitions, per PyTorch:
+//!
+//! | stat | counts |
+//! |---|---|
+//! | `allocation` / `allocated_bytes` | blocks handed to the app and not yet freed by it |
+//! | `active` / `active_bytes` | allocated blocks plus freed blocks still waiting for their fence |
+//! | `requested_bytes` | the app's unrounded request sizes of active blocks |
+//! | `segment` / `reserved_bytes` | device allocations (segments) the allocator holds |
+//! | `inactive_split` / `inactive_split_bytes` | free (reusable) blocks in segments that are split |
+//!
+//! `oversize_allocations` and `oversize_segments` count blocks and segments of at least
+//! `max_split_size`. Plain counters: `num_alloc_retries` (device allocations retried after
+//! releasing cache), `num_ooms`, `num_device_alloc`, `num_device_free`, `num_fence_waits`.
+
+use crate::sizes::PoolKind;
+
+/// One statistic: current value, high-water mark, and accumulated increases and decreases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// Value now.
+    pub current: i64,
+    /// Highest value since the last peak reset.
+    pub peak: i64,
+    /// Sum of all increases since the last accumulated reset.
+    pub allocated: i64,
+    /// Sum of all decreases since the last accumulated reset.
+    pub freed: i64,
+}
+
+impl Stat {
+    /// Add `amount`.
+    pub fn increase(&mut self, amount: u64) {
+        let amount = amount as i64;
+        self.current += amount;
+        self.peak = self.peak.max(self.current);
+        self.allocated += amount;
+    }
+
+    /// Subtract `amount`.
+    pub fn decrease(&mut self, amount: u64) {
+        let amount = amount as i64;
+        self.current -= amount;
+        self.freed += amount;
+    }
+
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+
+    fn reset_accumulated(&mut self) {
+        self.allocated = 0;
+        self.freed = 0;
+    }
+}
+
+/// A statistic kept for all blocks and per pool (PyTorch's `StatArray`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatArray {
+    /// Both pools together (`all`).
+    pub all: Stat,
+    /// The small pool (`small_pool`).
+    pub small_pool: Stat,
+    /// The large pool (`large_pool`).
+    pub large_pool: Stat,
+}
+
+impl StatArray {
+    /// Add `amount` to `all` and to the pool's stat.
+    pub fn increase(&mut self, pool: PoolKind, amount: u64) {
+        self.all.increase(amount);
+        self.pool_mut(pool).increase(amount);
+    }
+
+    /// Subtract `amount` from `all` and from the pool's stat.
+    pub fn decrease(&mut self, pool: PoolKind, amount: u64) {
+        self.all.decrease(amount);
+        self.pool_mut(pool).decrease(amount);
+    }
+
+    /// The stat of one pool.
+    pub fn pool(&self, pool: PoolKind) -> &Stat {
+        match pool {
+            PoolKind::Small => &self.small_pool,
+            PoolKind::Large => &self.large_pool,
+        }
+    }
+
+    fn pool_mut(&mut self, pool: PoolKind) -> &mut Stat {
+        match pool {
+            PoolKind::Small => &mut self.small_pool,
+            PoolKind::Large => &mut self.large_pool,
+        }
+    }
+
+    fn each_mut(&mut self) -> [&mut Stat; 3] {
+        [&mut self.all, &mut self.small_pool, &mut self.large_pool]
+    }
+
+    fn named(&self) -> [(&'static str, &Stat); 3] {
+        [
+            ("all", &self.all),
+            ("small_pool", &self.small_pool),
+            ("large_pool", &self.large_pool),
+        ]
+    }
+}
+
+/// All statistics of one device's allocator.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Number of allocated blocks.
+    pub allocation: StatArray,
+    /// Number of segments.
+    pub segment: StatArray,
+    /// Number of active blocks.
+    pub active: StatArray,
+    /// Number of free blocks in split segments.
+    pub inactive_split: StatArray,
+    /// Bytes of allocated blocks.
+    pub allocated_bytes: StatArray,
+    /// Bytes of segments.
+    pub reserved_bytes: StatArray,
+    /// Bytes of active blocks.
+    pub active_bytes: StatArray,
+    /// Bytes of free blocks in split segments.
+    pub inactive_split_bytes: StatArray,
+    /// Requested (unrounded) bytes of active blocks.
+    pub requested_bytes: StatArray,
+    /// Allocated blocks of at least `max_split_size`.
+    pub oversize_allocations: Stat,
+    /// Segments of at least `max_split_size`.
+    pub oversize_segments: Stat,
+    /// Device allocations retried after releasing cached memory.
+    pub num_alloc_retries: u64,
+    /// Requests that failed with out-of-memory.
+    pub num_ooms: u64,
+    /// Segment allocations made on the device.
+    pub num_device_alloc: u64,
+    /// Segment releases made on the device.
+    pub num_device_free: u64,
+    /// Times an allocation blocked waiting for a reuse fence.
+    pub num_fence_waits: u64,
+    /// Requests served from cached blocks (no device allocation).
+    pub num_cache_hits: u64,
+    /// `max_split_size` in force (`u64::MAX` when unlimited), as PyTorch reports it.
+    pub max_split_size: u64,
+}
+
+impl Stats {
+    /// Set every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peaks(&mut self) {
+        for array in self.arrays_mut() {
+            for stat in array.each_mut() {
+                stat.reset_peak();
+            }
+        }
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+
+    /// Zero the accumulated counters (`torch.cuda.reset_accumulated_memory_stats`).
+    pub fn reset_accumulated(&mut self) {
+        for array in self.arrays_mut() {
+            for stat in array.each_mut() {
+                stat.reset_accumulated();
+            }
+        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+        self.num_fence_waits = 0;
+        self.num_cache_hits = 0;
+    }
+
+    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
+    }
+
+    /// The flat `name → value` list of `torch.cuda.memory_stats()`, in its key order
+    /// (`allocated_bytes.all.current`, …, `num_ooms`, …), sorted by key as PyTorch returns it.
+    pub fn to_flat(&self) -> Vec<(String, i64)> {
+        let mut out = Vec::with_capacity(120);
+        let parts = |stat: &Stat| {
+            [
+                ("current", stat.current),
+                ("peak", stat.peak),
+                ("allocated", stat.allocated),
+                ("freed", stat.freed),
+            ]
+        };
+        for (name, array) in self.arrays() {
+            for (pool, stat) in array.named() {
+                for (part, value) in parts(stat) {
+                    out.push((format!("{name}.{pool}.{part}"), value));
+                }
+            }
+        }
+        for (name, stat) in [
+            ("oversize_allocations", &self.oversize_allocations),
+            ("oversize_segments", &self.oversize_segments),
+        ] {
+            for (part, value) in parts(stat) {
+                out.push((format!("{name}.{part}"), value));
+            }
+        }
+        let counter = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        out.push(("num_alloc_retries".into(), counter(self.num_alloc_retries)));
+        out.push(("num_ooms".into(), counter(self.num_ooms)));
+        out.push(("num_device_alloc".into(), counter(self.num_device_alloc)));
+        out.push(("num_device_free".into(), counter(self.num_device_free)));
+        out.push(("num_fence_waits".into(), counter(self.num_fence_waits)));
+        out.push(("num_cache_hits".into(), counter(self.num_cache_hits)));
+        out.push((
+            "max_split_size".into(),
+            if self.max_split_size == u64::MAX {
+                -1
+            } else {
+                counter(self.max_split_size)
+            },
+        ));
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = Stat::default();
+        s.increase(10);
+        s.increase(5);
+        s.decrease(12);
+        s.increase(1);
+        assert_eq!(
+            s,
+            Stat {
+                current: 4,
+                peak: 15,
+                allocated: 16,
+                freed: 12
+            }
+        );
+        s.reset_peak();
+        assert_eq!(s.peak, 4);
+        s.reset_accumulated();
+        assert_eq!((s.allocated, s.freed, s.current), (0, 0, 4));
+    }
+
+    #[test]
+    fn flat_names_follow_pytorch() {
+        let mut stats = Stats {
+            max_split_size: u64::MAX,
+            ..Stats::default()
+        };
+        stats.allocated_bytes.increase(PoolKind::Large, 4096);
+        let flat = stats.to_flat();
+        let get = |k: &str| flat.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+        assert_eq!(get("allocated_bytes.all.current"), Some(4096));
+        assert_eq!(get("allocated_bytes.large_pool.peak"), Some(4096));
+        assert_eq!(get("allocated_bytes.small_pool.current"), Some(0));
+        assert_eq!(get("max_split_size"), Some(-1));
+        assert_eq!(get("oversize_segments.current"), Some(0));
+        assert!(
+            flat.windows(2).all(|w| w[0].0 < w[1].0),
+            "sorted and unique"
+        );
+    }
+}

@@ -1,0 +1,16 @@
+//! Integration tests of `cachealloc-core`, one binary:
+//!
+//! * `common`      — presets (the configs every suite runs over) and a checked allocator
+//!   wrapper that runs `check_invariants()` after every operation;
+//! * `rules`       — size classes, pool choice, split and merge at their edges;
+//! * `fences`      — reuse fences: no reuse before the fence, gating at the first stream;
+//! * `oom`         — the out-of-memory ladder and the report's figures;
+//! * `conformance` — one scenario suite instantiated for every preset;
+//! * `properties`  — proptest: random sequences against a naive model.
+
+mod common;
+mod conformance;
+mod fences;
+mod oom;
+mod properties;
+mod rules;

@@ -1,0 +1,226 @@
+//! Property tests: random sequences of malloc / free / empty_cache / fence events over many
+//! configs, with `check_invariants()` after every step and a naive model alongside that knows
+//! which bytes are live and which freed bytes are still unsafe to reuse.
+//!
+//! The model's reuse rule: a block freed when `k` fences had been recorded may be handed out
+//! again only once a fence numbered above `k` has completed.
+
+use cachealloc_core::sizes::Roundup;
+use cachealloc_core::{AllocError, AllocatorConfig, ReusePolicy};
+use proptest::prelude::*;
+
+use crate::common::{Checked, MIB};
+
+#[derive(Clone, Debug)]
+enum Op {
+    Malloc(u64),
+    /// Free the live allocation at this index (modulo the number live).
+    Free(usize),
+    EmptyCache,
+    /// The GPU catches up: every fence recorded so far completes.
+    CompleteFences,
+    /// The app creates its first stream (auto policy switches to fencing).
+    StreamCreated,
+    FlushFences,
+}
+
+fn size_strategy() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        4 => 0u64..4096,
+        4 => 4096u64..(MIB + 4096),
+        3 => MIB..12 * MIB,
+        1 => 12 * MIB..80 * MIB,
+        1 => Just(MIB),
+        1 => Just(10 * MIB),
+    ]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => size_strategy().prop_map(Op::Malloc),
+        8 => any::<usize>().prop_map(Op::Free),
+        1 => Just(Op::EmptyCache),
+        3 => Just(Op::CompleteFences),
+        1 => Just(Op::StreamCreated),
+        1 => Just(Op::FlushFences),
+    ]
+}
+
+fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {
+    (
+        prop_oneof![Just(u64::MAX), Just(24 * MIB), Just(40 * MIB)],
+        prop_oneof![
+            Just(Roundup::None),
+            Just(Roundup::Uniform(2)),
+            Just(Roundup::Uniform(8)),
+            Just(Roundup::PerInterval(vec![1, 4, 2, 8]))
+        ],
+        prop_oneof![Just(0.0), Just(0.5), Just(0.8)],
+        prop_oneof![Just(1.0), Just(0.6)],
+        prop_oneof![
+            Just(ReusePolicy::Auto),
+            Just(ReusePolicy::Fenced),
+            Just(ReusePolicy::Immediate)
+        ],
+    )
+        .prop_map(
+            |(max_split_size, roundup, gc, fraction, reuse)| AllocatorConfig {
+                max_split_size,
+                roundup,
+                garbage_collection_threshold: gc,
+                per_process_memory_fraction: fraction,
+                expandable_segments: false,
+                reuse,
+            },
+        )
+}
+
+struct LiveBlock {
+    address: u64,
+    size: u64,
+    requested: u64,
+}
+
+/// Bytes freed but possibly still in use by the GPU: (address, size, fences recorded at free).
+struct Unsafe {
+    address: u64,
+    size: u64,
+    fences_at_free: u64,
+}
+
+fn overlaps(a: u64, a_size: u64, b: u64, b_size: u64) -> bool {
+    a < b + b_size && b < a + a_size
+}
+
+fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let fenced_from_start = config.reuse == ReusePolicy::Fenced;
+    let immediate = config.reuse == ReusePolicy::Immediate;
+    let c = Checked::manual(capacity, config);
+    let mut live: Vec<LiveBlock> = Vec::new();
+    let mut unsafe_ranges: Vec<Unsafe> = Vec::new();
+    let mut fencing = fenced_from_start;
+    for op in ops {
+        match op {
+            Op::Malloc(size) => match c.try_malloc(size) {
+                Ok(a) => {
+                    prop_assert!(a.size >= size && a.size % 512 == 0);
+                    for l in &live {
+                        prop_assert!(
+                            !overlaps(a.address, a.size, l.address, l.size),
+                            "overlaps a live block"
+                        );
+                    }
+                    let done = c.device().completed_through();
+                    unsafe_ranges.retain(|u| u.fences_at_free >= done);
+                    for u in &unsafe_ranges {
+                        prop_assert!(
+                            !overlaps(a.address, a.size, u.address, u.size),
+                            "reused {:#x} before a fence after its free completed",
+                            u.address
+                        );
+                    }
+                    live.push(LiveBlock {
+                        address: a.address,
+                        size: a.size,
+                        requested: size,
+                    });
+                }
+                Err(AllocError::OutOfMemory(report)) => {
+                    // Fails only if the request cannot fit: even with every free segment
+                    // released, the device or the limit has no room for the new segment.
+                    let over_limit = report.reserved + report.segment_size > report.limit;
+                    let device_full = report.device_free < report.segment_size;
+                    prop_assert!(over_limit || device_full, "spurious OOM: {}", report);
+                }
+                Err(e) => return Err(TestCaseError::fail(format!("device error {e}"))),
+            },
+            Op::Free(i) if !live.is_empty() => {
+                let b = live.swap_remove(i % live.len());
+                let f = c.free(b.address);
+                prop_assert_eq!(f.size, b.size);
+                prop_assert_eq!(f.pending, fencing);
+                if fencing {
+                    let k = c.device().fences_recorded();
+                    unsafe_ranges.push(Unsafe {
+                        address: b.address,
+                        size: b.size,
+                        fences_at_free: k,
+                    });
+                }
+            }
+            Op::Free(_) => {}
+            Op::EmptyCache => c.empty_cache(),
+            Op::CompleteFences => c.device().complete_fences(),
+            Op::StreamCreated => {
+                let before = c.device().fences_recorded();
+                c.alloc.start_fencing().unwrap();
+                c.check();
+                if !immediate && !fencing {
+                    fencing = true;
+                }
+                let after = c.device().fences_recorded();
+                if after > before {
+                    // Every free-list block is behind the gate fence just recorded.
+                    let gate = after - 1;
+                    for seg in c.alloc.snapshot() {
+                        for b in seg
+                            .blocks
+                            .iter()
+                            .filter(|b| b.state == cachealloc_core::BlockState::Free)
+                        {
+                            unsafe_ranges.push(Unsafe {
+                                address: b.address,
+                                size: b.size,
+                                fences_at_free: gate,
+                            });
+                        }
+                    }
+                }
+            }
+            Op::FlushFences => {
+                c.alloc.flush_fences().unwrap();
+                c.check();
+            }
+        }
+        // Differential check against the model.
+        let s = c.stats();
+        prop_assert_eq!(
+            s.allocated_bytes.all.current as u64,
+            live.iter().map(|l| l.size).sum::<u64>()
+        );
+        prop_assert_eq!(s.allocation.all.current as usize, live.len());
+        prop_assert!(
+            s.requested_bytes.all.current as u64 >= live.iter().map(|l| l.requested).sum::<u64>()
+        );
+        prop_assert_eq!(s.reserved_bytes.all.current as u64, c.device().used());
+        prop_assert!(s.reserved_bytes.all.current as u64 <= c.alloc.limit());
+    }
+    // Everything can be given back.
+    for l in live {
+        c.free(l.address);
+    }
+    c.empty_cache();
+    prop_assert_eq!(c.device().used(), 0);
+    Ok(())
+}
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 2000, ..ProptestConfig::default() })]
+
+    /// The main property: 10 000 random sequences by default.
+    #[test]
+    fn random_sequences_keep_invariants_and_match_the_model(
+        config in config_strategy(),
+        capacity in prop_oneof![Just(64 * MIB), Just(256 * MIB), Just(4u64 << 30)],
+        ops in prop::collection::vec(op_strategy(), 1..120),
+    ) {
+        run(config, capacity, ops)?;
+    }
+}
