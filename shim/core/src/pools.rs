@@ -31,6 +31,17 @@
 //! *gate* fence, recorded before the new stream can have any work, and no free-list block is
 //! reused until it completes.
 
+//!
+//! # Note [The unlisted rest]
+//!
+//! Splitting a block creates a free *rest*. The most recent rest is not put into its free list
+//! at once but kept in [`Pools::unlisted_rest`]; whatever reads the free lists first
+//! [settles](Pools::settle) it into its list, and a free that merges with it takes it straight
+//! from there. The common pattern of a temporary tensor — split a block, free it, merge back —
+//! thus costs no free-list update for the rest. The rest is free in every other respect (block
+//! state, stats), so only the free-list invariant has to know: the free lists plus the unlisted
+//! rest hold exactly the free blocks.
+
 use std::collections::{BTreeMap, VecDeque};
 
 use rustc_hash::FxHashMap;
@@ -40,8 +51,7 @@ use crate::device::Device;
 use crate::sizes::{self, PoolKind};
 use crate::stats::Stats;
 
-/// Index of a block in the block table.
-type BlockId = u32;
+use free_list::{BlockId, FreeList};
 /// Index of a segment in the segment table.
 type SegmentId = u32;
 /// "No block" in the neighbour links.
@@ -90,10 +100,6 @@ struct Segment {
     /// The caller's tag when the segment was allocated.
     tag: u64,
 }
-
-/// Free blocks of one pool ordered by `(size, address)`: best fit is the first entry at or after
-/// `(request, 0)`.
-type FreeList = BTreeMap<(u64, u64), BlockId>;
 
 /// Freed blocks behind one fence.
 #[derive(Debug)]
@@ -241,6 +247,9 @@ pub struct Pools<F> {
     segment_index: BTreeMap<u64, SegmentId>,
     free_small: FreeList,
     free_large: FreeList,
+    /// The most recent split-off rest, free but not yet in its free list (NIL when none); see
+    /// [Note [The unlisted rest]](self#note-the-unlisted-rest).
+    unlisted_rest: BlockId,
     /// Allocated blocks by address.
     active: FxHashMap<u64, BlockId>,
     /// Freed blocks not yet behind a fence.
@@ -269,8 +278,9 @@ impl<F: Clone> Pools<F> {
             segments: Vec::new(),
             spare_segments: Vec::new(),
             segment_index: BTreeMap::new(),
-            free_small: FreeList::new(),
-            free_large: FreeList::new(),
+            free_small: FreeList::default(),
+            free_large: FreeList::default(),
+            unlisted_rest: NIL,
             active: FxHashMap::default(),
             open_batch: Vec::new(),
             pending: VecDeque::new(),
@@ -291,13 +301,13 @@ impl<F: Clone> Pools<F> {
         if self.gated {
             return None;
         }
+        self.settle();
         let pool = sizes::pool_for(rounded);
-        let list = self.free_list(pool);
-        let (&(size, address), &id) = list.range((rounded, 0)..).next()?;
+        let (size, address, id) = self.free_list(pool).best_fit(rounded)?;
         if !sizes::fits(size, rounded, self.max_split_size) {
             return None;
         }
-        self.unlist_free(id);
+        self.remove_free(id);
         debug_assert_eq!(self.blocks[id as usize].address, address);
         self.stats.num_cache_hits += 1;
         Some(self.carve(id, rounded, requested, tag))
@@ -373,7 +383,9 @@ impl<F: Clone> Pools<F> {
             let b = &mut self.blocks[id as usize];
             b.next = rest_id;
             b.size = rounded;
-            self.list_free(rest_id);
+            self.settle();
+            self.count_free(rest_id, true);
+            self.unlisted_rest = rest_id;
         }
         let b = &mut self.blocks[id as usize];
         b.state = BlockState::Active;
@@ -475,12 +487,12 @@ impl<F: Clone> Pools<F> {
         b.requested = 0;
         b.tag = 0;
         b.free_since = self.lookups;
-        self.list_free(id);
+        self.add_free(id);
     }
 
     /// Absorb the free neighbour `other` into `id`.
     fn merge_into(&mut self, id: BlockId, other: BlockId) {
-        self.unlist_free(other);
+        self.remove_free(other);
         let o = self.blocks[other as usize].clone();
         let b = &mut self.blocks[id as usize];
         if o.next == id {
@@ -556,7 +568,8 @@ impl<F: Clone> Pools<F> {
     /// Whether waiting for pending batches could serve a rounded request: the pending blocks of
     /// its pool plus its free bytes add up to the request. (A cheap necessary condition; it
     /// keeps a big request from stalling behind many small pending frees.)
-    pub fn pending_could_serve(&self, rounded: u64) -> bool {
+    pub fn pending_could_serve(&mut self, rounded: u64) -> bool {
+        self.settle();
         let pool = sizes::pool_for(rounded);
         let pending: u64 = self
             .pending
@@ -566,7 +579,7 @@ impl<F: Clone> Pools<F> {
             .filter(|b| b.pool == pool)
             .map(|b| b.size)
             .sum();
-        let free: u64 = self.free_list(pool).keys().map(|k| k.0).sum();
+        let free: u64 = self.free_list(pool).iter().map(|(size, _, _)| size).sum();
         self.gated || pending + free >= rounded
     }
 
@@ -585,6 +598,7 @@ impl<F: Clone> Pools<F> {
             return Ok(());
         }
         self.fencing = true;
+        self.settle();
         if self.free_small.is_empty() && self.free_large.is_empty() {
             return Ok(());
         }
@@ -603,12 +617,13 @@ impl<F: Clone> Pools<F> {
     /// Take every free whole segment (in the given pools) out of the pools. The caller releases
     /// them on the device.
     pub fn take_free_segments(&mut self, pools: &[PoolKind]) -> Vec<ReleasedSegment> {
+        self.settle();
         let mut ids = Vec::new();
         for &pool in pools {
             ids.extend(
                 self.free_list(pool)
-                    .values()
-                    .copied()
+                    .iter()
+                    .map(|(_, _, id)| id)
                     .filter(|&id| !self.blocks[id as usize].is_split()),
             );
         }
@@ -624,12 +639,13 @@ impl<F: Clone> Pools<F> {
         if self.max_split_size == u64::MAX {
             return Vec::new();
         }
+        self.settle();
         let key = rounded.max(self.max_split_size);
         let candidates: Vec<(u64, BlockId)> = self
             .free_large
-            .range((self.max_split_size, 0)..)
-            .filter(|(_, id)| !self.blocks[**id as usize].is_split())
-            .map(|(&(size, _), &id)| (size, id))
+            .iter_from(self.max_split_size)
+            .filter(|&(_, _, id)| !self.blocks[id as usize].is_split())
+            .map(|(size, _, id)| (size, id))
             .collect();
         let chosen: Vec<BlockId> =
             if let Some(&(_, id)) = candidates.iter().find(|(size, _)| *size >= key) {
@@ -660,11 +676,13 @@ impl<F: Clone> Pools<F> {
             return Vec::new();
         }
         let target = reserved - gc_limit;
+        self.settle();
         let mut candidates: Vec<(BlockId, u64, u64)> = self
             .free_large
-            .values()
-            .filter(|&&id| !self.blocks[id as usize].is_split())
-            .map(|&id| {
+            .iter()
+            .map(|(_, _, id)| id)
+            .filter(|&id| !self.blocks[id as usize].is_split())
+            .map(|id| {
                 let b = &self.blocks[id as usize];
                 (id, b.size, self.lookups - b.free_since)
             })
@@ -695,7 +713,7 @@ impl<F: Clone> Pools<F> {
 
     /// Remove the segment whose only block is the free block `id`.
     fn take_segment(&mut self, id: BlockId) -> ReleasedSegment {
-        self.unlist_free(id);
+        self.remove_free(id);
         let b = &self.blocks[id as usize];
         debug_assert!(!b.is_split() && b.state == BlockState::Free);
         let segment = b.segment;
@@ -786,8 +804,14 @@ impl<F: Clone> Pools<F> {
 
     /// The largest free block of either pool (0 when none).
     pub fn largest_free_block(&self) -> u64 {
-        let last = |l: &FreeList| l.keys().next_back().map_or(0, |k| k.0);
-        last(&self.free_small).max(last(&self.free_large))
+        let largest = |l: &FreeList| l.largest().unwrap_or(0);
+        let rest = match self.unlisted_rest {
+            NIL => 0,
+            id => self.blocks[id as usize].size,
+        };
+        largest(&self.free_small)
+            .max(largest(&self.free_large))
+            .max(rest)
     }
 
     /// Where `address` lies in our memory, if anywhere.
@@ -880,27 +904,55 @@ impl<F: Clone> Pools<F> {
         }
     }
 
-    /// Put a free block into its free list, counting it as inactive-split if its segment is
-    /// split. (A listed block's split-ness cannot change while it stays listed: neighbours
-    /// change only by splitting or merging, which unlist it first.)
-    fn list_free(&mut self, id: BlockId) {
-        let b = &self.blocks[id as usize];
-        let (pool, size, address, split) = (b.pool, b.size, b.address, b.is_split());
-        self.free_list_mut(pool).insert((size, address), id);
-        if split {
-            self.stats.inactive_split.increase(pool, 1);
-            self.stats.inactive_split_bytes.increase(pool, size);
+    /// A block became free: count it and put it into its free list.
+    fn add_free(&mut self, id: BlockId) {
+        self.count_free(id, true);
+        self.list(id);
+    }
+
+    /// A free block stops being free (allocated, merged away or released): take it out of its
+    /// free list (or the unlisted-rest slot) and uncount it.
+    fn remove_free(&mut self, id: BlockId) {
+        if self.unlisted_rest == id {
+            self.unlisted_rest = NIL;
+        } else {
+            let b = &self.blocks[id as usize];
+            let (pool, size, address) = (b.pool, b.size, b.address);
+            let removed = self.free_list_mut(pool).remove(size, address);
+            debug_assert_eq!(removed, Some(id));
+        }
+        self.count_free(id, false);
+    }
+
+    /// Put the unlisted rest, if any, into its free list.
+    #[inline]
+    fn settle(&mut self) {
+        if self.unlisted_rest != NIL {
+            let id = std::mem::replace(&mut self.unlisted_rest, NIL);
+            self.list(id);
         }
     }
 
-    fn unlist_free(&mut self, id: BlockId) {
+    fn list(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
-        let (pool, size, address, split) = (b.pool, b.size, b.address, b.is_split());
-        let removed = self.free_list_mut(pool).remove(&(size, address));
-        debug_assert_eq!(removed, Some(id));
-        if split {
-            self.stats.inactive_split.decrease(pool, 1);
-            self.stats.inactive_split_bytes.decrease(pool, size);
+        let (pool, size, address) = (b.pool, b.size, b.address);
+        self.free_list_mut(pool).insert(size, address, id);
+    }
+
+    /// Count a free block in (or out of) `inactive_split` if its segment is split. (A free
+    /// block's split-ness cannot change while it stays free: neighbours change only by splitting
+    /// or merging, which take it out first.)
+    fn count_free(&mut self, id: BlockId, added: bool) {
+        let b = &self.blocks[id as usize];
+        if b.is_split() {
+            let (pool, size) = (b.pool, b.size);
+            if added {
+                self.stats.inactive_split.increase(pool, 1);
+                self.stats.inactive_split_bytes.increase(pool, size);
+            } else {
+                self.stats.inactive_split.decrease(pool, 1);
+                self.stats.inactive_split_bytes.decrease(pool, size);
+            }
         }
     }
 
@@ -948,4 +1000,5 @@ impl<F: Clone> Pools<F> {
     }
 }
 
+mod free_list;
 mod invariants;

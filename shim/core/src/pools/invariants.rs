@@ -12,7 +12,8 @@ impl<F: Clone> Pools<F> {
     ///
     /// * the blocks of each segment tile it exactly, in address order, with consistent links;
     /// * no two adjacent blocks of a segment are both free (they would have been merged);
-    /// * the free lists hold exactly the free blocks, each in its pool's list;
+    /// * the free lists (plus the unlisted rest) hold exactly the free blocks, each in its pool's
+    ///   list;
     /// * the active map holds exactly the allocated blocks; the open and pending batches hold
     ///   exactly the pending-free blocks, each once;
     /// * every current stat equals a recount.
@@ -122,9 +123,17 @@ impl<F: Clone> Pools<F> {
         .into_iter()
         .flat_map(|(pool, list)| {
             list.iter()
-                .map(move |(&(size, address), &id)| (pool, size, address, id))
+                .map(move |(size, address, id)| (pool, size, address, id))
         })
+        .chain((self.unlisted_rest != NIL).then(|| {
+            let b = &self.blocks[self.unlisted_rest as usize];
+            (b.pool, b.size, b.address, self.unlisted_rest)
+        }))
         .collect();
+        let rest = usize::from(self.unlisted_rest != NIL);
+        if self.free_small.len() + self.free_large.len() + rest != listed.len() {
+            return Err("free list length counter is wrong".to_string());
+        }
         if listed != free_seen {
             return Err(format!(
                 "free lists ({} entries) differ from the free blocks ({})",
