@@ -13,10 +13,17 @@
 
 use std::hint::black_box;
 
+use cachealloc_core::sizes::Roundup;
 use cachealloc_core::{Allocator, AllocatorConfig, ReusePolicy, SimDevice};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 
 const LIVE_BLOCKS: usize = 10_000;
+const CASES: [(&str, u64); 4] = [
+    ("small_exact", 4096 + 512),
+    ("small_split", 4096),
+    ("large_exact", 6 * MIB + 2560),
+    ("large_split", 16 * MIB),
+];
 const MIB: u64 = 1 << 20;
 
 /// Request sizes of the set-up: 4.5 KiB, 64 KiB + 1 KiB, …; every size ends in 512 B steps.
@@ -60,13 +67,7 @@ fn cached_pair(c: &mut Criterion) {
     let mut group = c.benchmark_group("cached_pair");
     for reuse in [ReusePolicy::Immediate, ReusePolicy::Fenced] {
         let alloc = populated(reuse);
-        let cases = [
-            ("small_exact", 4096 + 512),
-            ("small_split", 4096),
-            ("large_exact", 6 * MIB + 2560),
-            ("large_split", 16 * MIB),
-        ];
-        for (label, size) in cases {
+        for (label, size) in CASES {
             let a = alloc.malloc(size, 0).unwrap();
             alloc.free(a.address).unwrap();
             group.bench_function(BenchmarkId::new(reuse.to_string(), label), |b| {
@@ -81,5 +82,24 @@ fn cached_pair(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, cached_pair);
+/// The same pairs with both halves under one lock acquisition: the bookkeeping alone, to tell
+/// the data structures' cost from the lock's.
+fn bookkeeping_pair(c: &mut Criterion) {
+    let mut group = c.benchmark_group("bookkeeping_pair");
+    let alloc = populated(ReusePolicy::Immediate);
+    for (label, size) in CASES {
+        let rounded = cachealloc_core::sizes::round_size(size, &Roundup::None);
+        group.bench_function(BenchmarkId::new("immediate", label), |b| {
+            b.iter(|| {
+                alloc.with_pools(|pools| {
+                    let a = pools.alloc_cached(black_box(rounded), size, 0).unwrap();
+                    pools.free(black_box(a.address)).unwrap();
+                })
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, cached_pair, bookkeeping_pair);
 criterion_main!(benches);

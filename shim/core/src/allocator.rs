@@ -212,8 +212,11 @@ impl<D: Device> Allocator<D> {
         let rounded = sizes::round_size(size, &self.config.roundup);
         let mut pools = self.pools.lock();
 
-        // 1. The cache, after collecting completed fences.
+        // 1. The cache, after closing a full open batch and collecting completed ones.
         if pools.has_pending() {
+            if pools.open_batch_full() {
+                pools.close_open_batch(&self.device)?;
+            }
             pools.process_completed(&self.device);
         }
         if let Some(a) = pools.alloc_cached(rounded, size, tag) {

@@ -14,8 +14,8 @@
 //!
 //! * A freed block becomes **pending**: it stays *active* in the stats (PyTorch's
 //!   `free_requested`), joins the **open batch**, and is not reusable.
-//! * When the allocator next needs memory that the free lists cannot give, it **closes** the open
-//!   batch: [`Device::record_fence`] marks all work enqueued so far on every stream that may use
+//! * When the allocator next needs memory that the free lists cannot give, or when the batch
+//!   holds [`FENCE_BATCH_BLOCKS`] blocks, it **closes** the open batch: [`Device::record_fence`] marks all work enqueued so far on every stream that may use
 //!   our memory (the shim records one event on the legacy default stream, which orders after all
 //!   blocking streams, plus one on each live non-blocking stream).
 //! * Batches complete in the order they were closed. A completed batch's blocks become **free**
@@ -56,6 +56,10 @@ use free_list::{BlockId, FreeList};
 type SegmentId = u32;
 /// "No block" in the neighbour links.
 const NIL: BlockId = u32::MAX;
+/// The open fence batch is closed once it holds this many blocks, even without a cache miss, so
+/// freed memory keeps flowing back to the free lists at the price of one fence per this many
+/// frees.
+pub const FENCE_BATCH_BLOCKS: usize = 64;
 
 /// Where a block is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -519,6 +523,12 @@ impl<F: Clone> Pools<F> {
     /// Whether freed blocks wait behind fences now.
     pub fn is_fencing(&self) -> bool {
         self.fencing
+    }
+
+    /// Whether the open batch is big enough to be closed now ([`FENCE_BATCH_BLOCKS`]).
+    #[inline]
+    pub fn open_batch_full(&self) -> bool {
+        self.open_batch.len() >= FENCE_BATCH_BLOCKS
     }
 
     /// Whether any freed block waits for a fence (open or closed batch).

@@ -179,3 +179,24 @@ fn batches_complete_in_order() {
         "both batches done: a and b merged into one 8 KiB block"
     );
 }
+
+#[test]
+fn a_full_open_batch_is_closed_without_a_cache_miss() {
+    use cachealloc_core::pools::FENCE_BATCH_BLOCKS;
+    let c = fenced();
+    let blocks: Vec<_> = (0..FENCE_BATCH_BLOCKS + 1).map(|_| c.malloc(512)).collect();
+    for b in &blocks[..FENCE_BATCH_BLOCKS - 1] {
+        c.free(b.address);
+    }
+    c.malloc(512); // a hit; the batch is not full yet
+    assert_eq!(c.device().counters().fences, 0);
+    c.free(blocks[FENCE_BATCH_BLOCKS - 1].address);
+    c.malloc(512); // still a hit, but the batch is full now: it is closed
+    assert_eq!(c.device().counters().fences, 1);
+    c.device().complete_fences();
+    let again = c.malloc(512);
+    assert_eq!(
+        again.address, blocks[0].address,
+        "the closed batch came back without a miss"
+    );
+}
