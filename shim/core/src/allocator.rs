@@ -75,7 +75,7 @@ impl fmt::Display for OomReport {
         let g = |b: u64| format_bytes(b);
         write!(
             f,
-            "cachealloc: out of memory: tried to allocate {} (rounded to {} in the {} pool, needing a {} segment). \
+            "out of memory: tried to allocate {} (rounded to {} in the {} pool, needing a {} segment). \
              The device has {} in total, of which {} is free; this process may reserve {}. \
              cachealloc holds {} reserved, {} of it allocated to the application and {} cached free; \
              the largest free block is {} (fragmentation {:.0}%).",

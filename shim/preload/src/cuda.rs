@@ -1,0 +1,34 @@
+//! The parts of the CUDA runtime ABI the shim speaks: error codes, handle types, flags. Values
+//! are CUDA's own (they are part of the ABI and have not changed across CUDA 11–13).
+
+use std::ffi::c_void;
+
+/// `cudaError_t`.
+pub type CudaError = i32;
+/// `cudaStream_t`: an opaque handle.
+pub type CudaStream = *mut c_void;
+
+/// `cudaSuccess`.
+pub const SUCCESS: CudaError = 0;
+/// `cudaErrorInvalidValue`: also what we return for a double free or an interior pointer.
+pub const ERROR_INVALID_VALUE: CudaError = 1;
+/// `cudaErrorMemoryAllocation`.
+pub const ERROR_MEMORY_ALLOCATION: CudaError = 2;
+/// `cudaErrorInitializationError`: what we return when a real function cannot be found.
+pub const ERROR_INITIALIZATION: CudaError = 3;
+/// `cudaErrorCudartUnloading`: the runtime is shutting down (late frees at process exit).
+pub const ERROR_CUDART_UNLOADING: CudaError = 4;
+/// `cudaErrorNotSupported`.
+pub const ERROR_NOT_SUPPORTED: CudaError = 801;
+
+/// `cudaStreamNonBlocking`: the stream does not synchronize with the legacy default stream.
+pub const STREAM_NON_BLOCKING: u32 = 0x1;
+/// `cudaStreamLegacy` / `CU_STREAM_LEGACY`: the legacy default stream of the current context.
+pub const STREAM_LEGACY: usize = 0x1;
+
+/// `cudaIpcMemHandle_t`.
+#[repr(C)]
+pub struct IpcMemHandle {
+    /// Opaque bytes.
+    pub reserved: [u8; 64],
+}

@@ -1,0 +1,63 @@
+//! `libcachealloc.so`: preload it and every `cudaMalloc`/`cudaFree` of the process is served from
+//! cachealloc's caching pools, with no code change:
+//!
+//! ```text
+//! LD_PRELOAD=/path/libcachealloc.so python train.py
+//! CACHEALLOC_CONF="max_split_size_mb:256" LD_PRELOAD=/path/libcachealloc.so ./my_cuda_app
+//! ```
+//!
+//! # Where things are
+//!
+//! | module | what |
+//! |---|---|
+//! | [`ffi`] | every exported symbol: the interposed CUDA calls and the C API (the only module the C ABI touches) |
+//! | [`hooks`] | what each interposed call does: pool or pass through |
+//! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators, exit summary |
+//! | [`settings`] | the configuration, read once by the constructor |
+//! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait |
+//! | [`driver`] | reuse fences: CUDA events through the driver API (cudarc) |
+//! | [`streams`] | the application's streams, for fences and `reuse:auto` |
+//! | [`real`] | the real runtime functions, found at first use |
+//! | [`cuda`] | CUDA ABI constants and types |
+//! | [`log`] | stderr messages |
+//!
+//! The allocator itself — size classes, split and merge, reuse fences, the OOM ladder — is
+//! `cachealloc-core`, pure Rust and tested without a GPU; this crate is the thin, unsafe layer
+//! between it and the CUDA ABI.
+//!
+//! # Guarantees
+//!
+//! * Nothing CUDA happens at load time; the constructor only reads the configuration and, in pool
+//!   mode, sets `PYTORCH_NO_CUDA_MEMORY_CACHING=1` (unless set, or `torch_caching:keep`).
+//! * A freed block is not handed out again before GPU work enqueued before its free, on any
+//!   stream the application created through the runtime, has finished (`reuse:auto`, the
+//!   default, knows all work is on one stream until the first stream is created).
+//! * A pointer we did not hand out goes to the real `cudaFree`; a double free or an interior
+//!   pointer is reported and refused with `cudaErrorInvalidValue`, changing nothing.
+//! * No panic crosses the C ABI: an internal failure degrades to passthrough with one message.
+//! * A forked child never touches the parent's pools or locks.
+
+pub mod backend;
+pub mod cuda;
+pub mod driver;
+pub mod ffi;
+pub mod hooks;
+pub mod log;
+pub mod process;
+pub mod real;
+pub mod settings;
+pub mod streams;
+
+/// Constructor: read the settings and register the fork handler. Nothing CUDA.
+#[ctor::ctor(unsafe)]
+fn on_load() {
+    // No panic may escape a constructor.
+    let _ = std::panic::catch_unwind(|| {
+        settings::on_load();
+        extern "C" fn child() {
+            process::after_fork_in_child();
+        }
+        // SAFETY: registers a plain `extern "C" fn()` that only stores to an atomic.
+        unsafe { libc::pthread_atfork(None, None, Some(child)) };
+    });
+}

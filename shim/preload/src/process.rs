@@ -1,0 +1,378 @@
+//! The process state machine and the operations behind every hook, in safe Rust (pointers are
+//! plain addresses here; [`crate::ffi`] converts).
+//!
+//! States:
+//!
+//! * **loaded** — the constructor read the settings; nothing CUDA has happened.
+//! * **pooling** — at the first CUDA call the [`Shim`] is built: driver checked, exit summary
+//!   registered. Allocations are served from one [`Allocator`] per device, created at that
+//!   device's first allocation.
+//! * **passthrough** — `pool:off`, a configuration error, or no usable driver: every call goes
+//!   to the real runtime. Chosen once, with one message.
+//! * **degraded** — an internal failure (a panic caught at the ABI) in pooling mode: new
+//!   allocations pass through; frees of pooled pointers are still served by the pools.
+//! * **forked child** — a child of `fork` never touches the parent's pools or locks (another
+//!   parent thread may have held them at the fork): everything passes through.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use cachealloc_core::config::ReusePolicy;
+use cachealloc_core::{AllocError, Allocator, FreeError, Stats, format_bytes};
+
+use crate::backend::CudaDevice;
+use crate::cuda::{self, CudaError};
+use crate::driver::{Driver, Stream};
+use crate::log;
+use crate::settings;
+use crate::streams::StreamRegistry;
+
+/// Most devices a process can have (CUDA's own limit is lower in practice).
+const MAX_DEVICES: usize = 64;
+
+static FORKED_CHILD: AtomicBool = AtomicBool::new(false);
+static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
+
+/// The pooling state of the process.
+#[derive(Debug)]
+pub struct Shim {
+    driver: Driver,
+    reuse: ReusePolicy,
+    report_cached_as_free: bool,
+    streams: Arc<StreamRegistry>,
+    devices: Vec<OnceLock<Allocator<CudaDevice>>>,
+    healthy: AtomicBool,
+    passthrough_mallocs: AtomicU64,
+}
+
+/// Called in the child after `fork` (registered with `pthread_atfork` by the constructor).
+pub fn after_fork_in_child() {
+    FORKED_CHILD.store(true, Ordering::Release);
+}
+
+/// The shim, built at first use; `None` in passthrough.
+pub fn shim() -> Option<&'static Shim> {
+    if FORKED_CHILD.load(Ordering::Acquire) {
+        return None;
+    }
+    SHIM.get_or_init(start).as_ref()
+}
+
+/// First CUDA call: decide between pooling and passthrough.
+fn start() -> Option<Shim> {
+    let settings = settings::get();
+    if settings.problem.is_some() {
+        return None; // the constructor already said why
+    }
+    let config = &settings.config;
+    register_exit_summary();
+    if !config.pool {
+        log::debug!("pool:off: passing allocations through");
+        return None;
+    }
+    let driver = match Driver::load() {
+        Ok(d) => d,
+        Err(why) => {
+            log::error!("{why}; reuse fences are impossible, so allocations pass through unpooled");
+            return None;
+        }
+    };
+    log::debug!("pooling with {}", config.allocator.to_conf_string());
+    Some(Shim {
+        driver,
+        reuse: config.allocator.reuse,
+        report_cached_as_free: config.report_cached_as_free,
+        streams: Arc::new(StreamRegistry::default()),
+        devices: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+        healthy: AtomicBool::new(true),
+        passthrough_mallocs: AtomicU64::new(0),
+    })
+}
+
+/// An internal failure was caught at the ABI: stop pooling new allocations.
+pub fn degrade(what: &str) {
+    if let Some(Some(shim)) = SHIM.get()
+        && shim.healthy.swap(false, Ordering::AcqRel)
+    {
+        log::error!("internal failure in {what}; new allocations now pass through unpooled");
+    }
+}
+
+impl Shim {
+    /// Whether new allocations are pooled.
+    pub fn pooling(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    /// The allocator of `device`, created at its first use.
+    pub fn allocator(&self, device: i32) -> Result<&Allocator<CudaDevice>, CudaError> {
+        let slot = usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .ok_or(cuda::ERROR_INVALID_VALUE)?;
+        let alloc = slot.get_or_init(|| {
+            let config = settings::get().config.allocator.clone();
+            let alloc = Allocator::new(
+                CudaDevice::new(self.driver, device, self.streams.clone()),
+                config,
+            );
+            log::debug!(
+                "device {device}: pool created, limit {}",
+                format_bytes(alloc.limit())
+            );
+            alloc
+        });
+        if self.streams.any_created() {
+            self.start_fencing_on(alloc);
+        }
+        Ok(alloc)
+    }
+
+    fn start_fencing_on(&self, alloc: &Allocator<CudaDevice>) {
+        if self.reuse == ReusePolicy::Auto
+            && let Err(e) = alloc.start_fencing()
+        {
+            log::error!("could not fence cached blocks at the first stream: {e}");
+        }
+    }
+
+    /// Allocators that exist, the current device's first.
+    fn allocators(&self, first: Option<i32>) -> impl Iterator<Item = &Allocator<CudaDevice>> {
+        let first_slot = first
+            .and_then(|d| usize::try_from(d).ok())
+            .and_then(|d| self.devices.get(d));
+        first_slot
+            .into_iter()
+            .chain(self.devices.iter())
+            .filter_map(|slot| slot.get())
+    }
+
+    /// Serve `cudaMalloc(size)` from the current device's pool.
+    pub fn malloc(&self, size: u64) -> Result<u64, CudaError> {
+        let device = crate::real::current_device()?;
+        let alloc = self.allocator(device)?;
+        match alloc.malloc(size, 0) {
+            Ok(a) => Ok(a.address),
+            Err(AllocError::OutOfMemory(report)) => {
+                log::info!("device {device}: {report}");
+                Err(cuda::ERROR_MEMORY_ALLOCATION)
+            }
+            Err(AllocError::Device(e)) => {
+                log::error!("device {device}: {e}");
+                Err(match e {
+                    cachealloc_core::DeviceError::Other { code, .. } => code,
+                    cachealloc_core::DeviceError::OutOfMemory => cuda::ERROR_MEMORY_ALLOCATION,
+                })
+            }
+        }
+    }
+
+    /// Free `address` if it is ours. `None`: not ours (pass it on).
+    pub fn free(&self, address: u64) -> Option<CudaError> {
+        let current = crate::real::current_device().ok();
+        for alloc in self.allocators(current) {
+            match alloc.free(address) {
+                Ok(_) => return Some(cuda::SUCCESS),
+                Err(FreeError::NotOurs(_)) => continue,
+                Err(bad) => {
+                    log::error!("cudaFree refused: {bad}; nothing was changed");
+                    return Some(cuda::ERROR_INVALID_VALUE);
+                }
+            }
+        }
+        None
+    }
+
+    /// Count an allocation that passed through (degraded mode).
+    pub fn note_passthrough_malloc(&self) {
+        self.passthrough_mallocs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Cached-but-free bytes of the current device, for `cudaMemGetInfo`.
+    pub fn cached_free_bytes(&self) -> u64 {
+        if !self.report_cached_as_free {
+            return 0;
+        }
+        let Ok(device) = crate::real::current_device() else {
+            return 0;
+        };
+        usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .and_then(|slot| slot.get())
+            .map_or(0, |a| a.cached_free_bytes())
+    }
+
+    /// The current device's context was reset: forget its pools (their memory is gone).
+    pub fn device_reset(&self) {
+        if let Ok(device) = crate::real::current_device()
+            && let Some(alloc) = usize::try_from(device)
+                .ok()
+                .and_then(|d| self.devices.get(d))
+                .and_then(|s| s.get())
+        {
+            alloc.forget_all();
+            log::debug!("device {device} was reset: its pools were forgotten");
+        }
+    }
+
+    /// The application created a stream.
+    pub fn stream_created(&self, stream: usize, flags: u32) {
+        let device = crate::real::current_device().unwrap_or(0);
+        let non_blocking = flags & cuda::STREAM_NON_BLOCKING != 0;
+        if self.streams.created(Stream(stream), device, non_blocking) {
+            log::debug!("first stream created: freed blocks now wait for reuse fences");
+            for alloc in self.allocators(None) {
+                self.start_fencing_on(alloc);
+            }
+        }
+    }
+
+    /// The application destroyed a stream.
+    pub fn stream_destroyed(&self, stream: usize) {
+        self.streams.destroyed(Stream(stream));
+    }
+
+    /// Whether `address` may be given an IPC handle: `Ok(true)` if it is a pooled segment's
+    /// base (the handle maps exactly it), `Ok(false)` if not ours, `Err(why)` if it lies inside
+    /// a pooled segment (the handle would map the segment's base: wrong bytes).
+    pub fn ipc_check(&self, address: u64) -> Result<bool, String> {
+        let current = crate::real::current_device().ok();
+        for alloc in self.allocators(current) {
+            if let Some(info) = alloc.lookup(address) {
+                if info.block_address == address
+                    && info.segment_address == address
+                    && info.state == cachealloc_core::BlockState::Active
+                {
+                    return Ok(true);
+                }
+                return Err(format!(
+                    "cudaIpcGetMemHandle({address:#x}) refused: the pointer lies {} bytes into a pooled \
+                     segment of {} at {:#x}, and an IPC handle always maps a whole segment from its base, \
+                     so the other process would see the wrong bytes. Run processes that share memory by \
+                     IPC with CACHEALLOC_CONF=pool:off",
+                    address - info.segment_address,
+                    format_bytes(info.segment_size),
+                    info.segment_address
+                ));
+            }
+        }
+        Ok(false)
+    }
+
+    /// Release every cached free segment on every device.
+    pub fn empty_cache(&self) -> Result<(), CudaError> {
+        for alloc in self.allocators(None) {
+            alloc.empty_cache().map_err(|e| {
+                log::error!("empty_cache: {e}");
+                cuda::ERROR_INITIALIZATION
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Stats of every device that has a pool: `(device, stats)`.
+    pub fn stats(&self) -> Vec<(usize, Stats)> {
+        self.devices
+            .iter()
+            .enumerate()
+            .filter_map(|(d, slot)| slot.get().map(|a| (d, a.stats())))
+            .collect()
+    }
+
+    /// Switch the calling thread to `device` for the duration of `f` (the PyTorch pluggable
+    /// allocator names the device explicitly).
+    pub fn on_device<T>(&self, device: i32, f: impl FnOnce() -> T) -> Result<T, CudaError> {
+        let current = crate::real::current_device()?;
+        if current == device {
+            return Ok(f());
+        }
+        let set = crate::real::cudaSetDevice().ok_or(cuda::ERROR_INITIALIZATION)?;
+        // SAFETY: plain call with a device ordinal.
+        let code = unsafe { set(device) };
+        if code != cuda::SUCCESS {
+            return Err(code);
+        }
+        let result = f();
+        // SAFETY: as above; restores the caller's device.
+        unsafe { set(current) };
+        Ok(result)
+    }
+}
+
+/// Register the exit summary (at first CUDA use: an `atexit` registered in the constructor would
+/// run after the destructors of libraries loaded later, CUDA's among them).
+fn register_exit_summary() {
+    extern "C" fn at_exit() {
+        // No panic may cross this C callback.
+        let _ = std::panic::catch_unwind(exit_summary);
+    }
+    // SAFETY: registers a plain `extern "C" fn()` that never unwinds.
+    unsafe { libc::atexit(at_exit) };
+}
+
+/// The one-line summary printed at exit unless `log:quiet`.
+pub fn exit_summary() {
+    if !log::enabled(cachealloc_core::config::LogLevel::Info)
+        || FORKED_CHILD.load(Ordering::Acquire)
+    {
+        return;
+    }
+    let Some(Some(shim)) = SHIM.get() else {
+        return;
+    };
+    let pid = std::process::id();
+    let stats = shim.stats();
+    if stats.is_empty() {
+        log::info!("pid {pid}: no allocation reached the pool");
+        return;
+    }
+    for (device, s) in stats {
+        let requests = s.num_cache_hits + s.num_device_alloc;
+        log::info!(
+            "pid {pid} device {device}: peak allocated {}, peak reserved {}; {} of {} allocations served from the \
+             cache, {} device allocations, {} device frees, {} OOMs, {} fence waits; no trace (the recorder is not built yet)",
+            format_bytes(s.allocated_bytes.all.peak as u64),
+            format_bytes(s.reserved_bytes.all.peak as u64),
+            s.num_cache_hits,
+            requests,
+            s.num_device_alloc,
+            s.num_device_free,
+            s.num_ooms,
+            s.num_fence_waits,
+        );
+    }
+    let passed = shim.passthrough_mallocs.load(Ordering::Relaxed);
+    if passed > 0 {
+        log::info!(
+            "pid {pid}: {passed} allocations passed through unpooled after an internal failure"
+        );
+    }
+}
+
+/// The stats of every pooled device as JSON: `{"version": …, "devices": {"0": {key: value}}}`
+/// with PyTorch's `memory_stats()` keys.
+pub fn stats_json() -> String {
+    let mut out = format!(
+        "{{\"version\":\"{}\",\"pid\":{},\"devices\":{{",
+        env!("CARGO_PKG_VERSION"),
+        std::process::id()
+    );
+    if let Some(shim) = shim() {
+        for (i, (device, stats)) in shim.stats().into_iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(&format!("\"{device}\":{{"));
+            for (j, (key, value)) in stats.to_flat().into_iter().enumerate() {
+                if j > 0 {
+                    out.push(',');
+                }
+                out.push_str(&format!("\"{key}\":{value}"));
+            }
+            out.push('}');
+        }
+    }
+    out.push_str("}}");
+    out
+}

@@ -1,0 +1,103 @@
+//! Builds fakecuda (`libcuda.so.1`, `libcudart.so.13`) and the C test programs into OUT_DIR with
+//! the system C compiler, and tells the tests where they are.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn run(mut cmd: Command) {
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(status.success(), "{cmd:?} failed");
+}
+
+fn compiler() -> Command {
+    let tool = cc::Build::new().get_compiler();
+    let mut cmd = tool.to_command();
+    cmd.args(["-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter"]);
+    cmd
+}
+
+fn main() {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let fake = out.join("fakecuda");
+    let bin = out.join("programs");
+    std::fs::create_dir_all(&fake).unwrap();
+    std::fs::create_dir_all(&bin).unwrap();
+    let src = root.join("fakecuda");
+    let include = src.join("include");
+
+    let mut cmd = compiler();
+    cmd.args([
+        "-shared",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-Wl,-soname,libcuda.so.1",
+        "-o",
+    ])
+    .arg(fake.join("libcuda.so.1"))
+    .arg(src.join("fakecuda.c"))
+    .arg("-lpthread");
+    run(cmd);
+    // cudarc looks for libcuda.so first.
+    let link = fake.join("libcuda.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink("libcuda.so.1", &link).unwrap();
+
+    let mut cmd = compiler();
+    cmd.args([
+        "-shared",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-Wl,-soname,libcudart.so.13",
+    ])
+    .arg("-I")
+    .arg(&include)
+    .arg("-o")
+    .arg(fake.join("libcudart.so.13"))
+    .arg(src.join("cudart.c"))
+    .arg("-L")
+    .arg(&fake)
+    .arg("-l:libcuda.so.1");
+    run(cmd);
+
+    let programs = root.join("programs");
+    for entry in std::fs::read_dir(&programs).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+        if path.extension().is_none_or(|e| e != "c") || name.starts_with("slow_fill") {
+            continue;
+        }
+        build_program(&path, &name, &programs, &include, &fake, &bin);
+    }
+    println!("cargo:rerun-if-changed=fakecuda");
+    println!("cargo:rerun-if-changed=programs");
+    println!("cargo:rustc-env=FAKECUDA_DIR={}", fake.display());
+    println!("cargo:rustc-env=PROGRAMS_DIR={}", bin.display());
+}
+
+fn build_program(
+    path: &Path,
+    name: &str,
+    programs: &Path,
+    include: &Path,
+    fake: &Path,
+    bin: &Path,
+) {
+    let mut cmd = compiler();
+    cmd.arg("-I")
+        .arg(include)
+        .arg("-I")
+        .arg(programs)
+        .arg("-o")
+        .arg(bin.join(name))
+        .arg(path)
+        .arg(programs.join("slow_fill_fake.c"))
+        .arg("-L")
+        .arg(fake)
+        .arg("-l:libcudart.so.13")
+        .arg(format!("-Wl,-rpath-link,{}", fake.display()))
+        .arg("-lpthread");
+    run(cmd);
+}

@@ -1,0 +1,31 @@
+/* Out of memory with cache release and retry (run with a small device, e.g. 64 MiB): fill the
+ * device, free everything, then ask for one block bigger than any cached one: the shim must
+ * release its cache and succeed. A request larger than the device must fail cleanly. */
+#include "common.h"
+
+int main(void) {
+    size_t free_b, total;
+    CHECK(cudaMemGetInfo(&free_b, &total));
+    void *blocks[64];
+    int n = 0;
+    while (n < 64) {
+        if (cudaMalloc(&blocks[n], 6 << 20) != cudaSuccess) break;
+        n++;
+    }
+    EXPECT(n > 2 && n < 64, "filled the device with %d blocks", n);
+    for (int i = 0; i < n; i++) CHECK(cudaFree(blocks[i]));
+    void *big = NULL;
+    CHECK(cudaMalloc(&big, total / 2));
+    CHECK(cudaMemset(big, 1, total / 2));
+    CHECK(cudaFree(big));
+    void *huge = NULL;
+    cudaError_t e = cudaMalloc(&huge, total * 2);
+    EXPECT(e == cudaErrorMemoryAllocation, "a request bigger than the device returned %d", (int)e);
+    EXPECT(huge == NULL, "failed allocation did not set NULL");
+    (void)cudaGetLastError();
+    void *again = NULL;
+    CHECK(cudaMalloc(&again, 4096));
+    CHECK(cudaFree(again));
+    printf("OK oom\n");
+    return 0;
+}

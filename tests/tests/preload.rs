@@ -1,0 +1,220 @@
+//! End-to-end tests of `libcachealloc.so`: the C programs of `programs/` (and one Python
+//! program) run under `LD_PRELOAD` over fakecuda, whose streams really run asynchronously.
+//!
+//! Each test names the behaviour it pins down; where a test could pass by accident, a control
+//! run shows that it fails when the behaviour is switched off (e.g. the race under
+//! `reuse:immediate`).
+
+use cachealloc_tests::Run;
+
+fn summary_lines(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .filter(|l| l.contains("allocations served from the cache"))
+        .collect()
+}
+
+#[test]
+fn basic_allocations_are_pooled_and_reused() {
+    let out = Run::c("basic", &[]).output();
+    out.assert_ok("basic");
+    assert!(out.stdout.contains("reused 1"), "{}", out.stdout);
+    let summary = summary_lines(&out.stderr);
+    assert_eq!(summary.len(), 1, "one exit summary line: {}", out.stderr);
+    assert!(
+        summary[0].contains("6 of 9 allocations served from the cache"),
+        "{}",
+        summary[0]
+    );
+}
+
+#[test]
+fn programs_also_pass_without_the_shim() {
+    // Sanity of fakecuda itself: the programs are correct CUDA programs.
+    for name in ["basic", "race", "badfree", "meminfo", "device_reset"] {
+        Run::c(name, &[]).without_shim().output().assert_ok(name);
+    }
+}
+
+#[test]
+fn cross_stream_reuse_waits_for_the_old_work() {
+    for flavour in ["nonblocking", "blocking"] {
+        let out = Run::c("race", &[flavour]).output();
+        out.assert_ok("race");
+        // The freed block was the only candidate: it was reused, after a fence wait, with the
+        // right bytes.
+        assert!(out.stdout.contains("reused 3"), "{flavour}: {}", out.stdout);
+        assert!(
+            !out.stderr.contains(" 0 fence waits"),
+            "{flavour}: {}",
+            out.stderr
+        );
+    }
+}
+
+#[test]
+fn the_race_test_catches_unfenced_reuse() {
+    // Control: with reuse:immediate the shim hands the block back at once, and the slow old
+    // work overwrites the new data. The test must see it.
+    for flavour in ["nonblocking", "blocking"] {
+        let out = Run::c("race", &[flavour])
+            .env("CACHEALLOC_CONF", "reuse:immediate")
+            .output();
+        assert_eq!(out.code, Some(1), "{flavour}: {}{}", out.stdout, out.stderr);
+        assert!(
+            out.stdout.contains("overwritten by the old work"),
+            "{}",
+            out.stdout
+        );
+    }
+}
+
+#[test]
+fn many_threads_never_share_a_live_block() {
+    Run::c("threads", &["8", "400"])
+        .output()
+        .assert_ok("threads");
+}
+
+#[test]
+fn oom_releases_the_cache_and_retries_then_reports() {
+    let out = Run::c("oom", &[])
+        .env("FAKECUDA_CAPACITY_MB", "64")
+        .output();
+    out.assert_ok("oom");
+    assert!(
+        out.stderr
+            .contains("device 0: out of memory: tried to allocate 128.00 MiB"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("The device has 64.00 MiB in total"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn bad_frees_are_refused_with_a_message() {
+    let out = Run::c("badfree", &[]).output();
+    out.assert_ok("badfree");
+    assert!(
+        out.stderr
+            .contains("is 512 bytes into a block of 8192 bytes"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains("double free of"), "{}", out.stderr);
+}
+
+#[test]
+fn mem_get_info_counts_cached_bytes_as_free() {
+    Run::c("meminfo", &[]).output().assert_ok("meminfo");
+    // Control: without the option, the cached bytes are missing from "free".
+    let out = Run::c("meminfo", &[])
+        .env("CACHEALLOC_CONF", "report_cached_as_free:false")
+        .output();
+    assert_eq!(out.code, Some(1), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("cached bytes not reported as free"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn fork_while_another_thread_allocates_does_not_deadlock() {
+    Run::c("fork", &[]).output().assert_ok("fork");
+}
+
+#[test]
+fn exit_without_freeing_ends_cleanly_with_a_summary() {
+    let out = Run::c("exit_nofree", &[]).output();
+    out.assert_ok("exit_nofree");
+    assert_eq!(summary_lines(&out.stderr).len(), 1, "{}", out.stderr);
+}
+
+#[test]
+fn log_quiet_silences_the_summary() {
+    let out = Run::c("exit_nofree", &[])
+        .env("CACHEALLOC_CONF", "log:quiet")
+        .output();
+    out.assert_ok("exit_nofree");
+    assert!(out.stderr.is_empty(), "{}", out.stderr);
+}
+
+#[test]
+fn ipc_handles_are_refused_inside_segments_only() {
+    let out = Run::c("ipc", &[]).output();
+    out.assert_ok("ipc");
+    assert!(
+        out.stderr.contains("cudaIpcGetMemHandle") && out.stderr.contains("refused"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn each_device_has_its_own_pool() {
+    let out = Run::c("multi_gpu", &[])
+        .env("FAKECUDA_DEVICES", "2")
+        .output();
+    out.assert_ok("multi_gpu");
+    let summary = summary_lines(&out.stderr);
+    assert_eq!(summary.len(), 2, "{}", out.stderr);
+    assert!(summary[1].contains("device 1"), "{}", summary[1]);
+}
+
+#[test]
+fn device_reset_forgets_the_pools() {
+    Run::c("device_reset", &[])
+        .output()
+        .assert_ok("device_reset");
+}
+
+#[test]
+fn a_bad_config_passes_through_with_one_clear_message() {
+    let out = Run::c("basic", &[])
+        .env("CACHEALLOC_CONF", "reuse:sometimes")
+        .output();
+    out.assert_ok("basic");
+    let messages: Vec<&str> = out.stderr.lines().collect();
+    assert_eq!(messages.len(), 1, "{}", out.stderr);
+    assert!(
+        messages[0].contains("'reuse'") && messages[0].contains("auto, fenced, immediate"),
+        "{}",
+        messages[0]
+    );
+    assert!(
+        messages[0].contains("passing every CUDA call through"),
+        "{}",
+        messages[0]
+    );
+}
+
+#[test]
+fn pool_off_passes_everything_through() {
+    let out = Run::c("basic", &[])
+        .env("CACHEALLOC_CONF", "pool:off")
+        .output();
+    out.assert_ok("basic");
+    assert!(summary_lines(&out.stderr).is_empty(), "{}", out.stderr);
+}
+
+#[test]
+fn python_host_through_ctypes() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/ctypes_test.py");
+    Run::new(&python, &[script]).output().assert_ok("ctypes");
+    // torch_caching:keep leaves PyTorch's own cache alone.
+    Run::new(&python, &[script, "unset"])
+        .env("CACHEALLOC_CONF", "torch_caching:keep")
+        .output()
+        .assert_ok("ctypes");
+    // A user's own setting is kept.
+    Run::new(&python, &[script, "0"])
+        .env("PYTORCH_NO_CUDA_MEMORY_CACHING", "0")
+        .output()
+        .assert_ok("ctypes");
+}
