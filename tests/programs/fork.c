@@ -26,9 +26,10 @@ int main(void) {
         pid_t pid = fork();
         if (pid == 0) {
             size_t f, total;
-            /* A CUDA call in the child goes straight to the runtime. */
-            cudaError_t e = cudaMemGetInfo(&f, &total);
-            _exit(e == cudaSuccess ? 0 : 3);
+            /* A CUDA call in the child goes straight to the runtime. Real CUDA refuses it in
+             * the child of an initialized parent; what matters is that it returns at all. */
+            (void)cudaMemGetInfo(&f, &total);
+            _exit(0);
         }
         int status = 0;
         waitpid(pid, &status, 0);

@@ -1,12 +1,22 @@
 /* The cross-stream reuse race: slow work on stream A writes X; X is freed; a new allocation of
  * the same size (which a naive cache hands X back for) is written on stream B. After a device
- * sync every byte must be B's value. Usage: race [blocking|nonblocking] */
+ * sync every byte must be B's value. With "late", blocks are cached before the first stream
+exists (the shim then fences them all at the stream's creation).
+Usage: race [blocking|nonblocking] [late] */
 #include "common.h"
 
 #define BYTES (1 << 20)
 
 int main(int argc, char **argv) {
     unsigned flags = (argc > 1 && strcmp(argv[1], "blocking") == 0) ? cudaStreamDefault : cudaStreamNonBlocking;
+    if (argc > 2 && strcmp(argv[2], "late") == 0) {
+        void *early[2];
+        CHECK(cudaMalloc(&early[0], BYTES));
+        CHECK(cudaMalloc(&early[1], BYTES));
+        CHECK(cudaMemset(early[0], 0x11, BYTES));
+        CHECK(cudaFree(early[0]));
+        CHECK(cudaFree(early[1]));
+    }
     cudaStream_t a, b;
     CHECK(cudaStreamCreateWithFlags(&a, flags));
     CHECK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));

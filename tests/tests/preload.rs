@@ -38,8 +38,9 @@ fn programs_also_pass_without_the_shim() {
 
 #[test]
 fn cross_stream_reuse_waits_for_the_old_work() {
-    for flavour in ["nonblocking", "blocking"] {
-        let out = Run::c("race", &[flavour]).output();
+    for args in [&["nonblocking"][..], &["blocking"], &["nonblocking", "late"]] {
+        let flavour = args.join(" ");
+        let out = Run::c("race", args).output();
         out.assert_ok("race");
         // The freed block was the only candidate: it was reused, after a fence wait, with the
         // right bytes.

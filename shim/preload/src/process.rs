@@ -33,6 +33,40 @@ const MAX_DEVICES: usize = 64;
 static FORKED_CHILD: AtomicBool = AtomicBool::new(false);
 static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
 
+/// One device's allocator and the address range its segments have covered, so that a free
+/// finds its pool without asking the runtime for the current device.
+#[derive(Debug)]
+struct Pool {
+    alloc: Allocator<CudaDevice>,
+    lowest: AtomicU64,
+    highest: AtomicU64,
+    /// Whether this pool was switched to fenced reuse after a stream appeared.
+    fencing: AtomicBool,
+}
+
+impl Pool {
+    fn new(alloc: Allocator<CudaDevice>) -> Self {
+        Pool {
+            alloc,
+            lowest: AtomicU64::new(u64::MAX),
+            highest: AtomicU64::new(0),
+            fencing: AtomicBool::new(false),
+        }
+    }
+
+    /// Widen the covered range to include a new segment.
+    fn cover(&self, address: u64, size: u64) {
+        self.lowest.fetch_min(address, Ordering::AcqRel);
+        self.highest.fetch_max(address + size, Ordering::AcqRel);
+    }
+
+    /// Whether `address` may lie in one of this pool's segments.
+    fn may_contain(&self, address: u64) -> bool {
+        address >= self.lowest.load(Ordering::Acquire)
+            && address < self.highest.load(Ordering::Acquire)
+    }
+}
+
 /// The pooling state of the process.
 #[derive(Debug)]
 pub struct Shim {
@@ -40,7 +74,10 @@ pub struct Shim {
     reuse: ReusePolicy,
     report_cached_as_free: bool,
     streams: Arc<StreamRegistry>,
-    devices: Vec<OnceLock<Allocator<CudaDevice>>>,
+    /// Visible devices. With exactly one, the current device is always 0 and the runtime is
+    /// not asked on every call.
+    device_count: usize,
+    devices: Vec<OnceLock<Pool>>,
     healthy: AtomicBool,
     passthrough_mallocs: AtomicU64,
 }
@@ -78,12 +115,19 @@ fn start() -> Option<Shim> {
         }
     };
     log::debug!("pooling with {}", config.allocator.to_conf_string());
+    let device_count = crate::real::device_count();
+    let slots = if device_count > 0 {
+        device_count.min(MAX_DEVICES)
+    } else {
+        MAX_DEVICES
+    };
     Some(Shim {
+        device_count,
         driver,
         reuse: config.allocator.reuse,
         report_cached_as_free: config.report_cached_as_free,
         streams: Arc::new(StreamRegistry::default()),
-        devices: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+        devices: (0..slots).map(|_| OnceLock::new()).collect(),
         healthy: AtomicBool::new(true),
         passthrough_mallocs: AtomicU64::new(0),
     })
@@ -104,13 +148,22 @@ impl Shim {
         self.healthy.load(Ordering::Acquire)
     }
 
-    /// The allocator of `device`, created at its first use.
-    pub fn allocator(&self, device: i32) -> Result<&Allocator<CudaDevice>, CudaError> {
+    /// The calling thread's current device.
+    fn current_device(&self) -> Result<i32, CudaError> {
+        if self.device_count == 1 {
+            Ok(0)
+        } else {
+            crate::real::current_device()
+        }
+    }
+
+    /// The pool of `device`, created at its first use.
+    fn pool(&self, device: i32) -> Result<&Pool, CudaError> {
         let slot = usize::try_from(device)
             .ok()
             .and_then(|d| self.devices.get(d))
             .ok_or(cuda::ERROR_INVALID_VALUE)?;
-        let alloc = slot.get_or_init(|| {
+        let pool = slot.get_or_init(|| {
             let config = settings::get().config.allocator.clone();
             let alloc = Allocator::new(
                 CudaDevice::new(self.driver, device, self.streams.clone()),
@@ -120,38 +173,61 @@ impl Shim {
                 "device {device}: pool created, limit {}",
                 format_bytes(alloc.limit())
             );
-            alloc
+            Pool::new(alloc)
         });
-        if self.streams.any_created() {
-            self.start_fencing_on(alloc);
+        // A stream created while this pool was being built: fence now (once).
+        if self.streams.any_created() && !pool.fencing.load(Ordering::Acquire) {
+            self.start_fencing_on(pool);
         }
-        Ok(alloc)
+        Ok(pool)
     }
 
-    fn start_fencing_on(&self, alloc: &Allocator<CudaDevice>) {
+    fn start_fencing_on(&self, pool: &Pool) {
+        if pool.fencing.swap(true, Ordering::AcqRel) {
+            return;
+        }
         if self.reuse == ReusePolicy::Auto
-            && let Err(e) = alloc.start_fencing()
+            && let Err(e) = pool.alloc.start_fencing()
         {
             log::error!("could not fence cached blocks at the first stream: {e}");
         }
     }
 
-    /// Allocators that exist, the current device's first.
-    fn allocators(&self, first: Option<i32>) -> impl Iterator<Item = &Allocator<CudaDevice>> {
-        let first_slot = first
-            .and_then(|d| usize::try_from(d).ok())
-            .and_then(|d| self.devices.get(d));
-        first_slot
-            .into_iter()
-            .chain(self.devices.iter())
+    /// Pools that exist.
+    fn pools(&self) -> impl Iterator<Item = &Pool> {
+        self.devices.iter().filter_map(|slot| slot.get())
+    }
+
+    /// Allocators that exist.
+    fn allocators(&self) -> impl Iterator<Item = &Allocator<CudaDevice>> {
+        self.devices
+            .iter()
             .filter_map(|slot| slot.get())
+            .map(|p| &p.alloc)
+    }
+
+    /// The allocator of the current device, if it exists.
+    fn current_allocator(&self) -> Option<&Allocator<CudaDevice>> {
+        let device = usize::try_from(self.current_device().ok()?).ok()?;
+        self.devices.get(device)?.get().map(|p| &p.alloc)
     }
 
     /// Serve `cudaMalloc(size)` from the current device's pool.
     pub fn malloc(&self, size: u64) -> Result<u64, CudaError> {
-        let device = crate::real::current_device()?;
-        let alloc = self.allocator(device)?;
-        match alloc.malloc(size, 0) {
+        let device = self.current_device()?;
+        let pool = self.pool(device)?;
+        let mut changes = cachealloc_core::SegmentChanges::default();
+        let result = pool.alloc.malloc_traced(size, 0, &mut changes);
+        for &(address, size) in &changes.allocated {
+            pool.cover(address, size);
+        }
+        for (segment, e) in &changes.release_errors {
+            log::error!(
+                "device {device}: releasing segment {:#x}: {e}",
+                segment.address
+            );
+        }
+        match result {
             Ok(a) => Ok(a.address),
             Err(AllocError::OutOfMemory(report)) => {
                 log::info!("device {device}: {report}");
@@ -167,11 +243,13 @@ impl Shim {
         }
     }
 
-    /// Free `address` if it is ours. `None`: not ours (pass it on).
+    /// Free `address` if it is ours. `None`: not ours (pass it on). Pools are found by the
+    /// address ranges their segments covered, not by the current device (a pointer may be freed
+    /// while another device is current).
     pub fn free(&self, address: u64) -> Option<CudaError> {
-        let current = crate::real::current_device().ok();
-        for alloc in self.allocators(current) {
-            match alloc.free(address) {
+        let candidates = self.pools().filter(|p| p.may_contain(address));
+        for pool in candidates {
+            match pool.alloc.free(address) {
                 Ok(_) => return Some(cuda::SUCCESS),
                 Err(FreeError::NotOurs(_)) => continue,
                 Err(bad) => {
@@ -193,37 +271,26 @@ impl Shim {
         if !self.report_cached_as_free {
             return 0;
         }
-        let Ok(device) = crate::real::current_device() else {
-            return 0;
-        };
-        usize::try_from(device)
-            .ok()
-            .and_then(|d| self.devices.get(d))
-            .and_then(|slot| slot.get())
+        self.current_allocator()
             .map_or(0, |a| a.cached_free_bytes())
     }
 
     /// The current device's context was reset: forget its pools (their memory is gone).
     pub fn device_reset(&self) {
-        if let Ok(device) = crate::real::current_device()
-            && let Some(alloc) = usize::try_from(device)
-                .ok()
-                .and_then(|d| self.devices.get(d))
-                .and_then(|s| s.get())
-        {
+        if let Some(alloc) = self.current_allocator() {
             alloc.forget_all();
-            log::debug!("device {device} was reset: its pools were forgotten");
+            log::debug!("the current device was reset: its pools were forgotten");
         }
     }
 
     /// The application created a stream.
     pub fn stream_created(&self, stream: usize, flags: u32) {
-        let device = crate::real::current_device().unwrap_or(0);
+        let device = self.current_device().unwrap_or(0);
         let non_blocking = flags & cuda::STREAM_NON_BLOCKING != 0;
         if self.streams.created(Stream(stream), device, non_blocking) {
             log::debug!("first stream created: freed blocks now wait for reuse fences");
-            for alloc in self.allocators(None) {
-                self.start_fencing_on(alloc);
+            for pool in self.pools() {
+                self.start_fencing_on(pool);
             }
         }
     }
@@ -237,8 +304,7 @@ impl Shim {
     /// base (the handle maps exactly it), `Ok(false)` if not ours, `Err(why)` if it lies inside
     /// a pooled segment (the handle would map the segment's base: wrong bytes).
     pub fn ipc_check(&self, address: u64) -> Result<bool, String> {
-        let current = crate::real::current_device().ok();
-        for alloc in self.allocators(current) {
+        for alloc in self.allocators() {
             if let Some(info) = alloc.lookup(address) {
                 if info.block_address == address
                     && info.segment_address == address
@@ -262,7 +328,7 @@ impl Shim {
 
     /// Release every cached free segment on every device.
     pub fn empty_cache(&self) -> Result<(), CudaError> {
-        for alloc in self.allocators(None) {
+        for alloc in self.allocators() {
             alloc.empty_cache().map_err(|e| {
                 log::error!("empty_cache: {e}");
                 cuda::ERROR_INITIALIZATION
@@ -276,14 +342,14 @@ impl Shim {
         self.devices
             .iter()
             .enumerate()
-            .filter_map(|(d, slot)| slot.get().map(|a| (d, a.stats())))
+            .filter_map(|(d, slot)| slot.get().map(|p| (d, p.alloc.stats())))
             .collect()
     }
 
     /// Switch the calling thread to `device` for the duration of `f` (the PyTorch pluggable
     /// allocator names the device explicitly).
     pub fn on_device<T>(&self, device: i32, f: impl FnOnce() -> T) -> Result<T, CudaError> {
-        let current = crate::real::current_device()?;
+        let current = self.current_device()?;
         if current == device {
             return Ok(f());
         }

@@ -193,3 +193,15 @@ pub fn ipc_get_mem_handle(address: u64) -> Result<[u8; 64], CudaError> {
         Err(code)
     }
 }
+
+/// Number of visible devices, through the real runtime (0 when it cannot say).
+pub fn device_count() -> usize {
+    let mut n: c_int = 0;
+    // Valid out-pointer.
+    let code = call_real!(cudaGetDeviceCount(&mut n));
+    if code == crate::cuda::SUCCESS {
+        usize::try_from(n).unwrap_or(0)
+    } else {
+        0
+    }
+}

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Correctness on a real GPU (run on the GPU machine from the repository root):
+#   scripts/gpu/check.sh LIBDIR WORKLOADS
+# LIBDIR holds a release libcachealloc.so built on the development machine; WORKLOADS holds
+# mlp_train.py and gpt2_train.py. Builds the C test programs of tests/programs with
+# `nvcc -cudart shared` (a static cudart would never reach the shim), runs them under the shim,
+# then runs the training workloads with and without it and checks that the losses agree to 1e-6.
+# Prints one PASS/FAIL line per check and exits non-zero if any failed.
+set -uo pipefail
+LIB="$(realpath "$1")/libcachealloc.so"
+WORK="$(realpath "$2")"
+BIN=$(mktemp -d)
+FAILED=0
+pass() { echo "PASS $*"; }
+fail() { echo "FAIL $*"; FAILED=1; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+
+for src in tests/programs/*.c; do
+    name=$(basename "$src" .c)
+    [ "$name" = slow_fill_fake ] && continue  # fakecuda's slow_fill; slow_fill.cu replaces it
+    nvcc -cudart shared -O2 -Itests/programs -o "$BIN/$name" "$src" tests/programs/slow_fill.cu -lpthread \
+        || fail "build $name"
+done
+
+# run NAME [ENV...] -- ARGS: under the shim; expects "OK NAME" and exit 0.
+run() {
+    local name=$1; shift
+    local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+    local out
+    out=$(env "${envs[@]}" LD_PRELOAD="$LIB" timeout 120 "$BIN/$name" "$@" 2>&1)
+    if echo "$out" | grep -q "^OK $name"; then pass "$name $*"; else fail "$name $*"; echo "$out" | tail -5; fi
+    echo "$out" | grep "^cachealloc:" | tail -2
+}
+
+run basic X=1 --
+run race X=1 -- nonblocking
+run race X=1 -- blocking
+run race X=1 -- nonblocking late
+run threads X=1 -- 8 300
+run oom CACHEALLOC_CONF=per_process_memory_fraction:0.001 --
+run badfree X=1 --
+run meminfo X=1 --
+run fork X=1 --
+run exit_nofree X=1 --
+run ipc X=1 --
+run multi_gpu X=1 --
+run device_reset X=1 --
+
+# Control: without fences the race must be caught.
+out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
+if echo "$out" | grep -q "overwritten by the old work"; then pass "race control (reuse:immediate is caught)"; else fail "race control"; echo "$out" | tail -3; fi
+
+# Python through ctypes: the runtime PyTorch ships.
+CUDART=$(python3 -c 'import glob, os, site; print(next(iter(sorted(glob.glob(os.path.join(site.getsitepackages()[0], "nvidia", "**", "libcudart.so.13"), recursive=True))), ""))')
+if [ -n "$CUDART" ]; then
+    out=$(LD_LIBRARY_PATH="$(dirname "$CUDART")" LD_PRELOAD="$LIB" timeout 120 python3 tests/programs/ctypes_test.py 2>&1)
+    if echo "$out" | grep -q "^OK ctypes"; then pass "ctypes"; else fail "ctypes"; echo "$out" | tail -5; fi
+else
+    fail "ctypes (libcudart.so.13 not found in site-packages)"
+fi
+
+# Training: losses with and without the shim agree.
+for w in mlp_train gpt2_train; do
+    native=$(python3 "$WORK/$w.py" 2>&1 | grep '^workload=')
+    shim=$(LD_PRELOAD="$LIB" python3 "$WORK/$w.py" 2>&1 | grep -E '^(workload=|cachealloc:)')
+    echo "native: $native"; echo "shim:   $shim"
+    a=$(echo "$native" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p'); b=$(echo "$shim" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p')
+    if [ -n "$a" ] && [ -n "$b" ] && python3 -c "import sys; sys.exit(0 if abs($a - $b) <= 1e-6 else 1)"; then
+        pass "$w loss $a == $b"
+    else
+        fail "$w loss native=$a shim=$b"
+    fi
+done
+[ "$FAILED" = 0 ] && echo "ALL PASSED" || echo "SOME FAILED"
+exit "$FAILED"
