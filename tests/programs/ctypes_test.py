@@ -69,6 +69,10 @@ if not t:
     fail("cachealloc_torch_malloc failed")
 glob.cachealloc_torch_free(t, 8192, 0, None)
 
+glob.cachealloc_annotate.argtypes = [ctypes.c_char_p]
+if glob.cachealloc_annotate(b"after the frees") != 0 or glob.cachealloc_annotate(None) == 0:
+    fail("cachealloc_annotate")
+
 s = stats()["devices"]["0"]
 if s["allocated_bytes.all.current"] != 0 or s["allocated_bytes.all.peak"] < (3 << 20):
     fail(f"stats after frees: {s['allocated_bytes.all.current']} current, {s['allocated_bytes.all.peak']} peak")

@@ -38,7 +38,11 @@ fn programs_also_pass_without_the_shim() {
 
 #[test]
 fn cross_stream_reuse_waits_for_the_old_work() {
-    for args in [&["nonblocking"][..], &["blocking"], &["nonblocking", "late"]] {
+    for args in [
+        &["nonblocking"][..],
+        &["blocking"],
+        &["nonblocking", "late"],
+    ] {
         let flavour = args.join(" ");
         let out = Run::c("race", args).output();
         out.assert_ok("race");
@@ -207,7 +211,18 @@ fn pool_off_passes_everything_through() {
 fn python_host_through_ctypes() {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/ctypes_test.py");
-    Run::new(&python, &[script]).output().assert_ok("ctypes");
+    let out = Run::new(&python, &[script]).output();
+    out.assert_ok("ctypes");
+    let marker = out
+        .stderr
+        .lines()
+        .find(|l| l.contains("annotation 'after the frees' at +"))
+        .unwrap_or_default();
+    assert!(
+        marker.contains("device 0 allocated 0 B (peak 3."),
+        "{}",
+        out.stderr
+    );
     // torch_caching:keep leaves PyTorch's own cache alone.
     Run::new(&python, &[script, "unset"])
         .env("CACHEALLOC_CONF", "torch_caching:keep")

@@ -10,7 +10,7 @@
 // The exported names are CUDA's.
 #![allow(non_snake_case)]
 
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::cuda::{self, CudaError, CudaStream, IpcMemHandle};
@@ -309,6 +309,31 @@ pub extern "C" fn cachealloc_empty_cache() -> c_int {
     guarded("cachealloc_empty_cache", hooks::empty_cache, || {
         cuda::ERROR_INITIALIZATION
     })
+}
+
+/// Mark a point of the run (an epoch, a phase) with a name: written with the memory state of
+/// every device. Returns 0, or `cudaErrorInvalidValue` for a null or non-UTF-8 name.
+///
+/// # Safety
+/// `name` must be null or a valid NUL-terminated string.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_annotate(name: *const c_char) -> c_int {
+    if name.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    // SAFETY: non-null and NUL-terminated per the caller's contract.
+    let Ok(name) = unsafe { CStr::from_ptr(name) }.to_str() else {
+        return cuda::ERROR_INVALID_VALUE;
+    };
+    let name = name.to_owned();
+    guarded(
+        "cachealloc_annotate",
+        || {
+            process::annotate(&name);
+            cuda::SUCCESS
+        },
+        || cuda::SUCCESS,
+    )
 }
 
 /// PyTorch `CUDAPluggableAllocator` allocation entry point.

@@ -80,6 +80,8 @@ pub struct Shim {
     devices: Vec<OnceLock<Pool>>,
     healthy: AtomicBool,
     passthrough_mallocs: AtomicU64,
+    /// When the shim started (the first CUDA call), for annotation times.
+    started: std::time::Instant,
 }
 
 /// Called in the child after `fork` (registered with `pthread_atfork` by the constructor).
@@ -130,6 +132,7 @@ fn start() -> Option<Shim> {
         devices: (0..slots).map(|_| OnceLock::new()).collect(),
         healthy: AtomicBool::new(true),
         passthrough_mallocs: AtomicU64::new(0),
+        started: std::time::Instant::now(),
     })
 }
 
@@ -414,6 +417,27 @@ pub fn exit_summary() {
             "pid {pid}: {passed} allocations passed through unpooled after an internal failure"
         );
     }
+}
+
+/// `cachealloc_annotate`: a named marker with the memory state of every pooled device, written
+/// to stderr (and, once the recorder exists, to the trace).
+pub fn annotate(name: &str) {
+    let Some(shim) = shim() else {
+        log::info!("annotation '{name}' (passthrough: no pool)");
+        return;
+    };
+    let at = shim.started.elapsed().as_secs_f64();
+    let mut line = format!("annotation '{name}' at +{at:.3} s:");
+    for (device, s) in shim.stats() {
+        line.push_str(&format!(
+            " device {device} allocated {} (peak {}), reserved {} (peak {});",
+            format_bytes(s.allocated_bytes.all.current as u64),
+            format_bytes(s.allocated_bytes.all.peak as u64),
+            format_bytes(s.reserved_bytes.all.current as u64),
+            format_bytes(s.reserved_bytes.all.peak as u64),
+        ));
+    }
+    log::info!("{}", line.trim_end_matches(';'));
 }
 
 /// The stats of every pooled device as JSON: `{"version": …, "devices": {"0": {key: value}}}`
