@@ -1,0 +1,128 @@
+//! Chunk framing: `len: u32 LE`, `crc32: u32 LE` (of `flags` and the payload), `flags: u8`,
+//! `payload: len bytes`. Flag bit 0: the payload is zstd-compressed. The payload, once
+//! decompressed, is a run of records (see [`crate::schema`]).
+//!
+//! A chunk is written with one `write` call after it is complete, so a process killed with
+//! `kill -9` leaves at most one torn chunk at the end of its last file; the CRC catches torn and
+//! corrupted chunks alike, and a reader stops at the first one.
+
+use crate::schema::{Record, read_leb128};
+
+/// Bytes before the payload.
+pub const CHUNK_HEADER: usize = 9;
+/// Flag: payload compressed with zstd.
+pub const FLAG_ZSTD: u8 = 1;
+/// Largest payload a reader accepts (a corrupt length must not make it allocate gigabytes).
+pub const MAX_PAYLOAD: usize = 256 << 20;
+
+/// Frame `records` (already encoded back to back) as one chunk, compressed if asked.
+pub fn encode_chunk(records: &[u8], compress: bool, out: &mut Vec<u8>) {
+    let (flags, payload) = if compress {
+        // Level 3: zstd's default, fast enough for the worker to keep up (see BENCHMARKS.md).
+        match zstd::bulk::compress(records, 3) {
+            Ok(c) => (FLAG_ZSTD, c),
+            Err(_) => (0, records.to_vec()),
+        }
+    } else {
+        (0, records.to_vec())
+    };
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&[flags]);
+    hasher.update(&payload);
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&hasher.finalize().to_le_bytes());
+    out.push(flags);
+    out.extend_from_slice(&payload);
+}
+
+/// Why a chunk could not be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ChunkError {
+    /// Fewer bytes remain than the chunk needs (a torn write at the end of a file).
+    #[error("truncated chunk: {needed} bytes needed, {available} available")]
+    Truncated {
+        /// Bytes the chunk claims.
+        needed: usize,
+        /// Bytes left in the file.
+        available: usize,
+    },
+    /// The checksum does not match (corruption).
+    #[error("checksum mismatch")]
+    Checksum,
+    /// The payload does not decompress.
+    #[error("payload does not decompress: {0}")]
+    Decompress(String),
+    /// A record inside a valid chunk does not decode.
+    #[error("bad record of kind {kind} at payload offset {offset}: {reason}")]
+    Record {
+        /// Its kind.
+        kind: u8,
+        /// Where in the payload.
+        offset: usize,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Split the front chunk off `bytes`: `(payload, flags, bytes consumed)`.
+pub fn split_chunk(bytes: &[u8]) -> Result<(&[u8], u8, usize), ChunkError> {
+    if bytes.len() < CHUNK_HEADER {
+        return Err(ChunkError::Truncated {
+            needed: CHUNK_HEADER,
+            available: bytes.len(),
+        });
+    }
+    let len = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
+    let flags = bytes[8];
+    if len > MAX_PAYLOAD {
+        return Err(ChunkError::Checksum);
+    }
+    let end = CHUNK_HEADER + len;
+    if bytes.len() < end {
+        return Err(ChunkError::Truncated {
+            needed: end,
+            available: bytes.len(),
+        });
+    }
+    let payload = &bytes[CHUNK_HEADER..end];
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&[flags]);
+    hasher.update(payload);
+    if hasher.finalize() != crc {
+        return Err(ChunkError::Checksum);
+    }
+    Ok((payload, flags, end))
+}
+
+/// Decompress (if flagged) and decode the records of one chunk.
+pub fn decode_payload(payload: &[u8], flags: u8) -> Result<Vec<Record>, ChunkError> {
+    let owned;
+    let data = if flags & FLAG_ZSTD != 0 {
+        owned =
+            zstd::stream::decode_all(payload).map_err(|e| ChunkError::Decompress(e.to_string()))?;
+        &owned[..]
+    } else {
+        payload
+    };
+    let mut records = Vec::new();
+    let mut at = 0;
+    while at < data.len() {
+        let kind = data[at];
+        let bad = |reason: &str| ChunkError::Record {
+            kind,
+            offset: at,
+            reason: reason.to_string(),
+        };
+        let (len, used) = read_leb128(&data[at + 1..]).ok_or_else(|| bad("bad length"))?;
+        let start = at + 1 + used;
+        let end = start
+            .checked_add(len as usize)
+            .filter(|&e| e <= data.len())
+            .ok_or_else(|| bad("length past the payload"))?;
+        let record = Record::decode(kind, &data[start..end]).map_err(|e| bad(&e.to_string()))?;
+        records.push(record);
+        at = end;
+    }
+    Ok(records)
+}

@@ -1,0 +1,240 @@
+//! [`Recorder`]: the handle producers send records through, and the worker thread that writes
+//! them.
+//!
+//! The channel is bounded. **Records are never dropped**: a sender that finds it full blocks
+//! until there is room, and the time it spent blocked is counted and written into the trace
+//! ([`Dropped`] records). Only optional payloads (stacks) may be shed, by the producer, before
+//! sending; those are counted too ([`Recorder::note_stack_shed`]).
+//!
+//! The worker polls: it drains whatever is queued, writes it, and sleeps briefly when the
+//! channel is empty. It never blocks in `recv`, so a sender never has to wake it — a send is a
+//! few atomic operations, no system call. A write error (disk full, directory gone) is reported
+//! once; the worker then keeps draining so producers never block on a dead trace.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError, bounded};
+
+use crate::schema::{Dropped, Header, Record};
+use crate::writer::{Clock, MonotonicClock, TraceWriter, WriterConfig};
+
+/// How long the worker sleeps when it finds the channel empty.
+const POLL: Duration = Duration::from_millis(1);
+/// Records written between checks for a due flush.
+const BATCH: usize = 8192;
+
+enum Message {
+    Record(Record),
+    Flush(Sender<()>),
+    Shutdown,
+}
+
+/// Counters shared by producers and the worker.
+#[derive(Debug, Default)]
+pub struct RecorderStats {
+    /// Records sent.
+    pub sent: AtomicU64,
+    /// Records written by the worker.
+    pub written: AtomicU64,
+    /// Sends that found the channel full.
+    pub blocked_sends: AtomicU64,
+    /// Nanoseconds senders spent blocked.
+    pub blocked_ns: AtomicU64,
+    /// Stacks shed by producers.
+    pub stacks_shed: AtomicU64,
+    /// Set once a write failed; nothing is written after.
+    pub failed: AtomicBool,
+}
+
+/// The producer side. Cheap to share (`&Recorder` from many threads).
+pub struct Recorder {
+    tx: Sender<Message>,
+    stats: Arc<RecorderStats>,
+    worker: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recorder")
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Recorder {
+    /// Create the trace (errors surface here: an unwritable directory) and start the worker.
+    /// `capacity` bounds the channel; `on_error` is called once if a write fails later.
+    pub fn start(
+        config: WriterConfig,
+        header: Header,
+        capacity: usize,
+        on_error: impl Fn(&io::Error) + Send + 'static,
+    ) -> io::Result<Recorder> {
+        Self::start_with_clock(config, header, capacity, MonotonicClock, on_error)
+    }
+
+    /// [`Recorder::start`] with an injected clock.
+    pub fn start_with_clock<C: Clock + 'static>(
+        config: WriterConfig,
+        header: Header,
+        capacity: usize,
+        clock: C,
+        on_error: impl Fn(&io::Error) + Send + 'static,
+    ) -> io::Result<Recorder> {
+        let writer = TraceWriter::create(config, header, clock)?;
+        let (tx, rx) = bounded(capacity.max(1));
+        let stats = Arc::new(RecorderStats::default());
+        let worker_stats = stats.clone();
+        let worker = std::thread::Builder::new()
+            .name("cachealloc-rec".to_string())
+            .spawn(move || run_worker(writer, rx, worker_stats, on_error))?;
+        Ok(Recorder {
+            tx,
+            stats,
+            worker: std::sync::Mutex::new(Some(worker)),
+        })
+    }
+
+    /// Send a record; blocks (counted) while the channel is full. Never drops it.
+    pub fn send(&self, record: Record) {
+        self.stats.sent.fetch_add(1, Ordering::Relaxed);
+        match self.tx.try_send(Message::Record(record)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(message)) => {
+                let start = Instant::now();
+                let _ = self.tx.send(message);
+                self.stats.blocked_sends.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .blocked_ns
+                    .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            Err(TrySendError::Disconnected(_)) => {}
+        }
+    }
+
+    /// Count a stack the producer chose not to capture or send.
+    pub fn note_stack_shed(&self) {
+        self.stats.stacks_shed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The shared counters.
+    pub fn stats(&self) -> &RecorderStats {
+        &self.stats
+    }
+
+    /// Whether the channel is more than three quarters full (producers may shed stacks).
+    pub fn congested(&self) -> bool {
+        self.tx
+            .capacity()
+            .is_some_and(|c| self.tx.len() * 4 > c * 3)
+    }
+
+    /// Write everything sent so far as a chunk; waits up to `timeout`. Returns whether it did.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let (ack_tx, ack_rx) = bounded(1);
+        if self
+            .tx
+            .send_timeout(Message::Flush(ack_tx), timeout)
+            .is_err()
+        {
+            return false;
+        }
+        ack_rx.recv_timeout(timeout).is_ok()
+    }
+
+    /// Flush, finish the current file and stop the worker, waiting up to `timeout`. Returns
+    /// whether the worker finished in time. Later sends are ignored.
+    pub fn shutdown(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        if self.tx.send_timeout(Message::Shutdown, timeout).is_err() {
+            return false;
+        }
+        let Some(worker) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return true;
+        };
+        while !worker.is_finished() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        worker.join().is_ok()
+    }
+}
+
+fn run_worker<C: Clock>(
+    mut writer: TraceWriter<C>,
+    rx: Receiver<Message>,
+    stats: Arc<RecorderStats>,
+    on_error: impl Fn(&io::Error),
+) {
+    let mut last_dropped = (0, 0, 0);
+    let mut ok = true;
+    let fail = |e: io::Error, ok: &mut bool| {
+        if *ok {
+            *ok = false;
+            stats.failed.store(true, Ordering::Release);
+            on_error(&e);
+        }
+    };
+    loop {
+        let mut handled = 0;
+        let mut stop = false;
+        while handled < BATCH {
+            match rx.try_recv() {
+                Ok(Message::Record(record)) => {
+                    handled += 1;
+                    if ok && let Err(e) = writer.write(&record) {
+                        fail(e, &mut ok);
+                    }
+                    stats.written.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Message::Flush(ack)) => {
+                    if ok && let Err(e) = writer.flush() {
+                        fail(e, &mut ok);
+                    }
+                    let _ = ack.send(());
+                }
+                Ok(Message::Shutdown) | Err(TryRecvError::Disconnected) => {
+                    stop = true;
+                    break;
+                }
+                Err(TryRecvError::Empty) => break,
+            }
+        }
+        let dropped = (
+            stats.stacks_shed.load(Ordering::Relaxed),
+            stats.blocked_sends.load(Ordering::Relaxed),
+            stats.blocked_ns.load(Ordering::Relaxed),
+        );
+        if ok && dropped != last_dropped {
+            last_dropped = dropped;
+            let t = crate::monotonic_ns();
+            let record = Record::Dropped(Dropped {
+                t,
+                stacks_shed: dropped.0,
+                blocked_sends: dropped.1,
+                blocked_ns: dropped.2,
+            });
+            if let Err(e) = writer.write(&record) {
+                fail(e, &mut ok);
+            }
+        }
+        if stop {
+            if ok && let Err(e) = writer.finish() {
+                fail(e, &mut ok);
+            }
+            return;
+        }
+        if ok && let Err(e) = writer.tick() {
+            fail(e, &mut ok);
+        }
+        if handled == 0 {
+            std::thread::sleep(POLL);
+        }
+    }
+}
