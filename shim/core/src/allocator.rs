@@ -130,7 +130,8 @@ pub enum AllocError {
     Device(#[from] DeviceError),
 }
 
-/// What happened to device segments during an operation, for the caller to trace.
+/// What happened to device segments and pending frees during an operation, for the caller to
+/// trace.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SegmentChanges {
     /// Segments allocated on the device: (address, size).
@@ -139,6 +140,53 @@ pub struct SegmentChanges {
     pub released: Vec<ReleasedSegment>,
     /// Releases the device refused (the memory is lost to us; reported, not fatal).
     pub release_errors: Vec<(ReleasedSegment, DeviceError)>,
+    /// Freed blocks whose fence completed, now reusable: (address, size) (PyTorch's
+    /// `free_completed`).
+    pub completed_frees: Vec<(u64, u64)>,
+}
+
+/// One thing the allocator did, reported to its [`Observer`] under the allocator's lock, so that
+/// events reach the observer in the order they happened (a trace must never show a block
+/// allocated again before its free).
+#[derive(Clone, Copy, Debug)]
+pub enum Event<'a> {
+    /// A block was handed out.
+    Alloc(&'a Allocation),
+    /// The application freed a block (reusable now unless `pending`).
+    FreeRequested(&'a Freed),
+    /// A freed block became reusable.
+    FreeCompleted {
+        /// Its address.
+        address: u64,
+        /// Its size.
+        size: u64,
+    },
+    /// A segment was allocated on the device.
+    SegmentAlloc {
+        /// Its address.
+        address: u64,
+        /// Its size.
+        size: u64,
+        /// Its pool.
+        pool: PoolKind,
+    },
+    /// A segment left the pools, to be released on the device.
+    SegmentFree(&'a ReleasedSegment),
+    /// A request failed.
+    Oom(&'a OomReport),
+}
+
+/// Receives the allocator's [`Event`]s. Called with the allocator's lock held: keep it short
+/// (the recorder sends one record on a channel).
+pub trait Observer: Send + Sync {
+    /// One event.
+    fn on_event(&self, event: Event<'_>);
+}
+
+/// No observer.
+impl Observer for () {
+    #[inline]
+    fn on_event(&self, _event: Event<'_>) {}
 }
 
 /// The allocator's lock: a spin lock whose waiters yield the CPU. It is held only for
@@ -150,15 +198,16 @@ type Lock<F> = SpinMutex<Pools<F>, Yield>;
 type Locked<'a, F> = SpinMutexGuard<'a, Pools<F>>;
 
 /// One device's caching allocator. Thread-safe; see the module docs for the locking rules.
-pub struct Allocator<D: Device> {
+pub struct Allocator<D: Device, O: Observer = ()> {
     device: D,
+    observer: O,
     pools: Lock<D::Fence>,
     config: AllocatorConfig,
     /// Bytes this process may reserve on the device.
     limit: u64,
 }
 
-impl<D: Device + fmt::Debug> fmt::Debug for Allocator<D> {
+impl<D: Device + fmt::Debug, O: Observer> fmt::Debug for Allocator<D, O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Allocator")
             .field("device", &self.device)
@@ -172,14 +221,66 @@ impl<D: Device> Allocator<D> {
     /// An allocator over `device` with the given policy. Reads the device's total memory once,
     /// for the memory limit.
     pub fn new(device: D, config: AllocatorConfig) -> Self {
+        Self::with_observer(device, config, ())
+    }
+}
+
+impl<D: Device, O: Observer> Allocator<D, O> {
+    /// An allocator that reports its events to `observer`.
+    pub fn with_observer(device: D, config: AllocatorConfig, observer: O) -> Self {
         let total = device.mem_info().total;
         let limit = (total as f64 * config.per_process_memory_fraction) as u64;
         Allocator {
             pools: Lock::new(Pools::new(&config)),
             device,
+            observer,
             config,
             limit,
         }
+    }
+
+    /// The observer.
+    pub fn observer(&self) -> &O {
+        &self.observer
+    }
+
+    /// Make completed fence batches reusable, reporting each completed free.
+    fn collect_completed(&self, pools: &mut Pools<D::Fence>, changes: &mut SegmentChanges) {
+        let from = changes.completed_frees.len();
+        pools.process_completed(&self.device, &mut changes.completed_frees);
+        for &(address, size) in &changes.completed_frees[from..] {
+            self.observer
+                .on_event(Event::FreeCompleted { address, size });
+        }
+    }
+
+    /// Report a block handed out.
+    #[inline(always)]
+    fn served(&self, allocation: Allocation) -> Allocation {
+        self.observer.on_event(Event::Alloc(&allocation));
+        allocation
+    }
+
+    /// Take a new segment into the pools and serve the request from it.
+    #[allow(clippy::too_many_arguments)]
+    fn new_segment(
+        &self,
+        pools: &mut Pools<D::Fence>,
+        changes: &mut SegmentChanges,
+        address: u64,
+        segment_size: u64,
+        rounded: u64,
+        size: u64,
+        tag: u64,
+    ) -> Allocation {
+        changes.allocated.push((address, segment_size));
+        self.observer.on_event(Event::SegmentAlloc {
+            address,
+            size: segment_size,
+            pool: sizes::pool_for(rounded),
+        });
+        let allocation = pools.add_segment_and_alloc(address, segment_size, rounded, size, tag);
+        self.served(allocation)
     }
 
     /// The device.
@@ -217,10 +318,10 @@ impl<D: Device> Allocator<D> {
             if pools.open_batch_full() {
                 pools.close_open_batch(&self.device)?;
             }
-            pools.process_completed(&self.device);
+            self.collect_completed(&mut pools, changes);
         }
         if let Some(a) = pools.alloc_cached(rounded, size, tag) {
-            return Ok(a);
+            return Ok(self.served(a));
         }
         self.malloc_slow(pools, size, rounded, tag, changes)
     }
@@ -238,9 +339,9 @@ impl<D: Device> Allocator<D> {
 
         // 2. Close the open batch; on an idle device it may complete at once.
         if pools.close_open_batch(&self.device)? {
-            pools.process_completed(&self.device);
+            self.collect_completed(&mut pools, changes);
             if let Some(a) = pools.alloc_cached(rounded, size, tag) {
-                return Ok(a);
+                return Ok(self.served(a));
             }
         }
 
@@ -258,9 +359,9 @@ impl<D: Device> Allocator<D> {
             let (waited, relocked) = self.unlocked(pools, || self.device.wait_fence(&fence));
             pools = relocked;
             waited?;
-            pools.process_completed(&self.device);
+            self.collect_completed(&mut pools, changes);
             if let Some(a) = pools.alloc_cached(rounded, size, tag) {
-                return Ok(a);
+                return Ok(self.served(a));
             }
         }
 
@@ -268,8 +369,15 @@ impl<D: Device> Allocator<D> {
         let (grown, relocked) = self.grow(pools, segment_size, false);
         pools = relocked;
         if let Some(address) = grown? {
-            changes.allocated.push((address, segment_size));
-            return Ok(pools.add_segment_and_alloc(address, segment_size, rounded, size, tag));
+            return Ok(self.new_segment(
+                &mut pools,
+                changes,
+                address,
+                segment_size,
+                rounded,
+                size,
+                tag,
+            ));
         }
 
         // 6. Release free oversize segments, then try again.
@@ -279,8 +387,15 @@ impl<D: Device> Allocator<D> {
             let (grown, relocked) = self.grow(pools, segment_size, false);
             pools = relocked;
             if let Some(address) = grown? {
-                changes.allocated.push((address, segment_size));
-                return Ok(pools.add_segment_and_alloc(address, segment_size, rounded, size, tag));
+                return Ok(self.new_segment(
+                    &mut pools,
+                    changes,
+                    address,
+                    segment_size,
+                    rounded,
+                    size,
+                    tag,
+                ));
             }
         }
 
@@ -290,13 +405,21 @@ impl<D: Device> Allocator<D> {
         let (grown, relocked) = self.grow(pools, segment_size, true);
         pools = relocked;
         if let Some(address) = grown? {
-            changes.allocated.push((address, segment_size));
-            return Ok(pools.add_segment_and_alloc(address, segment_size, rounded, size, tag));
+            return Ok(self.new_segment(
+                &mut pools,
+                changes,
+                address,
+                segment_size,
+                rounded,
+                size,
+                tag,
+            ));
         }
 
         // 8. Out of memory.
         pools.stats.num_ooms += 1;
         let report = self.oom_report(&pools, size, rounded, segment_size);
+        self.observer.on_event(Event::Oom(&report));
         Err(AllocError::OutOfMemory(Box::new(report)))
     }
 
@@ -347,6 +470,9 @@ impl<D: Device> Allocator<D> {
         if segments.is_empty() {
             return pools;
         }
+        for segment in &segments {
+            self.observer.on_event(Event::SegmentFree(segment));
+        }
         self.unlocked(pools, || self.release_segments(segments, changes))
             .1
     }
@@ -392,8 +518,18 @@ impl<D: Device> Allocator<D> {
 
     /// Free a block handed out by [`Allocator::malloc`]. A pointer that is not ours, a double
     /// free and an interior pointer are refused with nothing changed.
+    #[inline]
     pub fn free(&self, address: u64) -> Result<Freed, FreeError> {
-        self.pools.lock().free(address)
+        let mut pools = self.pools.lock();
+        let freed = pools.free(address)?;
+        self.observer.on_event(Event::FreeRequested(&freed));
+        if !freed.pending {
+            self.observer.on_event(Event::FreeCompleted {
+                address: freed.address,
+                size: freed.size,
+            });
+        }
+        Ok(freed)
     }
 
     /// Release every cached free segment to the device (`torch.cuda.empty_cache`), after waiting
@@ -407,7 +543,7 @@ impl<D: Device> Allocator<D> {
             let (waited, relocked) = self.unlocked(pools, || self.device.wait_fence(&fence));
             pools = relocked;
             waited?;
-            pools.process_completed(&self.device);
+            self.collect_completed(&mut pools, &mut changes);
         }
         let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
         drop(self.release_unlocked(pools, all, &mut changes));
@@ -416,11 +552,12 @@ impl<D: Device> Allocator<D> {
 
     /// Close the open fence batch now (for example before a long pause, or at a stream
     /// synchronization the caller saw), and collect completed ones.
-    pub fn flush_fences(&self) -> Result<(), DeviceError> {
+    pub fn flush_fences(&self) -> Result<SegmentChanges, DeviceError> {
+        let mut changes = SegmentChanges::default();
         let mut pools = self.pools.lock();
         pools.close_open_batch(&self.device)?;
-        pools.process_completed(&self.device);
-        Ok(())
+        self.collect_completed(&mut pools, &mut changes);
+        Ok(changes)
     }
 
     /// Switch to fenced reuse (see [`Pools::start_fencing`]); a no-op unless the policy is
@@ -429,9 +566,29 @@ impl<D: Device> Allocator<D> {
         self.pools.lock().start_fencing(&self.device)
     }
 
-    /// Forget every segment without releasing it (the device context was reset).
+    /// Forget every segment without releasing it (the device context was reset). The observer
+    /// hears every live block end and every segment go.
     pub fn forget_all(&self) {
-        self.pools.lock().forget_all();
+        let mut pools = self.pools.lock();
+        for segment in pools.snapshot() {
+            for block in segment
+                .blocks
+                .iter()
+                .filter(|b| b.state != crate::BlockState::Free)
+            {
+                self.observer.on_event(Event::FreeCompleted {
+                    address: block.address,
+                    size: block.size,
+                });
+            }
+            let released = ReleasedSegment {
+                address: segment.address,
+                size: segment.total_size,
+                pool: segment.pool,
+            };
+            self.observer.on_event(Event::SegmentFree(&released));
+        }
+        pools.forget_all();
     }
 
     /// A copy of the stats.

@@ -65,7 +65,9 @@ pub mod sim;
 pub mod sizes;
 pub mod stats;
 
-pub use allocator::{AllocError, Allocator, OomReport, SegmentChanges, format_bytes};
+pub use allocator::{
+    AllocError, Allocator, Event, Observer, OomReport, SegmentChanges, format_bytes,
+};
 pub use config::{AllocatorConfig, Config, ConfigError, ReusePolicy};
 pub use device::{Device, DeviceError, MemInfo};
 pub use pools::{AddressInfo, Allocation, BlockState, FreeError, Freed, SegmentSnapshot};

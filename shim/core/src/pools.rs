@@ -555,16 +555,21 @@ impl<F: Clone> Pools<F> {
     }
 
     /// Make the blocks of every completed batch reusable, oldest first, stopping at the first
-    /// batch that has not completed. Returns the number of blocks that became free.
-    pub fn process_completed<D: Device<Fence = F>>(&mut self, device: &D) -> usize {
-        let mut released = 0;
+    /// batch that has not completed. Each block that became free is reported in `completed` as
+    /// `(address, size)` as the application knew it (before merging with its neighbours).
+    pub fn process_completed<D: Device<Fence = F>>(
+        &mut self,
+        device: &D,
+        completed: &mut Vec<(u64, u64)>,
+    ) {
         while let Some(batch) = self.pending.front() {
             if !device.fence_completed(&batch.fence) {
                 break;
             }
             let batch = self.pending.pop_front().expect("front exists");
-            released += batch.blocks.len();
             for id in batch.blocks {
+                let b = &self.blocks[id as usize];
+                completed.push((b.address, b.size));
                 self.release_to_free_list(id);
             }
             if batch.gate {
@@ -572,7 +577,6 @@ impl<F: Clone> Pools<F> {
             }
             device.release_fence(batch.fence);
         }
-        released
     }
 
     /// Whether waiting for pending batches could serve a rounded request: the pending blocks of

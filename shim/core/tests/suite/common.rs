@@ -1,9 +1,12 @@
 //! Shared helpers: config presets and an allocator that checks its invariants after every step.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
 use cachealloc_core::sizes::Roundup;
 use cachealloc_core::{
-    AllocError, Allocation, Allocator, AllocatorConfig, FenceMode, Freed, ReusePolicy, SimDevice,
-    Stats,
+    AllocError, Allocation, Allocator, AllocatorConfig, BlockState, Event, FenceMode, Freed,
+    Observer, ReusePolicy, SimDevice, Stats,
 };
 
 pub(crate) const MIB: u64 = 1 << 20;
@@ -69,23 +72,70 @@ pub(crate) fn presets() -> Vec<(&'static str, AllocatorConfig)> {
     ]
 }
 
-/// An allocator over a `SimDevice` that checks its invariants after every operation.
+/// The state as told by the allocator's events alone: live blocks `address → (size, pending)`
+/// and segments `address → size`. It must always equal the allocator's own snapshot — the
+/// events are complete and in order (what the recorder relies on).
+#[derive(Default)]
+pub(crate) struct Mirror {
+    state: Mutex<(LiveBlocks, Segments)>,
+}
+
+/// `address → (size, pending)`.
+type LiveBlocks = BTreeMap<u64, (u64, bool)>;
+/// `address → size`.
+type Segments = BTreeMap<u64, u64>;
+
+impl Observer for Mirror {
+    fn on_event(&self, event: Event<'_>) {
+        let mut state = self.state.lock().unwrap();
+        let (blocks, segments) = &mut *state;
+        match event {
+            Event::Alloc(a) => assert!(
+                blocks.insert(a.address, (a.size, false)).is_none(),
+                "alloc of a live block"
+            ),
+            Event::FreeRequested(f) => {
+                let b = blocks
+                    .get_mut(&f.address)
+                    .expect("free of a block never allocated");
+                assert!(!b.1, "second free request");
+                b.1 = true;
+            }
+            Event::FreeCompleted { address, .. } => assert!(
+                blocks.remove(&address).is_some(),
+                "completion of an unknown block"
+            ),
+            Event::SegmentAlloc { address, size, .. } => {
+                assert!(segments.insert(address, size).is_none())
+            }
+            Event::SegmentFree(s) => assert!(
+                segments.remove(&s.address).is_some(),
+                "release of an unknown segment"
+            ),
+            Event::Oom(_) => {}
+        }
+    }
+}
+
+/// An allocator over a `SimDevice` that checks its invariants, and that its events tell its
+/// state, after every operation.
 pub(crate) struct Checked {
-    pub(crate) alloc: Allocator<SimDevice>,
+    pub(crate) alloc: Allocator<SimDevice, Mirror>,
 }
 
 impl Checked {
     pub(crate) fn new(capacity: u64, config: AllocatorConfig) -> Self {
         Checked {
-            alloc: Allocator::new(SimDevice::new(capacity), config),
+            alloc: Allocator::with_observer(SimDevice::new(capacity), config, Mirror::default()),
         }
     }
 
     pub(crate) fn manual(capacity: u64, config: AllocatorConfig) -> Self {
         Checked {
-            alloc: Allocator::new(
+            alloc: Allocator::with_observer(
                 SimDevice::with_fence_mode(capacity, FenceMode::Manual),
                 config,
+                Mirror::default(),
             ),
         }
     }
@@ -94,6 +144,17 @@ impl Checked {
         if let Err(e) = self.alloc.check_invariants() {
             panic!("invariant violated: {e}");
         }
+        let mut blocks = BTreeMap::new();
+        let mut segments = BTreeMap::new();
+        for seg in self.alloc.snapshot() {
+            segments.insert(seg.address, seg.total_size);
+            for b in seg.blocks.iter().filter(|b| b.state != BlockState::Free) {
+                blocks.insert(b.address, (b.size, b.state == BlockState::PendingFree));
+            }
+        }
+        let mirror = self.alloc.observer().state.lock().unwrap();
+        assert_eq!(mirror.0, blocks, "the events do not tell the live blocks");
+        assert_eq!(mirror.1, segments, "the events do not tell the segments");
     }
 
     pub(crate) fn malloc(&self, size: u64) -> Allocation {

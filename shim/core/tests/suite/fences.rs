@@ -200,3 +200,25 @@ fn a_full_open_batch_is_closed_without_a_cache_miss() {
         "the closed batch came back without a miss"
     );
 }
+
+#[test]
+fn completed_frees_are_reported_with_the_applications_address_and_size() {
+    let c = fenced();
+    let a = c.malloc(4096);
+    let b = c.malloc(4096);
+    c.free(a.address);
+    c.free(b.address);
+    let changes = c.alloc.flush_fences().unwrap();
+    assert!(
+        changes.completed_frees.is_empty(),
+        "the fence has not completed"
+    );
+    c.device().complete_fences();
+    let mut changes = cachealloc_core::SegmentChanges::default();
+    c.alloc.malloc_traced(512, 0, &mut changes).unwrap();
+    // a and b merged into one free block, but each free is reported as the app knew it.
+    assert_eq!(
+        changes.completed_frees,
+        vec![(a.address, 4096), (b.address, 4096)]
+    );
+}
