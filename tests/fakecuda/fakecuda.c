@@ -520,6 +520,19 @@ FC_EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) {
     *d = ordinal;
     return OK;
 }
+FC_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+    if (!name || len <= 0 || d < 0 || d >= fc_device_count()) return E_INVALID_VALUE;
+    snprintf(name, (size_t)len, "fakecuda device %d", d);
+    return OK;
+}
+FC_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
+    if (!bytes || d < 0 || d >= fc_device_count()) return E_INVALID_VALUE;
+    lock();
+    init_locked();
+    *bytes = g_capacity;
+    unlock();
+    return OK;
+}
 FC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) {
     if (!ctx || d < 0 || d >= fc_device_count()) return E_INVALID_DEVICE;
     *ctx = (void *)(uintptr_t)(0x1000 + d);

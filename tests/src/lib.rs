@@ -6,9 +6,12 @@
 //! cargo built for this workspace (`cargo build -p cachealloc`, done by `scripts/test`).
 
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+use cachealloc_recorder::{Record, Tear, TraceReader};
 
 /// Where fakecuda's libraries are.
 pub fn fakecuda_dir() -> PathBuf {
@@ -36,6 +39,44 @@ pub fn shim_library() -> PathBuf {
     lib
 }
 
+/// A fresh, empty directory for one run (its working directory, where the default trace goes).
+pub fn fresh_dir() -> PathBuf {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "cachealloc-e2e-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create a temporary directory");
+    dir
+}
+
+/// The per-process trace directories under `trace_root`.
+pub fn trace_dirs(trace_root: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(trace_root)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect()
+        })
+        .unwrap_or_default();
+    dirs.sort();
+    dirs
+}
+
+/// Every record of a trace directory, and the tears found.
+pub fn read_trace(dir: &Path) -> (Vec<Record>, Vec<Tear>) {
+    let mut reader = TraceReader::open(dir).expect("open trace");
+    let records = reader
+        .by_ref()
+        .map(|item| item.expect("read trace").record)
+        .collect();
+    (records, reader.tears().to_vec())
+}
+
 /// What a run produced.
 #[derive(Debug)]
 pub struct Output {
@@ -45,6 +86,8 @@ pub struct Output {
     pub stdout: String,
     /// Standard error.
     pub stderr: String,
+    /// The run's working directory (its default trace is in `cachealloc-trace/` there).
+    pub dir: PathBuf,
 }
 
 impl Output {
@@ -65,13 +108,17 @@ impl Output {
 pub struct Run {
     command: Command,
     timeout: Duration,
+    dir: PathBuf,
+    kill_after: Option<(String, Duration)>,
 }
 
 impl Run {
     /// Run `program` (a path, or a name looked up on PATH) with `args` under the shim.
     pub fn new(program: impl AsRef<std::ffi::OsStr>, args: &[&str]) -> Run {
+        let dir = fresh_dir();
         let mut command = Command::new(program);
         command
+            .current_dir(&dir)
             .args(args)
             .env("LD_PRELOAD", shim_library())
             .env("LD_LIBRARY_PATH", fakecuda_dir())
@@ -84,6 +131,8 @@ impl Run {
         Run {
             command,
             timeout: Duration::from_secs(60),
+            dir,
+            kill_after: None,
         }
     }
 
@@ -98,6 +147,12 @@ impl Run {
         self
     }
 
+    /// Kill the program with SIGKILL `after` it printed `line` on stdout.
+    pub fn kill_after(mut self, line: &str, after: Duration) -> Run {
+        self.kill_after = Some((line.to_string(), after));
+        self
+    }
+
     /// Run without the shim (the same program straight over fakecuda).
     pub fn without_shim(mut self) -> Run {
         self.command.env_remove("LD_PRELOAD");
@@ -109,11 +164,28 @@ impl Run {
         let mut child = self.command.spawn().expect("spawn test program");
         let mut stdout = child.stdout.take().unwrap();
         let mut stderr = child.stderr.take().unwrap();
+        let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+        let wanted = self.kill_after.as_ref().map(|(line, _)| line.clone());
         let out_reader = std::thread::spawn(move || {
             let mut s = String::new();
-            let _ = stdout.read_to_string(&mut s);
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                s.push_str(&String::from_utf8_lossy(&buf[..n]));
+                if wanted.as_ref().is_some_and(|w| s.contains(w.as_str())) {
+                    let _ = seen_tx.send(());
+                }
+            }
             s
         });
+        if let Some((_, after)) = &self.kill_after
+            && seen_rx.recv_timeout(self.timeout).is_ok()
+        {
+            std::thread::sleep(*after);
+            let _ = child.kill(); // SIGKILL
+        }
         let err_reader = std::thread::spawn(move || {
             let mut s = String::new();
             let _ = stderr.read_to_string(&mut s);
@@ -135,6 +207,7 @@ impl Run {
             code: status.and_then(|s| s.code()),
             stdout: out_reader.join().unwrap(),
             stderr: err_reader.join().unwrap(),
+            dir: self.dir,
         }
     }
 }

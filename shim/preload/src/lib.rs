@@ -17,6 +17,7 @@
 //! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait |
 //! | [`driver`] | reuse fences: CUDA events through the driver API (cudarc) |
 //! | [`streams`] | the application's streams, for fences and `reuse:auto` |
+//! | [`trace`] | the trace: directory, header, allocator events as records |
 //! | [`real`] | the real runtime functions, found at first use |
 //! | [`cuda`] | CUDA ABI constants and types |
 //! | [`log`] | stderr messages |
@@ -47,6 +48,7 @@ pub mod process;
 pub mod real;
 pub mod settings;
 pub mod streams;
+pub mod trace;
 
 /// Constructor: read the settings and register the fork handler. Nothing CUDA.
 #[ctor::ctor(unsafe)]

@@ -26,6 +26,9 @@ use crate::driver::{Driver, Stream};
 use crate::log;
 use crate::settings;
 use crate::streams::StreamRegistry;
+use crate::trace::{DeviceObserver, Trace};
+use cachealloc_recorder::Record;
+use cachealloc_recorder::schema::{Annotation, DeviceInfo, StreamEvent};
 
 /// Most devices a process can have (CUDA's own limit is lower in practice).
 const MAX_DEVICES: usize = 64;
@@ -37,7 +40,7 @@ static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
 /// finds its pool without asking the runtime for the current device.
 #[derive(Debug)]
 struct Pool {
-    alloc: Allocator<CudaDevice>,
+    alloc: Allocator<CudaDevice, DeviceObserver>,
     lowest: AtomicU64,
     highest: AtomicU64,
     /// Whether this pool was switched to fenced reuse after a stream appeared.
@@ -45,7 +48,7 @@ struct Pool {
 }
 
 impl Pool {
-    fn new(alloc: Allocator<CudaDevice>) -> Self {
+    fn new(alloc: Allocator<CudaDevice, DeviceObserver>) -> Self {
         Pool {
             alloc,
             lowest: AtomicU64::new(u64::MAX),
@@ -82,6 +85,8 @@ pub struct Shim {
     passthrough_mallocs: AtomicU64,
     /// When the shim started (the first CUDA call), for annotation times.
     started: std::time::Instant,
+    /// The trace, or why there is none.
+    trace: Result<Arc<Trace>, String>,
 }
 
 /// Called in the child after `fork` (registered with `pthread_atfork` by the constructor).
@@ -123,7 +128,25 @@ fn start() -> Option<Shim> {
     } else {
         MAX_DEVICES
     };
+    let trace = if config.trace {
+        let devices = (0..device_count)
+            .filter_map(|d| {
+                let (name, total_memory) = crate::driver::device_info(driver, d as i32)?;
+                Some(DeviceInfo {
+                    index: d as u32,
+                    name,
+                    total_memory,
+                })
+            })
+            .collect();
+        Trace::start(config, devices)
+            .map(Arc::new)
+            .inspect_err(|why| log::error!("{why}; running without a trace"))
+    } else {
+        Err("trace:off".to_string())
+    };
     Some(Shim {
+        trace,
         device_count,
         driver,
         reuse: config.allocator.reuse,
@@ -168,9 +191,14 @@ impl Shim {
             .ok_or(cuda::ERROR_INVALID_VALUE)?;
         let pool = slot.get_or_init(|| {
             let config = settings::get().config.allocator.clone();
-            let alloc = Allocator::new(
+            let observer = DeviceObserver {
+                device: device as u32,
+                trace: self.trace.as_ref().ok().cloned(),
+            };
+            let alloc = Allocator::with_observer(
                 CudaDevice::new(self.driver, device, self.streams.clone()),
                 config,
+                observer,
             );
             log::debug!(
                 "device {device}: pool created, limit {}",
@@ -202,7 +230,7 @@ impl Shim {
     }
 
     /// Allocators that exist.
-    fn allocators(&self) -> impl Iterator<Item = &Allocator<CudaDevice>> {
+    fn allocators(&self) -> impl Iterator<Item = &Allocator<CudaDevice, DeviceObserver>> {
         self.devices
             .iter()
             .filter_map(|slot| slot.get())
@@ -210,7 +238,7 @@ impl Shim {
     }
 
     /// The allocator of the current device, if it exists.
-    fn current_allocator(&self) -> Option<&Allocator<CudaDevice>> {
+    fn current_allocator(&self) -> Option<&Allocator<CudaDevice, DeviceObserver>> {
         let device = usize::try_from(self.current_device().ok()?).ok()?;
         self.devices.get(device)?.get().map(|p| &p.alloc)
     }
@@ -290,6 +318,15 @@ impl Shim {
     pub fn stream_created(&self, stream: usize, flags: u32) {
         let device = self.current_device().unwrap_or(0);
         let non_blocking = flags & cuda::STREAM_NON_BLOCKING != 0;
+        if let Ok(trace) = &self.trace {
+            let t = crate::trace::now();
+            trace.send(Record::StreamCreated(StreamEvent {
+                t,
+                device: device as u32,
+                stream: stream as u64,
+                flags,
+            }));
+        }
         if self.streams.created(Stream(stream), device, non_blocking) {
             log::debug!("first stream created: freed blocks now wait for reuse fences");
             for pool in self.pools() {
@@ -301,6 +338,15 @@ impl Shim {
     /// The application destroyed a stream.
     pub fn stream_destroyed(&self, stream: usize) {
         self.streams.destroyed(Stream(stream));
+        if let Ok(trace) = &self.trace {
+            let t = crate::trace::now();
+            trace.send(Record::StreamDestroyed(StreamEvent {
+                t,
+                device: 0,
+                stream: stream as u64,
+                flags: 0,
+            }));
+        }
     }
 
     /// Whether `address` may be given an IPC handle: `Ok(true)` if it is a pooled segment's
@@ -380,16 +426,26 @@ fn register_exit_summary() {
     unsafe { libc::atexit(at_exit) };
 }
 
-/// The one-line summary printed at exit unless `log:quiet`.
+/// At exit: flush and stop the trace, then print one summary line per device unless
+/// `log:quiet`.
 pub fn exit_summary() {
-    if !log::enabled(cachealloc_core::config::LogLevel::Info)
-        || FORKED_CHILD.load(Ordering::Acquire)
-    {
+    if FORKED_CHILD.load(Ordering::Acquire) {
         return;
     }
     let Some(Some(shim)) = SHIM.get() else {
         return;
     };
+    let trace_note = match &shim.trace {
+        Ok(trace) if trace.shutdown() => format!("trace in {}", trace.dir.display()),
+        Ok(trace) => format!(
+            "trace in {} (its end may be missing: the writer did not finish in time)",
+            trace.dir.display()
+        ),
+        Err(why) => format!("no trace ({why})"),
+    };
+    if !log::enabled(cachealloc_core::config::LogLevel::Info) {
+        return;
+    }
     let pid = std::process::id();
     let stats = shim.stats();
     if stats.is_empty() {
@@ -400,7 +456,7 @@ pub fn exit_summary() {
         let requests = s.num_cache_hits + s.num_device_alloc;
         log::info!(
             "pid {pid} device {device}: peak allocated {}, peak reserved {}; {} of {} allocations served from the \
-             cache, {} device allocations, {} device frees, {} OOMs, {} fence waits; no trace (the recorder is not built yet)",
+             cache, {} device allocations, {} device frees, {} OOMs, {} fence waits; {trace_note}",
             format_bytes(s.allocated_bytes.all.peak as u64),
             format_bytes(s.reserved_bytes.all.peak as u64),
             s.num_cache_hits,
@@ -419,13 +475,21 @@ pub fn exit_summary() {
     }
 }
 
-/// `cachealloc_annotate`: a named marker with the memory state of every pooled device, written
-/// to stderr (and, once the recorder exists, to the trace).
+/// `cachealloc_annotate`: a named marker, written to the trace and, with the memory state of
+/// every pooled device, to stderr.
 pub fn annotate(name: &str) {
     let Some(shim) = shim() else {
         log::info!("annotation '{name}' (passthrough: no pool)");
         return;
     };
+    if let Ok(trace) = &shim.trace {
+        let t = crate::trace::now();
+        trace.send(Record::Annotation(Annotation {
+            t,
+            name: name.to_string(),
+            thread: crate::trace::thread_number(),
+        }));
+    }
     let at = shim.started.elapsed().as_secs_f64();
     let mut line = format!("annotation '{name}' at +{at:.3} s:");
     for (device, s) in shim.stats() {

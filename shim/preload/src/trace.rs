@@ -1,0 +1,249 @@
+//! The shim's side of the trace: where it goes, what its header says, and how allocator events
+//! become records.
+//!
+//! The trace directory is `<trace_dir>/<host>-<pid>[-rank<R>]/`, created at the first CUDA call
+//! (never at load: `LD_PRELOAD` is inherited by every child process, most of which never touch
+//! CUDA). Each device's allocator reports its events through a [`DeviceObserver`] under its
+//! lock, so records reach the channel in the order things happened; the recorder's worker
+//! thread writes them. At exit the recorder is flushed and stopped (with a timeout); a forked
+//! child records nothing.
+
+use std::cell::Cell;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use cachealloc_core::{Config, Event, Observer, PoolKind};
+use cachealloc_recorder::schema::{self, DeviceInfo, Header, Module};
+use cachealloc_recorder::{Record, Recorder, WriterConfig, monotonic_ns};
+
+use crate::log;
+
+/// Records the channel holds before producers wait (about 6 MB).
+const CHANNEL_CAPACITY: usize = 1 << 16;
+
+/// A running trace.
+#[derive(Debug)]
+pub struct Trace {
+    recorder: Recorder,
+    /// Its directory.
+    pub dir: PathBuf,
+}
+
+impl Trace {
+    /// Create the trace directory and start the recorder.
+    pub fn start(config: &Config, devices: Vec<DeviceInfo>) -> Result<Trace, String> {
+        let pid = std::process::id();
+        let host = host_name();
+        let rank = env_int("RANK");
+        let mut name = format!("{host}-{pid}");
+        if rank >= 0 {
+            name.push_str(&format!("-rank{rank}"));
+        }
+        let dir = config.trace_dir.join(name);
+        let header = Header {
+            version: schema::FORMAT_VERSION,
+            file_index: 0,
+            pid,
+            host,
+            rank,
+            local_rank: env_int("LOCAL_RANK"),
+            world_size: env_int("WORLD_SIZE"),
+            cmdline: command_line(),
+            wall_clock_base_ns: cachealloc_recorder::wall_clock_at_anchor_ns(),
+            monotonic_base_ns: 0,
+            config: config.allocator.to_conf_string(),
+            devices,
+            modules: modules(),
+        };
+        let writer = WriterConfig::new(
+            &dir,
+            config.trace_file_mb << 20,
+            config.trace_files,
+            config.compress,
+        );
+        let recorder = Recorder::start(writer, header, CHANNEL_CAPACITY, |e| {
+            log::error!("writing the trace failed: {e}; the trace stops here, the program goes on");
+        })
+        .map_err(|e| format!("cannot write the trace in {}: {e}", dir.display()))?;
+        Ok(Trace { recorder, dir })
+    }
+
+    /// Send one record.
+    pub fn send(&self, record: Record) {
+        self.recorder.send(record);
+    }
+
+    /// Flush and stop at exit; returns whether everything was written in time.
+    pub fn shutdown(&self) -> bool {
+        self.recorder.shutdown(Duration::from_secs(5))
+    }
+}
+
+/// Time for a record.
+pub fn now() -> u64 {
+    monotonic_ns()
+}
+
+/// A small per-process number for the calling thread (1, 2, …), for records.
+pub fn thread_number() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    thread_local! {
+        static NUMBER: Cell<u32> = const { Cell::new(0) };
+    }
+    NUMBER
+        .try_with(|n| {
+            if n.get() == 0 {
+                n.set(NEXT.fetch_add(1, Ordering::Relaxed));
+            }
+            n.get()
+        })
+        .unwrap_or(0)
+}
+
+/// Turns one device's allocator events into records.
+#[derive(Debug)]
+pub struct DeviceObserver {
+    /// The device.
+    pub device: u32,
+    /// The trace, if any.
+    pub trace: Option<Arc<Trace>>,
+}
+
+fn pool_byte(pool: PoolKind) -> u8 {
+    match pool {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+impl Observer for DeviceObserver {
+    fn on_event(&self, event: Event<'_>) {
+        let Some(trace) = &self.trace else { return };
+        let t = now();
+        let device = self.device;
+        let record = match event {
+            Event::Alloc(a) => Record::Alloc(schema::Alloc {
+                t,
+                device,
+                stream: 0,
+                address: a.address,
+                requested: a.requested,
+                size: a.size,
+                stack: 0,
+                thread: thread_number(),
+            }),
+            Event::FreeRequested(f) => Record::FreeRequested(schema::FreeRequested {
+                t,
+                device,
+                stream: 0,
+                address: f.address,
+                size: f.size,
+                stack: 0,
+                thread: thread_number(),
+            }),
+            Event::FreeCompleted { address, size } => {
+                Record::FreeCompleted(schema::FreeCompleted {
+                    t,
+                    device,
+                    address,
+                    size,
+                })
+            }
+            Event::SegmentAlloc {
+                address,
+                size,
+                pool,
+            } => Record::SegmentAlloc(schema::SegmentEvent {
+                t,
+                device,
+                address,
+                size,
+                pool: pool_byte(pool),
+                stack: 0,
+            }),
+            Event::SegmentFree(s) => Record::SegmentFree(schema::SegmentEvent {
+                t,
+                device,
+                address: s.address,
+                size: s.size,
+                pool: pool_byte(s.pool),
+                stack: 0,
+            }),
+            Event::Oom(r) => Record::Oom(schema::Oom {
+                t,
+                device,
+                requested: r.requested,
+                rounded: r.rounded,
+                allocated: r.allocated,
+                reserved: r.reserved,
+                cached_free: r.cached_free,
+                largest_free_block: r.largest_free_block,
+                device_free: r.device_free,
+                device_total: r.device_total,
+                limit: r.limit,
+                stack: 0,
+                thread: thread_number(),
+            }),
+        };
+        trace.send(record);
+    }
+}
+
+fn env_int(key: &str) -> i32 {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(-1)
+}
+
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it (the last
+    // byte stays 0 since we pass one less).
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
+    if r != 0 {
+        return "unknown".to_string();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn command_line() -> Vec<String> {
+    std::fs::read("/proc/self/cmdline")
+        .map(|bytes| {
+            bytes
+                .split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Executable file mappings, for symbolizing native frames offline.
+fn modules() -> Vec<Module> {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return Vec::new();
+    };
+    maps.lines()
+        .filter_map(|line| {
+            let mut parts = line.split_whitespace();
+            let range = parts.next()?;
+            let perms = parts.next()?;
+            let offset = parts.next()?;
+            let path = parts.nth(2)?;
+            if !perms.contains('x') || !path.starts_with('/') {
+                return None;
+            }
+            let (start, end) = range.split_once('-')?;
+            Some(Module {
+                path: path.to_string(),
+                start: u64::from_str_radix(start, 16).ok()?,
+                end: u64::from_str_radix(end, 16).ok()?,
+                offset: u64::from_str_radix(offset, 16).ok()?,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,211 @@
+//! End-to-end tests of the trace the shim writes: complete and in order for a normal run,
+//! flushed at exit without frees, readable up to the tear after `kill -9`, bounded by rotation,
+//! absent for a forked child, and a clear message (with the program unharmed) when the trace
+//! directory cannot be written.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use cachealloc_recorder::{LiveState, Record};
+use cachealloc_tests::{Run, read_trace, trace_dirs};
+
+fn count(records: &[Record], kind: u8) -> usize {
+    records.iter().filter(|r| r.kind() == kind).count()
+}
+
+#[test]
+fn a_run_leaves_a_complete_ordered_trace() {
+    let out = Run::c("basic", &[]).output();
+    out.assert_ok("basic");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    assert_eq!(dirs.len(), 1, "one directory for the process");
+    assert!(
+        out.stderr.contains(&format!(
+            "trace in cachealloc-trace/{}",
+            dirs[0].file_name().unwrap().to_string_lossy()
+        )),
+        "{}",
+        out.stderr
+    );
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.is_empty(), "{tears:?}");
+    let Record::Header(header) = &records[0] else {
+        panic!("header first")
+    };
+    assert!(dirs[0].ends_with(format!("{}-{}", header.host, header.pid)));
+    assert_eq!(header.devices.len(), 1);
+    assert_eq!(header.devices[0].name, "fakecuda device 0");
+    assert!(header.cmdline[0].ends_with("basic"));
+    // basic: 9 allocations, all freed, 3 segments.
+    assert_eq!(count(&records, 10), 9, "allocs");
+    assert_eq!(count(&records, 11), 9, "free requests");
+    assert_eq!(count(&records, 12), 9, "free completions");
+    assert_eq!(count(&records, 13), 3, "segment allocations");
+    // In order: replaying the events never frees a block that is not live.
+    let mut live: HashMap<u64, u64> = HashMap::new();
+    let mut last_t = 0;
+    for r in &records {
+        match r {
+            Record::Alloc(a) => {
+                assert!(live.insert(a.address, a.size).is_none(), "allocated twice");
+                assert!(a.t >= last_t);
+                last_t = a.t;
+            }
+            Record::FreeCompleted(f) => assert_eq!(live.remove(&f.address), Some(f.size)),
+            _ => {}
+        }
+    }
+    assert!(live.is_empty());
+}
+
+#[test]
+fn exit_without_freeing_still_flushes_everything() {
+    let out = Run::c("exit_nofree", &[]).output();
+    out.assert_ok("exit_nofree");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.is_empty());
+    assert_eq!(count(&records, 10), 10);
+    assert_eq!(count(&records, 11), 0);
+    let mut state = LiveState::default();
+    records.iter().for_each(|r| state.apply(r));
+    assert_eq!(state.blocks.len(), 10, "ten blocks live at the end");
+    assert!(
+        dirs[0].join("trace-000000.cat").exists(),
+        "the file was finished (renamed from .part)"
+    );
+}
+
+#[test]
+fn kill_9_loses_at_most_the_last_chunk() {
+    let out = Run::c("forever", &[])
+        .kill_after("started", Duration::from_millis(400))
+        .output();
+    assert_eq!(out.code, None, "killed by a signal: {}", out.stderr);
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    assert_eq!(dirs.len(), 1);
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.len() <= 1, "{tears:?}");
+    let allocs = count(&records, 10);
+    assert!(
+        allocs > 1000,
+        "the records written before the kill are there ({allocs})"
+    );
+    // Every complete pair is consistent: frees follow their allocations.
+    let mut live = HashMap::new();
+    for r in &records {
+        match r {
+            Record::Alloc(a) => assert!(live.insert(a.address, ()).is_none()),
+            Record::FreeCompleted(f) => assert!(live.remove(&f.address).is_some()),
+            _ => {}
+        }
+    }
+    assert!(
+        live.len() <= 1,
+        "at most the block being used at the kill is live"
+    );
+}
+
+#[test]
+fn rotation_bounds_the_files_of_a_long_run() {
+    let out = Run::c("churn", &["200000"])
+        .env(
+            "CACHEALLOC_CONF",
+            "trace_file_mb:1,trace_files:2,compress:off",
+        )
+        .output();
+    out.assert_ok("churn");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let files: Vec<_> = std::fs::read_dir(&dirs[0])
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 2, "{files:?}");
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.is_empty());
+    let headers: Vec<u32> = records
+        .iter()
+        .filter_map(|r| {
+            if let Record::Header(h) = r {
+                Some(h.file_index)
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(headers.len(), 2);
+    assert!(
+        headers[0] >= 1,
+        "older files were rotated away: {headers:?}"
+    );
+    // Each remaining file starts with a checkpoint: the blocks live then are known, so every
+    // completion in the trace matches a block the reader knows.
+    let mut state = LiveState::default();
+    for r in &records {
+        if let Record::FreeCompleted(f) = r {
+            assert!(
+                state.blocks.contains_key(&(f.device, f.address)),
+                "completion of an unknown block"
+            );
+        }
+        state.apply(r);
+    }
+}
+
+#[test]
+fn a_forked_child_writes_no_trace() {
+    let out = Run::c("fork", &[]).output();
+    out.assert_ok("fork");
+    assert_eq!(
+        trace_dirs(&out.dir.join("cachealloc-trace")).len(),
+        1,
+        "only the parent's"
+    );
+}
+
+#[test]
+fn an_unwritable_trace_dir_is_reported_once_and_harms_nothing() {
+    let out = Run::c("basic", &[])
+        .env("CACHEALLOC_CONF", "trace_dir:/proc/cachealloc-cannot")
+        .output();
+    out.assert_ok("basic");
+    let errors: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("cachealloc: cannot write the trace"))
+        .collect();
+    assert_eq!(errors.len(), 1, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("no trace (cannot write the trace"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn trace_off_writes_nothing() {
+    let out = Run::c("basic", &[])
+        .env("CACHEALLOC_CONF", "trace:off")
+        .output();
+    out.assert_ok("basic");
+    assert!(!out.dir.join("cachealloc-trace").exists());
+    assert!(
+        out.stderr.contains("no trace (trace:off)"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn annotations_and_streams_are_recorded() {
+    let out = Run::c("race", &["nonblocking"]).output();
+    out.assert_ok("race");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, _) = read_trace(&dirs[0]);
+    assert_eq!(count(&records, 18), 2, "two streams created");
+    assert_eq!(count(&records, 19), 2, "and destroyed");
+    // The race program's frees wait for fences: completions come after requests.
+    let first_request = records.iter().position(|r| r.kind() == 11).unwrap();
+    let first_completion = records.iter().position(|r| r.kind() == 12).unwrap();
+    assert!(first_completion > first_request);
+}
