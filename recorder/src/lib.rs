@@ -9,7 +9,7 @@
 //!     rank: -1, local_rank: -1, world_size: -1, cmdline: vec![], wall_clock_base_ns: 0,
 //!     monotonic_base_ns: 0, config: String::new(), devices: vec![], modules: vec![] };
 //! let recorder = Recorder::start(WriterConfig::new(&dir, 64 << 20, 8, true), header, 1024, |_| {}).unwrap();
-//! recorder.send(Record::Annotation(schema::Annotation { t: 1, name: "epoch 1".into(), thread: 1 }));
+//! recorder.send(Record::Annotation(Box::new(schema::Annotation { t: 1, name: "epoch 1".into(), thread: 1 })));
 //! assert!(recorder.shutdown(std::time::Duration::from_secs(5)));
 //! let names: Vec<String> = TraceReader::open(&dir).unwrap()
 //!     .filter_map(|item| match item.unwrap().record { Record::Annotation(a) => Some(a.name), _ => None })

@@ -44,6 +44,9 @@ impl LiveState {
             Record::FreeCompleted(f) => {
                 self.blocks.remove(&(f.device, f.address));
             }
+            Record::Free(f) => {
+                self.blocks.remove(&(f.device, f.address));
+            }
             Record::SegmentAlloc(s) => {
                 self.segments.insert(
                     (s.device, s.address),
@@ -66,10 +69,10 @@ impl LiveState {
                 self.blocks.insert((b.device, b.address), *b);
             }
             Record::StackDef(s) => {
-                self.stacks.insert(s.id, s.clone());
+                self.stacks.insert(s.id, (**s).clone());
             }
             Record::FrameDef(f) => {
-                self.frames.insert(f.id, f.clone());
+                self.frames.insert(f.id, (**f).clone());
             }
             _ => {}
         }
@@ -96,9 +99,13 @@ impl LiveState {
         let mut out: Vec<Record> = used_frames
             .iter()
             .filter_map(|id| self.frames.get(id))
-            .map(|f| Record::FrameDef(f.clone()))
+            .map(|f| Record::FrameDef(Box::new(f.clone())))
             .collect();
-        out.extend(stacks.into_iter().map(|s| Record::StackDef(s.clone())));
+        out.extend(
+            stacks
+                .into_iter()
+                .map(|s| Record::StackDef(Box::new(s.clone()))),
+        );
         out.extend(
             self.segments
                 .values()

@@ -194,7 +194,7 @@ impl<C: Clock> TraceWriter<C> {
         let mut header = self.header.clone();
         header.file_index = self.file_index;
         let mut records = Vec::new();
-        Record::Header(header).encode(&mut records);
+        Record::Header(Box::new(header)).encode(&mut records);
         let t = self
             .clock
             .now_ns()

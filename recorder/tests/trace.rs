@@ -72,18 +72,18 @@ fn one_of_each() -> Vec<Record> {
         stack: 1,
     };
     vec![
-        Record::FrameDef(FrameDef {
+        Record::FrameDef(Box::new(FrameDef {
             id: 1,
             kind: 1,
             name: "forward".into(),
             file: "model.py".into(),
             line: 42,
             address: 0,
-        }),
-        Record::StackDef(StackDef {
+        })),
+        Record::StackDef(Box::new(StackDef {
             id: 1,
             frames: vec![1],
-        }),
+        })),
         Record::SegmentAlloc(seg),
         Record::Alloc(Alloc {
             t: 6,
@@ -113,7 +113,7 @@ fn one_of_each() -> Vec<Record> {
         Record::SegmentMap(SegmentEvent { t: 9, ..seg }),
         Record::SegmentUnmap(SegmentEvent { t: 10, ..seg }),
         Record::SegmentFree(SegmentEvent { t: 11, ..seg }),
-        Record::Oom(Oom {
+        Record::Oom(Box::new(Oom {
             t: 12,
             device: 0,
             requested: 1 << 40,
@@ -127,7 +127,7 @@ fn one_of_each() -> Vec<Record> {
             limit: 6,
             stack: 1,
             thread: 2,
-        }),
+        })),
         Record::StreamCreated(StreamEvent {
             t: 13,
             device: 0,
@@ -140,11 +140,11 @@ fn one_of_each() -> Vec<Record> {
             stream: 0x55,
             flags: 0,
         }),
-        Record::Annotation(Annotation {
+        Record::Annotation(Box::new(Annotation {
             t: 15,
             name: "epoch 1 ✓".into(),
             thread: 1,
-        }),
+        })),
         Record::StatsSample(StatsSample {
             t: 16,
             device: 0,
@@ -175,7 +175,25 @@ fn one_of_each() -> Vec<Record> {
             pending: 1,
         }),
         Record::CheckpointEnd(CheckpointEnd { t: 18 }),
+        Record::Free(FreeRequested {
+            t: 19,
+            device: 0,
+            stream: 0,
+            address: 0x7f00_0000_1000,
+            size: 512,
+            stack: 0,
+            thread: 3,
+        }),
     ]
+}
+
+/// The records of the golden files: every kind that existed when they were written (kind 23,
+/// `Free`, came later; the files must still read exactly).
+fn golden_records() -> Vec<Record> {
+    one_of_each()
+        .into_iter()
+        .filter(|r| r.kind() <= 22)
+        .collect()
 }
 
 fn read_all(dir: &Path) -> (Vec<(usize, Record)>, TraceReader) {
@@ -218,7 +236,7 @@ fn every_record_kind_round_trips() {
         w.finish().unwrap();
         let (records, reader) = read_all(&dir);
         assert!(reader.tears().is_empty());
-        assert!(matches!(&records[0].1, Record::Header(h) if *h == header()));
+        assert!(matches!(&records[0].1, Record::Header(h) if **h == header()));
         assert_eq!(events_of(&records, 0), one_of_each());
         assert!(
             dir.join("trace-000000.cat").exists(),
@@ -242,11 +260,11 @@ fn unknown_kinds_are_passed_over() {
         body: vec![1, 2, 3],
     })
     .unwrap();
-    w.write(&Record::Annotation(Annotation {
+    w.write(&Record::Annotation(Box::new(Annotation {
         t: 1,
         name: "after".into(),
         thread: 0,
-    }))
+    })))
     .unwrap();
     w.finish().unwrap();
     let (records, _) = read_all(&dir);
@@ -375,11 +393,11 @@ fn flushing_follows_the_injected_clock() {
     let path = dir.join("trace-000000.cat.part");
     let size = || std::fs::metadata(&path).unwrap().len();
     let initial = size();
-    w.write(&Record::Annotation(Annotation {
+    w.write(&Record::Annotation(Box::new(Annotation {
         t: 1,
         name: "a".into(),
         thread: 0,
-    }))
+    })))
     .unwrap();
     w.tick().unwrap();
     assert_eq!(size(), initial, "not flushed before 100 ms");
@@ -551,7 +569,7 @@ fn write_golden_files() {
             ManualClock::default(),
         )
         .unwrap();
-        for r in one_of_each() {
+        for r in golden_records() {
             w.write(&r).unwrap();
         }
         w.finish().unwrap();
@@ -564,9 +582,9 @@ fn golden_files_of_format_1_read_exactly() {
         let (records, reader) = read_all(&golden_dir(compress));
         assert!(reader.tears().is_empty());
         assert!(
-            matches!(&records[0].1, Record::Header(h) if *h == header()),
+            matches!(&records[0].1, Record::Header(h) if **h == header()),
             "{compress}"
         );
-        assert_eq!(events_of(&records, 0), one_of_each(), "{compress}");
+        assert_eq!(events_of(&records, 0), golden_records(), "{compress}");
     }
 }

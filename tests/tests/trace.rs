@@ -36,10 +36,14 @@ fn a_run_leaves_a_complete_ordered_trace() {
     assert_eq!(header.devices.len(), 1);
     assert_eq!(header.devices[0].name, "fakecuda device 0");
     assert!(header.cmdline[0].ends_with("basic"));
-    // basic: 9 allocations, all freed, 3 segments.
+    // basic: 9 allocations, all freed at once (no stream: immediate reuse), 3 segments.
     assert_eq!(count(&records, 10), 9, "allocs");
-    assert_eq!(count(&records, 11), 9, "free requests");
-    assert_eq!(count(&records, 12), 9, "free completions");
+    assert_eq!(count(&records, 23), 9, "immediate frees");
+    assert_eq!(
+        count(&records, 11) + count(&records, 12),
+        0,
+        "no fenced frees"
+    );
     assert_eq!(count(&records, 13), 3, "segment allocations");
     // In order: replaying the events never frees a block that is not live.
     let mut live: HashMap<u64, u64> = HashMap::new();
@@ -51,7 +55,7 @@ fn a_run_leaves_a_complete_ordered_trace() {
                 assert!(a.t >= last_t);
                 last_t = a.t;
             }
-            Record::FreeCompleted(f) => assert_eq!(live.remove(&f.address), Some(f.size)),
+            Record::Free(f) => assert_eq!(live.remove(&f.address), Some(f.size)),
             _ => {}
         }
     }
@@ -66,7 +70,7 @@ fn exit_without_freeing_still_flushes_everything() {
     let (records, tears) = read_trace(&dirs[0]);
     assert!(tears.is_empty());
     assert_eq!(count(&records, 10), 10);
-    assert_eq!(count(&records, 11), 0);
+    assert_eq!(count(&records, 11) + count(&records, 23), 0);
     let mut state = LiveState::default();
     records.iter().for_each(|r| state.apply(r));
     assert_eq!(state.blocks.len(), 10, "ten blocks live at the end");
@@ -96,7 +100,7 @@ fn kill_9_loses_at_most_the_last_chunk() {
     for r in &records {
         match r {
             Record::Alloc(a) => assert!(live.insert(a.address, ()).is_none()),
-            Record::FreeCompleted(f) => assert!(live.remove(&f.address).is_some()),
+            Record::Free(f) => assert!(live.remove(&f.address).is_some()),
             _ => {}
         }
     }

@@ -152,9 +152,10 @@ pub struct SegmentChanges {
 pub enum Event<'a> {
     /// A block was handed out.
     Alloc(&'a Allocation),
-    /// The application freed a block (reusable now unless `pending`).
+    /// The application freed a block. Unless `pending`, it is reusable at once (and no
+    /// `FreeCompleted` follows).
     FreeRequested(&'a Freed),
-    /// A freed block became reusable.
+    /// A pending freed block became reusable (its fence completed).
     FreeCompleted {
         /// Its address.
         address: u64,
@@ -523,12 +524,6 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         let mut pools = self.pools.lock();
         let freed = pools.free(address)?;
         self.observer.on_event(Event::FreeRequested(&freed));
-        if !freed.pending {
-            self.observer.on_event(Event::FreeCompleted {
-                address: freed.address,
-                size: freed.size,
-            });
-        }
         Ok(freed)
     }
 

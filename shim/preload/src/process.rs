@@ -484,11 +484,11 @@ pub fn annotate(name: &str) {
     };
     if let Ok(trace) = &shim.trace {
         let t = crate::trace::now();
-        trace.send(Record::Annotation(Annotation {
+        trace.send(Record::Annotation(Box::new(Annotation {
             t,
             name: name.to_string(),
             thread: crate::trace::thread_number(),
-        }));
+        })));
     }
     let at = shim.started.elapsed().as_secs_f64();
     let mut line = format!("annotation '{name}' at +{at:.3} s:");

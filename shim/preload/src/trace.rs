@@ -134,15 +134,22 @@ impl Observer for DeviceObserver {
                 stack: 0,
                 thread: thread_number(),
             }),
-            Event::FreeRequested(f) => Record::FreeRequested(schema::FreeRequested {
-                t,
-                device,
-                stream: 0,
-                address: f.address,
-                size: f.size,
-                stack: 0,
-                thread: thread_number(),
-            }),
+            Event::FreeRequested(f) => {
+                let body = schema::FreeRequested {
+                    t,
+                    device,
+                    stream: 0,
+                    address: f.address,
+                    size: f.size,
+                    stack: 0,
+                    thread: thread_number(),
+                };
+                if f.pending {
+                    Record::FreeRequested(body)
+                } else {
+                    Record::Free(body)
+                }
+            }
             Event::FreeCompleted { address, size } => {
                 Record::FreeCompleted(schema::FreeCompleted {
                     t,
@@ -171,7 +178,7 @@ impl Observer for DeviceObserver {
                 pool: pool_byte(s.pool),
                 stack: 0,
             }),
-            Event::Oom(r) => Record::Oom(schema::Oom {
+            Event::Oom(r) => Record::Oom(Box::new(schema::Oom {
                 t,
                 device,
                 requested: r.requested,
@@ -185,7 +192,7 @@ impl Observer for DeviceObserver {
                 limit: r.limit,
                 stack: 0,
                 thread: thread_number(),
-            }),
+            })),
         };
         trace.send(record);
     }

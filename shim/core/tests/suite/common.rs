@@ -99,7 +99,11 @@ impl Observer for Mirror {
                     .get_mut(&f.address)
                     .expect("free of a block never allocated");
                 assert!(!b.1, "second free request");
-                b.1 = true;
+                if f.pending {
+                    b.1 = true;
+                } else {
+                    blocks.remove(&f.address);
+                }
             }
             Event::FreeCompleted { address, .. } => assert!(
                 blocks.remove(&address).is_some(),
