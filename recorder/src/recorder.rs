@@ -166,6 +166,36 @@ impl Recorder {
     }
 }
 
+/// Fill in the name, file and line of a native frame definition that carries only its address
+/// (the hot path captures raw return addresses; resolving them is slow, so it happens here, once
+/// per distinct address since the producer interns frames).
+fn symbolize(record: &mut Record) {
+    let Record::FrameDef(frame) = record else {
+        return;
+    };
+    if frame.kind != crate::schema::FRAME_NATIVE || !frame.name.is_empty() || frame.address == 0 {
+        return;
+    }
+    // A return address points after the call; the call itself is one byte before.
+    let call = frame.address - 1;
+    backtrace::resolve(call as *mut std::ffi::c_void, |symbol| {
+        if frame.name.is_empty()
+            && let Some(name) = symbol.name()
+        {
+            frame.name = name.to_string();
+        }
+        if frame.file.is_empty()
+            && let Some(file) = symbol.filename()
+        {
+            frame.file = file.display().to_string();
+            frame.line = symbol.lineno().unwrap_or(0);
+        }
+    });
+    if frame.name.is_empty() {
+        frame.name = format!("{:#x}", frame.address);
+    }
+}
+
 fn run_worker<C: Clock>(
     mut writer: TraceWriter<C>,
     rx: Receiver<Message>,
@@ -186,8 +216,9 @@ fn run_worker<C: Clock>(
         let mut stop = false;
         while handled < BATCH {
             match rx.try_recv() {
-                Ok(Message::Record(record)) => {
+                Ok(Message::Record(mut record)) => {
                     handled += 1;
+                    symbolize(&mut record);
                     if ok && let Err(e) = writer.write(&record) {
                         fail(e, &mut ok);
                     }

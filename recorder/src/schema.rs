@@ -238,8 +238,13 @@ pub struct StackDef {
     pub frames: Vec<u32>,
 }
 
-/// A frame: a Python function at a line, or a native instruction address (symbolized when
-/// possible).
+/// [`FrameDef::kind`] of a native frame.
+pub const FRAME_NATIVE: u8 = 0;
+/// [`FrameDef::kind`] of a Python frame.
+pub const FRAME_PYTHON: u8 = 1;
+
+/// A frame: a Python function at a line, or a native return address (symbolized by the
+/// recorder's worker when possible).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FrameDef {
     /// Frame id (≥ 1).

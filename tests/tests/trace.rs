@@ -213,3 +213,51 @@ fn annotations_and_streams_are_recorded() {
     let first_completion = records.iter().position(|r| r.kind() == 12).unwrap();
     assert!(first_completion > first_request);
 }
+
+#[test]
+fn native_stacks_name_the_callers_and_are_defined_before_use() {
+    let out = Run::c("basic", &[])
+        .env("CACHEALLOC_CONF", "stacks:native,stack_depth:32")
+        .output();
+    out.assert_ok("basic");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.is_empty());
+    let mut frames = HashMap::new();
+    let mut stacks = HashMap::new();
+    let mut allocs = 0;
+    for r in &records {
+        match r {
+            Record::FrameDef(f) => {
+                frames.insert(f.id, f.name.clone());
+            }
+            Record::StackDef(s) => {
+                assert!(
+                    s.frames.iter().all(|f| frames.contains_key(f)),
+                    "frames defined before their stack"
+                );
+                assert!(s.frames.len() <= 32);
+                stacks.insert(s.id, s.frames.clone());
+            }
+            Record::Alloc(a) => {
+                allocs += 1;
+                assert!(
+                    stacks.contains_key(&a.stack),
+                    "stack {} used before its definition",
+                    a.stack
+                );
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(allocs, 9);
+    let names: Vec<&String> = frames.values().collect();
+    assert!(
+        names.iter().any(|n| n.as_str() == "main"),
+        "the program's main is named: {names:?}"
+    );
+    assert!(
+        !names.iter().any(|n| n.starts_with("cachealloc::")),
+        "the shim's own frames are skipped: {names:?}"
+    );
+}

@@ -170,6 +170,8 @@ pub enum Event<'a> {
         size: u64,
         /// Its pool.
         pool: PoolKind,
+        /// The tag of the request that caused it.
+        tag: u64,
     },
     /// A segment left the pools, to be released on the device.
     SegmentFree(&'a ReleasedSegment),
@@ -279,6 +281,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             address,
             size: segment_size,
             pool: sizes::pool_for(rounded),
+            tag,
         });
         let allocation = pools.add_segment_and_alloc(address, segment_size, rounded, size, tag);
         self.served(allocation)

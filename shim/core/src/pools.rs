@@ -127,6 +127,8 @@ pub struct Allocation {
     pub segment_address: u64,
     /// The pool it came from.
     pub pool: PoolKind,
+    /// The caller's tag (a stack id for the recorder).
+    pub tag: u64,
 }
 
 /// What a successful free did.
@@ -413,6 +415,7 @@ impl<F: Clone> Pools<F> {
             requested,
             segment_address,
             pool,
+            tag,
         }
     }
 

@@ -18,6 +18,7 @@
 //! | [`driver`] | reuse fences: CUDA events through the driver API (cudarc) |
 //! | [`streams`] | the application's streams, for fences and `reuse:auto` |
 //! | [`trace`] | the trace: directory, header, allocator events as records |
+//! | [`stacks`] | native stack capture and interning |
 //! | [`real`] | the real runtime functions, found at first use |
 //! | [`cuda`] | CUDA ABI constants and types |
 //! | [`log`] | stderr messages |
@@ -47,6 +48,7 @@ pub mod log;
 pub mod process;
 pub mod real;
 pub mod settings;
+pub mod stacks;
 pub mod streams;
 pub mod trace;
 

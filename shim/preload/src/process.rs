@@ -25,8 +25,10 @@ use crate::cuda::{self, CudaError};
 use crate::driver::{Driver, Stream};
 use crate::log;
 use crate::settings;
+use crate::stacks::Stacks;
 use crate::streams::StreamRegistry;
 use crate::trace::{DeviceObserver, Trace};
+use cachealloc_core::config::StackMode;
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{Annotation, DeviceInfo, StreamEvent};
 
@@ -87,6 +89,8 @@ pub struct Shim {
     started: std::time::Instant,
     /// The trace, or why there is none.
     trace: Result<Arc<Trace>, String>,
+    /// Native stack capture, when the trace is on and `stacks` asks for native frames.
+    stacks: Option<Stacks>,
 }
 
 /// Called in the child after `fork` (registered with `pthread_atfork` by the constructor).
@@ -145,8 +149,25 @@ fn start() -> Option<Shim> {
     } else {
         Err("trace:off".to_string())
     };
+    let stacks = match (config.stacks, &trace) {
+        (StackMode::Native | StackMode::All, Ok(_)) => {
+            Some(Stacks::new(config.stack_depth as usize))
+        }
+        _ => None,
+    };
+    if matches!(config.stacks, StackMode::Python | StackMode::All) && trace.is_ok() {
+        log::error!(
+            "stacks:python is not built yet: the trace records {} Python frames",
+            if stacks.is_some() {
+                "native frames, no"
+            } else {
+                "no"
+            }
+        );
+    }
     Some(Shim {
         trace,
+        stacks,
         device_count,
         driver,
         reuse: config.allocator.reuse,
@@ -248,7 +269,13 @@ impl Shim {
         let device = self.current_device()?;
         let pool = self.pool(device)?;
         let mut changes = cachealloc_core::SegmentChanges::default();
-        let result = pool.alloc.malloc_traced(size, 0, &mut changes);
+        let stack = match (&self.stacks, &self.trace) {
+            (Some(stacks), Ok(trace)) => stacks.capture(trace),
+            _ => 0,
+        };
+        let result = pool
+            .alloc
+            .malloc_traced(size, u64::from(stack), &mut changes);
         for &(address, size) in &changes.allocated {
             pool.cover(address, size);
         }

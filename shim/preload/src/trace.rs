@@ -131,7 +131,7 @@ impl Observer for DeviceObserver {
                 address: a.address,
                 requested: a.requested,
                 size: a.size,
-                stack: 0,
+                stack: a.tag as u32,
                 thread: thread_number(),
             }),
             Event::FreeRequested(f) => {
@@ -162,13 +162,14 @@ impl Observer for DeviceObserver {
                 address,
                 size,
                 pool,
+                tag,
             } => Record::SegmentAlloc(schema::SegmentEvent {
                 t,
                 device,
                 address,
                 size,
                 pool: pool_byte(pool),
-                stack: 0,
+                stack: tag as u32,
             }),
             Event::SegmentFree(s) => Record::SegmentFree(schema::SegmentEvent {
                 t,
