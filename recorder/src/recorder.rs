@@ -29,6 +29,7 @@ const BATCH: usize = 8192;
 
 enum Message {
     Record(Record),
+    Checkpoint,
     Flush(Sender<()>),
     Shutdown,
 }
@@ -114,6 +115,11 @@ impl Recorder {
             }
             Err(TrySendError::Disconnected(_)) => {}
         }
+    }
+
+    /// Write a checkpoint of the live state after everything sent so far, and flush it.
+    pub fn checkpoint(&self) {
+        let _ = self.tx.send(Message::Checkpoint);
     }
 
     /// Count a stack the producer chose not to capture or send.
@@ -223,6 +229,11 @@ fn run_worker<C: Clock>(
                         fail(e, &mut ok);
                     }
                     stats.written.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Message::Checkpoint) => {
+                    if ok && let Err(e) = writer.checkpoint() {
+                        fail(e, &mut ok);
+                    }
                 }
                 Ok(Message::Flush(ack)) => {
                     if ok && let Err(e) = writer.flush() {

@@ -157,6 +157,19 @@ impl<C: Clock> TraceWriter<C> {
         Ok(())
     }
 
+    /// Write a checkpoint of the live state into the stream now, and flush it: the forensic
+    /// record of an out-of-memory failure (`oom_checkpoint`).
+    pub fn checkpoint(&mut self) -> io::Result<()> {
+        let t = self
+            .clock
+            .now_ns()
+            .saturating_sub(self.header.monotonic_base_ns);
+        for r in self.state.checkpoint(t) {
+            r.encode(&mut self.pending);
+        }
+        self.flush()
+    }
+
     /// Flush and finish the current file (rename it from `.part`).
     pub fn finish(mut self) -> io::Result<PathBuf> {
         self.flush()?;

@@ -261,3 +261,65 @@ fn native_stacks_name_the_callers_and_are_defined_before_use() {
         "the shim's own frames are skipped: {names:?}"
     );
 }
+
+#[test]
+fn an_oom_is_followed_by_a_checkpoint_of_the_state() {
+    let checkpoints_after_ooms = |conf: Option<&str>| {
+        let mut run = Run::c("oom", &[]).env("FAKECUDA_CAPACITY_MB", "64");
+        if let Some(conf) = conf {
+            run = run.env("CACHEALLOC_CONF", conf);
+        }
+        let out = run.output();
+        out.assert_ok("oom");
+        let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+        let (records, _) = read_trace(&dirs[0]);
+        let ooms = count(&records, 17);
+        assert_eq!(ooms, 2, "the fill's last request and the impossible one");
+        // Checkpoints after the file's opening one.
+        let ends: Vec<usize> = records
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.kind() == 4)
+            .map(|(i, _)| i)
+            .collect();
+        let first_oom = records.iter().position(|r| r.kind() == 17).unwrap();
+        (ends.len() - 1, ends.last().is_some_and(|&e| e > first_oom))
+    };
+    assert_eq!(checkpoints_after_ooms(None), (2, true));
+    assert_eq!(
+        checkpoints_after_ooms(Some("oom_checkpoint:off")),
+        (0, false)
+    );
+}
+
+#[test]
+fn stats_are_sampled_during_a_long_run() {
+    let out = Run::c("churn", &["300000"]).output();
+    out.assert_ok("churn");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, _) = read_trace(&dirs[0]);
+    let samples: Vec<_> = records
+        .iter()
+        .filter_map(|r| {
+            if let Record::StatsSample(s) = r {
+                Some(*s)
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert!(
+        !samples.is_empty(),
+        "at least one sample in a run of several hundred ms"
+    );
+    for s in &samples {
+        assert!(
+            s.allocated <= s.active && s.active <= s.reserved && s.requested <= s.active,
+            "{s:?}"
+        );
+    }
+    assert!(
+        samples.windows(2).all(|w| w[1].t >= w[0].t + 100_000_000),
+        "at most one per 100 ms"
+    );
+}

@@ -75,6 +75,11 @@ impl Trace {
         self.recorder.send(record);
     }
 
+    /// Write a checkpoint of the live state now (after an OOM).
+    pub fn checkpoint(&self) {
+        self.recorder.checkpoint();
+    }
+
     /// Flush and stop at exit; returns whether everything was written in time.
     pub fn shutdown(&self) -> bool {
         self.recorder.shutdown(Duration::from_secs(5))
@@ -109,6 +114,8 @@ pub struct DeviceObserver {
     pub device: u32,
     /// The trace, if any.
     pub trace: Option<Arc<Trace>>,
+    /// Write a checkpoint after an OOM record (`oom_checkpoint`).
+    pub oom_checkpoint: bool,
 }
 
 fn pool_byte(pool: PoolKind) -> u8 {
@@ -195,7 +202,11 @@ impl Observer for DeviceObserver {
                 thread: thread_number(),
             })),
         };
+        let is_oom = matches!(record, Record::Oom(_));
         trace.send(record);
+        if is_oom && self.oom_checkpoint {
+            trace.checkpoint();
+        }
     }
 }
 
