@@ -145,6 +145,19 @@ pub struct SegmentChanges {
     pub completed_frees: Vec<(u64, u64)>,
 }
 
+/// A request on its way down the ladder.
+#[derive(Clone, Copy, Debug)]
+struct Request {
+    /// The application's size.
+    size: u64,
+    /// Its rounded size.
+    rounded: u64,
+    /// The size of a new segment for it.
+    segment_size: u64,
+    /// The caller's tag.
+    tag: u64,
+}
+
 /// One thing the allocator did, reported to its [`Observer`] under the allocator's lock, so that
 /// events reach the observer in the order they happened (a trace must never show a block
 /// allocated again before its free).
@@ -265,17 +278,19 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     }
 
     /// Take a new segment into the pools and serve the request from it.
-    #[allow(clippy::too_many_arguments)]
     fn new_segment(
         &self,
         pools: &mut Pools<D::Fence>,
         changes: &mut SegmentChanges,
         address: u64,
-        segment_size: u64,
-        rounded: u64,
-        size: u64,
-        tag: u64,
+        request: &Request,
     ) -> Allocation {
+        let Request {
+            size,
+            rounded,
+            segment_size,
+            tag,
+        } = *request;
         changes.allocated.push((address, segment_size));
         self.observer.on_event(Event::SegmentAlloc {
             address,
@@ -285,6 +300,23 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         });
         let allocation = pools.add_segment_and_alloc(address, segment_size, rounded, size, tag);
         self.served(allocation)
+    }
+
+    /// Rungs 5–7: ask the device for a segment and, if it gives one, serve the request from it.
+    fn grow_and_serve<'a>(
+        &'a self,
+        pools: Locked<'a, D::Fence>,
+        request: &Request,
+        changes: &mut SegmentChanges,
+        is_retry: bool,
+    ) -> (
+        Result<Option<Allocation>, DeviceError>,
+        Locked<'a, D::Fence>,
+    ) {
+        let (grown, mut pools) = self.grow(pools, request.segment_size, is_retry);
+        let served =
+            grown.map(|address| address.map(|a| self.new_segment(&mut pools, changes, a, request)));
+        (served, pools)
     }
 
     /// The device.
@@ -370,54 +402,36 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         }
 
         // 5. A new segment.
-        let (grown, relocked) = self.grow(pools, segment_size, false);
+        let request = Request {
+            size,
+            rounded,
+            segment_size,
+            tag,
+        };
+        let (served, relocked) = self.grow_and_serve(pools, &request, changes, false);
         pools = relocked;
-        if let Some(address) = grown? {
-            return Ok(self.new_segment(
-                &mut pools,
-                changes,
-                address,
-                segment_size,
-                rounded,
-                size,
-                tag,
-            ));
+        if let Some(a) = served? {
+            return Ok(a);
         }
 
         // 6. Release free oversize segments, then try again.
         let oversize = pools.take_oversize_segments(rounded);
         if !oversize.is_empty() {
             pools = self.release_unlocked(pools, oversize, changes);
-            let (grown, relocked) = self.grow(pools, segment_size, false);
+            let (served, relocked) = self.grow_and_serve(pools, &request, changes, false);
             pools = relocked;
-            if let Some(address) = grown? {
-                return Ok(self.new_segment(
-                    &mut pools,
-                    changes,
-                    address,
-                    segment_size,
-                    rounded,
-                    size,
-                    tag,
-                ));
+            if let Some(a) = served? {
+                return Ok(a);
             }
         }
 
         // 7. Empty the cache, then try once more.
         let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
         pools = self.release_unlocked(pools, all, changes);
-        let (grown, relocked) = self.grow(pools, segment_size, true);
+        let (served, relocked) = self.grow_and_serve(pools, &request, changes, true);
         pools = relocked;
-        if let Some(address) = grown? {
-            return Ok(self.new_segment(
-                &mut pools,
-                changes,
-                address,
-                segment_size,
-                rounded,
-                size,
-                tag,
-            ));
+        if let Some(a) = served? {
+            return Ok(a);
         }
 
         // 8. Out of memory.
