@@ -35,8 +35,8 @@
 //! # Note [The unlisted rest]
 //!
 //! Splitting a block creates a free *rest*. The most recent rest is not put into its free list
-//! at once but kept in [`Pools::unlisted_rest`]; whatever reads the free lists first
-//! [settles](Pools::settle) it into its list, and a free that merges with it takes it straight
+//! at once but kept in the `unlisted_rest` slot; whatever reads the free lists first
+//! settles it into its list, and a free that merges with it takes it straight
 //! from there. The common pattern of a temporary tensor — split a block, free it, merge back —
 //! thus costs no free-list update for the rest. The rest is free in every other respect (block
 //! state, stats), so only the free-list invariant has to know: the free lists plus the unlisted

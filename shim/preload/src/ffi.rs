@@ -1,7 +1,7 @@
 //! Every symbol `libcachealloc.so` exports: the interposed CUDA runtime functions and the C API.
 //!
 //! Each function converts its C arguments, calls safe code in [`crate::hooks`] inside
-//! [`guarded`] (no panic crosses the ABI: a panic degrades the shim to passthrough with one
+//! `guarded` (no panic crosses the ABI: a panic degrades the shim to passthrough with one
 //! message), and writes the results through the caller's out-pointers.
 //!
 //! Exports are `#[cfg_attr(not(test), unsafe(no_mangle))]`, so the crate's own unit-test binary
