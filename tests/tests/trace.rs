@@ -323,3 +323,37 @@ fn stats_are_sampled_during_a_long_run() {
         "at most one per 100 ms"
     );
 }
+
+#[test]
+fn pool_off_still_traces_every_allocation() {
+    let out = Run::c("basic", &[])
+        .env("CACHEALLOC_CONF", "pool:off")
+        .output();
+    out.assert_ok("basic");
+    assert!(
+        out.stderr
+            .contains("pool:off: 9 allocations passed through; trace in"),
+        "{}",
+        out.stderr
+    );
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.is_empty());
+    // basic makes 9 requests; cudaMalloc(0) returns no memory: 8 are recorded, each a segment of
+    // its own, and all are freed.
+    assert_eq!(count(&records, 10), 8);
+    assert_eq!(count(&records, 13), 8);
+    assert_eq!(count(&records, 23), 8);
+    assert_eq!(count(&records, 14), 8);
+    let mut state = LiveState::default();
+    for r in &records {
+        if let Record::Free(f) = r {
+            assert!(
+                state.blocks.contains_key(&(f.device, f.address)),
+                "free of an untraced block"
+            );
+        }
+        state.apply(r);
+    }
+    assert!(state.blocks.is_empty() && state.segments.is_empty());
+}

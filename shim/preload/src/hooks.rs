@@ -10,10 +10,7 @@ use crate::real;
 pub fn malloc(size: u64) -> Result<u64, CudaError> {
     match process::shim() {
         Some(shim) if shim.pooling() => shim.malloc(size),
-        Some(shim) => {
-            shim.note_passthrough_malloc();
-            real::malloc(size)
-        }
+        Some(shim) => shim.passthrough_malloc(size),
         None => real::malloc(size),
     }
 }
@@ -22,9 +19,11 @@ pub fn malloc(size: u64) -> Result<u64, CudaError> {
 pub fn free(address: u64) -> CudaError {
     if address != 0
         && let Some(shim) = process::shim()
-        && let Some(code) = shim.free(address)
     {
-        return code;
+        if let Some(code) = shim.free(address) {
+            return code;
+        }
+        shim.passthrough_free(address);
     }
     match real::free(address) {
         // The runtime is unloading (a free from a static destructor at exit): the memory goes

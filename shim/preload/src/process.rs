@@ -30,7 +30,9 @@ use crate::streams::StreamRegistry;
 use crate::trace::{DeviceObserver, Trace};
 use cachealloc_core::config::StackMode;
 use cachealloc_recorder::Record;
-use cachealloc_recorder::schema::{Annotation, DeviceInfo, StatsSample, StreamEvent};
+use cachealloc_recorder::schema::{
+    self, Annotation, DeviceInfo, SegmentEvent, StatsSample, StreamEvent,
+};
 
 /// Most devices a process can have (CUDA's own limit is lower in practice).
 const MAX_DEVICES: usize = 64;
@@ -78,7 +80,8 @@ impl Pool {
 /// The pooling state of the process.
 #[derive(Debug)]
 pub struct Shim {
-    driver: Driver,
+    /// The driver, for fences; `None` only in `pool:off` (trace only).
+    driver: Option<Driver>,
     reuse: ReusePolicy,
     report_cached_as_free: bool,
     streams: Arc<StreamRegistry>,
@@ -88,6 +91,9 @@ pub struct Shim {
     devices: Vec<OnceLock<Pool>>,
     healthy: AtomicBool,
     passthrough_mallocs: AtomicU64,
+    /// Traced allocations that passed through (`pool:off`, or degraded): address → (size,
+    /// device), to trace their frees.
+    passthrough: std::sync::Mutex<std::collections::HashMap<u64, (u64, u32)>>,
     /// When the shim started (the first CUDA call), for annotation times.
     started: std::time::Instant,
     /// The trace, or why there is none.
@@ -117,18 +123,25 @@ fn start() -> Option<Shim> {
     }
     let config = &settings.config;
     register_exit_summary();
-    if !config.pool {
-        log::debug!("pool:off: passing allocations through");
+    if !config.pool && !config.trace {
+        log::debug!("pool:off, trace:off: passing everything through");
         return None;
     }
+    // The driver is needed for fences (pooling); without it, only a trace is possible.
     let driver = match Driver::load() {
-        Ok(d) => d,
-        Err(why) => {
+        Ok(d) => Some(d),
+        Err(why) if config.pool => {
             log::error!("{why}; reuse fences are impossible, so allocations pass through unpooled");
             return None;
         }
+        Err(_) => None,
     };
-    log::debug!("pooling with {}", config.allocator.to_conf_string());
+    let pooling = config.pool;
+    if pooling {
+        log::debug!("pooling with {}", config.allocator.to_conf_string());
+    } else {
+        log::debug!("pool:off: passing allocations through, tracing them");
+    }
     let device_count = crate::real::device_count();
     let slots = if device_count > 0 {
         device_count.min(MAX_DEVICES)
@@ -138,7 +151,7 @@ fn start() -> Option<Shim> {
     let trace = if config.trace {
         let devices = (0..device_count)
             .filter_map(|d| {
-                let (name, total_memory) = crate::driver::device_info(driver, d as i32)?;
+                let (name, total_memory) = crate::driver::device_info(driver?, d as i32)?;
                 Some(DeviceInfo {
                     index: d as u32,
                     name,
@@ -177,8 +190,9 @@ fn start() -> Option<Shim> {
         report_cached_as_free: config.report_cached_as_free,
         streams: Arc::new(StreamRegistry::default()),
         devices: (0..slots).map(|_| OnceLock::new()).collect(),
-        healthy: AtomicBool::new(true),
+        healthy: AtomicBool::new(pooling),
         passthrough_mallocs: AtomicU64::new(0),
+        passthrough: std::sync::Mutex::new(std::collections::HashMap::new()),
         started: std::time::Instant::now(),
     })
 }
@@ -220,8 +234,9 @@ impl Shim {
                 trace: self.trace.as_ref().ok().cloned(),
                 oom_checkpoint: settings::get().config.oom_checkpoint,
             };
+            let driver = self.driver.expect("pooling implies a driver");
             let alloc = Allocator::with_observer(
-                CudaDevice::new(self.driver, device, self.streams.clone()),
+                CudaDevice::new(driver, device, self.streams.clone()),
                 config,
                 observer,
             );
@@ -326,9 +341,79 @@ impl Shim {
         None
     }
 
-    /// Count an allocation that passed through (degraded mode).
-    pub fn note_passthrough_malloc(&self) {
+    /// Count (and trace) an allocation that passed through (`pool:off`, or degraded). A raw
+    /// `cudaMalloc` is a segment holding one block: both are recorded.
+    pub fn passthrough_malloc(&self, size: u64) -> Result<u64, CudaError> {
         self.passthrough_mallocs.fetch_add(1, Ordering::Relaxed);
+        let Ok(trace) = &self.trace else {
+            return crate::real::malloc(size);
+        };
+        let stack = self.stacks.as_ref().map_or(0, |s| s.capture(trace));
+        let address = crate::real::malloc(size)?;
+        if address == 0 {
+            return Ok(0); // cudaMalloc(0)
+        }
+        let device = self.current_device().unwrap_or(0) as u32;
+        let t = crate::trace::now();
+        let pool = u8::from(size > cachealloc_core::sizes::SMALL_SIZE);
+        self.passthrough
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(address, (size, device));
+        trace.send(Record::SegmentAlloc(SegmentEvent {
+            t,
+            device,
+            address,
+            size,
+            pool,
+            stack,
+        }));
+        let thread = crate::trace::thread_number();
+        trace.send(Record::Alloc(schema::Alloc {
+            t,
+            device,
+            stream: 0,
+            address,
+            requested: size,
+            size,
+            stack,
+            thread,
+        }));
+        Ok(address)
+    }
+
+    /// Trace the free of an allocation that passed through, if it was traced; call before the
+    /// real `cudaFree`, so that no reuse of the address can be recorded before it.
+    pub fn passthrough_free(&self, address: u64) {
+        let Ok(trace) = &self.trace else { return };
+        let Some((size, device)) = self
+            .passthrough
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&address)
+        else {
+            return;
+        };
+        let t = crate::trace::now();
+        let thread = crate::trace::thread_number();
+        let pool = u8::from(size > cachealloc_core::sizes::SMALL_SIZE);
+        trace.send(Record::Free(schema::FreeRequested {
+            t,
+            device,
+            stream: 0,
+            address,
+            size,
+            stack: 0,
+            thread,
+        }));
+        trace.send(Record::SegmentFree(SegmentEvent {
+            t,
+            device,
+            address,
+            size,
+            pool,
+            stack: 0,
+        }));
     }
 
     /// Cached-but-free bytes of the current device, for `cudaMemGetInfo`.
@@ -508,6 +593,11 @@ pub fn exit_summary() {
     }
     let pid = std::process::id();
     let stats = shim.stats();
+    if shim.driver.is_none() || (stats.is_empty() && !shim.pooling()) {
+        let passed = shim.passthrough_mallocs.load(Ordering::Relaxed);
+        log::info!("pid {pid}: pool:off: {passed} allocations passed through; {trace_note}");
+        return;
+    }
     if stats.is_empty() {
         log::info!("pid {pid}: no allocation reached the pool");
         return;
