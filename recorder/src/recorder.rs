@@ -19,13 +19,15 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError, bounded};
 
-use crate::schema::{Dropped, Header, Record};
+use crate::schema::{Dropped, Header, Record, StatsSample};
 use crate::writer::{Clock, MonotonicClock, TraceWriter, WriterConfig};
 
 /// How long the worker sleeps when it finds the channel empty.
 const POLL: Duration = Duration::from_millis(1);
 /// Records written between checks for a due flush.
 const BATCH: usize = 8192;
+/// Interval between stats samples (computed here from the live state, off the hot path).
+const SAMPLE_INTERVAL_NS: u64 = 100_000_000;
 
 enum Message {
     Record(Record),
@@ -202,6 +204,26 @@ fn symbolize(record: &mut Record) {
     }
 }
 
+/// One stats sample per device, from the writer's mirror of the live state.
+fn write_samples<C: Clock>(writer: &mut TraceWriter<C>, t: u64) -> io::Result<()> {
+    let samples: Vec<Record> = writer
+        .state()
+        .totals
+        .iter()
+        .map(|(&device, totals)| {
+            Record::StatsSample(StatsSample {
+                t,
+                device,
+                allocated: totals.allocated,
+                reserved: totals.reserved,
+                active: totals.active,
+                requested: totals.requested,
+            })
+        })
+        .collect();
+    samples.iter().try_for_each(|r| writer.write(r))
+}
+
 fn run_worker<C: Clock>(
     mut writer: TraceWriter<C>,
     rx: Receiver<Message>,
@@ -209,6 +231,8 @@ fn run_worker<C: Clock>(
     on_error: impl Fn(&io::Error),
 ) {
     let mut last_dropped = (0, 0, 0);
+    let mut last_sample = 0u64;
+    let mut since_sample = 0usize;
     let mut ok = true;
     let fail = |e: io::Error, ok: &mut bool| {
         if *ok {
@@ -263,6 +287,16 @@ fn run_worker<C: Clock>(
                 blocked_ns: dropped.2,
             });
             if let Err(e) = writer.write(&record) {
+                fail(e, &mut ok);
+            }
+        }
+        since_sample += handled;
+        let now = crate::monotonic_ns();
+        if ok && since_sample > 0 && (stop || now.saturating_sub(last_sample) >= SAMPLE_INTERVAL_NS)
+        {
+            last_sample = now;
+            since_sample = 0;
+            if let Err(e) = write_samples(&mut writer, now) {
                 fail(e, &mut ok);
             }
         }

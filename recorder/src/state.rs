@@ -4,7 +4,22 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::schema::{BlockState, CheckpointEnd, FrameDef, Record, SegmentState, StackDef};
+use crate::schema::{
+    BlockState, CheckpointEnd, FrameDef, FreeCompleted, Record, SegmentState, StackDef,
+};
+
+/// Byte totals of one device, as PyTorch's stats define them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceTotals {
+    /// Bytes of allocated blocks.
+    pub allocated: u64,
+    /// Bytes of allocated and freed-but-pending blocks.
+    pub active: u64,
+    /// Requested bytes of active blocks.
+    pub requested: u64,
+    /// Bytes of segments.
+    pub reserved: u64,
+}
 
 /// The live state of a traced process.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -17,57 +32,46 @@ pub struct LiveState {
     pub stacks: HashMap<u32, StackDef>,
     /// Every frame definition seen.
     pub frames: HashMap<u32, FrameDef>,
+    /// Byte totals per device, kept with the maps above.
+    pub totals: BTreeMap<u32, DeviceTotals>,
 }
 
 impl LiveState {
     /// Apply one record.
     pub fn apply(&mut self, record: &Record) {
         match record {
-            Record::Alloc(a) => {
-                self.blocks.insert(
-                    (a.device, a.address),
-                    BlockState {
-                        device: a.device,
-                        address: a.address,
-                        size: a.size,
-                        requested: a.requested,
-                        stack: a.stack,
-                        pending: 0,
-                    },
-                );
-            }
+            Record::Alloc(a) => self.put_block(BlockState {
+                device: a.device,
+                address: a.address,
+                size: a.size,
+                requested: a.requested,
+                stack: a.stack,
+                pending: 0,
+            }),
             Record::FreeRequested(f) => {
-                if let Some(b) = self.blocks.get_mut(&(f.device, f.address)) {
+                if let Some(mut b) = self.blocks.get(&(f.device, f.address)).copied() {
                     b.pending = 1;
+                    self.put_block(b);
                 }
             }
-            Record::FreeCompleted(f) => {
-                self.blocks.remove(&(f.device, f.address));
-            }
-            Record::Free(f) => {
-                self.blocks.remove(&(f.device, f.address));
-            }
-            Record::SegmentAlloc(s) => {
-                self.segments.insert(
-                    (s.device, s.address),
-                    SegmentState {
-                        device: s.device,
-                        address: s.address,
-                        size: s.size,
-                        pool: s.pool,
-                        stack: s.stack,
-                    },
-                );
-            }
+            Record::FreeCompleted(FreeCompleted {
+                device, address, ..
+            }) => self.take_block(*device, *address),
+            Record::Free(f) => self.take_block(f.device, f.address),
+            Record::SegmentAlloc(s) => self.put_segment(SegmentState {
+                device: s.device,
+                address: s.address,
+                size: s.size,
+                pool: s.pool,
+                stack: s.stack,
+            }),
             Record::SegmentFree(s) => {
-                self.segments.remove(&(s.device, s.address));
+                if let Some(old) = self.segments.remove(&(s.device, s.address)) {
+                    self.totals.entry(old.device).or_default().reserved -= old.size;
+                }
             }
-            Record::CheckpointSegment(s) => {
-                self.segments.insert((s.device, s.address), *s);
-            }
-            Record::CheckpointBlock(b) => {
-                self.blocks.insert((b.device, b.address), *b);
-            }
+            Record::CheckpointSegment(s) => self.put_segment(*s),
+            Record::CheckpointBlock(b) => self.put_block(*b),
             Record::StackDef(s) => {
                 self.stacks.insert(s.id, (**s).clone());
             }
@@ -76,6 +80,42 @@ impl LiveState {
             }
             _ => {}
         }
+    }
+
+    /// Insert or replace a block, keeping the totals.
+    fn put_block(&mut self, block: BlockState) {
+        self.take_block(block.device, block.address);
+        let t = self.totals.entry(block.device).or_default();
+        if block.pending == 0 {
+            t.allocated += block.size;
+        }
+        t.active += block.size;
+        t.requested += block.requested;
+        self.blocks.insert((block.device, block.address), block);
+    }
+
+    /// Remove a block, keeping the totals.
+    fn take_block(&mut self, device: u32, address: u64) {
+        if let Some(old) = self.blocks.remove(&(device, address)) {
+            let t = self.totals.entry(device).or_default();
+            if old.pending == 0 {
+                t.allocated -= old.size;
+            }
+            t.active -= old.size;
+            t.requested -= old.requested;
+        }
+    }
+
+    /// Insert or replace a segment, keeping the totals.
+    fn put_segment(&mut self, segment: SegmentState) {
+        let t = self.totals.entry(segment.device).or_default();
+        if let Some(old) = self
+            .segments
+            .insert((segment.device, segment.address), segment)
+        {
+            t.reserved -= old.size;
+        }
+        t.reserved += segment.size;
     }
 
     /// The checkpoint records: the frames and stacks in use, then segments, then blocks, then

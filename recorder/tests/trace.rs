@@ -588,3 +588,63 @@ fn golden_files_of_format_1_read_exactly() {
         assert_eq!(events_of(&records, 0), golden_records(), "{compress}");
     }
 }
+
+#[test]
+fn live_totals_equal_a_recount_even_when_checkpoints_repeat_the_state() {
+    let mut state = LiveState::default();
+    let recount = |s: &LiveState| {
+        let mut t = cachealloc_recorder::state::DeviceTotals::default();
+        for b in s.blocks.values() {
+            if b.pending == 0 {
+                t.allocated += b.size;
+            }
+            t.active += b.size;
+            t.requested += b.requested;
+        }
+        t.reserved = s.segments.values().map(|s| s.size).sum();
+        t
+    };
+    let mut records = workload(5000);
+    // A block freed but pending, then a mid-stream checkpoint that repeats everything live.
+    records.push(Record::Alloc(Alloc {
+        t: 1,
+        device: 0,
+        stream: 0,
+        address: 7 << 40,
+        requested: 100,
+        size: 512,
+        stack: 0,
+        thread: 1,
+    }));
+    records.push(Record::FreeRequested(FreeRequested {
+        t: 2,
+        device: 0,
+        stream: 0,
+        address: 7 << 40,
+        size: 512,
+        stack: 0,
+        thread: 1,
+    }));
+    for (i, r) in records.iter().enumerate() {
+        state.apply(r);
+        if i % 997 == 0 {
+            assert_eq!(
+                state.totals.get(&0).copied().unwrap_or_default(),
+                recount(&state),
+                "after record {i}"
+            );
+        }
+    }
+    for r in state.clone().checkpoint(3) {
+        state.apply(&r);
+    }
+    assert_eq!(
+        state.totals[&0],
+        recount(&state),
+        "a repeated checkpoint does not double count"
+    );
+    assert!(
+        state.totals[&0].active > state.totals[&0].allocated,
+        "the pending block is active, not allocated"
+    );
+}

@@ -30,9 +30,7 @@ use crate::streams::StreamRegistry;
 use crate::trace::{DeviceObserver, Trace};
 use cachealloc_core::config::StackMode;
 use cachealloc_recorder::Record;
-use cachealloc_recorder::schema::{
-    self, Annotation, DeviceInfo, SegmentEvent, StatsSample, StreamEvent,
-};
+use cachealloc_recorder::schema::{self, Annotation, DeviceInfo, SegmentEvent, StreamEvent};
 
 /// Most devices a process can have (CUDA's own limit is lower in practice).
 const MAX_DEVICES: usize = 64;
@@ -49,8 +47,6 @@ struct Pool {
     highest: AtomicU64,
     /// Whether this pool was switched to fenced reuse after a stream appeared.
     fencing: AtomicBool,
-    /// Trace time of the last stats sample.
-    last_sample: AtomicU64,
 }
 
 impl Pool {
@@ -60,7 +56,6 @@ impl Pool {
             lowest: AtomicU64::new(u64::MAX),
             highest: AtomicU64::new(0),
             fencing: AtomicBool::new(false),
-            last_sample: AtomicU64::new(0),
         }
     }
 
@@ -304,9 +299,6 @@ impl Shim {
                 segment.address
             );
         }
-        if let Ok(trace) = &self.trace {
-            sample_stats(pool, device, trace);
-        }
         match result {
             Ok(a) => Ok(a.address),
             Err(AllocError::OutOfMemory(report)) => {
@@ -532,32 +524,6 @@ impl Shim {
         unsafe { set(current) };
         Ok(result)
     }
-}
-
-/// Interval between stats samples in the trace.
-const SAMPLE_INTERVAL_NS: u64 = 100_000_000;
-
-/// Write a stats sample of `pool` if the last one is older than the interval.
-fn sample_stats(pool: &Pool, device: i32, trace: &Trace) {
-    let t = crate::trace::now();
-    let last = pool.last_sample.load(Ordering::Relaxed);
-    if t.saturating_sub(last) < SAMPLE_INTERVAL_NS
-        || pool
-            .last_sample
-            .compare_exchange(last, t, Ordering::AcqRel, Ordering::Relaxed)
-            .is_err()
-    {
-        return;
-    }
-    let s = pool.alloc.stats();
-    trace.send(Record::StatsSample(StatsSample {
-        t,
-        device: device as u32,
-        allocated: s.allocated_bytes.all.current as u64,
-        reserved: s.reserved_bytes.all.current as u64,
-        active: s.active_bytes.all.current as u64,
-        requested: s.requested_bytes.all.current as u64,
-    }));
 }
 
 /// Register the exit summary (at first CUDA use: an `atexit` registered in the constructor would
