@@ -7,8 +7,10 @@
 //! * **pooling** — at the first CUDA call the [`Shim`] is built: driver checked, exit summary
 //!   registered. Allocations are served from one [`Allocator`] per device, created at that
 //!   device's first allocation.
-//! * **passthrough** — `pool:off`, a configuration error, or no usable driver: every call goes
-//!   to the real runtime. Chosen once, with one message.
+//! * **tracing only** — `pool:off` with the trace on: allocations go to the real runtime and
+//!   are recorded (each `cudaMalloc` a segment holding one block).
+//! * **passthrough** — `pool:off,trace:off`, a configuration error, or (in pool mode) no usable
+//!   driver: every call goes to the real runtime. Chosen once, with one message.
 //! * **degraded** — an internal failure (a panic caught at the ABI) in pooling mode: new
 //!   allocations pass through; frees of pooled pointers are still served by the pools.
 //! * **forked child** — a child of `fork` never touches the parent's pools or locks (another
@@ -20,6 +22,10 @@ use std::sync::{Arc, OnceLock};
 use cachealloc_core::config::ReusePolicy;
 use cachealloc_core::{AllocError, Allocator, FreeError, Stats, format_bytes};
 
+use cachealloc_core::config::StackMode;
+use cachealloc_recorder::Record;
+use cachealloc_recorder::schema::{self, Annotation, DeviceInfo, SegmentEvent, StreamEvent};
+
 use crate::backend::CudaDevice;
 use crate::cuda::{self, CudaError};
 use crate::driver::{Driver, Stream};
@@ -28,9 +34,6 @@ use crate::settings;
 use crate::stacks::Stacks;
 use crate::streams::StreamRegistry;
 use crate::trace::{DeviceObserver, Trace};
-use cachealloc_core::config::StackMode;
-use cachealloc_recorder::Record;
-use cachealloc_recorder::schema::{self, Annotation, DeviceInfo, SegmentEvent, StreamEvent};
 
 /// Most devices a process can have (CUDA's own limit is lower in practice).
 const MAX_DEVICES: usize = 64;
@@ -84,6 +87,7 @@ pub struct Shim {
     /// not asked on every call.
     device_count: usize,
     devices: Vec<OnceLock<Pool>>,
+    /// Whether new allocations are pooled: false with `pool:off`, and after an internal failure.
     healthy: AtomicBool,
     passthrough_mallocs: AtomicU64,
     /// Traced allocations that passed through (`pool:off`, or degraded): address → (size,
@@ -102,7 +106,7 @@ pub fn after_fork_in_child() {
     FORKED_CHILD.store(true, Ordering::Release);
 }
 
-/// The shim, built at first use; `None` in passthrough.
+/// The shim, built at first use; `None` in passthrough and in a forked child.
 pub fn shim() -> Option<&'static Shim> {
     if FORKED_CHILD.load(Ordering::Acquire) {
         return None;
@@ -110,7 +114,7 @@ pub fn shim() -> Option<&'static Shim> {
     SHIM.get_or_init(start).as_ref()
 }
 
-/// First CUDA call: decide between pooling and passthrough.
+/// First CUDA call: decide between pooling, tracing only and passthrough.
 fn start() -> Option<Shim> {
     let settings = settings::get();
     if settings.problem.is_some() {
@@ -222,6 +226,8 @@ impl Shim {
             .ok()
             .and_then(|d| self.devices.get(d))
             .ok_or(cuda::ERROR_INVALID_VALUE)?;
+        // Pooling is only ever on with a driver; without one, say so rather than panic.
+        let driver = self.driver.ok_or(cuda::ERROR_INITIALIZATION)?;
         let pool = slot.get_or_init(|| {
             let config = settings::get().config.allocator.clone();
             let observer = DeviceObserver {
@@ -229,7 +235,6 @@ impl Shim {
                 trace: self.trace.as_ref().ok().cloned(),
                 oom_checkpoint: settings::get().config.oom_checkpoint,
             };
-            let driver = self.driver.expect("pooling implies a driver");
             let alloc = Allocator::with_observer(
                 CudaDevice::new(driver, device, self.streams.clone()),
                 config,
