@@ -43,9 +43,11 @@ pub fn malloc_async(size: u64, stream: usize) -> Result<u64, CudaError> {
 pub fn free_async(address: u64, stream: usize) -> CudaError {
     if address != 0
         && let Some(shim) = process::shim()
-        && let Some(code) = shim.free(address)
     {
-        return code;
+        if let Some(code) = shim.free(address) {
+            return code;
+        }
+        shim.passthrough_free(address);
     }
     real::free_async(address, stream)
 }
