@@ -20,7 +20,7 @@ use cachealloc_recorder::{Record, Recorder, WriterConfig, monotonic_ns};
 
 use crate::log;
 
-/// Records the channel holds before producers wait (about 6 MB).
+/// Records the channel holds before producers wait (under 5 MB).
 const CHANNEL_CAPACITY: usize = 1 << 16;
 
 /// A running trace.
