@@ -648,3 +648,54 @@ fn live_totals_equal_a_recount_even_when_checkpoints_repeat_the_state() {
         "the pending block is active, not allocated"
     );
 }
+
+#[test]
+fn congestion_is_visible_to_producers_and_shed_stacks_are_recorded() {
+    let dir = temp_dir("congestion");
+    let recorder = Recorder::start(
+        WriterConfig::new(&dir, 1 << 30, 2, false),
+        header(),
+        8,
+        |e| panic!("{e}"),
+    )
+    .unwrap();
+    let mut seen_congested = false;
+    for i in 0..2000u64 {
+        if recorder.congested() {
+            seen_congested = true;
+            recorder.note_stack_shed();
+        }
+        recorder.send(Record::Alloc(Alloc {
+            t: i,
+            device: 0,
+            stream: 0,
+            address: i * 512,
+            requested: 512,
+            size: 512,
+            stack: 0,
+            thread: 1,
+        }));
+    }
+    assert!(seen_congested, "an 8-slot channel fed in a burst fills up");
+    let shed = recorder.stats().stacks_shed.load(Ordering::SeqCst);
+    assert!(recorder.shutdown(Duration::from_secs(10)));
+    let (read, _) = read_all(&dir);
+    let last_dropped = read.iter().rev().find_map(|(_, r)| {
+        if let Record::Dropped(d) = r {
+            Some(*d)
+        } else {
+            None
+        }
+    });
+    assert_eq!(
+        last_dropped.map(|d| d.stacks_shed),
+        Some(shed),
+        "the shed count is in the trace"
+    );
+    assert_eq!(
+        read.iter().filter(|(_, r)| r.kind() == 10).count(),
+        2000,
+        "no event was shed"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

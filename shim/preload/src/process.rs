@@ -283,15 +283,26 @@ impl Shim {
         self.devices.get(device)?.get().map(|p| &p.alloc)
     }
 
+    /// The calling thread's stack id for an allocation record, or 0: no stacks configured, or
+    /// shed because the trace's channel is congested (stacks are the one payload the recorder
+    /// may drop under overload; the count goes into the trace's `Dropped` records).
+    fn capture_stack(&self) -> u32 {
+        let (Some(stacks), Ok(trace)) = (&self.stacks, &self.trace) else {
+            return 0;
+        };
+        if trace.congested() {
+            trace.note_stack_shed();
+            return 0;
+        }
+        stacks.capture(trace)
+    }
+
     /// Serve `cudaMalloc(size)` from the current device's pool.
     pub fn malloc(&self, size: u64) -> Result<u64, CudaError> {
         let device = self.current_device()?;
         let pool = self.pool(device)?;
         let mut changes = cachealloc_core::SegmentChanges::default();
-        let stack = match (&self.stacks, &self.trace) {
-            (Some(stacks), Ok(trace)) => stacks.capture(trace),
-            _ => 0,
-        };
+        let stack = self.capture_stack();
         let result = pool
             .alloc
             .malloc_traced(size, u64::from(stack), &mut changes);
@@ -345,7 +356,7 @@ impl Shim {
         let Ok(trace) = &self.trace else {
             return crate::real::malloc(size);
         };
-        let stack = self.stacks.as_ref().map_or(0, |s| s.capture(trace));
+        let stack = self.capture_stack();
         let address = crate::real::malloc(size)?;
         if address == 0 {
             return Ok(0); // cudaMalloc(0)

@@ -75,6 +75,16 @@ impl Trace {
         self.recorder.send(record);
     }
 
+    /// Whether producers should shed optional payloads (stacks) now: the channel is filling.
+    pub fn congested(&self) -> bool {
+        self.recorder.congested()
+    }
+
+    /// Count a stack that was not captured because of congestion.
+    pub fn note_stack_shed(&self) {
+        self.recorder.note_stack_shed();
+    }
+
     /// Write a checkpoint of the live state now (after an OOM).
     pub fn checkpoint(&self) {
         self.recorder.checkpoint();
