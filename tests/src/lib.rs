@@ -211,3 +211,65 @@ impl Run {
         }
     }
 }
+
+/// A CPython interpreter found on this machine.
+#[derive(Debug, Clone)]
+pub struct Python {
+    /// The executable.
+    pub path: PathBuf,
+    /// Major and minor version.
+    pub version: (u32, u32),
+    /// Its C headers (`sysconfig`'s `include`).
+    pub include: PathBuf,
+}
+
+/// Every CPython 3 on this machine, one per minor version: `$PYTHON` or `python3` on PATH
+/// first, then pyenv's installs (`$PYENV_ROOT`, default `~/.pyenv`).
+pub fn pythons() -> Vec<Python> {
+    let mut candidates = vec![PathBuf::from(
+        std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()),
+    )];
+    let pyenv = std::env::var("PYENV_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".pyenv")
+        });
+    if let Ok(entries) = std::fs::read_dir(pyenv.join("versions")) {
+        let mut installs: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok())
+            .map(|e| e.path().join("bin/python3"))
+            .filter(|p| p.exists())
+            .collect();
+        installs.sort();
+        candidates.extend(installs);
+    }
+    let mut found: Vec<Python> = vec![];
+    for path in candidates {
+        let Ok(out) = Command::new(&path)
+            .args([
+                "-c",
+                "import sys, sysconfig; print(*sys.version_info[:2], sysconfig.get_paths()['include'])",
+            ])
+            .output()
+        else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut words = text.split_whitespace();
+        let (Some(major), Some(minor), Some(include)) = (words.next(), words.next(), words.next())
+        else {
+            continue;
+        };
+        let (Ok(major), Ok(minor)) = (major.parse(), minor.parse()) else {
+            continue;
+        };
+        if major == 3 && !found.iter().any(|p| p.version == (major, minor)) {
+            found.push(Python {
+                path,
+                version: (major, minor),
+                include: PathBuf::from(include),
+            });
+        }
+    }
+    found
+}

@@ -22,7 +22,6 @@ use std::sync::{Arc, OnceLock};
 use cachealloc_core::config::ReusePolicy;
 use cachealloc_core::{AllocError, Allocator, FreeError, Stats, format_bytes};
 
-use cachealloc_core::config::StackMode;
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{self, Annotation, DeviceInfo, SegmentEvent, StreamEvent};
 
@@ -97,7 +96,7 @@ pub struct Shim {
     started: std::time::Instant,
     /// The trace, or why there is none.
     trace: Result<Arc<Trace>, String>,
-    /// Native stack capture, when the trace is on and `stacks` asks for native frames.
+    /// Stack capture, when the trace is on and `stacks` asks for (and can have) frames.
     stacks: Option<Stacks>,
 }
 
@@ -164,22 +163,10 @@ fn start() -> Option<Shim> {
     } else {
         Err("trace:off".to_string())
     };
-    let stacks = match (config.stacks, &trace) {
-        (StackMode::Native | StackMode::All, Ok(_)) => {
-            Some(Stacks::new(config.stack_depth as usize))
-        }
-        _ => None,
+    let stacks = match &trace {
+        Ok(_) => Stacks::new(config.stacks, config.stack_depth as usize),
+        Err(_) => None,
     };
-    if matches!(config.stacks, StackMode::Python | StackMode::All) && trace.is_ok() {
-        log::error!(
-            "stacks:python is not built yet: the trace records {} Python frames",
-            if stacks.is_some() {
-                "native frames, no"
-            } else {
-                "no"
-            }
-        );
-    }
     Some(Shim {
         trace,
         stacks,

@@ -1,0 +1,326 @@
+//! Stack capture for allocation records: native frames, Python frames, or both
+//! (`stacks:native|python|all`; `auto` means Python frames when the host is CPython).
+//!
+//! On the hot path only raw facts are taken: return addresses
+//! ([`backtrace::trace_unsynchronized`], at most `stack_depth` frames, skipping the frames inside
+//! this library) and, for Python, each frame's code object and instruction offset
+//! ([`python::Python::walk`]). These are then interned under one lock:
+//!
+//! * a native frame by its address; the recorder's worker resolves its name, file and line off
+//!   the hot path;
+//! * a Python frame by its code object and offset; the code object's name, file and line table
+//!   are read once (per object, checked for replacement) and the frame becomes
+//!   `(function, file, line)`;
+//! * a stack by its frame ids.
+//!
+//! A warm capture costs one lookup: stacks are also interned by their raw key (the addresses, and
+//! per Python frame its code object, offset and what identifies the code object's contents).
+//!
+//! Anything new is defined in the trace (`FrameDef`, then `StackDef`) *before* its id is first
+//! used: definitions are sent under the interner's lock, so any other thread that finds the stack
+//! interned sends its events after them.
+//!
+//! With `stacks:all` a stack is the native frames, innermost first, followed by the Python frames
+//! (the Python code is what called into the native code).
+
+pub mod python;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cachealloc_core::config::StackMode;
+use cachealloc_recorder::Record;
+use cachealloc_recorder::schema::{FRAME_NATIVE, FRAME_PYTHON, FrameDef, StackDef};
+use rustc_hash::FxHashMap;
+
+use crate::trace::Trace;
+use python::linetable::LineTable;
+use python::{CodeCheck, CodeInfo, Python, RawFrame};
+
+/// Deepest stack captured, whatever `stack_depth` says.
+const MAX_DEPTH: usize = 256;
+
+/// Words of a Python frame in a raw stack key: code object, offset, and its [`CodeCheck`].
+const PYTHON_KEY_WORDS: usize = 2 + std::mem::size_of::<CodeCheck>() / 8;
+
+/// A code object's cached facts, and the frame ids of the offsets seen in it.
+#[derive(Debug)]
+struct CodeEntry {
+    check: CodeCheck,
+    name: Arc<str>,
+    file: Arc<str>,
+    lines: LineTable,
+    first_line: i32,
+    frames: FxHashMap<i32, u32>,
+}
+
+#[derive(Debug, Default)]
+struct Interner {
+    /// Stack ids by their frame ids.
+    stacks: FxHashMap<Vec<u32>, u32>,
+    /// Stack ids by what was read off the stack (the hot path's only lookup once warm).
+    raw_stacks: FxHashMap<Box<[u64]>, u32>,
+    native_frames: FxHashMap<u64, u32>,
+    codes: FxHashMap<usize, CodeEntry>,
+    python_frames: HashMap<(Arc<str>, Arc<str>, i32), u32>,
+    frame_count: u32,
+}
+
+impl Interner {
+    fn define_frame(&mut self, trace: &Trace, mut def: FrameDef) -> u32 {
+        self.frame_count += 1;
+        def.id = self.frame_count;
+        trace.send(Record::FrameDef(Box::new(def)));
+        self.frame_count
+    }
+
+    fn native_frame(&mut self, trace: &Trace, ip: u64) -> u32 {
+        if let Some(&id) = self.native_frames.get(&ip) {
+            return id;
+        }
+        let id = self.define_frame(
+            trace,
+            FrameDef {
+                id: 0,
+                kind: FRAME_NATIVE,
+                name: String::new(),
+                file: String::new(),
+                line: 0,
+                address: ip,
+            },
+        );
+        self.native_frames.insert(ip, id);
+        id
+    }
+
+    /// # Safety
+    ///
+    /// `frame` must come from [`Python::walk`] on the calling thread, which must still be
+    /// inside the same hook (its frames unchanged).
+    unsafe fn python_frame(&mut self, trace: &Trace, python: &Python, frame: RawFrame) -> u32 {
+        // SAFETY: as the caller guarantees: `frame.code` is a live code object.
+        let check = unsafe { python.check(frame.code) };
+        let entry = match self.codes.get_mut(&frame.code) {
+            Some(entry) if entry.check == check => entry,
+            _ => {
+                // SAFETY: as above.
+                let CodeInfo {
+                    name,
+                    file,
+                    lines,
+                    first_line,
+                } = unsafe { python.describe(frame.code) };
+                let entry = CodeEntry {
+                    check,
+                    name: name.into(),
+                    file: file.into(),
+                    lines,
+                    first_line,
+                    frames: FxHashMap::default(),
+                };
+                self.codes.insert(frame.code, entry);
+                self.codes.get_mut(&frame.code).expect("just inserted")
+            }
+        };
+        if let Some(&id) = entry.frames.get(&frame.offset) {
+            return id;
+        }
+        let line = match u32::try_from(frame.offset) {
+            Ok(offset) => entry.lines.line_at(offset).unwrap_or(0),
+            Err(_) => entry.first_line,
+        };
+        let key = (entry.file.clone(), entry.name.clone(), line);
+        let id = match self.python_frames.get(&key) {
+            Some(&id) => id,
+            None => {
+                let def = FrameDef {
+                    id: 0,
+                    kind: FRAME_PYTHON,
+                    name: key.1.to_string(),
+                    file: key.0.to_string(),
+                    line: line.max(0) as u32,
+                    address: 0,
+                };
+                let id = self.define_frame(trace, def);
+                self.python_frames.insert(key, id);
+                id
+            }
+        };
+        let entry = self.codes.get_mut(&frame.code).expect("present");
+        entry.frames.insert(frame.offset, id);
+        id
+    }
+}
+
+/// Captures and interns stacks.
+#[derive(Debug)]
+pub struct Stacks {
+    depth: usize,
+    /// Address range of this library's code when native frames are captured: its frames are
+    /// not the application's.
+    native: Option<(u64, u64)>,
+    python: Option<Python>,
+    interner: Mutex<Interner>,
+}
+
+impl Stacks {
+    /// Stacks as `mode` asks, up to `depth` frames of each kind; `None` when that means none
+    /// (`stacks:none`, or `auto` in a process that is not CPython). A Python stack that was
+    /// asked for but cannot be had is reported once.
+    pub fn new(mode: StackMode, depth: usize) -> Option<Stacks> {
+        let (native, python) = match mode {
+            StackMode::None => (false, false),
+            StackMode::Auto | StackMode::Python => (false, true),
+            StackMode::Native => (true, false),
+            StackMode::All => (true, true),
+        };
+        let python = if python {
+            match Python::detect() {
+                Ok(p) => Some(p),
+                Err(why) => {
+                    if mode != StackMode::Auto {
+                        let why = why.unwrap_or_else(|| "this process is not CPython".into());
+                        crate::log::error!("stacks: no Python frames: {why}");
+                    }
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        if !native && python.is_none() {
+            return None;
+        }
+        Some(Stacks {
+            depth: depth.clamp(1, MAX_DEPTH),
+            native: native.then(own_code_range),
+            python,
+            interner: Mutex::default(),
+        })
+    }
+
+    /// Whether Python frames are captured, and of which version.
+    pub fn python_version(&self) -> Option<(u32, u32)> {
+        self.python.as_ref().map(Python::version)
+    }
+
+    /// The calling thread's stack as an id (0 if it has no frame to record), sending the
+    /// definitions of anything new to `trace` first.
+    pub fn capture(&self, trace: &Trace) -> u32 {
+        let mut ips = [0u64; MAX_DEPTH];
+        let native = match self.native {
+            Some(own) => capture_native(&mut ips[..self.depth], own),
+            None => 0,
+        };
+        let mut py = [RawFrame::default(); MAX_DEPTH];
+        let python = match &self.python {
+            Some(p) => p.walk(&mut py[..self.depth]),
+            None => 0,
+        };
+        if native + python == 0 {
+            return 0;
+        }
+        // The raw key: what was read off the stack, and for each Python frame what identifies
+        // its code object's contents (so a code object replaced at the same address is a miss).
+        let mut raw = [0u64; MAX_DEPTH * (1 + PYTHON_KEY_WORDS)];
+        raw[..native].copy_from_slice(&ips[..native]);
+        let mut len = native;
+        if let Some(p) = &self.python {
+            for frame in &py[..python] {
+                // SAFETY: `frame` was just walked on this thread, which is still in the hook.
+                let check = unsafe { p.check(frame.code) };
+                raw[len] = frame.code as u64;
+                raw[len + 1] = frame.offset as u64;
+                for (slot, word) in raw[len + 2..len + PYTHON_KEY_WORDS].iter_mut().zip(check) {
+                    *slot = word as u64;
+                }
+                len += PYTHON_KEY_WORDS;
+            }
+        }
+        let raw = &raw[..len];
+        let mut interner = self.interner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&id) = interner.raw_stacks.get(raw) {
+            return id;
+        }
+        // First time this exact stack is seen: intern its frames, then the stack.
+        let mut ids = [0u32; 2 * MAX_DEPTH];
+        for (slot, &ip) in ids.iter_mut().zip(&ips[..native]) {
+            *slot = interner.native_frame(trace, ip);
+        }
+        if let Some(p) = &self.python {
+            for (slot, &frame) in ids[native..].iter_mut().zip(&py[..python]) {
+                // SAFETY: as above.
+                *slot = unsafe { interner.python_frame(trace, p, frame) };
+            }
+        }
+        let frames = &ids[..native + python];
+        let id = match interner.stacks.get(frames) {
+            Some(&id) => id,
+            None => {
+                let id = interner.stacks.len() as u32 + 1;
+                trace.send(Record::StackDef(Box::new(StackDef {
+                    id,
+                    frames: frames.to_vec(),
+                })));
+                interner.stacks.insert(frames.to_vec(), id);
+                id
+            }
+        };
+        interner.raw_stacks.insert(raw.into(), id);
+        id
+    }
+}
+
+/// Return addresses of the calling thread outside `[own_start, own_end)`, innermost first.
+fn capture_native(ips: &mut [u64], (own_start, own_end): (u64, u64)) -> usize {
+    let mut n = 0;
+    // SAFETY: on Linux the unwinder behind `trace_unsynchronized` (`_Unwind_Backtrace`) is
+    // thread-safe; the crate's lock, which the synchronized `trace` adds, only matters for
+    // unwinders that are not (Windows' dbghelp). The callback only copies addresses.
+    unsafe {
+        backtrace::trace_unsynchronized(|frame| {
+            let ip = frame.ip() as u64;
+            if ip == 0 {
+                return false;
+            }
+            if !(own_start..own_end).contains(&ip) {
+                ips[n] = ip;
+                n += 1;
+            }
+            n < ips.len()
+        });
+    }
+    n
+}
+
+/// The address range of the executable mappings of the file this function lives in.
+fn own_code_range() -> (u64, u64) {
+    let here = own_code_range as *const () as usize as u64;
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return (0, 0);
+    };
+    let parse = |line: &str| -> Option<(u64, u64, String, bool)> {
+        let mut parts = line.split_whitespace();
+        let (start, end) = parts.next()?.split_once('-')?;
+        let perms = parts.next()?;
+        let path = parts.nth(3).unwrap_or("").to_string();
+        Some((
+            u64::from_str_radix(start, 16).ok()?,
+            u64::from_str_radix(end, 16).ok()?,
+            path,
+            perms.contains('x'),
+        ))
+    };
+    let entries: Vec<_> = maps.lines().filter_map(parse).collect();
+    let Some(path) = entries
+        .iter()
+        .find(|(s, e, _, _)| (*s..*e).contains(&here))
+        .map(|e| e.2.clone())
+    else {
+        return (0, 0);
+    };
+    let own = entries.iter().filter(|e| e.2 == path && e.3);
+    let start = own.clone().map(|e| e.0).min().unwrap_or(0);
+    let end = own.map(|e| e.1).max().unwrap_or(0);
+    (start, end)
+}

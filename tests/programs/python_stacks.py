@@ -1,0 +1,79 @@
+"""Python stacks under cachealloc: allocates through ctypes from known functions at known lines,
+with the GIL released by the call (ctypes.CDLL), held through it (ctypes.PyDLL), from a second
+thread, and from a generator, and writes what each allocation's stack must be to the JSON file
+named by argv[1]: [{"size": N, "gil": bool, "frames": [[qualname, file, line], ...]}],
+innermost first, as Python itself reports them. Prints "OK python_stacks"."""
+import ctypes
+import json
+import sys
+import threading
+
+ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
+released = ctypes.CDLL(None)  # the call releases the GIL
+held = ctypes.PyDLL(None)  # the call keeps the GIL
+for lib in (released, held):
+    lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    lib.cudaFree.argtypes = [ctypes.c_void_p]
+
+expected = []
+next_size = [1 << 20]
+
+
+def name_of(code):
+    return getattr(code, "co_qualname", code.co_name)
+
+
+def stack_from(frame, innermost_line):
+    """Python's own view of the stack, innermost first, with the innermost frame at the line
+    that will make the call."""
+    frames = []
+    line = innermost_line
+    while frame is not None:
+        frames.append([name_of(frame.f_code), frame.f_code.co_filename, line])
+        frame = frame.f_back
+        line = frame.f_lineno if frame is not None else 0
+    return frames
+
+
+def allocate(lib):
+    size = next_size[0]
+    next_size[0] += 4096
+    p = ctypes.c_void_p()
+    here = sys._getframe()
+    expected.append({"size": size, "gil": lib is held, "frames": stack_from(here, here.f_lineno + 1)})
+    if lib.cudaMalloc(ctypes.byref(p), size) != 0:
+        raise SystemExit(f"FAIL: cudaMalloc({size})")
+    return p.value
+
+
+class Model:
+    def forward(self, lib, depth):
+        if depth == 0:
+            return allocate(lib)
+        return self.forward(lib, depth - 1)
+
+
+def generator(lib):
+    yield allocate(lib)
+
+
+def main():
+    ptrs = []
+    for lib in (released, held):
+        ptrs.append(allocate(lib))
+        ptrs.append(Model().forward(lib, 30))
+        ptrs.append(next(generator(lib)))
+        ptrs.append((lambda: allocate(lib))())
+    worker = threading.Thread(target=lambda: ptrs.append(Model().forward(released, 3)))
+    worker.start()
+    worker.join()
+    for p in ptrs:
+        if released.cudaFree(ctypes.c_void_p(p)) != 0:
+            raise SystemExit("FAIL: cudaFree")
+    with open(sys.argv[1], "w") as f:
+        json.dump(expected, f)
+    print("OK python_stacks")
+
+
+if __name__ == "__main__":
+    main()

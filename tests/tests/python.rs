@@ -1,0 +1,241 @@
+//! Python stacks: the frame walker's layouts against CPython's headers, its line-table decoder
+//! against CPython's own `co_lines()`, and the stacks recorded for a Python program against what
+//! Python itself says — under every CPython 3.10–3.13 this machine has (`python3` at least).
+
+use std::collections::HashMap;
+use std::process::Command;
+
+use cachealloc_recorder::Record;
+use cachealloc_recorder::schema::FRAME_PYTHON;
+use cachealloc_tests::{Python, Run, pythons, read_trace, trace_dirs};
+
+#[allow(dead_code)]
+#[path = "../../shim/preload/src/stacks/python/layout.rs"]
+mod layout;
+#[allow(dead_code)]
+#[path = "../../shim/preload/src/stacks/python/linetable.rs"]
+mod linetable;
+
+/// The installed Pythons the walker supports; fails if there is none.
+fn supported_pythons() -> Vec<Python> {
+    let all = pythons();
+    let supported: Vec<Python> = all
+        .into_iter()
+        .filter(|p| (10..=13).contains(&p.version.1))
+        .collect();
+    assert!(!supported.is_empty(), "no CPython 3.10–3.13 found");
+    eprintln!(
+        "testing with {:?}",
+        supported.iter().map(|p| p.version).collect::<Vec<_>>()
+    );
+    supported
+}
+
+#[test]
+fn python_layouts_match_headers() {
+    let source = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shim/preload/src/stacks/python/offsets.c"
+    );
+    let dir = cachealloc_tests::fresh_dir();
+    for python in supported_pythons() {
+        let (major, minor) = python.version;
+        let exe = dir.join(format!("offsets-{major}.{minor}"));
+        let status = Command::new("cc")
+            .arg(format!("-I{}", python.include.display()))
+            .arg(source)
+            .arg("-o")
+            .arg(&exe)
+            .status()
+            .expect("run cc");
+        assert!(status.success(), "compiling offsets.c for {major}.{minor}");
+        let printed = Command::new(&exe).output().expect("run offsets");
+        let table = layout::for_version(major, minor).expect("a supported version");
+        assert_eq!(
+            String::from_utf8_lossy(&printed.stdout),
+            table.describe(),
+            "layout of Python {major}.{minor}"
+        );
+    }
+}
+
+const DUMP_LINE_TABLES: &str = r#"
+import argparse, collections, dis, inspect, json.decoder, types
+def codes(c):
+    yield c
+    for k in c.co_consts:
+        if isinstance(k, types.CodeType):
+            yield from codes(k)
+for m in (argparse, collections, dis, inspect, json.decoder):
+    with open(m.__file__) as f:
+        top = compile(f.read(), m.__file__, "exec")
+    for c in codes(top):
+        print("code", c.co_firstlineno, c.co_linetable.hex() or "-")
+        for start, end, line in c.co_lines():
+            print("range", start, end, -1 if line is None else line)
+"#;
+
+#[test]
+fn line_tables_decode_like_cpython() {
+    for python in supported_pythons() {
+        let format = if python.version >= (3, 11) {
+            linetable::Format::Locations
+        } else {
+            linetable::Format::Pairs
+        };
+        let out = Command::new(&python.path)
+            .args(["-c", DUMP_LINE_TABLES])
+            .output()
+            .expect("run python");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).expect("utf-8");
+        let mut table = linetable::LineTable::default();
+        let (mut codes, mut offsets) = (0, 0);
+        for line in text.lines() {
+            let words: Vec<&str> = line.split(' ').collect();
+            match words[0] {
+                "code" => {
+                    codes += 1;
+                    let first: i32 = words[1].parse().unwrap();
+                    let bytes: Vec<u8> = if words[2] == "-" {
+                        vec![]
+                    } else {
+                        (0..words[2].len())
+                            .step_by(2)
+                            .map(|i| u8::from_str_radix(&words[2][i..i + 2], 16).unwrap())
+                            .collect()
+                    };
+                    table = linetable::LineTable::decode(format, &bytes, first);
+                }
+                "range" => {
+                    let [start, end, want]: [i64; 3] =
+                        std::array::from_fn(|i| words[i + 1].parse().unwrap());
+                    let want = (want >= 0).then_some(want as i32);
+                    for offset in (start..end).step_by(2) {
+                        offsets += 1;
+                        assert_eq!(
+                            table.line_at(offset as u32),
+                            want,
+                            "Python {:?}, code #{codes}, offset {offset}",
+                            python.version
+                        );
+                    }
+                }
+                _ => unreachable!("{line}"),
+            }
+        }
+        assert!(
+            codes > 500 && offsets > 20_000,
+            "{codes} codes, {offsets} offsets"
+        );
+    }
+}
+
+/// One allocation the program made, and its stack as Python saw it.
+#[derive(Debug)]
+struct Expected {
+    size: u64,
+    gil: bool,
+    frames: Vec<(String, String, u32)>,
+}
+
+fn expected_stacks(path: &std::path::Path) -> Vec<Expected> {
+    let text = std::fs::read_to_string(path).expect("the program's expectations");
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json.as_array()
+        .unwrap()
+        .iter()
+        .map(|e| Expected {
+            size: e["size"].as_u64().unwrap(),
+            gil: e["gil"].as_bool().unwrap(),
+            frames: e["frames"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| {
+                    (
+                        f[0].as_str().unwrap().to_string(),
+                        f[1].as_str().unwrap().to_string(),
+                        f[2].as_u64().unwrap() as u32,
+                    )
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// Each allocation's recorded stack by requested size: (kind, name, file, line) per frame.
+fn recorded_stacks(records: &[Record]) -> HashMap<u64, Vec<(u8, String, String, u32)>> {
+    let mut frames = HashMap::new();
+    let mut stacks: HashMap<u32, Vec<u32>> = HashMap::new();
+    let mut by_size = HashMap::new();
+    for r in records {
+        match r {
+            Record::FrameDef(f) => {
+                frames.insert(f.id, (f.kind, f.name.clone(), f.file.clone(), f.line));
+            }
+            Record::StackDef(s) => {
+                stacks.insert(s.id, s.frames.clone());
+            }
+            Record::Alloc(a) => {
+                let frames = stacks
+                    .get(&a.stack)
+                    .map(|ids| ids.iter().map(|id| frames[id].clone()).collect())
+                    .unwrap_or_default();
+                by_size.insert(a.requested, frames);
+            }
+            _ => {}
+        }
+    }
+    by_size
+}
+
+#[test]
+fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/python_stacks.py");
+    for python in supported_pythons() {
+        for conf in ["", "stacks:python", "stacks:all"] {
+            let run =
+                Run::new(&python.path, &[script, "expected.json"]).env("CACHEALLOC_CONF", conf);
+            let out = run.output();
+            out.assert_ok("python_stacks");
+            let expected = expected_stacks(&out.dir.join("expected.json"));
+            let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+            let (records, tears) = read_trace(&dirs[0]);
+            assert!(tears.is_empty());
+            let recorded = recorded_stacks(&records);
+            assert_eq!(expected.len(), 9);
+            assert!(expected.iter().any(|e| e.gil) && expected.iter().any(|e| !e.gil));
+            for e in &expected {
+                let got = &recorded[&e.size];
+                let python_frames: Vec<(String, String, u32)> = got
+                    .iter()
+                    .filter(|f| f.0 == FRAME_PYTHON)
+                    .map(|f| (f.1.clone(), f.2.clone(), f.3))
+                    .collect();
+                assert_eq!(
+                    python_frames, e.frames,
+                    "Python {:?}, {conf:?}, GIL held: {}",
+                    python.version, e.gil
+                );
+                if conf == "stacks:all" {
+                    assert!(got[0].0 != FRAME_PYTHON, "native frames come first");
+                    assert!(got.last().unwrap().0 == FRAME_PYTHON, "Python frames last");
+                } else {
+                    assert_eq!(got.len(), python_frames.len(), "Python frames only");
+                }
+            }
+        }
+        // stacks:none records allocations without stacks.
+        let out = Run::new(&python.path, &[script, "expected.json"])
+            .env("CACHEALLOC_CONF", "stacks:none")
+            .output();
+        out.assert_ok("python_stacks");
+        let (records, _) = read_trace(&trace_dirs(&out.dir.join("cachealloc-trace"))[0]);
+        assert!(recorded_stacks(&records).values().all(|s| s.is_empty()));
+    }
+}
