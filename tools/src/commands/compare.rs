@@ -1,0 +1,79 @@
+//! `cachealloc compare A [B] -o out.svg`: a differential flamegraph of allocated memory — two
+//! times of one trace (`--from`, `--to`), or the peaks of two traces. Frames are colored by how
+//! their bytes changed from the first to the second (red grew, blue shrank); widths are the
+//! second's.
+
+use std::io::Write;
+use std::path::Path;
+
+use super::{When, replay_at};
+use crate::commands::flamegraph::{Kind, folded, options, write_svg};
+use crate::{Error, one_trace};
+
+/// Run the command.
+pub fn run(
+    a: &Path,
+    b: Option<&Path>,
+    from: Option<u64>,
+    to: Option<u64>,
+    output: &Path,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
+    let (before_dir, after_dir, before_when, after_when) = match b {
+        Some(b) => (
+            one_trace(a)?,
+            one_trace(b)?,
+            When {
+                at: from,
+                at_peak: from.is_none(),
+            },
+            When {
+                at: to,
+                at_peak: to.is_none(),
+            },
+        ),
+        None => {
+            let (Some(_), Some(_)) = (from, to) else {
+                return Err(Error::Message(
+                    "compare with one trace needs --from and --to (or give two traces)".into(),
+                ));
+            };
+            let dir = one_trace(a)?;
+            (
+                dir.clone(),
+                dir,
+                When {
+                    at: from,
+                    at_peak: false,
+                },
+                When {
+                    at: to,
+                    at_peak: false,
+                },
+            )
+        }
+    };
+    let (before, before_label) = replay_at(&before_dir, &before_when)?;
+    let (after, after_label) = replay_at(&after_dir, &after_when)?;
+    let before = folded(&before.state, Kind::Memory).join("\n");
+    let after = folded(&after.state, Kind::Memory).join("\n");
+    let mut diff = vec![];
+    inferno::differential::from_readers(
+        inferno::differential::Options::default(),
+        before.as_bytes(),
+        after.as_bytes(),
+        &mut diff,
+    )
+    .map_err(|e| Error::Message(format!("differential: {e}")))?;
+    let diff = String::from_utf8_lossy(&diff);
+    let lines: Vec<String> = diff.lines().map(str::to_string).collect();
+    let title = format!("allocated memory: {after_label} against {before_label}");
+    write_svg(&lines, options(title, Kind::Memory), output)?;
+    writeln!(
+        out,
+        "wrote {} ({} stacks; {after_label} against {before_label})",
+        output.display(),
+        lines.len()
+    )?;
+    Ok(())
+}

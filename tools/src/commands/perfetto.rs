@@ -1,0 +1,131 @@
+//! `cachealloc perfetto TRACE -o trace.json`: Chrome trace-event JSON for ui.perfetto.dev or
+//! chrome://tracing: counter tracks of allocated, active and reserved bytes per device, and
+//! instant events for segment allocations and releases, OOMs and annotations.
+//!
+//! Counters are written when a value changes, at most once per 10 µs of trace time per device
+//! (the last value of each window is kept), so the file stays loadable for long traces.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use cachealloc_recorder::Record;
+use serde_json::json;
+
+use crate::format::bytes;
+use crate::progress::Progress;
+use crate::replay::{Replay, device_of, time_of};
+use crate::{Error, one_trace};
+
+/// A counter point: time, and allocated, active and reserved bytes.
+type CounterPoint = (u64, [u64; 3]);
+
+/// Minimum trace time between two counter points of one device, in ns.
+const COUNTER_RESOLUTION_NS: u64 = 10_000;
+
+/// Run the command.
+pub fn run(trace: &Path, output: &Path, out: &mut dyn Write) -> Result<(), Error> {
+    let dir = one_trace(trace)?;
+    let file = std::fs::File::create(output)
+        .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
+    let mut w = std::io::BufWriter::new(file);
+    let mut replay = Replay::open(&dir)?;
+    let progress = Progress::new("converting");
+    let mut events = 0u64;
+    let mut first = true;
+    let mut emit = |w: &mut std::io::BufWriter<std::fs::File>, v: serde_json::Value| {
+        let sep = if first { "" } else { ",\n" };
+        first = false;
+        events += 1;
+        write!(w, "{sep}")?;
+        serde_json::to_writer(&mut *w, &v).map_err(std::io::Error::other)
+    };
+    writeln!(w, "{{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
+    // Per device: when a counter point was last written, and the latest one not yet written.
+    let mut last: BTreeMap<u32, (u64, Option<CounterPoint>)> = BTreeMap::new();
+    let mut pid = 0;
+    let us = |t: u64| t as f64 / 1000.0;
+    let counter = |pid: u32, device: u32, t: u64, v: [u64; 3]| {
+        json!({"name": format!("device {device} memory"), "ph": "C", "ts": us(t), "pid": pid,
+               "args": {"allocated": v[0], "active": v[1], "reserved": v[2]}})
+    };
+    while let Some(step) = replay.step() {
+        let step = step?;
+        if step.index % 65536 == 0 {
+            progress.tick(step.index);
+        }
+        if let Record::Header(h) = &step.record
+            && pid == 0
+        {
+            pid = h.pid;
+            let name = format!("{} (pid {} on {})", h.cmdline.join(" "), h.pid, h.host);
+            emit(
+                &mut w,
+                json!({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}),
+            )?;
+        }
+        if step.in_checkpoint {
+            continue;
+        }
+        let Some(t) = time_of(&step.record) else {
+            continue;
+        };
+        match &step.record {
+            Record::SegmentAlloc(s) | Record::SegmentFree(s) => {
+                let what = if matches!(step.record, Record::SegmentAlloc(_)) {
+                    "segment_alloc"
+                } else {
+                    "segment_free"
+                };
+                emit(
+                    &mut w,
+                    json!({"name": format!("{what} {}", bytes(s.size)), "ph": "i", "s": "p",
+                           "ts": us(t), "pid": pid, "tid": s.device,
+                           "args": {"address": format!("{:#x}", s.address), "size": s.size}}),
+                )?;
+            }
+            Record::Oom(o) => emit(
+                &mut w,
+                json!({"name": format!("OOM: {} requested", bytes(o.requested)), "ph": "i",
+                       "s": "g", "ts": us(t), "pid": pid, "tid": o.device,
+                       "args": {"requested": o.requested, "allocated": o.allocated,
+                                "reserved": o.reserved, "device_free": o.device_free}}),
+            )?,
+            Record::Annotation(a) => emit(
+                &mut w,
+                json!({"name": a.name, "ph": "i", "s": "g", "ts": us(t), "pid": pid,
+                       "tid": a.thread}),
+            )?,
+            _ => {}
+        }
+        let Some(device) = device_of(&step.record) else {
+            continue;
+        };
+        let totals = replay
+            .state
+            .totals
+            .get(&device)
+            .copied()
+            .unwrap_or_default();
+        let values = [totals.allocated, totals.active, totals.reserved];
+        let entry = last.entry(device).or_insert((0, None));
+        if t >= entry.0 + COUNTER_RESOLUTION_NS || entry.0 == 0 {
+            if let Some((pt, pv)) = entry.1.take() {
+                emit(&mut w, counter(pid, device, pt, pv))?;
+            }
+            emit(&mut w, counter(pid, device, t, values))?;
+            entry.0 = t.max(1);
+        } else {
+            entry.1 = Some((t, values));
+        }
+    }
+    for (device, (_, pending)) in last {
+        if let Some((t, v)) = pending {
+            emit(&mut w, counter(pid, device, t, v))?;
+        }
+    }
+    write!(w, "\n]}}\n")?;
+    w.flush()?;
+    writeln!(out, "wrote {} ({events} trace events)", output.display())?;
+    Ok(())
+}

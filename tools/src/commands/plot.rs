@@ -1,0 +1,375 @@
+//! `cachealloc plot TRACE... -o report.html`: one self-contained HTML file (data and script
+//! inline, no network) with, per trace and device:
+//!
+//! * allocated memory over time, stacked by allocation site (the top sites at the peak, the rest
+//!   as "other"), with reserved memory as a line over it;
+//! * OOMs and annotations marked on the time axis;
+//! * the segments at a chosen time (click the timeline), each block colored by its site.
+//!
+//! Size is bounded whatever the trace's length: each timeline is downsampled to `--points`
+//! buckets (each showing the moment of its highest allocated memory, and its highest reserved),
+//! and segment views are kept for a fixed number of moments with a bounded number of blocks.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use cachealloc_recorder::Record;
+use serde::Serialize;
+
+use crate::analysis::scan;
+use crate::commands::summary::sites_live;
+use crate::format::bytes;
+use crate::progress::Progress;
+use crate::replay::{Replay, device_of, site, time_of};
+use crate::{Error, trace_dirs};
+
+/// Sites shown by name; the rest are "other".
+const TOP_SITES: usize = 12;
+/// Moments whose segments are kept (evenly spaced, plus the peak).
+const SNAPSHOTS: usize = 40;
+/// Blocks kept per segment view.
+const SNAPSHOT_BLOCKS: usize = 4000;
+
+#[derive(Serialize, Debug, Default, Clone)]
+struct Segment {
+    address: String,
+    size: u64,
+    /// `[offset, size, state (0 allocated, 1 pending free), site index]`.
+    blocks: Vec<[u64; 4]>,
+}
+
+#[derive(Serialize, Debug, Default, Clone)]
+struct Snapshot {
+    t: f64,
+    segments: Vec<Segment>,
+    truncated: bool,
+}
+
+#[derive(Serialize, Debug)]
+struct Mark {
+    t: f64,
+    kind: &'static str,
+    label: String,
+}
+
+#[derive(Serialize, Debug, Default)]
+struct Panel {
+    name: String,
+    total_memory: u64,
+    peak_allocated: u64,
+    peak_reserved: u64,
+    t: Vec<f64>,
+    allocated: Vec<u64>,
+    reserved: Vec<u64>,
+    sites: Vec<String>,
+    /// Per point, bytes per site (the last entry is "other").
+    by_site: Vec<Vec<u64>>,
+    marks: Vec<Mark>,
+    snapshots: Vec<Snapshot>,
+}
+
+#[derive(Serialize, Debug)]
+struct Report {
+    title: String,
+    panels: Vec<Panel>,
+}
+
+/// One bucket of a timeline being built.
+#[derive(Debug, Default, Clone)]
+struct Bucket {
+    t: u64,
+    allocated: u64,
+    reserved: u64,
+    by_site: Vec<u64>,
+}
+
+/// A device's timeline being built.
+#[derive(Debug)]
+struct Builder {
+    sites: Vec<String>,
+    site_of_stack: HashMap<u32, usize>,
+    current: Vec<u64>,
+    bucket: Option<(u64, Bucket)>,
+    snapshot_at: Vec<u64>,
+    panel: Panel,
+}
+
+impl Builder {
+    fn site_index(&mut self, replay: &Replay, stack: u32) -> usize {
+        if let Some(&i) = self.site_of_stack.get(&stack) {
+            return i;
+        }
+        let name = site(&replay.state, stack);
+        let i = self
+            .sites
+            .iter()
+            .position(|s| *s == name)
+            .unwrap_or(self.sites.len());
+        self.site_of_stack.insert(stack, i);
+        i
+    }
+
+    fn flush(&mut self) {
+        if let Some((_, b)) = self.bucket.take() {
+            self.panel.t.push(b.t as f64 / 1e9);
+            self.panel.allocated.push(b.allocated);
+            self.panel.reserved.push(b.reserved);
+            self.panel.by_site.push(b.by_site);
+        }
+    }
+}
+
+fn snapshot(replay: &Replay, device: u32, b: &mut Builder) -> Snapshot {
+    let state = &replay.state;
+    let mut out = Snapshot {
+        t: replay.t as f64 / 1e9,
+        ..Snapshot::default()
+    };
+    let mut kept = 0;
+    for seg in state
+        .segments
+        .range((device, 0)..=(device, u64::MAX))
+        .map(|(_, s)| *s)
+    {
+        let mut segment = Segment {
+            address: format!("{:#x}", seg.address),
+            size: seg.size,
+            blocks: vec![],
+        };
+        for blk in state
+            .blocks
+            .range((device, seg.address)..(device, seg.address + seg.size))
+            .map(|(_, blk)| *blk)
+        {
+            if kept >= SNAPSHOT_BLOCKS {
+                out.truncated = true;
+                break;
+            }
+            kept += 1;
+            let site = b.site_index(replay, blk.stack) as u64;
+            segment.blocks.push([
+                blk.address - seg.address,
+                blk.size,
+                u64::from(blk.pending != 0),
+                site,
+            ]);
+        }
+        out.segments.push(segment);
+    }
+    out
+}
+
+fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
+    let scan = scan(dir, &Progress::new("scanning"))?;
+    let (t0, t1) = scan.span;
+    let width = ((t1 - t0) / points.max(1) as u64).max(1);
+    let mut builders: HashMap<u32, Builder> = HashMap::new();
+    for (&device, d) in &scan.devices {
+        // The top sites: those holding the most at this device's peak.
+        let mut at_peak = Replay::open(dir)?;
+        at_peak.run_through(d.peak_allocated.index)?;
+        let mut sites: Vec<String> = sites_live(&at_peak, device)
+            .into_iter()
+            .take(TOP_SITES)
+            .map(|s| s.0)
+            .collect();
+        sites.sort();
+        let name = dir.file_name().unwrap_or_default().to_string_lossy();
+        let total_memory = scan
+            .header
+            .as_ref()
+            .and_then(|h| h.devices.iter().find(|i| i.index == device))
+            .map_or(0, |i| i.total_memory);
+        let mut snapshot_at: Vec<u64> = (0..SNAPSHOTS as u64)
+            .map(|i| t0 + (t1 - t0) * (i + 1) / SNAPSHOTS as u64)
+            .collect();
+        snapshot_at.push(d.peak_allocated.t);
+        snapshot_at.sort();
+        builders.insert(
+            device,
+            Builder {
+                current: vec![0; sites.len() + 1],
+                sites,
+                site_of_stack: HashMap::new(),
+                bucket: None,
+                snapshot_at,
+                panel: Panel {
+                    name: format!("{name} device {device}"),
+                    total_memory,
+                    peak_allocated: d.peak_allocated.bytes,
+                    peak_reserved: d.peak_reserved.bytes,
+                    ..Panel::default()
+                },
+            },
+        );
+    }
+    for o in &scan.ooms {
+        if let Some(b) = builders.get_mut(&o.device) {
+            b.panel.marks.push(Mark {
+                t: o.t as f64 / 1e9,
+                kind: "oom",
+                label: format!("OOM: {} requested", bytes(o.requested)),
+            });
+        }
+    }
+    for b in builders.values_mut() {
+        for a in &scan.annotations {
+            b.panel.marks.push(Mark {
+                t: a.t as f64 / 1e9,
+                kind: "annotation",
+                label: a.name.clone(),
+            });
+        }
+    }
+    // Allocated blocks: (device, address) → (site index, size).
+    let mut live: HashMap<(u32, u64), (usize, u64)> = HashMap::new();
+    let mut replay = Replay::open(dir)?;
+    let progress = Progress::new("plotting");
+    while let Some(step) = replay.step() {
+        let step = step?;
+        if step.index % 65536 == 0 {
+            progress.tick(step.index);
+        }
+        if let Record::CheckpointEnd(_) = step.record {
+            // (Re)build the per-site bytes from the checkpoint's state.
+            live.clear();
+            for b in builders.values_mut() {
+                b.current.iter_mut().for_each(|v| *v = 0);
+            }
+            for blk in replay.state.blocks.values().filter(|b| b.pending == 0) {
+                if let Some(b) = builders.get_mut(&blk.device) {
+                    let i = b.site_index(&replay, blk.stack);
+                    b.current[i] += blk.size;
+                    live.insert((blk.device, blk.address), (i, blk.size));
+                }
+            }
+            continue;
+        }
+        if step.in_checkpoint {
+            continue;
+        }
+        let (Some(device), Some(t)) = (device_of(&step.record), time_of(&step.record)) else {
+            continue;
+        };
+        let Some(b) = builders.get_mut(&device) else {
+            continue;
+        };
+        match &step.record {
+            Record::Alloc(a) => {
+                let i = b.site_index(&replay, a.stack);
+                b.current[i] += a.size;
+                live.insert((device, a.address), (i, a.size));
+            }
+            Record::FreeRequested(f) | Record::Free(f) => {
+                if let Some((i, size)) = live.remove(&(device, f.address)) {
+                    b.current[i] -= size;
+                }
+            }
+            _ => {}
+        }
+        let totals = replay
+            .state
+            .totals
+            .get(&device)
+            .copied()
+            .unwrap_or_default();
+        let index = (t.saturating_sub(t0)) / width;
+        if b.bucket.as_ref().is_some_and(|(i, _)| *i != index) {
+            b.flush();
+        }
+        let bucket = &mut b
+            .bucket
+            .get_or_insert_with(|| {
+                (
+                    index,
+                    Bucket {
+                        t,
+                        ..Bucket::default()
+                    },
+                )
+            })
+            .1;
+        if totals.allocated >= bucket.allocated || bucket.by_site.is_empty() {
+            bucket.t = t;
+            bucket.allocated = totals.allocated;
+            bucket.by_site.clone_from(&b.current);
+        }
+        bucket.reserved = bucket.reserved.max(totals.reserved);
+        while b.snapshot_at.first().is_some_and(|&at| at <= t) {
+            b.snapshot_at.remove(0);
+            let s = snapshot(&replay, device, b);
+            b.panel.snapshots.push(s);
+        }
+    }
+    let mut panels = vec![];
+    let mut devices: Vec<u32> = builders.keys().copied().collect();
+    devices.sort();
+    for device in devices {
+        let mut b = builders.remove(&device).expect("present");
+        b.flush();
+        if !b.snapshot_at.is_empty() {
+            let s = snapshot(&replay, device, &mut b);
+            b.panel.snapshots.push(s);
+        }
+        b.panel.sites = b.sites.clone();
+        b.panel.sites.push("other".into());
+        panels.push(b.panel);
+    }
+    Ok(panels)
+}
+
+/// Run the command.
+pub fn run(
+    traces: &[PathBuf],
+    points: usize,
+    output: &Path,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
+    let dirs = trace_dirs(traces)?;
+    let mut panels = vec![];
+    for dir in &dirs {
+        panels.extend(panels_of(dir, points.clamp(10, 100_000))?);
+    }
+    let title = dirs
+        .iter()
+        .map(|d| {
+            d.file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let report = Report {
+        title: format!("cachealloc: {title}"),
+        panels,
+    };
+    // `</` never appears inside the inline JSON, so it cannot close the script element.
+    let data = serde_json::to_string(&report)
+        .map_err(std::io::Error::other)?
+        .replace("</", "<\\/");
+    let html = TEMPLATE
+        .replace("/*TITLE*/", &html_escape(&report.title))
+        .replace("/*DATA*/null", &data);
+    std::fs::write(output, &html)
+        .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
+    writeln!(
+        out,
+        "wrote {} ({} panel{}, {})",
+        output.display(),
+        report.panels.len(),
+        if report.panels.len() == 1 { "" } else { "s" },
+        bytes(html.len() as u64)
+    )?;
+    Ok(())
+}
+
+fn html_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// The page: styles, markup and script, with the data spliced in at `/*DATA*/`.
+const TEMPLATE: &str = include_str!("plot.html");

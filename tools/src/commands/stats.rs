@@ -1,0 +1,209 @@
+//! `cachealloc stats TRACE [--at T]`: PyTorch's `memory_stats()` keys at a time, a
+//! `memory_summary()`-style table, and a map of the segments like `_memory_viz segsum`.
+
+use std::io::Write;
+use std::path::Path;
+
+use cachealloc_recorder::LiveState;
+
+use crate::format::{bytes, percent, seconds};
+use crate::progress::Progress;
+use crate::replay::Replay;
+use crate::stats::{DeviceStats, METRICS, POOLS, StatsTracker};
+use crate::{Error, one_trace};
+
+/// Replay `dir` through every event at or before `at` (the end if `None`), keeping stats.
+pub fn replay_with_stats(dir: &Path, at: Option<u64>) -> Result<(Replay, StatsTracker), Error> {
+    let last = match at {
+        None => u64::MAX,
+        Some(t) => crate::replay::last_index_at(dir, t)?,
+    };
+    let progress = Progress::new("replaying");
+    let mut replay = Replay::open(dir)?;
+    let mut tracker = StatsTracker::default();
+    while let Some(step) = replay.step() {
+        let step = step?;
+        tracker.apply(&step);
+        if step.index % 65536 == 0 {
+            progress.tick(step.index);
+        }
+        if step.index >= last {
+            break;
+        }
+    }
+    tracker.finish();
+    Ok((replay, tracker))
+}
+
+/// Run the command.
+pub fn run(trace: &Path, at: Option<u64>, json: bool, out: &mut dyn Write) -> Result<(), Error> {
+    let dir = one_trace(trace)?;
+    let (replay, tracker) = replay_with_stats(&dir, at)?;
+    if json {
+        let devices: serde_json::Map<String, serde_json::Value> = tracker
+            .devices
+            .iter()
+            .map(|(d, s)| (d.to_string(), serde_json::to_value(s.to_map()).unwrap()))
+            .collect();
+        serde_json::to_writer_pretty(&mut *out, &devices).map_err(std::io::Error::other)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    writeln!(out, "at {} ({})", seconds(replay.t), dir.display())?;
+    for (device, stats) in &tracker.devices {
+        writeln!(out)?;
+        summary_table(*device, stats, out)?;
+        writeln!(out)?;
+        segment_map(&replay.state, *device, out)?;
+        writeln!(out)?;
+        writeln!(out, "memory_stats() of device {device}:")?;
+        for (key, value) in stats.to_map() {
+            writeln!(out, "  {key}: {value}")?;
+        }
+    }
+    Ok(())
+}
+
+/// A `torch.cuda.memory_summary()`-style table.
+fn summary_table(device: u32, s: &DeviceStats, out: &mut dyn Write) -> Result<(), Error> {
+    let rule = format!("|{}|", "=".repeat(75));
+    let thin = format!("|{}|", "-".repeat(75));
+    writeln!(out, "{rule}")?;
+    writeln!(
+        out,
+        "|{:^75}|",
+        format!("cachealloc CUDA memory summary, device ID {device}")
+    )?;
+    writeln!(out, "{thin}")?;
+    writeln!(
+        out,
+        "|{:^37}|{:^37}|",
+        format!("CUDA OOMs: {}", s.num_ooms),
+        format!(
+            "device allocs: {} / frees: {}",
+            s.num_device_alloc, s.num_device_free
+        )
+    )?;
+    writeln!(out, "{rule}")?;
+    writeln!(
+        out,
+        "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
+        "Metric", "Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed"
+    )?;
+    let rows: [(&str, usize, bool); 7] = [
+        ("Allocated memory", 2, true),
+        ("Active memory", 1, true),
+        ("Requested memory", 4, true),
+        ("GPU reserved memory", 5, true),
+        ("Allocations", 3, false),
+        ("Active allocs", 0, false),
+        ("GPU reserved segments", 6, false),
+    ];
+    for (name, metric, is_bytes) in rows {
+        writeln!(out, "{thin}")?;
+        for (p, label) in [
+            (0, name),
+            (2, "      from large pool"),
+            (1, "      from small pool"),
+        ] {
+            let st = s.stats[metric][p];
+            let f = |v: i64| {
+                if is_bytes {
+                    bytes(v.max(0) as u64)
+                } else {
+                    v.to_string()
+                }
+            };
+            writeln!(
+                out,
+                "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
+                label,
+                f(st.current),
+                f(st.peak),
+                f(st.allocated),
+                f(st.freed)
+            )?;
+        }
+    }
+    writeln!(out, "{thin}")?;
+    let split = s.stats[7];
+    writeln!(
+        out,
+        "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
+        "Non-releasable memory",
+        bytes(split[0].current.max(0) as u64),
+        "-",
+        "-",
+        "-"
+    )?;
+    writeln!(out, "{rule}")?;
+    debug_assert_eq!(METRICS.len(), 8);
+    debug_assert_eq!(POOLS.len(), 3);
+    Ok(())
+}
+
+/// Width of a segment's bar.
+const BAR: usize = 64;
+
+/// One line per segment: its address, size and pool, a bar of its blocks (a letter per block
+/// allocated, `.` for blocks freed but waiting on their reuse fence, blank for free space), and
+/// its free bytes.
+pub fn segment_map(state: &LiveState, device: u32, out: &mut dyn Write) -> Result<(), Error> {
+    let segments: Vec<_> = state
+        .segments
+        .range((device, 0)..=(device, u64::MAX))
+        .map(|(_, s)| *s)
+        .collect();
+    writeln!(
+        out,
+        "segments of device {device}: {} ({} reserved)",
+        segments.len(),
+        bytes(segments.iter().map(|s| s.size).sum())
+    )?;
+    let (mut total, mut allocated, mut internal) = (0u64, 0u64, 0u64);
+    for seg in &segments {
+        let mut bar = [b' '; BAR];
+        let mut seg_allocated = 0;
+        let blocks = state
+            .blocks
+            .range((device, seg.address)..(device, seg.address + seg.size));
+        for (i, (_, b)) in blocks.enumerate() {
+            let from =
+                ((b.address - seg.address) as u128 * BAR as u128 / seg.size as u128) as usize;
+            let to = (((b.address - seg.address + b.size) as u128 * BAR as u128)
+                .div_ceil(seg.size as u128) as usize)
+                .min(BAR);
+            let mark = if b.pending != 0 {
+                b'.'
+            } else {
+                b'a' + (i % 26) as u8
+            };
+            bar[from..to.max(from + 1).min(BAR)].fill(mark);
+            if b.pending == 0 {
+                seg_allocated += b.size;
+                internal += b.size - b.requested.min(b.size);
+            }
+        }
+        total += seg.size;
+        allocated += seg_allocated;
+        writeln!(
+            out,
+            "  {:#014x} {:>10} {} [{}] {} free",
+            seg.address,
+            bytes(seg.size),
+            if seg.pool == 0 { "small" } else { "large" },
+            String::from_utf8_lossy(&bar),
+            bytes(seg.size - seg_allocated)
+        )?;
+    }
+    writeln!(
+        out,
+        "  allocated {} of {} reserved; free {} ({}) between blocks, {} inside blocks (rounding)",
+        bytes(allocated),
+        bytes(total),
+        bytes(total - allocated),
+        percent(total - allocated, total),
+        bytes(internal)
+    )?;
+    Ok(())
+}

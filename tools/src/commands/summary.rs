@@ -1,0 +1,224 @@
+//! `cachealloc summary TRACE...`: what a run did with GPU memory, on one screen per trace, and
+//! a side-by-side table when several traces (ranks) are given.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+
+use crate::analysis::{Scan, scan};
+use crate::format::{bytes, percent, seconds};
+use crate::progress::Progress;
+use crate::replay::{Replay, site};
+use crate::{Error, trace_dirs};
+
+/// How many allocation sites to list.
+const TOP_SITES: usize = 10;
+
+/// Bytes and block counts of the sites live at one moment, largest first.
+pub fn sites_live(replay: &Replay, device: u32) -> Vec<(String, u64, u64)> {
+    let mut by_site: HashMap<String, (u64, u64)> = HashMap::new();
+    let state = &replay.state;
+    for block in state.blocks.values() {
+        if block.device == device && block.pending == 0 {
+            let e = by_site.entry(site(state, block.stack)).or_default();
+            e.0 += block.size;
+            e.1 += 1;
+        }
+    }
+    let mut sites: Vec<(String, u64, u64)> =
+        by_site.into_iter().map(|(s, (b, n))| (s, b, n)).collect();
+    sites.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    sites
+}
+
+/// Run the command.
+pub fn run(traces: &[PathBuf], out: &mut dyn Write) -> Result<(), Error> {
+    let dirs = trace_dirs(traces)?;
+    let mut scans = vec![];
+    for (i, dir) in dirs.iter().enumerate() {
+        if i > 0 {
+            writeln!(out)?;
+        }
+        let scan = scan(dir, &Progress::new("scanning"))?;
+        write_one(dir, &scan, out)?;
+        scans.push(scan);
+    }
+    if dirs.len() > 1 {
+        writeln!(out)?;
+        writeln!(
+            out,
+            "{:<32} {:>6} {:>12} {:>12} {:>8} {:>10} {:>5}",
+            "trace", "device", "peak alloc", "peak resv", "frag", "allocs", "OOMs"
+        )?;
+        for (dir, scan) in dirs.iter().zip(&scans) {
+            let name = dir.file_name().unwrap_or_default().to_string_lossy();
+            for (device, d) in &scan.devices {
+                let ooms = scan.ooms.iter().filter(|o| o.device == *device).count();
+                writeln!(
+                    out,
+                    "{:<32} {:>6} {:>12} {:>12} {:>8} {:>10} {:>5}",
+                    name,
+                    device,
+                    bytes(d.peak_allocated.bytes),
+                    bytes(d.peak_reserved.bytes),
+                    percent(
+                        d.peak_reserved.bytes - d.allocated_at_peak_reserved,
+                        d.peak_reserved.bytes
+                    ),
+                    d.allocs,
+                    ooms
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<(), Error> {
+    writeln!(
+        out,
+        "trace     {} ({} file{}, {} records)",
+        dir.display(),
+        scan.files,
+        if scan.files == 1 { "" } else { "s" },
+        scan.records
+    )?;
+    if let Some(h) = &scan.header {
+        let rank = if h.rank >= 0 {
+            format!(", rank {} of {}", h.rank, h.world_size)
+        } else {
+            String::new()
+        };
+        writeln!(out, "process   pid {} on {}{rank}", h.pid, h.host)?;
+        writeln!(out, "command   {}", h.cmdline.join(" "))?;
+        if !h.config.is_empty() {
+            writeln!(out, "config    {}", h.config)?;
+        }
+    }
+    writeln!(
+        out,
+        "duration  {} (events from {} to {})",
+        seconds(scan.duration()),
+        seconds(scan.span.0),
+        seconds(scan.span.1)
+    )?;
+    for (device, d) in &scan.devices {
+        let name = scan
+            .header
+            .as_ref()
+            .and_then(|h| h.devices.iter().find(|i| i.index == *device))
+            .map(|i| format!(" ({}, {})", i.name, bytes(i.total_memory)))
+            .unwrap_or_default();
+        writeln!(out)?;
+        writeln!(out, "device {device}{name}")?;
+        writeln!(
+            out,
+            "  peak allocated  {} at {}",
+            bytes(d.peak_allocated.bytes),
+            seconds(d.peak_allocated.t)
+        )?;
+        writeln!(
+            out,
+            "  peak reserved   {} at {}: at most {} allocated then, fragmentation {} (reserved, not allocated)",
+            bytes(d.peak_reserved.bytes),
+            seconds(d.peak_reserved.t),
+            bytes(d.allocated_at_peak_reserved),
+            percent(
+                d.peak_reserved.bytes - d.allocated_at_peak_reserved,
+                d.peak_reserved.bytes
+            )
+        )?;
+        writeln!(
+            out,
+            "  events          {} allocs ({} requested), {} frees, {} segments allocated, {} released",
+            d.allocs,
+            bytes(d.requested_bytes),
+            d.frees,
+            d.segment_allocs,
+            d.segment_frees
+        )?;
+        writeln!(
+            out,
+            "  at the end      {} allocated, {} reserved",
+            bytes(d.allocated_at_end),
+            bytes(d.reserved_at_end)
+        )?;
+        let mut replay = Replay::open(dir)?;
+        replay.run_through(d.peak_allocated.index)?;
+        let sites = sites_live(&replay, *device);
+        if !sites.is_empty() {
+            writeln!(out, "  top allocation sites live at peak allocated:")?;
+            writeln!(
+                out,
+                "    {:>12} {:>7} {:>7}  site",
+                "bytes", "share", "blocks"
+            )?;
+            for (site, b, n) in sites.iter().take(TOP_SITES) {
+                writeln!(
+                    out,
+                    "    {:>12} {:>7} {:>7}  {site}",
+                    bytes(*b),
+                    percent(*b, d.peak_allocated.bytes),
+                    n
+                )?;
+            }
+            if sites.len() > TOP_SITES {
+                let rest: u64 = sites[TOP_SITES..].iter().map(|s| s.1).sum();
+                writeln!(
+                    out,
+                    "    {:>12} {:>7} {:>7}  ({} other sites)",
+                    bytes(rest),
+                    percent(rest, d.peak_allocated.bytes),
+                    "",
+                    sites.len() - TOP_SITES
+                )?;
+            }
+        }
+    }
+    writeln!(out)?;
+    if scan.ooms.is_empty() {
+        writeln!(out, "OOMs      none")?;
+    } else {
+        writeln!(out, "OOMs      {}", scan.ooms.len())?;
+        for o in scan.ooms.iter().take(5) {
+            writeln!(
+                out,
+                "  at {} on device {}: requested {} with {} allocated, {} reserved, {} cached free (largest block {}), device free {} of {}",
+                seconds(o.t),
+                o.device,
+                bytes(o.requested),
+                bytes(o.allocated),
+                bytes(o.reserved),
+                bytes(o.cached_free),
+                bytes(o.largest_free_block),
+                bytes(o.device_free),
+                bytes(o.device_total)
+            )?;
+        }
+    }
+    if scan.stacks_shed == 0 && scan.blocked_sends.0 == 0 {
+        writeln!(out, "drops     none")?;
+    } else {
+        writeln!(
+            out,
+            "drops     {} stacks shed under overload; {} sends blocked for {:.1} ms in all (no event was dropped)",
+            scan.stacks_shed,
+            scan.blocked_sends.0,
+            scan.blocked_sends.1 as f64 / 1e6
+        )?;
+    }
+    if scan.tears.is_empty() {
+        writeln!(out, "tears     none")?;
+    } else {
+        for t in &scan.tears {
+            writeln!(out, "tear      {t} (read up to there)")?;
+        }
+    }
+    if !scan.annotations.is_empty() {
+        writeln!(out, "annotations {}", scan.annotations.len())?;
+        for a in scan.annotations.iter().take(10) {
+            writeln!(out, "  {} {}", seconds(a.t), a.name)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,140 @@
+//! `cachealloc trace TRACE`: the events, one per line, optionally within a time window and for
+//! one device, optionally with each allocation's stack.
+
+use std::io::Write;
+use std::path::Path;
+
+use cachealloc_recorder::Record;
+
+use crate::format::bytes;
+use crate::replay::{Replay, device_of, frame_label, site, stack_frames, time_of};
+use crate::{Error, one_trace};
+
+/// One event as a line (`None` for records that are not events: definitions, checkpoints).
+pub fn describe(record: &Record) -> Option<String> {
+    Some(match record {
+        Record::Alloc(a) => format!(
+            "alloc          {:#014x} {:>10} (requested {}) stream {} thread {}",
+            a.address,
+            bytes(a.size),
+            a.requested,
+            a.stream,
+            a.thread
+        ),
+        Record::FreeRequested(f) => format!(
+            "free_requested {:#014x} {:>10} stream {} thread {} (reusable after its fence)",
+            f.address,
+            bytes(f.size),
+            f.stream,
+            f.thread
+        ),
+        Record::Free(f) => format!(
+            "free           {:#014x} {:>10} stream {} thread {}",
+            f.address,
+            bytes(f.size),
+            f.stream,
+            f.thread
+        ),
+        Record::FreeCompleted(f) => {
+            format!("free_completed {:#014x} {:>10}", f.address, bytes(f.size))
+        }
+        Record::SegmentAlloc(s) => format!(
+            "segment_alloc  {:#014x} {:>10} {} pool",
+            s.address,
+            bytes(s.size),
+            if s.pool == 0 { "small" } else { "large" }
+        ),
+        Record::SegmentFree(s) => format!(
+            "segment_free   {:#014x} {:>10} {} pool",
+            s.address,
+            bytes(s.size),
+            if s.pool == 0 { "small" } else { "large" }
+        ),
+        Record::SegmentMap(s) => {
+            format!("segment_map    {:#014x} {:>10}", s.address, bytes(s.size))
+        }
+        Record::SegmentUnmap(s) => {
+            format!("segment_unmap  {:#014x} {:>10}", s.address, bytes(s.size))
+        }
+        Record::Oom(o) => format!(
+            "oom            requested {} with {} allocated, {} reserved, {} cached free, device free {}",
+            bytes(o.requested),
+            bytes(o.allocated),
+            bytes(o.reserved),
+            bytes(o.cached_free),
+            bytes(o.device_free)
+        ),
+        Record::StreamCreated(s) => format!("stream_created {:#x} flags {}", s.stream, s.flags),
+        Record::StreamDestroyed(s) => format!("stream_destroyed {:#x}", s.stream),
+        Record::Annotation(a) => format!("annotation     {:?} thread {}", a.name, a.thread),
+        Record::StatsSample(s) => format!(
+            "stats          allocated {} reserved {} active {}",
+            bytes(s.allocated),
+            bytes(s.reserved),
+            bytes(s.active)
+        ),
+        Record::Dropped(d) => format!(
+            "dropped        {} stacks shed, {} blocked sends ({} ns)",
+            d.stacks_shed, d.blocked_sends, d.blocked_ns
+        ),
+        _ => return None,
+    })
+}
+
+/// Run the command.
+pub fn run(
+    trace: &Path,
+    from: Option<u64>,
+    to: Option<u64>,
+    device: Option<u32>,
+    stacks: bool,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
+    let dir = one_trace(trace)?;
+    let mut replay = Replay::open(&dir)?;
+    while let Some(step) = replay.step() {
+        let step = step?;
+        if step.in_checkpoint {
+            continue;
+        }
+        let Some(t) = time_of(&step.record) else {
+            continue;
+        };
+        if from.is_some_and(|f| t < f) {
+            continue;
+        }
+        if to.is_some_and(|to| t > to) {
+            break;
+        }
+        let dev = device_of(&step.record);
+        if device.is_some() && dev.is_some() && dev != device {
+            continue;
+        }
+        let Some(line) = describe(&step.record) else {
+            continue;
+        };
+        let dev = dev.map_or("-".to_string(), |d| d.to_string());
+        write!(out, "{:>14.6} s  dev {dev:>2}  {line}", t as f64 / 1e9)?;
+        match &step.record {
+            Record::Alloc(a) if a.stack != 0 => {
+                writeln!(out, "  at {}", site(&replay.state, a.stack))?;
+                if stacks {
+                    for f in stack_frames(&replay.state, a.stack) {
+                        writeln!(out, "{:>24}{}", "", frame_label(f))?;
+                    }
+                }
+            }
+            _ => writeln!(out)?,
+        }
+    }
+    for tear in replay.tears() {
+        writeln!(
+            out,
+            "(torn: {} at byte {}: {}; read up to there)",
+            tear.path.display(),
+            tear.offset,
+            tear.error
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,207 @@
+//! Replaying a trace directory: records in order, with the live state (segments, blocks, stacks)
+//! after each one. Every command is built on [`Replay`].
+//!
+//! A trace may span rotated files. Each file opens with its header and a checkpoint of the live
+//! state; the first file's checkpoint seeds the state, and a later file's checkpoint replaces it
+//! (it is the truth after a tear, and equal to the replayed state otherwise). Records inside a
+//! checkpoint are not events: [`Step::in_checkpoint`] says so, and peaks ignore them.
+
+use std::path::Path;
+
+use cachealloc_recorder::schema::{FRAME_PYTHON, FrameDef, Header};
+use cachealloc_recorder::{LiveState, Record, Tear, TraceReader};
+
+/// One replayed record.
+#[derive(Debug)]
+pub struct Step {
+    /// The record (already applied to [`Replay::state`]).
+    pub record: Record,
+    /// Ordinal of the record in the trace (0-based).
+    pub index: u64,
+    /// Part of a file's opening checkpoint (live state, not an event).
+    pub in_checkpoint: bool,
+}
+
+/// A trace directory being replayed.
+#[derive(Debug)]
+pub struct Replay {
+    reader: TraceReader,
+    /// The live state after the last record returned.
+    pub state: LiveState,
+    /// The first file's header (`None` until read).
+    pub header: Option<Header>,
+    /// Time of the last timed record, ns since the trace's base.
+    pub t: u64,
+    next_index: u64,
+    file: Option<usize>,
+    in_checkpoint: bool,
+}
+
+impl Replay {
+    /// Open `dir` (a per-process trace directory).
+    pub fn open(dir: &Path) -> Result<Replay, String> {
+        let reader = TraceReader::open(dir).map_err(|e| e.to_string())?;
+        Ok(Replay {
+            reader,
+            state: LiveState::default(),
+            header: None,
+            t: 0,
+            next_index: 0,
+            file: None,
+            in_checkpoint: false,
+        })
+    }
+
+    /// Number of trace files.
+    pub fn file_count(&self) -> usize {
+        self.reader.files().len()
+    }
+
+    /// Where files stopped being readable (complete once the replay has ended).
+    pub fn tears(&self) -> &[Tear] {
+        self.reader.tears()
+    }
+
+    /// The next record, applied; `Err` for a record that cannot be decoded.
+    pub fn step(&mut self) -> Option<Result<Step, String>> {
+        let item = match self.reader.next()? {
+            Ok(item) => item,
+            Err(e) => return Some(Err(e.to_string())),
+        };
+        if self.file != Some(item.file) {
+            // A new file: its checkpoint replaces the state (stacks and frames are kept).
+            if self.file.is_some() {
+                self.state.segments.clear();
+                self.state.blocks.clear();
+                self.state.totals.clear();
+            }
+            self.file = Some(item.file);
+        }
+        match &item.record {
+            Record::Header(h) => {
+                self.in_checkpoint = true;
+                if self.header.is_none() {
+                    self.header = Some((**h).clone());
+                }
+            }
+            Record::CheckpointEnd(_) => self.in_checkpoint = false,
+            r => {
+                if let Some(t) = time_of(r) {
+                    self.t = self.t.max(t);
+                }
+            }
+        }
+        self.state.apply(&item.record);
+        let step = Step {
+            in_checkpoint: self.in_checkpoint || matches!(item.record, Record::CheckpointEnd(_)),
+            record: item.record,
+            index: self.next_index,
+        };
+        self.next_index += 1;
+        Some(Ok(step))
+    }
+
+    /// Replay through the record of ordinal `index` (inclusive).
+    pub fn run_through(&mut self, index: u64) -> Result<(), String> {
+        while self.next_index <= index {
+            match self.step() {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e),
+                None => break,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The ordinal of the last record at or before time `t` (events after it are not replayed).
+pub fn last_index_at(dir: &Path, t: u64) -> Result<u64, String> {
+    let mut scan = Replay::open(dir)?;
+    let mut last = None;
+    while let Some(step) = scan.step() {
+        let step = step?;
+        if !step.in_checkpoint && time_of(&step.record).is_some_and(|rt| rt > t) {
+            break;
+        }
+        last = Some(step.index);
+    }
+    last.ok_or_else(|| "the trace has no records".to_string())
+}
+
+/// The time of a record, for kinds that have one.
+pub fn time_of(record: &Record) -> Option<u64> {
+    Some(match record {
+        Record::Alloc(a) => a.t,
+        Record::FreeRequested(f) | Record::Free(f) => f.t,
+        Record::FreeCompleted(f) => f.t,
+        Record::SegmentAlloc(s)
+        | Record::SegmentFree(s)
+        | Record::SegmentMap(s)
+        | Record::SegmentUnmap(s) => s.t,
+        Record::Oom(o) => o.t,
+        Record::StreamCreated(s) | Record::StreamDestroyed(s) => s.t,
+        Record::Annotation(a) => a.t,
+        Record::StatsSample(s) => s.t,
+        Record::Dropped(d) => d.t,
+        Record::CheckpointEnd(c) => c.t,
+        _ => return None,
+    })
+}
+
+/// The device a record concerns, for kinds that have one.
+pub fn device_of(record: &Record) -> Option<u32> {
+    Some(match record {
+        Record::Alloc(a) => a.device,
+        Record::FreeRequested(f) | Record::Free(f) => f.device,
+        Record::FreeCompleted(f) => f.device,
+        Record::SegmentAlloc(s)
+        | Record::SegmentFree(s)
+        | Record::SegmentMap(s)
+        | Record::SegmentUnmap(s) => s.device,
+        Record::Oom(o) => o.device,
+        Record::StreamCreated(s) | Record::StreamDestroyed(s) => s.device,
+        Record::StatsSample(s) => s.device,
+        _ => return None,
+    })
+}
+
+/// A frame as one line: `name (file:line)` for Python, the symbol (or address) for native.
+pub fn frame_label(frame: &FrameDef) -> String {
+    if frame.kind == FRAME_PYTHON {
+        format!("{} ({}:{})", frame.name, frame.file, frame.line)
+    } else if !frame.name.is_empty() {
+        if frame.file.is_empty() {
+            frame.name.clone()
+        } else {
+            format!("{} ({}:{})", frame.name, frame.file, frame.line)
+        }
+    } else {
+        format!("{:#x}", frame.address)
+    }
+}
+
+/// The frames of stack `id`, innermost first (empty for 0 or an unknown id).
+pub fn stack_frames(state: &LiveState, id: u32) -> Vec<&FrameDef> {
+    state
+        .stacks
+        .get(&id)
+        .map(|s| {
+            s.frames
+                .iter()
+                .filter_map(|f| state.frames.get(f))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The allocation site of stack `id`: its innermost Python frame if it has one (the line of the
+/// program that allocated), else its innermost native frame; `"(no stack)"` without frames.
+pub fn site(state: &LiveState, id: u32) -> String {
+    let frames = stack_frames(state, id);
+    frames
+        .iter()
+        .find(|f| f.kind == FRAME_PYTHON)
+        .or(frames.first())
+        .map(|f| frame_label(f))
+        .unwrap_or_else(|| "(no stack)".to_string())
+}
