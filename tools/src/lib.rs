@@ -16,7 +16,7 @@
 //! | [`analysis`] | one pass: peaks and when, counts, OOMs, drops, annotations |
 //! | [`stats`] | PyTorch `memory_stats` keys over a replay |
 //! | [`commands`] | one module per subcommand |
-//! | [`format`], [`progress`] | numbers for people, spinners on long passes |
+//! | [`format`](mod@format), [`progress`] | numbers for people, spinners on long passes |
 //!
 //! A `TRACE` argument is a per-process trace directory (`<host>-<pid>[-rank<R>]`) or a directory
 //! holding several (`cachealloc-trace/`), which stands for all of them.
