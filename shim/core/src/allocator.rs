@@ -362,6 +362,45 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         self.malloc_slow(pools, size, rounded, tag, changes)
     }
 
+    /// Allocate `size` bytes from a new segment without looking in the cache first (falling
+    /// back to the whole ladder if the device refuses).
+    ///
+    /// This is what a concurrent run does when another thread frees a fitting block while this
+    /// one is growing with the lock released: the trace then shows the free before this
+    /// allocation, yet the allocation came from a new segment. `cachealloc simulate` replays a
+    /// run's requests one at a time, and follows the recorded growth with this to make the run's
+    /// decisions again.
+    pub fn malloc_from_new_segment(&self, size: u64, tag: u64) -> Result<Allocation, AllocError> {
+        let rounded = sizes::round_size(size, &self.config.roundup);
+        let mut changes = SegmentChanges::default();
+        let request = Request {
+            size,
+            rounded,
+            segment_size: sizes::segment_size(rounded),
+            tag,
+        };
+        let mut pools = self.pools.lock();
+        // What the ladder did before growing, less the cache lookups: fences and GC.
+        if pools.has_pending() {
+            if pools.open_batch_full() {
+                pools.close_open_batch(&self.device)?;
+            }
+            self.collect_completed(&mut pools, &mut changes);
+        }
+        if pools.close_open_batch(&self.device)? {
+            self.collect_completed(&mut pools, &mut changes);
+        }
+        if self.config.garbage_collection_threshold > 0.0 {
+            let garbage = pools.take_garbage(self.config.garbage_collection_threshold, self.limit);
+            pools = self.release_unlocked(pools, garbage, &mut changes);
+        }
+        let (served, pools) = self.grow_and_serve(pools, &request, &mut changes, false);
+        if let Some(a) = served? {
+            return Ok(a);
+        }
+        self.malloc_slow(pools, size, rounded, tag, &mut changes)
+    }
+
     #[cold]
     fn malloc_slow<'a>(
         &'a self,

@@ -582,6 +582,29 @@ impl<F: Clone> Pools<F> {
         }
     }
 
+    /// The fence a freed block at `address` waits behind, if it is in a closed batch; closes
+    /// the open batch first if the block is still in it. For `cachealloc simulate`, which
+    /// completes exactly the fences a recorded run saw complete.
+    pub fn fence_of_pending<D: Device<Fence = F>>(
+        &mut self,
+        device: &D,
+        address: u64,
+    ) -> Result<Option<F>, crate::DeviceError> {
+        let at = |id: &BlockId| self.blocks[*id as usize].address == address;
+        if self.open_batch.iter().any(at) {
+            self.close_open_batch(device)?;
+        }
+        Ok(self
+            .pending
+            .iter()
+            .find(|b| {
+                b.blocks
+                    .iter()
+                    .any(|id| self.blocks[*id as usize].address == address)
+            })
+            .map(|b| b.fence.clone()))
+    }
+
     /// Whether waiting for pending batches could serve a rounded request: the pending blocks of
     /// its pool plus its free bytes add up to the request. (A cheap necessary condition; it
     /// keeps a big request from stalling behind many small pending frees.)

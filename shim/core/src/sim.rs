@@ -56,6 +56,8 @@ struct SimState {
     completed_through: u64,
     fail_next_allocs: u32,
     counters: SimCounters,
+    /// Addresses to hand out next, with the sizes they are for ([`SimDevice::plan_addresses`]).
+    planned: std::collections::VecDeque<(u64, u64)>,
 }
 
 /// A capacity-limited simulated device. Cheap to share between threads.
@@ -83,6 +85,7 @@ impl SimDevice {
                 completed_through: 0,
                 fail_next_allocs: 0,
                 counters: SimCounters::default(),
+                planned: std::collections::VecDeque::new(),
             }),
         }
     }
@@ -91,6 +94,21 @@ impl SimDevice {
     pub fn complete_fences(&self) {
         let mut s = self.state.lock();
         s.completed_through = s.next_fence - 1;
+    }
+
+    /// Mark `fence` and every fence recorded before it as complete.
+    pub fn complete_through(&self, fence: &SimFence) {
+        let mut s = self.state.lock();
+        s.completed_through = s.completed_through.max(fence.0);
+    }
+
+    /// Hand out these addresses, in order, for the next segment allocations: `(size, address)`.
+    /// An allocation of another size than the next planned one, or one whose planned address
+    /// would overlap a live segment, gets a fresh address instead. `cachealloc simulate` replays
+    /// a run's segment addresses this way, so that best-fit ties between equal blocks break as
+    /// they did in the run.
+    pub fn plan_addresses(&self, plan: impl IntoIterator<Item = (u64, u64)>) {
+        self.state.lock().planned.extend(plan);
     }
 
     /// Make the next `n` segment allocations fail with out-of-memory.
@@ -146,8 +164,26 @@ impl Device for SimDevice {
             s.counters.failed_allocs += 1;
             return Err(DeviceError::OutOfMemory);
         }
-        let address = s.next_address;
-        s.next_address += crate::sizes::round_up(size, SEGMENT_ALIGNMENT);
+        let planned = match s.planned.front() {
+            Some(&(planned_size, address)) if planned_size == size => {
+                s.planned.pop_front();
+                let overlaps = s
+                    .segments
+                    .range(..address + size)
+                    .next_back()
+                    .is_some_and(|(&start, &len)| start + len > address);
+                (!overlaps).then_some(address)
+            }
+            _ => None,
+        };
+        let address = match planned {
+            Some(address) => address,
+            None => {
+                let address = s.next_address;
+                s.next_address += crate::sizes::round_up(size, SEGMENT_ALIGNMENT);
+                address
+            }
+        };
         s.used += size;
         s.segments.insert(address, size);
         s.counters.allocs += 1;

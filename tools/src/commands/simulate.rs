@@ -4,9 +4,11 @@
 //! The trace's allocations and frees, in their recorded order, are replayed through
 //! `cachealloc-core` — the allocator the shim runs — on a [`SimDevice`] per device. Reuse fences
 //! follow the recording: a free that waited on a fence in the run waits in the simulation until
-//! the trace says it completed, and `reuse:auto` starts fencing where the run created its first
+//! the trace says it completed (exactly the fences the run saw complete are completed), and `reuse:auto` starts fencing where the run created its first
 //! stream. With the recorded config, the simulation makes the same decisions as the run, so its
-//! peak reserved is the recorded one (a test checks this on traces made by the shim).
+//! peak reserved is the recorded one (a test checks this on traces made by the shim): where
+//! threads raced (one freed a block while another was growing), the recorded growth is followed.
+//! With another config the simulation decides everything itself, one request at a time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -32,11 +34,15 @@ enum Op {
         requested: u64,
         stack: u32,
         t: u64,
+        /// The run served it from a segment allocated for it.
+        grew: bool,
+        /// The size of the block the run gave it.
+        size: u64,
     },
     /// A free (one that waited on a reuse fence in the run is followed by `FencesDone`).
     Free { device: u32, address: u64 },
-    /// The run's pending frees on `device` so far became reusable.
-    FencesDone { device: u32 },
+    /// The run's freed block at `address` on `device` became reusable (its fence completed).
+    FenceDone { device: u32, address: u64 },
     /// The run created a stream (`reuse:auto` starts fencing).
     StreamCreated,
 }
@@ -49,12 +55,17 @@ struct Recording {
     names: LiveState,
     config: String,
     capacity: BTreeMap<u32, u64>,
+    /// Per device, the run's segment allocations in order: `(size, address)`.
+    segments: BTreeMap<u32, Vec<(u64, u64)>>,
 }
 
 fn record(dir: &Path) -> Result<Recording, Error> {
     let mut replay = Replay::open(dir)?;
     let progress = Progress::new("reading requests");
     let mut ops = vec![];
+    // The segment the last allocator event of each device allocated, if it was one.
+    let mut fresh_segment: HashMap<u32, u64> = HashMap::new();
+    let mut segments: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
     while let Some(step) = replay.step() {
         let step = step?;
         if step.index % 65536 == 0 {
@@ -63,6 +74,15 @@ fn record(dir: &Path) -> Result<Recording, Error> {
         if step.in_checkpoint {
             continue;
         }
+        if let Record::SegmentAlloc(s) = &step.record {
+            fresh_segment.insert(s.device, s.address);
+            segments
+                .entry(s.device)
+                .or_default()
+                .push((s.size, s.address));
+            continue;
+        }
+        let fresh = crate::replay::device_of(&step.record).and_then(|d| fresh_segment.remove(&d));
         ops.push(match step.record {
             Record::Alloc(a) => Op::Alloc {
                 device: a.device,
@@ -70,12 +90,17 @@ fn record(dir: &Path) -> Result<Recording, Error> {
                 requested: a.requested,
                 stack: a.stack,
                 t: a.t,
+                grew: fresh == Some(a.address),
+                size: a.size,
             },
             Record::Free(f) | Record::FreeRequested(f) => Op::Free {
                 device: f.device,
                 address: f.address,
             },
-            Record::FreeCompleted(f) => Op::FencesDone { device: f.device },
+            Record::FreeCompleted(f) => Op::FenceDone {
+                device: f.device,
+                address: f.address,
+            },
             Record::StreamCreated(_) => Op::StreamCreated,
             _ => continue,
         });
@@ -86,6 +111,7 @@ fn record(dir: &Path) -> Result<Recording, Error> {
     names.segments.clear();
     Ok(Recording {
         ops,
+        segments,
         names,
         config: header
             .as_ref()
@@ -102,30 +128,86 @@ fn record(dir: &Path) -> Result<Recording, Error> {
     })
 }
 
-/// What one simulation found.
-#[derive(Debug, Default, Clone)]
-struct Outcome {
-    peak_reserved: u64,
-    allocated_at_peak_reserved: u64,
-    peak_allocated: u64,
-    device_allocs: u64,
-    device_frees: u64,
-    fence_waits: u64,
-    failures: u64,
-    first_failure: Option<(u64, u64, u32, String)>,
+/// What one device did in a simulation.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct DeviceOutcome {
+    /// Peak reserved bytes.
+    pub peak_reserved: u64,
+    /// The most bytes allocated while reserved was at its peak.
+    pub allocated_at_peak_reserved: u64,
+    /// Peak allocated bytes.
+    pub peak_allocated: u64,
+    /// Segment allocations asked of the device.
+    pub device_allocs: u64,
+    /// Segment releases.
+    pub device_frees: u64,
+    /// Waits on reuse fences.
+    pub fence_waits: u64,
 }
 
-fn simulate(rec: &Recording, config: &AllocatorConfig, capacity: Option<u64>) -> Outcome {
+/// A failed request: time, size, device and allocation site.
+pub type Failure = (u64, u64, u32, String);
+
+/// What one simulation found.
+#[derive(Debug, Default, Clone)]
+pub struct Outcome {
+    /// Per device.
+    pub devices: BTreeMap<u32, DeviceOutcome>,
+    /// Requests that failed.
+    pub failures: u64,
+    /// The first of them.
+    pub first_failure: Option<Failure>,
+    /// With the recorded config: the first request that got a block of another size than in
+    /// the run (time, requested, recorded size, simulated size), if any.
+    pub diverged_at: Option<(u64, u64, u64, u64)>,
+}
+
+impl Outcome {
+    fn peak_reserved(&self) -> u64 {
+        self.devices.values().map(|d| d.peak_reserved).sum()
+    }
+
+    fn fragmentation(&self) -> String {
+        let (r, a) = self.devices.values().fold((0, 0), |(r, a), d| {
+            (r + d.peak_reserved, a + d.allocated_at_peak_reserved)
+        });
+        percent(r - a, r)
+    }
+
+    fn device_calls(&self) -> u64 {
+        self.devices
+            .values()
+            .map(|d| d.device_allocs + d.device_frees)
+            .sum()
+    }
+}
+
+/// Replay `rec` through `config`. With `follow_growth` (the recorded config), an allocation the
+/// run served from a new segment is served from a new segment here too (see
+/// `Allocator::malloc_from_new_segment`), and segments get the run's addresses, so that even
+/// multi-threaded runs replay exactly.
+fn simulate(
+    rec: &Recording,
+    config: &AllocatorConfig,
+    capacity: Option<u64>,
+    follow_growth: bool,
+) -> Outcome {
     let mut allocators: BTreeMap<u32, Allocator<SimDevice>> = BTreeMap::new();
     let mut addresses: HashMap<(u32, u64), u64> = HashMap::new();
+    // Freed blocks waiting on a fence: the run's address → the simulation's.
+    let mut freed: HashMap<(u32, u64), u64> = HashMap::new();
     let mut out = Outcome::default();
     let mut fencing = false;
-    let fence_mode = FenceMode::Manual;
     let get = |device: u32, fencing: bool| -> Allocator<SimDevice> {
         let cap = capacity
             .or_else(|| rec.capacity.get(&device).copied())
             .unwrap_or(u64::MAX / 4);
-        let a = Allocator::new(SimDevice::with_fence_mode(cap, fence_mode), config.clone());
+        let sim = SimDevice::with_fence_mode(cap, FenceMode::Manual);
+        if follow_growth {
+            // The run's addresses: best fit breaks ties between equal blocks by address.
+            sim.plan_addresses(rec.segments.get(&device).into_iter().flatten().copied());
+        }
+        let a = Allocator::new(sim, config.clone());
         if fencing {
             let _ = a.start_fencing();
         }
@@ -139,24 +221,35 @@ fn simulate(rec: &Recording, config: &AllocatorConfig, capacity: Option<u64>) ->
                 requested,
                 stack,
                 t,
+                grew,
+                size,
             } => {
                 let a = allocators
                     .entry(device)
                     .or_insert_with(|| get(device, fencing));
-                match a.malloc(requested, u64::from(stack)) {
+                let result = if grew && follow_growth {
+                    a.malloc_from_new_segment(requested, u64::from(stack))
+                } else {
+                    a.malloc(requested, u64::from(stack))
+                };
+                match result {
                     Ok(got) => {
+                        if follow_growth && got.size != size && out.diverged_at.is_none() {
+                            out.diverged_at = Some((t, requested, size, got.size));
+                        }
                         addresses.insert((device, address), got.address);
                         let s = a.stats();
                         let reserved = s.reserved_bytes.all.current as u64;
                         let allocated = s.allocated_bytes.all.current as u64;
-                        if reserved > out.peak_reserved {
-                            out.peak_reserved = reserved;
-                            out.allocated_at_peak_reserved = allocated;
-                        } else if reserved == out.peak_reserved {
-                            out.allocated_at_peak_reserved =
-                                out.allocated_at_peak_reserved.max(allocated);
+                        let d = out.devices.entry(device).or_default();
+                        if reserved > d.peak_reserved {
+                            d.peak_reserved = reserved;
+                            d.allocated_at_peak_reserved = allocated;
+                        } else if reserved == d.peak_reserved {
+                            d.allocated_at_peak_reserved =
+                                d.allocated_at_peak_reserved.max(allocated);
                         }
-                        out.peak_allocated = out.peak_allocated.max(allocated);
+                        d.peak_allocated = d.peak_allocated.max(allocated);
                     }
                     Err(AllocError::OutOfMemory(_) | AllocError::Device(_)) => {
                         out.failures += 1;
@@ -172,12 +265,22 @@ fn simulate(rec: &Recording, config: &AllocatorConfig, capacity: Option<u64>) ->
                     allocators.get(&device),
                     addresses.remove(&(device, address)),
                 ) {
-                    let _ = a.free(sim);
+                    if a.free(sim).is_ok_and(|f| f.pending) {
+                        freed.insert((device, address), sim);
+                    }
                 }
             }
-            Op::FencesDone { device } => {
-                if let Some(a) = allocators.get(&device) {
-                    a.device().complete_fences();
+            Op::FenceDone { device, address } => {
+                let Some(a) = allocators.get(&device) else {
+                    continue;
+                };
+                let Some(sim) = freed.remove(&(device, address)) else {
+                    continue;
+                };
+                // Complete exactly the fences the run saw complete: through this block's.
+                let fence = a.with_pools(|p| p.fence_of_pending(a.device(), sim));
+                if let Ok(Some(fence)) = fence {
+                    a.device().complete_through(&fence);
                 }
             }
             Op::StreamCreated => {
@@ -190,13 +293,25 @@ fn simulate(rec: &Recording, config: &AllocatorConfig, capacity: Option<u64>) ->
             }
         }
     }
-    for a in allocators.values() {
+    for (device, a) in &allocators {
         let s = a.stats();
-        out.device_allocs += s.num_device_alloc;
-        out.device_frees += s.num_device_free;
-        out.fence_waits += s.num_fence_waits;
+        let d = out.devices.entry(*device).or_default();
+        d.device_allocs = s.num_device_alloc;
+        d.device_frees = s.num_device_free;
+        d.fence_waits = s.num_fence_waits;
     }
     out
+}
+
+/// Simulate the trace in `dir` with its recorded config, amended by `conf`.
+pub fn simulate_dir(
+    dir: &Path,
+    conf: Option<&str>,
+    capacity: Option<u64>,
+) -> Result<Outcome, Error> {
+    let rec = record(dir)?;
+    let config = config_from(&rec.config, conf)?;
+    Ok(simulate(&rec, &config.allocator, capacity, conf.is_none()))
 }
 
 fn config_from(recorded: &str, conf: Option<&str>) -> Result<Config, Error> {
@@ -211,22 +326,36 @@ fn config_from(recorded: &str, conf: Option<&str>) -> Result<Config, Error> {
 }
 
 fn describe(o: &Outcome, out: &mut dyn Write) -> Result<(), Error> {
-    writeln!(
-        out,
-        "  peak reserved   {} (allocated then {}, fragmentation {})",
-        bytes(o.peak_reserved),
-        bytes(o.allocated_at_peak_reserved),
-        percent(
-            o.peak_reserved - o.allocated_at_peak_reserved,
-            o.peak_reserved
-        )
-    )?;
-    writeln!(out, "  peak allocated  {}", bytes(o.peak_allocated))?;
-    writeln!(
-        out,
-        "  device calls    {} allocations, {} releases; {} fence waits",
-        o.device_allocs, o.device_frees, o.fence_waits
-    )?;
+    for (device, d) in &o.devices {
+        writeln!(out, "  device {device}")?;
+        writeln!(
+            out,
+            "    peak reserved   {} ({} B; at most {} allocated then, fragmentation {})",
+            bytes(d.peak_reserved),
+            d.peak_reserved,
+            bytes(d.allocated_at_peak_reserved),
+            percent(
+                d.peak_reserved - d.allocated_at_peak_reserved,
+                d.peak_reserved
+            )
+        )?;
+        writeln!(out, "    peak allocated  {}", bytes(d.peak_allocated))?;
+        writeln!(
+            out,
+            "    device calls    {} allocations, {} releases; {} fence waits",
+            d.device_allocs, d.device_frees, d.fence_waits
+        )?;
+    }
+    if let Some((t, requested, recorded, simulated)) = o.diverged_at {
+        writeln!(
+            out,
+            "  note            the replay diverged from the run at {}: a request of {} got {} here, {} in the run (threads raced around reuse fences); figures after that are the simulation's own",
+            seconds(t),
+            bytes(requested),
+            bytes(simulated),
+            bytes(recorded)
+        )?;
+    }
     match &o.first_failure {
         None => writeln!(out, "  failures        none")?,
         Some((t, size, device, site)) => writeln!(
@@ -268,8 +397,9 @@ pub fn run(
     for (device, d) in &recorded.devices {
         writeln!(
             out,
-            "  device {device}: peak reserved {}, peak allocated {}, {} device allocations, {} OOMs",
+            "  device {device}: peak reserved {} ({} B), peak allocated {}, {} device allocations, {} OOMs",
             bytes(d.peak_reserved.bytes),
+            d.peak_reserved.bytes,
             bytes(d.peak_allocated.bytes),
             d.segment_allocs,
             recorded.ooms.iter().filter(|o| o.device == *device).count()
@@ -285,7 +415,7 @@ pub fn run(
                 .collect::<Vec<_>>()
                 .join(",");
             let config = config_from(&rec.config, Some(&merged))?;
-            let o = simulate(&rec, &config.allocator, capacity);
+            let o = simulate(&rec, &config.allocator, capacity, merged.is_empty());
             results.push((
                 if merged.is_empty() {
                     "(recorded)".into()
@@ -295,7 +425,7 @@ pub fn run(
                 o,
             ));
         }
-        results.sort_by_key(|(_, o)| (o.failures, o.peak_reserved, o.device_allocs));
+        results.sort_by_key(|(_, o)| (o.failures, o.peak_reserved(), o.device_calls()));
         writeln!(out)?;
         writeln!(
             out,
@@ -308,19 +438,16 @@ pub fn run(
                 "{:<4} {:<56} {:>12} {:>8} {:>9} {:>8}",
                 i + 1,
                 name,
-                bytes(o.peak_reserved),
-                percent(
-                    o.peak_reserved - o.allocated_at_peak_reserved,
-                    o.peak_reserved
-                ),
-                o.device_allocs + o.device_frees,
+                bytes(o.peak_reserved()),
+                o.fragmentation(),
+                o.device_calls(),
                 o.failures
             )?;
         }
         return Ok(());
     }
     let config = config_from(&rec.config, conf)?;
-    let o = simulate(&rec, &config.allocator, capacity);
+    let o = simulate(&rec, &config.allocator, capacity, conf.is_none());
     writeln!(out)?;
     writeln!(
         out,

@@ -343,3 +343,26 @@ fn device_reset_forgets_without_releasing() {
     );
     assert!(c.alloc.snapshot().is_empty());
 }
+
+#[test]
+fn a_replayed_growth_gets_a_new_segment_at_the_planned_address() {
+    use cachealloc_core::Allocator;
+    use cachealloc_core::sim::SimDevice;
+    let device = SimDevice::new(1 << 34);
+    let planned = 0x5000_0000_0000;
+    device.plan_addresses([(20 * MIB, 0x1000_0000_0000), (20 * MIB, planned)]);
+    let a = Allocator::new(device, AllocatorConfig::default());
+    // The first small segment does not match the plan's size: fresh address, plan kept.
+    let small = a.malloc(4096, 0).unwrap();
+    assert_ne!(small.segment_address, 0x1000_0000_0000);
+    // A cached block fits, yet the replay asks for a new segment: it gets one, planned.
+    let first = a.malloc(3 * MIB, 0).unwrap();
+    assert_eq!(first.segment_address, 0x1000_0000_0000);
+    a.free(first.address).unwrap();
+    let before = a.stats().num_device_alloc;
+    let grown = a.malloc_from_new_segment(3 * MIB, 0).unwrap();
+    assert_eq!(a.stats().num_device_alloc, before + 1);
+    assert_ne!(grown.segment_address, first.segment_address);
+    assert_eq!(grown.segment_address, planned);
+    a.check_invariants().unwrap();
+}

@@ -1,0 +1,85 @@
+//! The offline tools on traces the shim wrote over fakecuda: `simulate` with the recorded config
+//! makes the run's decisions again (its peak reserved is the recorded one, exactly; every request
+//! gets a block of the recorded size), and a different config changes them.
+//!
+//! Exactness covers single-threaded runs with any reuse policy and multi-threaded runs with
+//! immediate reuse. A multi-threaded run with fenced reuse can interleave fence waits in ways a
+//! sequential replay does not reproduce; `simulate` then says where it diverged.
+
+use cachealloc_tests::{Run, trace_dirs};
+use cachealloc_tools::analysis::scan;
+use cachealloc_tools::commands::simulate::simulate_dir;
+use cachealloc_tools::progress::Progress;
+
+/// Run a program under the shim with `conf` and return its trace directory.
+fn traced(program: &str, args: &[&str], conf: &str, env: &[(&str, &str)]) -> std::path::PathBuf {
+    let mut run = Run::c(program, args).env("CACHEALLOC_CONF", conf);
+    for (k, v) in env {
+        run = run.env(k, v);
+    }
+    let out = run.output();
+    out.assert_ok(program);
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    assert_eq!(
+        dirs.len(),
+        1,
+        "{program} {args:?} {conf:?}: one trace, in {}",
+        out.dir.display()
+    );
+    dirs[0].clone()
+}
+
+#[test]
+fn simulate_with_the_recorded_config_reproduces_the_recorded_peak_reserved() {
+    let cases: [(&str, &[&str], &str, &[(&str, &str)]); 7] = [
+        ("churn", &["20000"], "", &[]),
+        ("churn", &["20000"], "roundup_power2_divisions:4", &[]),
+        ("threads", &["4", "300"], "", &[]),
+        (
+            "churn",
+            &["20000"],
+            "roundup_power2_divisions:2,reuse:fenced",
+            &[],
+        ),
+        ("race", &["nonblocking"], "", &[]),
+        ("race", &["blocking", "late"], "", &[]),
+        ("oom", &[], "", &[("FAKECUDA_CAPACITY_MB", "64")]),
+    ];
+    for (program, args, conf, env) in cases {
+        let dir = traced(program, args, conf, env);
+        let recorded = scan(&dir, &Progress::new("test")).expect("scan");
+        let simulated = simulate_dir(&dir, None, None).expect("simulate");
+        assert!(!recorded.devices.is_empty());
+        assert_eq!(
+            simulated.diverged_at, None,
+            "{program} {args:?} with {conf:?}"
+        );
+        for (device, d) in &recorded.devices {
+            let sim = &simulated.devices[device];
+            assert_eq!(
+                (sim.peak_reserved, sim.peak_allocated),
+                (d.peak_reserved.bytes, d.peak_allocated.bytes),
+                "{program} {args:?} with {conf:?}: simulated against recorded peak reserved, allocated"
+            );
+            assert_eq!(
+                sim.device_allocs, d.segment_allocs,
+                "{program} {args:?} with {conf:?}: device allocations"
+            );
+        }
+    }
+}
+
+#[test]
+fn simulate_with_another_config_changes_the_outcome() {
+    let dir = traced("threads", &["4", "300"], "", &[]);
+    let recorded = simulate_dir(&dir, None, None).expect("simulate");
+    // Rounding every request up to a power of two allocates more.
+    let rounded = simulate_dir(&dir, Some("roundup_power2_divisions:2"), None).expect("simulate");
+    assert!(rounded.devices[&0].peak_allocated > recorded.devices[&0].peak_allocated);
+    // A device too small for the run: the first failing request is named.
+    let small = simulate_dir(&dir, None, Some(8 << 20)).expect("simulate");
+    assert!(small.failures > 0);
+    let (_, size, device, site) = small.first_failure.expect("a failure");
+    assert!(size > 0 && device == 0);
+    assert!(!site.is_empty());
+}
