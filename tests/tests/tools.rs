@@ -29,9 +29,17 @@ fn traced(program: &str, args: &[&str], conf: &str, env: &[(&str, &str)]) -> std
     dirs[0].clone()
 }
 
+/// A program, its arguments, the shim's config and extra environment.
+type Case = (
+    &'static str,
+    &'static [&'static str],
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
+
 #[test]
 fn simulate_with_the_recorded_config_reproduces_the_recorded_peak_reserved() {
-    let cases: [(&str, &[&str], &str, &[(&str, &str)]); 7] = [
+    let cases: [Case; 7] = [
         ("churn", &["20000"], "", &[]),
         ("churn", &["20000"], "roundup_power2_divisions:4", &[]),
         ("threads", &["4", "300"], "", &[]),
