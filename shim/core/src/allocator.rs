@@ -68,6 +68,8 @@ pub struct OomReport {
     pub device_total: u64,
     /// The process's memory limit (`per_process_memory_fraction` × total).
     pub limit: u64,
+    /// The request's tag (the recorder's stack id).
+    pub tag: u64,
 }
 
 impl fmt::Display for OomReport {
@@ -475,7 +477,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
 
         // 8. Out of memory.
         pools.stats.num_ooms += 1;
-        let report = self.oom_report(&pools, size, rounded, segment_size);
+        let report = self.oom_report(&pools, size, rounded, segment_size, tag);
         self.observer.on_event(Event::Oom(&report));
         Err(AllocError::OutOfMemory(Box::new(report)))
     }
@@ -549,6 +551,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         requested: u64,
         rounded: u64,
         segment_size: u64,
+        tag: u64,
     ) -> OomReport {
         let info = self.device.mem_info();
         let cached_free = pools.cached_free_bytes();
@@ -570,6 +573,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             device_free: info.free,
             device_total: info.total,
             limit: self.limit,
+            tag,
         }
     }
 

@@ -208,7 +208,7 @@ impl Observer for DeviceObserver {
                 device_free: r.device_free,
                 device_total: r.device_total,
                 limit: r.limit,
-                stack: 0,
+                stack: r.tag as u32,
                 thread: thread_number(),
             })),
         };

@@ -80,7 +80,11 @@ pub fn write_svg(
     let file = std::fs::File::create(output)
         .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
     let mut writer = std::io::BufWriter::new(file);
-    if lines.is_empty() {
+    let width: u64 = lines
+        .iter()
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    if width == 0 {
         // inferno refuses empty input; an empty picture says "nothing live" plainly.
         let empty = [String::from("(nothing live) 1")];
         inferno::flamegraph::from_lines(&mut options, empty.iter().map(String::as_str), &mut writer)

@@ -1,7 +1,8 @@
 //! `cachealloc simulate TRACE [--conf K:V,...] [--capacity BYTES] [--sweep]`: what another
 //! allocator config would have done with the same requests.
 //!
-//! The trace's allocations and frees, in their recorded order, are replayed through
+//! The trace's allocations and frees, in their recorded order — with the requests the run could
+//! not serve (its OOMs), to see whether they would be served — are replayed through
 //! `cachealloc-core` — the allocator the shim runs — on a [`SimDevice`] per device. Reuse fences
 //! follow the recording: a free that waited on a fence in the run waits in the simulation until
 //! the trace says it completed (exactly the fences the run saw complete are completed), and `reuse:auto` starts fencing where the run created its first
@@ -45,6 +46,13 @@ enum Op {
     FenceDone { device: u32, address: u64 },
     /// The run created a stream (`reuse:auto` starts fencing).
     StreamCreated,
+    /// A request the run could not serve (out of memory).
+    Refused {
+        device: u32,
+        requested: u64,
+        stack: u32,
+        t: u64,
+    },
 }
 
 /// The requests of a trace, with what is needed to name them.
@@ -102,6 +110,12 @@ fn record(dir: &Path) -> Result<Recording, Error> {
                 address: f.address,
             },
             Record::StreamCreated(_) => Op::StreamCreated,
+            Record::Oom(o) => Op::Refused {
+                device: o.device,
+                requested: o.requested,
+                stack: o.stack,
+                t: o.t,
+            },
             _ => continue,
         });
     }
@@ -155,6 +169,10 @@ pub struct Outcome {
     pub devices: BTreeMap<u32, DeviceOutcome>,
     /// Requests that failed.
     pub failures: u64,
+    /// Requests the run could not serve.
+    pub run_ooms: u64,
+    /// Of those, the ones served here.
+    pub run_ooms_served: u64,
     /// The first of them.
     pub first_failure: Option<Failure>,
     /// With the recorded config: the first request that got a block of another size than in
@@ -283,6 +301,36 @@ fn simulate(
                     a.device().complete_through(&fence);
                 }
             }
+            Op::Refused {
+                device,
+                requested,
+                stack,
+                t,
+            } => {
+                out.run_ooms += 1;
+                let a = allocators
+                    .entry(device)
+                    .or_insert_with(|| get(device, fencing));
+                match a.malloc(requested, u64::from(stack)) {
+                    Ok(got) => {
+                        // Served here; the program never had it, so it goes back at once.
+                        out.run_ooms_served += 1;
+                        let d = out.devices.entry(device).or_default();
+                        let s = a.stats();
+                        d.peak_reserved = d.peak_reserved.max(s.reserved_bytes.all.current as u64);
+                        d.peak_allocated =
+                            d.peak_allocated.max(s.allocated_bytes.all.current as u64);
+                        let _ = a.free(got.address);
+                    }
+                    Err(_) => {
+                        out.failures += 1;
+                        if out.first_failure.is_none() {
+                            out.first_failure =
+                                Some((t, requested, device, site(&rec.names, stack)));
+                        }
+                    }
+                }
+            }
             Op::StreamCreated => {
                 if !fencing {
                     fencing = true;
@@ -354,6 +402,13 @@ fn describe(o: &Outcome, out: &mut dyn Write) -> Result<(), Error> {
             bytes(requested),
             bytes(simulated),
             bytes(recorded)
+        )?;
+    }
+    if o.run_ooms > 0 {
+        writeln!(
+            out,
+            "  the run's OOMs  {} of {} would have been served",
+            o.run_ooms_served, o.run_ooms
         )?;
     }
     match &o.first_failure {

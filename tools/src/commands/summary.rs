@@ -51,7 +51,12 @@ pub fn run(traces: &[PathBuf], out: &mut dyn Write) -> Result<(), Error> {
             "trace", "device", "peak alloc", "peak resv", "frag", "allocs", "OOMs"
         )?;
         for (dir, scan) in dirs.iter().zip(&scans) {
-            let name = dir.file_name().unwrap_or_default().to_string_lossy();
+            let name = dir.display().to_string();
+            // The end of the path says which trace it is.
+            let name = match name.char_indices().rev().nth(31) {
+                Some((i, _)) => format!("…{}", &name[i + 1..]),
+                None => name,
+            };
             for (device, d) in &scan.devices {
                 let ooms = scan.ooms.iter().filter(|o| o.device == *device).count();
                 writeln!(

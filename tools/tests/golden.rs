@@ -1,0 +1,222 @@
+//! Golden outputs: every command on the checked-in traces (`tests/data/`, made by
+//! `tests/data/make-traces.sh`) must print — and write — exactly what `tests/golden/` holds.
+//! After an intended change, regenerate with `UPDATE_GOLDEN=1 cargo test -p cachealloc-tools
+//! --test golden` and review the diff.
+//!
+//! Each command runs in a fresh directory holding a link to `tests/data` as `data`, so paths in
+//! the output are the same on every machine.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn manifest() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A fresh working directory with `data` linked to the checked-in traces.
+fn workdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("cachealloc-golden-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::os::unix::fs::symlink(manifest().join("tests/data"), dir.join("data")).unwrap();
+    dir
+}
+
+/// Run `cachealloc args` in `dir`; returns stdout (asserting success).
+fn cachealloc(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("run cachealloc");
+    assert!(
+        out.status.success(),
+        "cachealloc {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+/// Compare `actual` with the golden file `name` (or write it under UPDATE_GOLDEN=1).
+fn check(name: &str, actual: &[u8]) {
+    let path = manifest().join("tests/golden").join(name);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 writes it)", path.display()));
+    if expected != actual {
+        let actual_path = std::env::temp_dir().join(name.replace('/', "-"));
+        std::fs::write(&actual_path, actual).unwrap();
+        panic!(
+            "{name} differs from its golden file; this run's output is in {} (diff them; UPDATE_GOLDEN=1 accepts it)",
+            actual_path.display()
+        );
+    }
+}
+
+/// Commands whose report is their standard output.
+const PRINTING: &[(&str, &[&str])] = &[
+    ("summary", &["summary"]),
+    ("stats", &["stats"]),
+    ("stats-json", &["stats", "--json"]),
+    ("stats-at", &["stats", "--at", "0.03"]),
+    ("trace", &["trace"]),
+    (
+        "trace-stacks-window",
+        &["trace", "--stacks", "--from", "0.01", "--to", "0.05"],
+    ),
+    ("leaks", &["leaks"]),
+    ("peak", &["peak"]),
+    ("simulate", &["simulate"]),
+    (
+        "simulate-conf",
+        &[
+            "simulate",
+            "--conf",
+            "roundup_power2_divisions:2",
+            "--capacity",
+            "33554432",
+        ],
+    ),
+    ("simulate-sweep", &["simulate", "--sweep"]),
+];
+
+/// Commands that write a file: (name, arguments, output file).
+const WRITING: &[(&str, &[&str], &str)] = &[
+    (
+        "snapshot",
+        &["snapshot", "--at-peak", "-o", "snap.pickle"],
+        "snap.pickle",
+    ),
+    (
+        "snapshot-end",
+        &["snapshot", "--events", "5", "-o", "end.pickle"],
+        "end.pickle",
+    ),
+    (
+        "flamegraph-memory",
+        &["flamegraph", "--at-peak", "-o", "m.svg"],
+        "m.svg",
+    ),
+    (
+        "flamegraph-segments",
+        &["flamegraph", "--kind", "segments", "-o", "s.svg"],
+        "s.svg",
+    ),
+    (
+        "compare",
+        &["compare", "--from", "0.01", "--to", "0.03", "-o", "c.svg"],
+        "c.svg",
+    ),
+    (
+        "plot",
+        &["plot", "--points", "200", "-o", "r.html"],
+        "r.html",
+    ),
+    ("perfetto", &["perfetto", "-o", "p.json"], "p.json"),
+];
+
+const TRACES: [&str; 3] = ["python", "oom", "race"];
+
+#[test]
+fn every_command_matches_its_golden_output() {
+    for trace in TRACES {
+        let dir = workdir(trace);
+        let path = format!("data/{trace}/run");
+        for (name, args) in PRINTING {
+            let mut full: Vec<&str> = args.to_vec();
+            full.insert(1, &path);
+            let out = cachealloc(&dir, &full);
+            check(&format!("{trace}/{name}.txt"), out.as_bytes());
+        }
+        for (name, args, file) in WRITING {
+            let mut full: Vec<&str> = args.to_vec();
+            full.insert(1, &path);
+            let out = cachealloc(&dir, &full);
+            check(&format!("{trace}/{name}.txt"), out.as_bytes());
+            let written = std::fs::read(dir.join(file)).expect("the output file");
+            let ext = Path::new(file).extension().unwrap().to_str().unwrap();
+            check(&format!("{trace}/{name}.{ext}"), &written);
+        }
+    }
+}
+
+#[test]
+fn compare_of_two_traces_and_summary_of_several() {
+    let dir = workdir("two");
+    let out = cachealloc(
+        &dir,
+        &["compare", "data/oom/run", "data/race/run", "-o", "two.svg"],
+    );
+    check("two/compare.txt", out.as_bytes());
+    check(
+        "two/compare.svg",
+        &std::fs::read(dir.join("two.svg")).unwrap(),
+    );
+    // A directory of traces stands for all of them: the side-by-side table.
+    let out = cachealloc(
+        &dir,
+        &["summary", "data/oom", "data/race/run", "data/python"],
+    );
+    check("two/summary.txt", out.as_bytes());
+    let out = cachealloc(&dir, &["plot", "data/oom", "data/race", "-o", "two.html"]);
+    check("two/plot.txt", out.as_bytes());
+}
+
+#[test]
+fn bad_input_gets_a_clear_message_and_a_failure_code() {
+    let dir = workdir("bad");
+    for (args, message) in [
+        (&["summary", "nowhere"][..], "not a directory"),
+        (&["summary", "."][..], "no trace here"),
+        (
+            &["stats", "data/oom/run", "--at", "soon"][..],
+            "is not a time",
+        ),
+        (
+            &["simulate", "data/oom/run", "--conf", "max_split_size_mb:1"][..],
+            "max_split_size_mb",
+        ),
+        (
+            &["compare", "data/oom/run", "-o", "x.svg"][..],
+            "--from and --to",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+            .current_dir(&dir)
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn a_closed_pipe_is_not_an_error() {
+    use std::io::Read;
+    let dir = workdir("pipe");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .current_dir(&dir)
+        .args(["trace", "--stacks", "data/oom/run"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    child
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    drop(child.stdout.take());
+    let status = child.wait().unwrap();
+    assert!(
+        status.success(),
+        "exit status {status:?} after the reader went away"
+    );
+}

@@ -1,0 +1,246 @@
+//! The files the tools write, opened by what their users open them with: the snapshot pickle by
+//! Python's `pickle` (checked for the keys, types and block tiling PyTorch's memory tools rely
+//! on), the HTML report by headless Chromium (it must draw the timeline and make no network
+//! request).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn data(trace: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/{trace}/run"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("cachealloc-outputs-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn cachealloc(args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .args(args)
+        .output()
+        .expect("run cachealloc");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Checks a snapshot the way PyTorch's `_memory_viz` reads one. Prints "OK <n segments>".
+const CHECK_PICKLE: &str = r#"
+import pickle, sys
+with open(sys.argv[1], "rb") as f:
+    s = pickle.load(f)
+assert set(s) == {"segments", "device_traces", "allocator_settings"}, set(s)
+assert isinstance(s["allocator_settings"], dict)
+assert isinstance(s["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"], str)
+def check_frames(frames):
+    assert isinstance(frames, list)
+    for fr in frames:
+        assert set(fr) == {"filename", "line", "name"}, fr
+        assert isinstance(fr["filename"], str) and isinstance(fr["name"], str)
+        assert isinstance(fr["line"], int)
+for seg in s["segments"]:
+    for key, kind in [("device", int), ("address", int), ("total_size", int), ("allocated_size", int),
+                      ("active_size", int), ("requested_size", int), ("stream", int),
+                      ("segment_type", str), ("segment_pool_id", tuple), ("is_expandable", bool),
+                      ("blocks", list)]:
+        assert isinstance(seg[key], kind), (key, seg[key])
+    assert seg["segment_type"] in ("small", "large")
+    check_frames(seg["frames"])
+    address = seg["address"]
+    allocated = active = 0
+    for b in seg["blocks"]:
+        assert b["address"] == address, "blocks tile the segment in address order"
+        assert b["state"] in ("active_allocated", "active_pending_free", "inactive"), b["state"]
+        assert b["size"] > 0 and b["requested_size"] <= b["size"]
+        check_frames(b["frames"])
+        address += b["size"]
+        if b["state"] == "active_allocated":
+            allocated += b["size"]
+        if b["state"] != "inactive":
+            active += b["size"]
+    assert address == seg["address"] + seg["total_size"], "block sizes sum to total_size"
+    assert seg["allocated_size"] == allocated and seg["active_size"] == active
+assert isinstance(s["device_traces"], list)
+for trace in s["device_traces"]:
+    for e in trace:
+        assert e["action"] in ("alloc", "free_requested", "free_completed", "segment_alloc",
+                               "segment_free", "oom"), e["action"]
+        assert isinstance(e["addr" if e["action"] != "oom" else "device_free"], int)
+        assert isinstance(e["size"], int) and isinstance(e["time_us"], int)
+        check_frames(e["frames"])
+print("OK", len(s["segments"]), sum(len(t) for t in s["device_traces"]))
+"#;
+
+#[test]
+fn snapshot_pickles_load_in_python_as_pytorch_lays_them_out() {
+    let dir = scratch("pickle");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    for trace in ["python", "oom", "race"] {
+        for when in [
+            &["--at-peak"][..],
+            &[][..],
+            &["--at", "0.02", "--events", "3"][..],
+        ] {
+            let out = dir.join(format!("{trace}.pickle"));
+            let trace_dir = data(trace);
+            let mut args = vec!["snapshot", trace_dir.to_str().unwrap()];
+            args.extend_from_slice(when);
+            args.extend(["-o", out.to_str().unwrap()]);
+            cachealloc(&args);
+            let checked = Command::new(&python)
+                .args(["-c", CHECK_PICKLE, out.to_str().unwrap()])
+                .output()
+                .expect("run python");
+            let stdout = String::from_utf8_lossy(&checked.stdout);
+            assert!(
+                checked.status.success() && stdout.starts_with("OK"),
+                "{trace} {when:?}: {}{}",
+                stdout,
+                String::from_utf8_lossy(&checked.stderr)
+            );
+            if when == ["--at-peak"] {
+                let segments: usize = stdout.split_whitespace().nth(1).unwrap().parse().unwrap();
+                assert!(segments > 0, "{trace}: segments at the peak");
+            }
+        }
+    }
+}
+
+/// Headless Chromium, or `None` (with a note) when it is not installed and not required.
+fn chromium() -> Option<PathBuf> {
+    for name in ["chromium", "chromium-browser", "google-chrome"] {
+        if let Ok(out) = Command::new("which").arg(name).output()
+            && out.status.success()
+        {
+            return Some(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+        }
+    }
+    assert!(
+        std::env::var_os("CACHEALLOC_REQUIRE_CHROMIUM").is_none(),
+        "chromium is required (scripts/test installs Debian's chromium)"
+    );
+    eprintln!("chromium not found: the HTML report was not opened (scripts/test installs it)");
+    None
+}
+
+/// Load `page` in headless Chromium: its DOM after scripts ran, a screenshot, and the URLs of
+/// network requests the page itself made (Chromium's own background requests are not the
+/// page's: they are not keyed to the page's file:// site).
+fn open_in_chromium(browser: &Path, page: &Path, dir: &Path) -> (String, PathBuf, Vec<String>) {
+    let shot = dir.join("shot.png");
+    let netlog = dir.join("net.json");
+    let common = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1200,800",
+        "--net-log-capture-mode=Everything",
+    ];
+    let url = format!("file://{}", page.display());
+    let dom = Command::new(browser)
+        .args(common)
+        .arg(format!("--log-net-log={}", netlog.display()))
+        .arg("--dump-dom")
+        .arg(&url)
+        .output()
+        .expect("run chromium");
+    let dom = String::from_utf8_lossy(&dom.stdout).into_owned();
+    let log: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&netlog).expect("net log")).expect("net log JSON");
+    let status = Command::new(browser)
+        .args(common)
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg(&url)
+        .output()
+        .expect("run chromium");
+    assert!(status.status.success(), "screenshot failed");
+    let start_job = log["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"].clone();
+    let requests = log["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == start_job)
+        .filter(|e| {
+            e["params"]["network_isolation_key"]
+                .as_str()
+                .is_some_and(|k| k.contains("file://"))
+        })
+        .filter_map(|e| e["params"]["url"].as_str().map(str::to_string))
+        .filter(|u| !u.starts_with("file:") && !u.starts_with("data:"))
+        .collect();
+    (dom, shot, requests)
+}
+
+/// Pixels of `png` within a small distance of `color`.
+fn pixels_near(png: &Path, color: [u8; 3]) -> usize {
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(png).unwrap()));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    let channels = info.color_type.samples();
+    buf[..info.buffer_size()]
+        .chunks(channels)
+        .filter(|p| (0..3).all(|i| p[i].abs_diff(color[i]) <= 8))
+        .count()
+}
+
+#[test]
+fn the_html_report_renders_offline_in_chromium() {
+    let Some(browser) = chromium() else { return };
+    let dir = scratch("html");
+    let page = dir.join("report.html");
+    cachealloc(&[
+        "plot",
+        data("python").to_str().unwrap(),
+        data("oom").to_str().unwrap(),
+        "-o",
+        page.to_str().unwrap(),
+    ]);
+    let (dom, shot, requests) = open_in_chromium(&browser, &page, &dir);
+    let rendered: usize = dom
+        .split("data-rendered=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "the script did not finish rendering: {}",
+                &dom[..dom.len().min(500)]
+            )
+        });
+    assert!(rendered > 10, "{rendered} points drawn");
+    assert!(
+        requests.is_empty(),
+        "the report made network requests: {requests:?}"
+    );
+    // The first site's color (#4e79a7) fills the stacked area of the timeline.
+    let filled = pixels_near(&shot, [0x4e, 0x79, 0xa7]);
+    assert!(
+        filled > 2000,
+        "only {filled} pixels of the timeline's first site"
+    );
+
+    // Control: a page that does reach out is caught, and a blank page has no such pixels.
+    let bad = dir.join("bad.html");
+    std::fs::write(
+        &bad,
+        "<html><body><img src=\"https://example.com/x.png\"></body></html>",
+    )
+    .unwrap();
+    let (_, shot, requests) = open_in_chromium(&browser, &bad, &dir);
+    assert!(
+        requests.iter().any(|u| u.contains("example.com")),
+        "{requests:?}"
+    );
+    assert_eq!(pixels_near(&shot, [0x4e, 0x79, 0xa7]), 0);
+}
