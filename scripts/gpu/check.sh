@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Correctness on a real GPU (run on the GPU machine from the repository root):
 #   scripts/gpu/check.sh LIBDIR WORKLOADS
-# LIBDIR holds a release libcachealloc.so built on the development machine; WORKLOADS holds
+# LIBDIR holds a release libcachealloc.so and the cachealloc binary built on the development
+# machine; WORKLOADS holds
 # mlp_train.py and gpt2_train.py. Builds the C test programs of tests/programs with
 # `nvcc -cudart shared` (a static cudart would never reach the shim), runs them under the shim,
 # then runs the training workloads with and without it and checks that the losses agree to 1e-6.
@@ -59,6 +60,43 @@ if [ -n "$CUDART" ]; then
     if echo "$out" | grep -q "^OK ctypes"; then pass "ctypes"; else fail "ctypes"; echo "$out" | tail -5; fi
 else
     fail "ctypes (libcudart.so.13 not found in site-packages)"
+fi
+
+# Python stacks on this machine's CPython, over the real runtime, checked through the tools:
+# the snapshot pickle's frames must be what Python saw (scripts/gpu/check_python_stacks.py).
+CA="$(dirname "$LIB")/cachealloc"
+if [ -n "$CUDART" ] && [ -x "$CA" ]; then
+    PS=$(mktemp -d)
+    out=$(cd "$PS" && LD_LIBRARY_PATH="$(dirname "$CUDART")" CACHEALLOC_CONF=log:quiet,trace_dir:"$PS/trace" \
+        LD_PRELOAD="$LIB" timeout 120 python3 "$OLDPWD/tests/programs/python_stacks.py" "$PS/expected.json" 2>&1)
+    if echo "$out" | grep -q "^OK python_stacks" && "$CA" snapshot "$PS/trace" --at-peak -o "$PS/snap.pickle" >/dev/null \
+        && python3 scripts/gpu/check_python_stacks.py "$PS/expected.json" "$PS/snap.pickle"; then
+        pass "python stacks ($(python3 -c 'import sys; print(sys.version.split()[0])'))"
+    else
+        fail "python stacks"; echo "$out" | tail -5
+    fi
+else
+    fail "python stacks (no libcudart.so.13 or no cachealloc binary in $(dirname "$LIB"))"
+fi
+
+# The tools on a PyTorch run's trace: summary, and a snapshot PyTorch's own viewer code reads.
+# (_memory_viz's `segments` and `memory` download flamegraph.pl, which this machine cannot.)
+if [ -x "$CA" ]; then
+    TT=$(mktemp -d)
+    (cd "$TT" && CACHEALLOC_CONF=log:quiet,trace_dir:"$TT/trace" LD_PRELOAD="$LIB" python3 "$WORK/mlp_train.py" >/dev/null 2>&1)
+    if "$CA" summary "$TT/trace" > "$TT/summary.txt" && grep -q "mlp_train.py" "$TT/summary.txt" \
+        && "$CA" snapshot "$TT/trace" --at-peak -o "$TT/snap.pickle" >/dev/null \
+        && python3 -m torch.cuda._memory_viz stats "$TT/snap.pickle" > "$TT/stats.txt" \
+        && python3 -m torch.cuda._memory_viz trace "$TT/snap.pickle" > "$TT/trace.txt" \
+        && python3 -m torch.cuda._memory_viz trace_plot "$TT/snap.pickle" -o "$TT/trace.html" \
+        && python3 -m torch.cuda._memory_viz segment_plot "$TT/snap.pickle" -o "$TT/segments.html" \
+        && python3 -c "import pickle, sys; from torch.cuda._memory_viz import segsum; print(segsum(pickle.load(open(sys.argv[1], 'rb'))))" \
+            "$TT/snap.pickle" > "$TT/segsum.txt"; then
+        pass "tools on a PyTorch trace (summary; torch.cuda._memory_viz stats, trace, trace_plot, segment_plot, segsum read our snapshot)"
+        sed -n '1,25p' "$TT/summary.txt"; head -4 "$TT/stats.txt"; head -4 "$TT/segsum.txt"; ls -la "$TT"
+    else
+        fail "tools on a PyTorch trace"; for f in "$TT"/*.txt; do echo "== $f"; tail -n 5 "$f"; done
+    fi
 fi
 
 # Training: losses with and without the shim agree.

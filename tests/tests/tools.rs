@@ -91,3 +91,60 @@ fn simulate_with_another_config_changes_the_outcome() {
     assert!(size > 0 && device == 0);
     assert!(!site.is_empty());
 }
+
+/// The `cachealloc` binary cargo built next to the shim (`cargo test --workspace` builds it).
+fn cachealloc_binary() -> std::path::PathBuf {
+    let bin = cachealloc_tests::shim_library().with_file_name("cachealloc");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p cachealloc-tools`",
+        bin.display()
+    );
+    bin
+}
+
+#[test]
+fn cachealloc_run_preloads_the_shim_forwards_the_exit_code_and_summarizes() {
+    let dir = cachealloc_tests::fresh_dir();
+    let out = std::process::Command::new(cachealloc_binary())
+        .current_dir(&dir)
+        .env("LD_LIBRARY_PATH", cachealloc_tests::fakecuda_dir())
+        .env_remove("LD_PRELOAD")
+        .args(["run", "--conf", "stacks:native,log:quiet", "--"])
+        .arg(cachealloc_tests::program("basic"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("OK basic"), "{stdout}");
+    assert!(
+        stdout.contains("peak allocated"),
+        "the summary follows: {stdout}"
+    );
+    assert!(
+        stdout.contains("main"),
+        "with native stacks, main is a site: {stdout}"
+    );
+    assert_eq!(trace_dirs(&dir.join("cachealloc-trace")).len(), 1);
+
+    // A command that fails: its exit code comes back; it made no CUDA call, so no trace.
+    let out = std::process::Command::new(cachealloc_binary())
+        .current_dir(&dir)
+        .args([
+            "run",
+            "--trace-dir",
+            "elsewhere",
+            "--",
+            "sh",
+            "-c",
+            "exit 3",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no trace was written"));
+}

@@ -2,8 +2,9 @@
 //! chrome://tracing: counter tracks of allocated, active and reserved bytes per device, and
 //! instant events for segment allocations and releases, OOMs and annotations.
 //!
-//! Counters are written when a value changes, at most once per 10 µs of trace time per device
-//! (the last value of each window is kept), so the file stays loadable for long traces.
+//! Counters are written when a value changes, at most once per resolution window of trace time
+//! per device (the last value of each window is kept): 10 µs, or the trace's duration / 100 000
+//! if longer, so that a long trace still loads.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -20,12 +21,16 @@ use crate::{Error, one_trace};
 /// A counter point: time, and allocated, active and reserved bytes.
 type CounterPoint = (u64, [u64; 3]);
 
-/// Minimum trace time between two counter points of one device, in ns.
+/// Finest time between two counter points of one device, in ns.
 const COUNTER_RESOLUTION_NS: u64 = 10_000;
+/// Most counter points per device.
+const COUNTER_POINTS: u64 = 100_000;
 
 /// Run the command.
 pub fn run(trace: &Path, output: &Path, out: &mut dyn Write) -> Result<(), Error> {
     let dir = one_trace(trace)?;
+    let duration = crate::analysis::scan(&dir, &Progress::new("scanning"))?.duration();
+    let resolution = COUNTER_RESOLUTION_NS.max(duration / COUNTER_POINTS);
     let file = std::fs::File::create(output)
         .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
     let mut w = std::io::BufWriter::new(file);
@@ -109,7 +114,7 @@ pub fn run(trace: &Path, output: &Path, out: &mut dyn Write) -> Result<(), Error
             .unwrap_or_default();
         let values = [totals.allocated, totals.active, totals.reserved];
         let entry = last.entry(device).or_insert((0, None));
-        if t >= entry.0 + COUNTER_RESOLUTION_NS || entry.0 == 0 {
+        if t >= entry.0 + resolution || entry.0 == 0 {
             if let Some((pt, pv)) = entry.1.take() {
                 emit(&mut w, counter(pid, device, pt, pv))?;
             }

@@ -4,7 +4,7 @@
 //! moment, and `allocator_settings`. It opens in `torch.cuda._memory_viz` and PyTorch's memory
 //! viewer.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::Write;
 use std::path::Path;
 
@@ -30,42 +30,56 @@ fn int(n: u64) -> V {
     V::I64(n as i64)
 }
 
-/// `[{"filename", "line", "name"}]`, innermost first, as PyTorch writes frames.
-fn frames(state: &LiveState, stack: u32) -> V {
-    V::List(
-        stack_frames(state, stack)
-            .into_iter()
-            .map(|f| {
-                let name = if f.name.is_empty() {
-                    format!("{:#x}", f.address)
-                } else {
-                    f.name.clone()
-                };
-                let filename = if f.file.is_empty() {
-                    "??".to_string()
-                } else {
-                    f.file.clone()
-                };
-                dict(vec![
-                    ("filename", V::String(filename)),
-                    ("line", int(u64::from(f.line))),
-                    ("name", V::String(name)),
-                ])
+/// Stacks as PyTorch's `frames` lists (`[{"filename", "line", "name"}]`, innermost first),
+/// built once per stack.
+struct Frames<'a> {
+    state: &'a LiveState,
+    cache: HashMap<u32, V>,
+}
+
+impl Frames<'_> {
+    fn get(&mut self, stack: u32) -> V {
+        let state = self.state;
+        self.cache
+            .entry(stack)
+            .or_insert_with(|| {
+                V::List(
+                    stack_frames(state, stack)
+                        .into_iter()
+                        .map(|f| {
+                            let name = if f.name.is_empty() {
+                                format!("{:#x}", f.address)
+                            } else {
+                                f.name.clone()
+                            };
+                            let filename = if f.file.is_empty() {
+                                "??".to_string()
+                            } else {
+                                f.file.clone()
+                            };
+                            dict(vec![
+                                ("filename", V::String(filename)),
+                                ("line", int(u64::from(f.line))),
+                                ("name", V::String(name)),
+                            ])
+                        })
+                        .collect(),
+                )
             })
-            .collect(),
-    )
+            .clone()
+    }
 }
 
 /// One event of `device_traces` (`None` for records PyTorch's format has no action for).
-fn trace_entries(record: &Record, state: &LiveState, wall_base_ns: u64) -> Vec<(u32, V)> {
+fn trace_entries(record: &Record, frames: &mut Frames<'_>, wall_base_ns: u64) -> Vec<(u32, V)> {
     let time_us = |t: u64| int((wall_base_ns + t) / 1000);
-    let entry = |action: &str, addr: u64, size: u64, stream: u64, stack: u32, t: u64| {
+    let mut entry = |action: &str, addr: u64, size: u64, stream: u64, stack: u32, t: u64| {
         dict(vec![
             ("action", V::String(action.into())),
             ("addr", int(addr)),
             ("size", int(size)),
             ("stream", int(stream)),
-            ("frames", frames(state, stack)),
+            ("frames", frames.get(stack)),
             ("time_us", time_us(t)),
         ])
     };
@@ -107,7 +121,7 @@ fn trace_entries(record: &Record, state: &LiveState, wall_base_ns: u64) -> Vec<(
                 ("device_free", int(o.device_free)),
                 ("size", int(o.requested)),
                 ("stream", int(0)),
-                ("frames", frames(state, o.stack)),
+                ("frames", frames.get(o.stack)),
                 ("time_us", time_us(o.t)),
             ]),
         )],
@@ -116,7 +130,7 @@ fn trace_entries(record: &Record, state: &LiveState, wall_base_ns: u64) -> Vec<(
 }
 
 /// `segments`: each live segment with its blocks tiling it, gaps as `inactive` blocks.
-fn segments(state: &LiveState) -> Vec<V> {
+fn segments(state: &LiveState, frames: &mut Frames<'_>) -> Vec<V> {
     let mut out = vec![];
     for seg in state.segments.values() {
         let mut blocks = vec![];
@@ -153,7 +167,7 @@ fn segments(state: &LiveState) -> Vec<V> {
                 ("size", int(b.size)),
                 ("requested_size", int(b.requested)),
                 ("state", V::String(state_name.into())),
-                ("frames", frames(state, b.stack)),
+                ("frames", frames.get(b.stack)),
             ]));
             cursor = b.address + b.size;
         }
@@ -174,7 +188,7 @@ fn segments(state: &LiveState) -> Vec<V> {
             ),
             ("segment_pool_id", V::Tuple(vec![int(0), int(0)])),
             ("is_expandable", V::Bool(false)),
-            ("frames", frames(state, seg.stack)),
+            ("frames", frames.get(seg.stack)),
             ("blocks", V::List(blocks)),
         ]));
     }
@@ -222,8 +236,8 @@ pub fn build(dir: &Path, index: u64, events: usize) -> Result<(V, Replay), Error
             )
         {
             window.push_back(step.record);
-            // Each record makes at most two entries; keep enough for every device.
-            if window.len() > 2 * events.max(1) * 8 {
+            // The last `events` events (a record makes one or two entries).
+            if window.len() > events.max(1) {
                 window.pop_front();
             }
         }
@@ -243,8 +257,12 @@ pub fn build(dir: &Path, index: u64, events: usize) -> Result<(V, Replay), Error
             .unwrap_or(1),
     );
     let mut traces: Vec<VecDeque<V>> = vec![VecDeque::new(); device_count];
+    let mut frames = Frames {
+        state: &replay.state,
+        cache: HashMap::new(),
+    };
     for record in &window {
-        for (device, entry) in trace_entries(record, &replay.state, wall) {
+        for (device, entry) in trace_entries(record, &mut frames, wall) {
             if let Some(t) = traces.get_mut(device as usize) {
                 t.push_back(entry);
                 if t.len() > events {
@@ -255,7 +273,7 @@ pub fn build(dir: &Path, index: u64, events: usize) -> Result<(V, Replay), Error
     }
     let conf = header.as_ref().map_or("", |h| h.config.as_str());
     let snapshot = dict(vec![
-        ("segments", V::List(segments(&replay.state))),
+        ("segments", V::List(segments(&replay.state, &mut frames))),
         (
             "device_traces",
             V::List(traces.into_iter().map(|t| V::List(t.into())).collect()),

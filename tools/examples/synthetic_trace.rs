@@ -1,0 +1,251 @@
+//! Write a synthetic trace for benchmarking the tools: a training-like run driven through the
+//! real allocator (`cachealloc-core` on a `SimDevice`), recorded as the shim records it.
+//!
+//! ```text
+//! cargo run --release -p cachealloc-tools --example synthetic_trace -- DIR [EVENTS]
+//! ```
+//!
+//! Each "step" allocates a forward pass's activations (sizes from a layer table, scaled by a
+//! sequence length that cycles as in gpt2_train.py), frees them in reverse in the backward pass
+//! with some gradient buffers in between, and allocates optimizer temporaries. Fifty allocation
+//! sites with 20-frame Python stacks; a stats sample per 100 ms of simulated time, an
+//! annotation per step. Records are written with zstd to 64 MiB files (all kept). EVENTS
+//! (default 10 000 000) counts allocation and free records.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cachealloc_core::sim::SimDevice;
+use cachealloc_core::{Allocator, AllocatorConfig, Event, Observer, PoolKind};
+use cachealloc_recorder::schema::*;
+use cachealloc_recorder::{Record, TraceWriter, WriterConfig};
+
+static NOW: AtomicU64 = AtomicU64::new(1_000_000);
+
+/// Records the allocator's events as the shim's trace does.
+#[derive(Default)]
+struct Recording(Mutex<Vec<Record>>);
+
+impl Observer for Recording {
+    fn on_event(&self, event: Event<'_>) {
+        let t = NOW.load(Ordering::Relaxed);
+        let pool = |p: PoolKind| u8::from(p == PoolKind::Large);
+        let record = match event {
+            Event::Alloc(a) => Record::Alloc(Alloc {
+                t,
+                device: 0,
+                stream: 0,
+                address: a.address,
+                requested: a.requested,
+                size: a.size,
+                stack: a.tag as u32,
+                thread: 1,
+            }),
+            Event::FreeRequested(f) => {
+                let body = FreeRequested {
+                    t,
+                    device: 0,
+                    stream: 0,
+                    address: f.address,
+                    size: f.size,
+                    stack: 0,
+                    thread: 1,
+                };
+                if f.pending {
+                    Record::FreeRequested(body)
+                } else {
+                    Record::Free(body)
+                }
+            }
+            Event::FreeCompleted { address, size } => Record::FreeCompleted(FreeCompleted {
+                t,
+                device: 0,
+                address,
+                size,
+            }),
+            Event::SegmentAlloc {
+                address,
+                size,
+                pool: p,
+                tag,
+            } => Record::SegmentAlloc(SegmentEvent {
+                t,
+                device: 0,
+                address,
+                size,
+                pool: pool(p),
+                stack: tag as u32,
+            }),
+            Event::SegmentFree(s) => Record::SegmentFree(SegmentEvent {
+                t,
+                device: 0,
+                address: s.address,
+                size: s.size,
+                pool: pool(s.pool),
+                stack: 0,
+            }),
+            Event::Oom(_) => return,
+        };
+        self.0.lock().unwrap().push(record);
+    }
+}
+
+fn main() -> std::io::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let dir = PathBuf::from(args.next().expect("usage: synthetic_trace DIR [EVENTS]"));
+    let events: u64 = args
+        .next()
+        .map_or(10_000_000, |n| n.parse().expect("EVENTS"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let header = Header {
+        version: FORMAT_VERSION,
+        file_index: 0,
+        pid: 4242,
+        host: "synthetic".into(),
+        rank: -1,
+        local_rank: -1,
+        world_size: -1,
+        cmdline: vec!["python".into(), "train.py".into()],
+        wall_clock_base_ns: 1_790_000_000_000_000_000,
+        monotonic_base_ns: 0,
+        config: String::new(),
+        devices: vec![DeviceInfo {
+            index: 0,
+            name: "Synthetic GPU".into(),
+            total_memory: 80 << 30,
+        }],
+        modules: vec![],
+    };
+    let config = WriterConfig::new(&dir, 64 << 20, 100_000, true);
+    let mut writer = TraceWriter::create(config, header, cachealloc_recorder::MonotonicClock)?;
+
+    // Fifty sites, each a 20-frame Python stack sharing its outer frames.
+    let mut frame_id = 0;
+    let mut frame = |w: &mut TraceWriter, name: String, line: u32| -> std::io::Result<u32> {
+        frame_id += 1;
+        w.write(&Record::FrameDef(Box::new(FrameDef {
+            id: frame_id,
+            kind: FRAME_PYTHON,
+            name,
+            file: "/workspace/model.py".into(),
+            line,
+            address: 0,
+        })))?;
+        Ok(frame_id)
+    };
+    let mut outer = vec![];
+    for depth in 0..17 {
+        outer.push(frame(&mut writer, format!("outer_{depth}"), 10 + depth)?);
+    }
+    for site in 1..=50u32 {
+        let mut frames = vec![
+            frame(&mut writer, format!("op_{site}"), 100 + site)?,
+            frame(
+                &mut writer,
+                format!("Layer{}.forward", site % 12),
+                200 + site,
+            )?,
+            frame(&mut writer, "Block.forward".into(), 300 + site % 6)?,
+        ];
+        frames.extend(outer.iter().rev());
+        writer.write(&Record::StackDef(Box::new(StackDef { id: site, frames })))?;
+    }
+
+    let observer = Recording::default();
+    let alloc = Allocator::with_observer(
+        SimDevice::new(80 << 30),
+        AllocatorConfig::default(),
+        observer,
+    );
+    const LAYERS: [u64; 12] = [
+        3 << 20,
+        12 << 20,
+        768 << 10,
+        4 << 20,
+        48 << 10,
+        9 << 20,
+        2 << 20,
+        65536,
+        16 << 20,
+        1 << 20,
+        6 << 20,
+        512,
+    ];
+    let mut written = 0u64;
+    let mut next_sample = 0u64;
+    let mut step = 0u64;
+    let mut rng = 0x9e3779b97f4a7c15u64;
+    let flush = |writer: &mut TraceWriter, written: &mut u64| -> std::io::Result<()> {
+        let records: Vec<Record> = std::mem::take(&mut *alloc.observer().0.lock().unwrap());
+        for r in &records {
+            if matches!(
+                r,
+                Record::Alloc(_) | Record::Free(_) | Record::FreeRequested(_)
+            ) {
+                *written += 1;
+            }
+            writer.write(r)?;
+        }
+        Ok(())
+    };
+    let tick = |ns: u64| NOW.fetch_add(ns, Ordering::Relaxed) + ns;
+    while written < events {
+        step += 1;
+        let t = tick(1000);
+        writer.write(&Record::Annotation(Box::new(Annotation {
+            t,
+            name: format!("step {step}"),
+            thread: 1,
+        })))?;
+        let seq = [128u64, 256, 512, 1024][(step % 4) as usize];
+        let mut live = vec![];
+        for layer in 0..96u64 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let base = LAYERS[(layer % 12) as usize];
+            let size = (base * seq / 512).max(512) + rng % 4096;
+            let site = 1 + ((layer * 7 + rng % 3) % 50) as u32;
+            tick(400 + rng % 800);
+            live.push(
+                alloc
+                    .malloc(size, u64::from(site))
+                    .expect("80 GiB is enough"),
+            );
+            flush(&mut writer, &mut written)?;
+        }
+        // Backward: free in reverse, with gradient temporaries in between.
+        while let Some(a) = live.pop() {
+            tick(300 + rng % 500);
+            alloc.free(a.address).expect("ours");
+            if a.size > (1 << 20) && live.len() % 3 == 0 {
+                let g = alloc.malloc(a.size / 2, 49).expect("fits");
+                tick(200);
+                alloc.free(g.address).expect("ours");
+            }
+            flush(&mut writer, &mut written)?;
+        }
+        let now = NOW.load(Ordering::Relaxed);
+        if now >= next_sample {
+            let s = alloc.stats();
+            writer.write(&Record::StatsSample(StatsSample {
+                t: now,
+                device: 0,
+                allocated: s.allocated_bytes.all.current as u64,
+                reserved: s.reserved_bytes.all.current as u64,
+                active: s.active_bytes.all.current as u64,
+                requested: s.requested_bytes.all.current as u64,
+            }))?;
+            next_sample = now + 100_000_000;
+        }
+        writer.tick()?;
+    }
+    let last = writer.finish()?;
+    println!(
+        "wrote {written} alloc/free records in {step} steps to {} (last file {})",
+        dir.display(),
+        last.display()
+    );
+    Ok(())
+}
