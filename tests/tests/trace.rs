@@ -367,3 +367,77 @@ fn pool_off_still_traces_every_allocation() {
     let state = replay_checking_frees(&records);
     assert!(state.blocks.is_empty() && state.segments.is_empty());
 }
+
+/// Each allocation's native frame names, by requested size.
+fn native_stack_names(records: &[Record]) -> HashMap<u64, Vec<String>> {
+    let mut frames = HashMap::new();
+    let mut stacks = HashMap::new();
+    let mut by_size = HashMap::new();
+    for r in records {
+        match r {
+            Record::FrameDef(f) => {
+                // Unsymbolized frames (named by address) differ between runs by ASLR.
+                let name = if f.name.is_empty() || f.name.starts_with("0x") {
+                    "?".to_string()
+                } else {
+                    f.name.clone()
+                };
+                frames.insert(f.id, name);
+            }
+            Record::StackDef(s) => {
+                stacks.insert(s.id, s.frames.clone());
+            }
+            Record::Alloc(a) => {
+                let names: Vec<String> = stacks
+                    .get(&a.stack)
+                    .map(|ids: &Vec<u32>| ids.iter().map(|id| frames[id].clone()).collect())
+                    .unwrap_or_default();
+                by_size.insert(a.requested, names);
+            }
+            _ => {}
+        }
+    }
+    by_size
+}
+
+#[test]
+fn native_stacks_match_the_system_unwinder() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/python_stacks.py");
+    let runs: [(&str, Vec<&str>, &str); 2] = [
+        ("basic", vec![], "basic"),
+        (
+            python.as_str(),
+            vec![script, "expected.json"],
+            "python_stacks",
+        ),
+    ];
+    for (program, args, name) in runs {
+        let stacks = |unwinder: Option<&str>| {
+            let mut run = if name == "basic" {
+                Run::c(program, &args)
+            } else {
+                Run::new(program, &args)
+            };
+            run = run.env("CACHEALLOC_CONF", "stacks:native,stack_depth:64");
+            if let Some(u) = unwinder {
+                run = run.env("CACHEALLOC_UNWINDER", u);
+            }
+            let out = run.output();
+            out.assert_ok(name);
+            let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+            native_stack_names(&read_trace(&dirs[0]).0)
+        };
+        let fast = stacks(None);
+        let system = stacks(Some("system"));
+        assert!(!fast.is_empty());
+        for (size, names) in &system {
+            assert!(names.len() >= 3, "{name}: a real stack: {names:?}");
+            assert_eq!(
+                fast.get(size),
+                Some(names),
+                "{name}: the allocation of {size} bytes"
+            );
+        }
+    }
+}

@@ -1,9 +1,8 @@
 //! Stack capture for allocation records: native frames, Python frames, or both
 //! (`stacks:native|python|all`; `auto` means Python frames when the host is CPython).
 //!
-//! On the hot path only raw facts are taken: return addresses
-//! ([`backtrace::trace_unsynchronized`], at most `stack_depth` frames, skipping the frames inside
-//! this library) and, for Python, each frame's code object and instruction offset
+//! On the hot path only raw facts are taken: return addresses ([`native`], at most
+//! `stack_depth` frames, skipping the frames inside this library) and, for Python, each frame's code object and instruction offset
 //! ([`python::Python::walk`]). These are then interned under one lock:
 //!
 //! * a native frame by its address; the recorder's worker resolves its name, file and line off
@@ -23,6 +22,7 @@
 //! With `stacks:all` a stack is the native frames, innermost first, followed by the Python frames
 //! (the Python code is what called into the native code).
 
+pub mod native;
 pub mod python;
 
 use std::collections::HashMap;
@@ -34,6 +34,7 @@ use cachealloc_recorder::schema::{FRAME_NATIVE, FRAME_PYTHON, FrameDef, StackDef
 use rustc_hash::FxHashMap;
 
 use crate::trace::Trace;
+use native::NativeStacks;
 use python::linetable::LineTable;
 use python::{CodeCheck, CodeInfo, Python, RawFrame};
 
@@ -156,9 +157,8 @@ impl Interner {
 #[derive(Debug)]
 pub struct Stacks {
     depth: usize,
-    /// Address range of this library's code when native frames are captured: its frames are
-    /// not the application's.
-    native: Option<(u64, u64)>,
+    /// Native frames, when captured.
+    native: Option<NativeStacks>,
     python: Option<Python>,
     interner: Mutex<Interner>,
 }
@@ -193,7 +193,7 @@ impl Stacks {
         }
         Some(Stacks {
             depth: depth.clamp(1, MAX_DEPTH),
-            native: native.then(own_code_range),
+            native: native.then(NativeStacks::new),
             python,
             interner: Mutex::default(),
         })
@@ -208,8 +208,8 @@ impl Stacks {
     /// definitions of anything new to `trace` first.
     pub fn capture(&self, trace: &Trace) -> u32 {
         let mut ips = [0u64; MAX_DEPTH];
-        let native = match self.native {
-            Some(own) => capture_native(&mut ips[..self.depth], own),
+        let native = match &self.native {
+            Some(n) => n.capture(&mut ips[..self.depth]),
             None => 0,
         };
         let mut py = [RawFrame::default(); MAX_DEPTH];
@@ -269,58 +269,4 @@ impl Stacks {
         interner.raw_stacks.insert(raw.into(), id);
         id
     }
-}
-
-/// Return addresses of the calling thread outside `[own_start, own_end)`, innermost first.
-fn capture_native(ips: &mut [u64], (own_start, own_end): (u64, u64)) -> usize {
-    let mut n = 0;
-    // SAFETY: on Linux the unwinder behind `trace_unsynchronized` (`_Unwind_Backtrace`) is
-    // thread-safe; the crate's lock, which the synchronized `trace` adds, only matters for
-    // unwinders that are not (Windows' dbghelp). The callback only copies addresses.
-    unsafe {
-        backtrace::trace_unsynchronized(|frame| {
-            let ip = frame.ip() as u64;
-            if ip == 0 {
-                return false;
-            }
-            if !(own_start..own_end).contains(&ip) {
-                ips[n] = ip;
-                n += 1;
-            }
-            n < ips.len()
-        });
-    }
-    n
-}
-
-/// The address range of the executable mappings of the file this function lives in.
-fn own_code_range() -> (u64, u64) {
-    let here = own_code_range as *const () as usize as u64;
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return (0, 0);
-    };
-    let parse = |line: &str| -> Option<(u64, u64, String, bool)> {
-        let mut parts = line.split_whitespace();
-        let (start, end) = parts.next()?.split_once('-')?;
-        let perms = parts.next()?;
-        let path = parts.nth(3).unwrap_or("").to_string();
-        Some((
-            u64::from_str_radix(start, 16).ok()?,
-            u64::from_str_radix(end, 16).ok()?,
-            path,
-            perms.contains('x'),
-        ))
-    };
-    let entries: Vec<_> = maps.lines().filter_map(parse).collect();
-    let Some(path) = entries
-        .iter()
-        .find(|(s, e, _, _)| (*s..*e).contains(&here))
-        .map(|e| e.2.clone())
-    else {
-        return (0, 0);
-    };
-    let own = entries.iter().filter(|e| e.2 == path && e.3);
-    let start = own.clone().map(|e| e.0).min().unwrap_or(0);
-    let end = own.map(|e| e.1).max().unwrap_or(0);
-    (start, end)
 }
