@@ -1,5 +1,5 @@
-//! Builds fakecuda (`libcuda.so.1`, `libcudart.so.13`) and the C test programs into OUT_DIR with
-//! the system C compiler, and tells the tests where they are.
+//! Builds fakecuda (`libcuda.so.1`, `libcudart.so.13`) and the C (and C++) test programs into
+//! OUT_DIR with the system compilers, and tells the tests where they are.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -66,6 +66,10 @@ fn main() {
     for entry in std::fs::read_dir(&programs).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+        if path.extension().is_some_and(|e| e == "cc") {
+            build_cpp_program(&path, &name, &include, &fake, &bin);
+            continue;
+        }
         if path.extension().is_none_or(|e| e != "c") || name.starts_with("slow_fill") {
             continue;
         }
@@ -99,5 +103,23 @@ fn build_program(
         .arg("-l:libcudart.so.13")
         .arg(format!("-Wl,-rpath-link,{}", fake.display()))
         .arg("-lpthread");
+    run(cmd);
+}
+
+/// A C++ test program (no shared helpers: they are C).
+fn build_cpp_program(path: &Path, name: &str, include: &Path, fake: &Path, bin: &Path) {
+    let tool = cc::Build::new().cpp(true).get_compiler();
+    let mut cmd = tool.to_command();
+    cmd.arg("-O1")
+        .arg("-fno-inline")
+        .arg("-I")
+        .arg(include)
+        .arg("-o")
+        .arg(bin.join(name))
+        .arg(path)
+        .arg("-L")
+        .arg(fake)
+        .arg("-l:libcudart.so.13")
+        .arg(format!("-Wl,-rpath-link,{}", fake.display()));
     run(cmd);
 }

@@ -190,7 +190,8 @@ fn symbolize(record: &mut Record) {
         if frame.name.is_empty()
             && let Some(name) = symbol.name()
         {
-            frame.name = name.to_string();
+            // Demangled (C++ and Rust), without Rust's hash suffix.
+            frame.name = format!("{name:#}");
         }
         if frame.file.is_empty()
             && let Some(file) = symbol.filename()

@@ -441,3 +441,20 @@ fn native_stacks_match_the_system_unwinder() {
         }
     }
 }
+
+#[test]
+fn native_frames_of_cpp_code_are_demangled() {
+    let out = Run::c("cpp_names", &[])
+        .env("CACHEALLOC_CONF", "stacks:native")
+        .output();
+    out.assert_ok("cpp_names");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let names = native_stack_names(&read_trace(&dirs[0]).0);
+    let stack = &names[&4000];
+    assert_eq!(
+        stack.first().map(String::as_str),
+        Some("model::Buffer<float>::allocate(unsigned long)"),
+        "{stack:?}"
+    );
+    assert!(stack.iter().any(|n| n == "main"), "{stack:?}");
+}
