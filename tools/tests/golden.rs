@@ -220,3 +220,27 @@ fn a_closed_pipe_is_not_an_error() {
         "exit status {status:?} after the reader went away"
     );
 }
+
+#[test]
+fn a_torn_trace_is_read_up_to_the_tear() {
+    let dir = workdir("torn");
+    let torn = dir.join("torn/run");
+    std::fs::create_dir_all(&torn).unwrap();
+    let original = std::fs::read(manifest().join("tests/data/oom/run/trace-000000.cat")).unwrap();
+    // Cut the file inside its last chunk, as `kill -9` in the middle of a write would.
+    std::fs::write(
+        torn.join("trace-000000.cat"),
+        &original[..original.len() - 7],
+    )
+    .unwrap();
+    let summary = cachealloc(&dir, &["summary", "torn/run"]);
+    assert!(
+        summary.contains("tear      torn/run/trace-000000.cat at byte"),
+        "{summary}"
+    );
+    assert!(summary.contains("(read up to there)"), "{summary}");
+    // Everything before the tear is there: the peak came before it.
+    assert!(summary.contains("peak allocated  54.00 MiB"), "{summary}");
+    let listing = cachealloc(&dir, &["trace", "torn/run"]);
+    assert!(listing.contains("(torn: "), "{listing}");
+}

@@ -65,6 +65,8 @@ struct Recording {
     capacity: BTreeMap<u32, u64>,
     /// Per device, the run's segment allocations in order: `(size, address)`.
     segments: BTreeMap<u32, Vec<(u64, u64)>>,
+    /// Blocks already live when the trace starts (its first files were rotated away).
+    live_at_start: usize,
 }
 
 fn record(dir: &Path) -> Result<Recording, Error> {
@@ -74,12 +76,16 @@ fn record(dir: &Path) -> Result<Recording, Error> {
     // The segment the last allocator event of each device allocated, if it was one.
     let mut fresh_segment: HashMap<u32, u64> = HashMap::new();
     let mut segments: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
+    let mut live_at_start = None;
     while let Some(step) = replay.step() {
         let step = step?;
         if step.index % 65536 == 0 {
             progress.tick(step.index);
         }
         if step.in_checkpoint {
+            if matches!(step.record, Record::CheckpointEnd(_)) && live_at_start.is_none() {
+                live_at_start = Some(replay.state.blocks.len());
+            }
             continue;
         }
         if let Record::SegmentAlloc(s) = &step.record {
@@ -126,6 +132,7 @@ fn record(dir: &Path) -> Result<Recording, Error> {
     Ok(Recording {
         ops,
         segments,
+        live_at_start: live_at_start.unwrap_or(0),
         names,
         config: header
             .as_ref()
@@ -461,6 +468,13 @@ pub fn run(
         )?;
     }
     writeln!(out, "  config: {}", rec.config)?;
+    if rec.live_at_start > 0 {
+        writeln!(
+            out,
+            "  note: the trace starts mid-run (its first files were rotated away); the {} blocks live then are not simulated",
+            rec.live_at_start
+        )?;
+    }
     if sweep {
         let mut results = vec![];
         for extra in SWEEP {
