@@ -37,6 +37,11 @@ pub struct LiveState {
 }
 
 impl LiveState {
+    /// The byte totals of `device` (zero for a device never seen).
+    pub fn device_totals(&self, device: u32) -> DeviceTotals {
+        self.totals.get(&device).copied().unwrap_or_default()
+    }
+
     /// Apply one record.
     pub fn apply(&mut self, record: &Record) {
         match record {

@@ -125,12 +125,7 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
             Record::Oom(o) => out.ooms.push(**o),
             _ => {}
         }
-        let totals = replay
-            .state
-            .totals
-            .get(&device)
-            .copied()
-            .unwrap_or_default();
+        let totals = replay.state.device_totals(device);
         let here = |bytes| Peak {
             bytes,
             t: replay.t,
@@ -148,7 +143,7 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
         }
     }
     for (device, d) in out.devices.iter_mut() {
-        let totals = replay.state.totals.get(device).copied().unwrap_or_default();
+        let totals = replay.state.device_totals(*device);
         d.allocated_at_end = totals.allocated;
         d.reserved_at_end = totals.reserved;
     }

@@ -1,19 +1,9 @@
 //! Human-readable numbers.
 
-/// Bytes in binary units, as PyTorch's `memory_summary` prints them: `512 B`, `1.50 MiB`.
+/// Bytes in binary units, as PyTorch's `memory_summary` prints them (and the shim's reports):
+/// `512 B`, `1.50 MiB`.
 pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
+    cachealloc_core::allocator::format_bytes(n)
 }
 
 /// A trace time (ns since the base) as seconds with millisecond precision: `12.345 s`.

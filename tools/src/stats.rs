@@ -14,32 +14,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use cachealloc_recorder::Record;
 
+use cachealloc_core::stats::Stat;
+
 use crate::replay::Step;
-
-/// One PyTorch `Stat`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stat {
-    /// Now.
-    pub current: i64,
-    /// Highest `current` so far.
-    pub peak: i64,
-    /// Sum of increases.
-    pub allocated: i64,
-    /// Sum of decreases.
-    pub freed: i64,
-}
-
-impl Stat {
-    fn add(&mut self, n: i64) {
-        self.current += n;
-        self.peak = self.peak.max(self.current);
-        self.allocated += n;
-    }
-    fn sub(&mut self, n: i64) {
-        self.current -= n;
-        self.freed += n;
-    }
-}
 
 /// The metrics with `all`/`small_pool`/`large_pool` variants, in PyTorch's key order.
 pub const METRICS: [&str; 8] = [
@@ -92,9 +69,9 @@ impl DeviceStats {
     fn bump(&mut self, metric: usize, pool: usize, n: i64) {
         for p in [0, pool] {
             if n >= 0 {
-                self.stats[metric][p].add(n);
+                self.stats[metric][p].increase(n.unsigned_abs());
             } else {
-                self.stats[metric][p].sub(-n);
+                self.stats[metric][p].decrease(n.unsigned_abs());
             }
         }
     }

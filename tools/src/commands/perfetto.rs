@@ -106,12 +106,7 @@ pub fn run(trace: &Path, output: &Path, out: &mut dyn Write) -> Result<(), Error
         let Some(device) = device_of(&step.record) else {
             continue;
         };
-        let totals = replay
-            .state
-            .totals
-            .get(&device)
-            .copied()
-            .unwrap_or_default();
+        let totals = replay.state.device_totals(device);
         let values = [totals.allocated, totals.active, totals.reserved];
         let entry = last.entry(device).or_insert((0, None));
         if t >= entry.0 + resolution || entry.0 == 0 {

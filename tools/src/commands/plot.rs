@@ -268,12 +268,7 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
             }
             _ => {}
         }
-        let totals = replay
-            .state
-            .totals
-            .get(&device)
-            .copied()
-            .unwrap_or_default();
+        let totals = replay.state.device_totals(device);
         let index = (t.saturating_sub(t0)) / width;
         if b.bucket.as_ref().is_some_and(|(i, _)| *i != index) {
             b.flush();
