@@ -290,7 +290,11 @@ pub extern "C" fn cachealloc_version() -> *const c_char {
 /// `buf` must be null or valid for `len` bytes of writes.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub unsafe extern "C" fn cachealloc_stats_json(buf: *mut c_char, len: usize) -> usize {
-    let text = guarded("cachealloc_stats_json", process::stats_json, String::new);
+    let text = guarded(
+        "cachealloc_stats_json",
+        crate::report::stats_json,
+        String::new,
+    );
     if !buf.is_null() && len > 0 {
         let n = text.len().min(len - 1);
         // SAFETY: `buf` is valid for `len` bytes and `n + 1 <= len`; source and destination
@@ -329,7 +333,7 @@ pub unsafe extern "C" fn cachealloc_annotate(name: *const c_char) -> c_int {
     guarded(
         "cachealloc_annotate",
         || {
-            process::annotate(&name);
+            crate::report::annotate(&name);
             cuda::SUCCESS
         },
         || cuda::SUCCESS,

@@ -12,13 +12,14 @@
 //! |---|---|
 //! | [`ffi`] | every exported symbol: the interposed CUDA calls and the C API (the only module the C ABI touches) |
 //! | [`hooks`] | what each interposed call does: pool or pass through |
-//! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators, exit summary |
+//! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators |
+//! | [`report`] | the exit summary, annotations, the stats JSON |
 //! | [`settings`] | the configuration, read once by the constructor |
 //! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait |
 //! | [`driver`] | reuse fences: CUDA events through the driver API (cudarc) |
 //! | [`streams`] | the application's streams, for fences and `reuse:auto` |
 //! | [`trace`] | the trace: directory, header, allocator events as records |
-//! | [`stacks`] | native stack capture and interning |
+//! | [`stacks`] | stack capture (native and Python) and interning |
 //! | [`real`] | the real runtime functions, found at first use |
 //! | [`cuda`] | CUDA ABI constants and types |
 //! | [`log`] | stderr messages |
@@ -47,6 +48,7 @@ pub mod hooks;
 pub mod log;
 pub mod process;
 pub mod real;
+pub mod report;
 pub mod settings;
 pub mod stacks;
 pub mod streams;

@@ -23,7 +23,7 @@ use cachealloc_core::config::ReusePolicy;
 use cachealloc_core::{AllocError, Allocator, FreeError, Stats, format_bytes};
 
 use cachealloc_recorder::Record;
-use cachealloc_recorder::schema::{self, Annotation, DeviceInfo, SegmentEvent, StreamEvent};
+use cachealloc_recorder::schema::{self, DeviceInfo, SegmentEvent, StreamEvent};
 
 use crate::backend::CudaDevice;
 use crate::cuda::{self, CudaError};
@@ -78,7 +78,7 @@ impl Pool {
 #[derive(Debug)]
 pub struct Shim {
     /// The driver, for fences; `None` only in `pool:off` (trace only).
-    driver: Option<Driver>,
+    pub(crate) driver: Option<Driver>,
     reuse: ReusePolicy,
     report_cached_as_free: bool,
     streams: Arc<StreamRegistry>,
@@ -88,14 +88,14 @@ pub struct Shim {
     devices: Vec<OnceLock<Pool>>,
     /// Whether new allocations are pooled: false with `pool:off`, and after an internal failure.
     healthy: AtomicBool,
-    passthrough_mallocs: AtomicU64,
+    pub(crate) passthrough_mallocs: AtomicU64,
     /// Traced allocations that passed through (`pool:off`, or degraded): address → (size,
     /// device), to trace their frees.
     passthrough: std::sync::Mutex<std::collections::HashMap<u64, (u64, u32)>>,
     /// When the shim started (the first CUDA call), for annotation times.
-    started: std::time::Instant,
+    pub(crate) started: std::time::Instant,
     /// The trace, or why there is none.
-    trace: Result<Arc<Trace>, String>,
+    pub(crate) trace: Result<Arc<Trace>, String>,
     /// Stack capture, when the trace is on and `stacks` asks for (and can have) frames.
     stacks: Option<Stacks>,
 }
@@ -113,6 +113,14 @@ pub fn shim() -> Option<&'static Shim> {
     SHIM.get_or_init(start).as_ref()
 }
 
+/// The shim if it has started (never starts it); `None` in a forked child.
+pub fn started_shim() -> Option<&'static Shim> {
+    if FORKED_CHILD.load(Ordering::Acquire) {
+        return None;
+    }
+    SHIM.get()?.as_ref()
+}
+
 /// First CUDA call: decide between pooling, tracing only and passthrough.
 fn start() -> Option<Shim> {
     let settings = settings::get();
@@ -120,7 +128,7 @@ fn start() -> Option<Shim> {
         return None; // the constructor already said why
     }
     let config = &settings.config;
-    register_exit_summary();
+    crate::report::register_exit_summary();
     if !config.pool && !config.trace {
         log::debug!("pool:off, trace:off: passing everything through");
         return None;
@@ -527,125 +535,4 @@ impl Shim {
         unsafe { set(current) };
         Ok(result)
     }
-}
-
-/// Register the exit summary (at first CUDA use: an `atexit` registered in the constructor would
-/// run after the destructors of libraries loaded later, CUDA's among them).
-fn register_exit_summary() {
-    extern "C" fn at_exit() {
-        // No panic may cross this C callback.
-        let _ = std::panic::catch_unwind(exit_summary);
-    }
-    // SAFETY: registers a plain `extern "C" fn()` that never unwinds.
-    unsafe { libc::atexit(at_exit) };
-}
-
-/// At exit: flush and stop the trace, then print one summary line per device unless
-/// `log:quiet`.
-pub fn exit_summary() {
-    if FORKED_CHILD.load(Ordering::Acquire) {
-        return;
-    }
-    let Some(Some(shim)) = SHIM.get() else {
-        return;
-    };
-    let trace_note = match &shim.trace {
-        Ok(trace) if trace.shutdown() => format!("trace in {}", trace.dir.display()),
-        Ok(trace) => format!(
-            "trace in {} (its end may be missing: the writer did not finish in time)",
-            trace.dir.display()
-        ),
-        Err(why) => format!("no trace ({why})"),
-    };
-    if !log::enabled(cachealloc_core::config::LogLevel::Info) {
-        return;
-    }
-    let pid = std::process::id();
-    let stats = shim.stats();
-    if shim.driver.is_none() || (stats.is_empty() && !shim.pooling()) {
-        let passed = shim.passthrough_mallocs.load(Ordering::Relaxed);
-        log::info!("pid {pid}: pool:off: {passed} allocations passed through; {trace_note}");
-        return;
-    }
-    if stats.is_empty() {
-        log::info!("pid {pid}: no allocation reached the pool");
-        return;
-    }
-    for (device, s) in stats {
-        let requests = s.num_cache_hits + s.num_device_alloc;
-        log::info!(
-            "pid {pid} device {device}: peak allocated {}, peak reserved {}; {} of {} allocations served from the \
-             cache, {} device allocations, {} device frees, {} OOMs, {} fence waits; {trace_note}",
-            format_bytes(s.allocated_bytes.all.peak as u64),
-            format_bytes(s.reserved_bytes.all.peak as u64),
-            s.num_cache_hits,
-            requests,
-            s.num_device_alloc,
-            s.num_device_free,
-            s.num_ooms,
-            s.num_fence_waits,
-        );
-    }
-    let passed = shim.passthrough_mallocs.load(Ordering::Relaxed);
-    if passed > 0 {
-        log::info!(
-            "pid {pid}: {passed} allocations passed through unpooled after an internal failure"
-        );
-    }
-}
-
-/// `cachealloc_annotate`: a named marker, written to the trace and, with the memory state of
-/// every pooled device, to stderr.
-pub fn annotate(name: &str) {
-    let Some(shim) = shim() else {
-        log::info!("annotation '{name}' (passthrough: no pool)");
-        return;
-    };
-    if let Ok(trace) = &shim.trace {
-        let t = crate::trace::now();
-        trace.send(Record::Annotation(Box::new(Annotation {
-            t,
-            name: name.to_string(),
-            thread: crate::trace::thread_number(),
-        })));
-    }
-    let at = shim.started.elapsed().as_secs_f64();
-    let mut line = format!("annotation '{name}' at +{at:.3} s:");
-    for (device, s) in shim.stats() {
-        line.push_str(&format!(
-            " device {device} allocated {} (peak {}), reserved {} (peak {});",
-            format_bytes(s.allocated_bytes.all.current as u64),
-            format_bytes(s.allocated_bytes.all.peak as u64),
-            format_bytes(s.reserved_bytes.all.current as u64),
-            format_bytes(s.reserved_bytes.all.peak as u64),
-        ));
-    }
-    log::info!("{}", line.trim_end_matches(';'));
-}
-
-/// The stats of every pooled device as JSON: `{"version": …, "devices": {"0": {key: value}}}`
-/// with PyTorch's `memory_stats()` keys.
-pub fn stats_json() -> String {
-    let mut out = format!(
-        "{{\"version\":\"{}\",\"pid\":{},\"devices\":{{",
-        env!("CARGO_PKG_VERSION"),
-        std::process::id()
-    );
-    if let Some(shim) = shim() {
-        for (i, (device, stats)) in shim.stats().into_iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            out.push_str(&format!("\"{device}\":{{"));
-            for (j, (key, value)) in stats.to_flat().into_iter().enumerate() {
-                if j > 0 {
-                    out.push(',');
-                }
-                out.push_str(&format!("\"{key}\":{value}"));
-            }
-            out.push('}');
-        }
-    }
-    out.push_str("}}");
-    out
 }
