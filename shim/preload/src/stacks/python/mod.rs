@@ -70,6 +70,8 @@ pub struct CodeInfo {
 pub struct Python {
     layout: Layout,
     is_initialized: unsafe extern "C" fn() -> c_int,
+    /// `Py_IsFinalizing` (3.13) or `_Py_IsFinalizing` (3.10–3.12), where present.
+    is_finalizing: Option<unsafe extern "C" fn() -> c_int>,
     this_thread_state: unsafe extern "C" fn() -> *mut c_void,
     /// `&PyCode_Type`: every frame's code object is checked against it before it is read.
     code_type: usize,
@@ -121,9 +123,17 @@ impl Python {
                 ),
             )
         };
+        let is_finalizing = symbol(c"Py_IsFinalizing")
+            .or_else(|| symbol(c"_Py_IsFinalizing"))
+            // SAFETY: both names are `int (void)` functions that read a runtime flag, callable
+            // without the GIL.
+            .map(|f| unsafe {
+                std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> c_int>(f)
+            });
         Ok(Python {
             layout,
             is_initialized,
+            is_finalizing,
             this_thread_state,
             code_type: code_type as usize,
         })
@@ -143,7 +153,8 @@ impl Python {
         // pointer is checked for null and alignment, every code object's type is checked before
         // its fields are read, and the walk is bounded by `out`'s length.
         unsafe {
-            if (self.is_initialized)() == 0 {
+            // During finalization other threads' states are being freed: no walk then.
+            if (self.is_initialized)() == 0 || self.is_finalizing.is_some_and(|f| f() != 0) {
                 return 0;
             }
             let tstate = (self.this_thread_state)() as usize;
