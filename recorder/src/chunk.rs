@@ -64,20 +64,38 @@ pub enum ChunkError {
     },
 }
 
+/// A chunk's header: payload length, checksum and flags. A length over [`MAX_PAYLOAD`] is
+/// corruption (reported as a checksum failure: the header itself is damaged).
+pub fn parse_header(header: &[u8; CHUNK_HEADER]) -> Result<(usize, u32, u8), ChunkError> {
+    let len = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
+    if len > MAX_PAYLOAD {
+        return Err(ChunkError::Checksum);
+    }
+    Ok((len, crc, header[8]))
+}
+
+/// Check a payload against its header's checksum.
+pub fn verify(crc: u32, flags: u8, payload: &[u8]) -> Result<(), ChunkError> {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&[flags]);
+    hasher.update(payload);
+    if hasher.finalize() == crc {
+        Ok(())
+    } else {
+        Err(ChunkError::Checksum)
+    }
+}
+
 /// Split the front chunk off `bytes`: `(payload, flags, bytes consumed)`.
 pub fn split_chunk(bytes: &[u8]) -> Result<(&[u8], u8, usize), ChunkError> {
-    if bytes.len() < CHUNK_HEADER {
+    let Some(header) = bytes.first_chunk::<CHUNK_HEADER>() else {
         return Err(ChunkError::Truncated {
             needed: CHUNK_HEADER,
             available: bytes.len(),
         });
-    }
-    let len = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes")) as usize;
-    let crc = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
-    let flags = bytes[8];
-    if len > MAX_PAYLOAD {
-        return Err(ChunkError::Checksum);
-    }
+    };
+    let (len, crc, flags) = parse_header(header)?;
     let end = CHUNK_HEADER + len;
     if bytes.len() < end {
         return Err(ChunkError::Truncated {
@@ -86,12 +104,7 @@ pub fn split_chunk(bytes: &[u8]) -> Result<(&[u8], u8, usize), ChunkError> {
         });
     }
     let payload = &bytes[CHUNK_HEADER..end];
-    let mut hasher = crc32fast::Hasher::new();
-    hasher.update(&[flags]);
-    hasher.update(payload);
-    if hasher.finalize() != crc {
-        return Err(ChunkError::Checksum);
-    }
+    verify(crc, flags, payload)?;
     Ok((payload, flags, end))
 }
 

@@ -1,15 +1,16 @@
 //! [`TraceReader`]: the records of a trace directory, file after file in order.
 //!
-//! Each file is read chunk by chunk. At the first torn or corrupt chunk the reader stops reading
+//! Each file is streamed chunk by chunk (a reader holds one chunk in memory, whatever the file's
+//! size). At the first torn or corrupt chunk the reader stops reading
 //! that file, notes a [`Tear`] (file and byte offset, and why), and goes on with the next file,
 //! which begins with a checkpoint of its own, so nothing before a tear is lost and nothing after
 //! it is guessed. Unknown record kinds come through as [`Record::Unknown`] for callers to skip.
 
-use std::fs;
-use std::io;
+use std::fs::{self, File};
+use std::io::{self, BufReader, Read};
 use std::path::{Path, PathBuf};
 
-use crate::chunk::{ChunkError, decode_payload, split_chunk};
+use crate::chunk::{CHUNK_HEADER, ChunkError, decode_payload, parse_header, verify};
 use crate::schema::{FORMAT_VERSION, MAGIC, Record};
 
 /// Where and why a file stopped being readable.
@@ -61,8 +62,109 @@ pub struct Item {
 pub struct TraceReader {
     files: Vec<PathBuf>,
     next_file: usize,
+    /// The file being read, a chunk at a time.
+    current: Option<Chunks<BufReader<File>>>,
+    /// The current chunk's records not yet returned, in reverse (to pop from the end).
     buffer: Vec<Record>,
     tears: Vec<Tear>,
+}
+
+/// The chunks of one trace file, read from `source` one at a time: the memory a reader needs is
+/// one chunk's, whatever the file's size.
+#[derive(Debug)]
+struct Chunks<R> {
+    path: PathBuf,
+    source: R,
+    /// Bytes in the file (for the numbers in a `Truncated` tear).
+    len: u64,
+    /// Offset of the next chunk.
+    at: u64,
+}
+
+impl<R: Read> Chunks<R> {
+    /// Check the file's prefix; `None` for a file killed before its prefix was written.
+    fn start(path: &Path, mut source: R, len: u64) -> Result<Option<Chunks<R>>, ReadError> {
+        let format = |reason: String| ReadError::Format {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut prefix = [0u8; 12];
+        let got = read_up_to(&mut source, &mut prefix).map_err(|source| ReadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if got < 12 || &prefix[..8] != MAGIC {
+            if got < 12 && MAGIC.starts_with(&prefix[..got.min(8)]) {
+                // Killed before the prefix was written: an empty file.
+                return Ok(None);
+            }
+            return Err(format("not a cachealloc trace file".to_string()));
+        }
+        let version = u32::from_le_bytes(prefix[8..12].try_into().expect("4 bytes"));
+        if version > FORMAT_VERSION {
+            return Err(format(format!(
+                "format version {version} is newer than this reader's {FORMAT_VERSION}"
+            )));
+        }
+        Ok(Some(Chunks {
+            path: path.to_path_buf(),
+            source,
+            len,
+            at: 12,
+        }))
+    }
+
+    /// The next chunk's records; `Ok(None)` at the end of the file, `Err` at a tear (after
+    /// which the file is not read further).
+    fn next_chunk(&mut self) -> Result<Option<Vec<Record>>, Tear> {
+        let tear = |at: u64, error| Tear {
+            path: self.path.clone(),
+            offset: at,
+            error,
+        };
+        let available = |at: u64| self.len.saturating_sub(at) as usize;
+        let mut header = [0u8; CHUNK_HEADER];
+        let got = read_up_to(&mut self.source, &mut header).unwrap_or(0);
+        if got == 0 {
+            return Ok(None);
+        }
+        if got < CHUNK_HEADER {
+            let error = ChunkError::Truncated {
+                needed: CHUNK_HEADER,
+                available: got,
+            };
+            return Err(tear(self.at, error));
+        }
+        let (len, crc, flags) = parse_header(&header).map_err(|e| tear(self.at, e))?;
+        let mut payload = vec![0u8; len];
+        let got = read_up_to(&mut self.source, &mut payload).unwrap_or(0);
+        if got < len {
+            let error = ChunkError::Truncated {
+                needed: CHUNK_HEADER + len,
+                available: available(self.at),
+            };
+            return Err(tear(self.at, error));
+        }
+        let records = verify(crc, flags, &payload)
+            .and_then(|()| decode_payload(&payload, flags))
+            .map_err(|e| tear(self.at, e))?;
+        self.at += (CHUNK_HEADER + len) as u64;
+        Ok(Some(records))
+    }
+}
+
+/// Fill `buf` as far as the source allows: the number of bytes read (short only at its end).
+fn read_up_to(source: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match source.read(&mut buf[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(filled)
 }
 
 /// The trace files of a directory in order (finished and `.part` alike).
@@ -98,6 +200,7 @@ impl TraceReader {
         Ok(TraceReader {
             files,
             next_file: 0,
+            current: None,
             buffer: Vec::new(),
             tears: Vec::new(),
         })
@@ -113,61 +216,33 @@ impl TraceReader {
         &self.tears
     }
 
-    /// Read a whole file's records into the buffer (in reverse, to pop from the end).
-    fn load(&mut self, index: usize) -> Result<(), ReadError> {
+    /// Start reading file `index`.
+    fn open_file(&mut self, index: usize) -> Result<(), ReadError> {
         let path = &self.files[index];
-        let bytes = fs::read(path).map_err(|source| ReadError::Io {
+        let io_error = |source| ReadError::Io {
             path: path.clone(),
             source,
-        })?;
-        let (records, tear) = read_file(path, &bytes)?;
-        self.buffer = records;
-        self.buffer.reverse();
-        self.tears.extend(tear);
+        };
+        let file = File::open(path).map_err(io_error)?;
+        let len = file.metadata().map_err(io_error)?.len();
+        self.current = Chunks::start(path, BufReader::with_capacity(1 << 16, file), len)?;
         Ok(())
     }
 }
 
-/// Parse one file: its records up to the first tear, and the tear if any.
+/// Parse one file held in memory: its records up to the first tear, and the tear if any.
 pub fn read_file(path: &Path, bytes: &[u8]) -> Result<(Vec<Record>, Option<Tear>), ReadError> {
-    let format = |reason: String| ReadError::Format {
-        path: path.to_path_buf(),
-        reason,
+    let Some(mut chunks) = Chunks::start(path, bytes, bytes.len() as u64)? else {
+        return Ok((Vec::new(), None));
     };
-    if bytes.len() < 12 || &bytes[..8] != MAGIC {
-        if bytes.len() < 12 && MAGIC.starts_with(&bytes[..bytes.len().min(8)]) {
-            // Killed before the prefix was written: an empty file.
-            return Ok((Vec::new(), None));
-        }
-        return Err(format("not a cachealloc trace file".to_string()));
-    }
-    let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-    if version > FORMAT_VERSION {
-        return Err(format(format!(
-            "format version {version} is newer than this reader's {FORMAT_VERSION}"
-        )));
-    }
     let mut records = Vec::new();
-    let mut at = 12;
-    while at < bytes.len() {
-        let result = split_chunk(&bytes[at..])
-            .and_then(|(payload, flags, used)| Ok((decode_payload(payload, flags)?, used)));
-        match result {
-            Ok((chunk_records, used)) => {
-                records.extend(chunk_records);
-                at += used;
-            }
-            Err(error) => {
-                let tear = Tear {
-                    path: path.to_path_buf(),
-                    offset: at as u64,
-                    error,
-                };
-                return Ok((records, Some(tear)));
-            }
+    loop {
+        match chunks.next_chunk() {
+            Ok(Some(chunk)) => records.extend(chunk),
+            Ok(None) => return Ok((records, None)),
+            Err(tear) => return Ok((records, Some(tear))),
         }
     }
-    Ok((records, None))
 }
 
 impl Iterator for TraceReader {
@@ -181,12 +256,26 @@ impl Iterator for TraceReader {
                     record,
                 }));
             }
+            if let Some(chunks) = &mut self.current {
+                match chunks.next_chunk() {
+                    Ok(Some(mut records)) => {
+                        records.reverse();
+                        self.buffer = records;
+                        continue;
+                    }
+                    Ok(None) => self.current = None,
+                    Err(tear) => {
+                        self.tears.push(tear);
+                        self.current = None;
+                    }
+                }
+            }
             if self.next_file >= self.files.len() {
                 return None;
             }
             let index = self.next_file;
             self.next_file += 1;
-            if let Err(e) = self.load(index) {
+            if let Err(e) = self.open_file(index) {
                 return Some(Err(e));
             }
         }
