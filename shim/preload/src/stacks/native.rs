@@ -143,6 +143,9 @@ mod fast {
         unwinder: UnwinderX86_64<Bytes>,
         /// Executable ranges of the registered modules.
         code: Vec<Range<u64>>,
+        /// Pages that stayed uncovered after a refresh (code without a module, such as JIT
+        /// code): a walk ending there does not enumerate the objects again.
+        uncovered: std::collections::HashSet<u64>,
     }
 
     impl Modules {
@@ -194,17 +197,23 @@ mod fast {
                 return 0;
             }
             let (mut n, stopped_at) = self.walk(ips, own);
-            // A stack that ran into code no module covers: something was loaded since; pick
-            // it up and walk again.
-            if let Some(address) = stopped_at
-                && !self
-                    .modules
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .covers(address)
-            {
-                self.refresh();
-                n = self.walk(ips, own).0;
+            // A stack that ran into code no module covers: something may have been loaded
+            // since; pick it up and walk again (once per unknown page).
+            if let Some(address) = stopped_at {
+                let page = address >> 12;
+                let unknown = {
+                    let m = self.modules.read().unwrap_or_else(|p| p.into_inner());
+                    !m.covers(address) && !m.uncovered.contains(&page)
+                };
+                if unknown {
+                    self.refresh();
+                    let mut m = self.modules.write().unwrap_or_else(|p| p.into_inner());
+                    if !m.covers(address) && m.uncovered.len() < 4096 {
+                        m.uncovered.insert(page);
+                    }
+                    drop(m);
+                    n = self.walk(ips, own).0;
+                }
             }
             n
         }
