@@ -74,6 +74,8 @@ for trace in s["device_traces"]:
         assert isinstance(e["addr" if e["action"] != "oom" else "device_free"], int)
         assert isinstance(e["size"], int) and isinstance(e["time_us"], int)
         check_frames(e["frames"])
+        if "frees-have-frames" in sys.argv and e["action"] in ("free_requested", "free_completed"):
+            assert e["frames"], "a free shows its block's allocation stack"
 print("OK", len(s["segments"]), sum(len(t) for t in s["device_traces"]))
 "#;
 
@@ -93,8 +95,10 @@ fn snapshot_pickles_load_in_python_as_pytorch_lays_them_out() {
             args.extend_from_slice(when);
             args.extend(["-o", out.to_str().unwrap()]);
             cachealloc(&args);
+            // Every allocation of the Python trace has a stack, so every free shows one.
+            let flag = if trace == "python" { "frees-have-frames" } else { "" };
             let checked = Command::new(&python)
-                .args(["-c", CHECK_PICKLE, out.to_str().unwrap()])
+                .args(["-c", CHECK_PICKLE, out.to_str().unwrap(), flag])
                 .output()
                 .expect("run python");
             let stdout = String::from_utf8_lossy(&checked.stdout);

@@ -4,6 +4,9 @@
 //! moment, and `allocator_settings`. It opens in `torch.cuda._memory_viz` and PyTorch's memory
 //! viewer.
 //!
+//! Free events carry their block's allocation stack (the shim records none at the free), as
+//! PyTorch's own snapshots do when they record no free context.
+//!
 //! The snapshot is a tree of serde structs (pickled as dicts with these field names) that borrow
 //! each stack's frames, built once per stack: a window of 100 000 events with 20-frame stacks
 //! is written without 2 million frame dictionaries in memory.
@@ -116,64 +119,48 @@ struct Snapshot<'a> {
 
 const NO_FRAMES: &[Frame] = &[];
 
-/// The stack a record names, if any.
-fn stack_of(record: &Record) -> u32 {
-    match record {
-        Record::Alloc(a) => a.stack,
-        Record::FreeRequested(f) | Record::Free(f) => f.stack,
-        Record::SegmentAlloc(s) | Record::SegmentFree(s) => s.stack,
-        Record::Oom(o) => o.stack,
-        _ => 0,
-    }
-}
-
 /// The `device_traces` entries of one record (two for an immediate free).
 fn entries<'a>(
     record: &Record,
+    stack: u32,
     frames: &'a HashMap<u32, Vec<Frame>>,
     wall_base_ns: u64,
 ) -> Vec<(u32, Entry<'a>)> {
-    let frames_of = |stack: u32| frames.get(&stack).map_or(NO_FRAMES, Vec::as_slice);
-    let entry = |action, addr, size, stream, stack, t: u64| Entry {
+    let frames = frames.get(&stack).map_or(NO_FRAMES, Vec::as_slice);
+    let entry = |action, addr, size, stream, t: u64| Entry {
         action,
         addr: Some(addr),
         device_free: None,
         size,
         stream,
-        frames: frames_of(stack),
+        frames,
         time_us: (wall_base_ns + t) / 1000,
     };
     match record {
-        Record::Alloc(a) => vec![(
-            a.device,
-            entry("alloc", a.address, a.size, a.stream, a.stack, a.t),
-        )],
+        Record::Alloc(a) => vec![(a.device, entry("alloc", a.address, a.size, a.stream, a.t))],
         Record::FreeRequested(f) => vec![(
             f.device,
-            entry("free_requested", f.address, f.size, f.stream, f.stack, f.t),
+            entry("free_requested", f.address, f.size, f.stream, f.t),
         )],
         Record::Free(f) => vec![
             (
                 f.device,
-                entry("free_requested", f.address, f.size, f.stream, f.stack, f.t),
+                entry("free_requested", f.address, f.size, f.stream, f.t),
             ),
             (
                 f.device,
-                entry("free_completed", f.address, f.size, f.stream, f.stack, f.t),
+                entry("free_completed", f.address, f.size, f.stream, f.t),
             ),
         ],
-        Record::FreeCompleted(f) => vec![(
-            f.device,
-            entry("free_completed", f.address, f.size, 0, 0, f.t),
-        )],
-        Record::SegmentAlloc(s) => vec![(
-            s.device,
-            entry("segment_alloc", s.address, s.size, 0, s.stack, s.t),
-        )],
-        Record::SegmentFree(s) => vec![(
-            s.device,
-            entry("segment_free", s.address, s.size, 0, s.stack, s.t),
-        )],
+        Record::FreeCompleted(f) => {
+            vec![(f.device, entry("free_completed", f.address, f.size, 0, f.t))]
+        }
+        Record::SegmentAlloc(s) => {
+            vec![(s.device, entry("segment_alloc", s.address, s.size, 0, s.t))]
+        }
+        Record::SegmentFree(s) => {
+            vec![(s.device, entry("segment_free", s.address, s.size, 0, s.t))]
+        }
         Record::Oom(o) => vec![(
             o.device,
             Entry {
@@ -182,7 +169,7 @@ fn entries<'a>(
                 device_free: Some(o.device_free),
                 size: o.requested,
                 stream: 0,
-                frames: frames_of(o.stack),
+                frames,
                 time_us: (wall_base_ns + o.t) / 1000,
             },
         )],
@@ -269,29 +256,56 @@ fn settings(conf: &str) -> Settings {
     }
 }
 
-/// Replay `dir` through record `index`, keeping the last `events` events.
+/// Replay `dir` through record `index`, keeping the last `events` events, each with the stack
+/// its entry shows.
 fn replay_with_window(
     dir: &Path,
     index: u64,
     events: usize,
-) -> Result<(Replay, VecDeque<Record>), Error> {
+) -> Result<(Replay, VecDeque<(Record, u32)>), Error> {
     let mut replay = Replay::open(dir)?;
-    let mut window: VecDeque<Record> = VecDeque::new();
+    let mut window: VecDeque<(Record, u32)> = VecDeque::new();
+    // The allocation stack of each live block: the shim does not capture a stack at free, so a
+    // free's entries get their block's (as PyTorch does when it records no free context).
+    let mut allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
     while let Some(step) = replay.step() {
         let step = step?;
-        if !step.in_checkpoint
-            && matches!(
-                step.record,
-                Record::Alloc(_)
-                    | Record::FreeRequested(_)
-                    | Record::Free(_)
-                    | Record::FreeCompleted(_)
-                    | Record::SegmentAlloc(_)
-                    | Record::SegmentFree(_)
-                    | Record::Oom(_)
-            )
+        let stack = match &step.record {
+            Record::Alloc(a) => {
+                allocated_at.insert((a.device, a.address), a.stack);
+                Some(a.stack)
+            }
+            Record::CheckpointBlock(b) => {
+                allocated_at.insert((b.device, b.address), b.stack);
+                None
+            }
+            Record::FreeRequested(f) => {
+                let at = allocated_at.get(&(f.device, f.address)).copied();
+                Some(if f.stack != 0 {
+                    f.stack
+                } else {
+                    at.unwrap_or(0)
+                })
+            }
+            Record::Free(f) => {
+                let at = allocated_at.remove(&(f.device, f.address));
+                Some(if f.stack != 0 {
+                    f.stack
+                } else {
+                    at.unwrap_or(0)
+                })
+            }
+            Record::FreeCompleted(f) => {
+                Some(allocated_at.remove(&(f.device, f.address)).unwrap_or(0))
+            }
+            Record::SegmentAlloc(s) | Record::SegmentFree(s) => Some(s.stack),
+            Record::Oom(o) => Some(o.stack),
+            _ => None,
+        };
+        if let Some(stack) = stack
+            && !step.in_checkpoint
         {
-            window.push_back(step.record);
+            window.push_back((step.record, stack));
             // The last `events` events (a record makes one or two entries).
             if window.len() > events.max(1) {
                 window.pop_front();
@@ -322,13 +336,13 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Rep
     let state = &replay.state;
     let stacks = window
         .iter()
-        .map(stack_of)
+        .map(|(_, stack)| *stack)
         .chain(state.blocks.values().map(|b| b.stack))
         .chain(state.segments.values().map(|s| s.stack));
     let frames = frame_lists(state, stacks);
     let mut traces: Vec<VecDeque<Entry<'_>>> = (0..device_count).map(|_| VecDeque::new()).collect();
-    for record in &window {
-        for (device, entry) in entries(record, &frames, wall) {
+    for (record, stack) in &window {
+        for (device, entry) in entries(record, *stack, &frames, wall) {
             if let Some(t) = traces.get_mut(device as usize) {
                 t.push_back(entry);
                 if t.len() > events {
