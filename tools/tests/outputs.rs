@@ -96,7 +96,11 @@ fn snapshot_pickles_load_in_python_as_pytorch_lays_them_out() {
             args.extend(["-o", out.to_str().unwrap()]);
             cachealloc(&args);
             // Every allocation of the Python trace has a stack, so every free shows one.
-            let flag = if trace == "python" { "frees-have-frames" } else { "" };
+            let flag = if trace == "python" {
+                "frees-have-frames"
+            } else {
+                ""
+            };
             let checked = Command::new(&python)
                 .args(["-c", CHECK_PICKLE, out.to_str().unwrap(), flag])
                 .output()
