@@ -41,8 +41,18 @@ use python::{CodeCheck, CodeInfo, Python, RawFrame};
 /// Deepest stack captured, whatever `stack_depth` says.
 const MAX_DEPTH: usize = 256;
 
-/// Words of a Python frame in a raw stack key: code object, offset, and its [`CodeCheck`].
-const PYTHON_KEY_WORDS: usize = 2 + std::mem::size_of::<CodeCheck>() / 8;
+/// A thread's capture buffers: return addresses, Python frames, and the raw stack key (the
+/// addresses, then per Python frame its code object, offset and [`CodeCheck`]).
+#[derive(Default)]
+struct Scratch {
+    ips: Vec<u64>,
+    py: Vec<RawFrame>,
+    raw: Vec<u64>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
 
 /// A code object's cached facts, and the frame ids of the offsets seen in it.
 #[derive(Debug)]
@@ -207,12 +217,26 @@ impl Stacks {
     /// The calling thread's stack as an id (0 if it has no frame to record), sending the
     /// definitions of anything new to `trace` first.
     pub fn capture(&self, trace: &Trace) -> u32 {
-        let mut ips = [0u64; MAX_DEPTH];
+        // Reused per thread: a capture neither zeroes nor allocates buffers once warm. (`try_`:
+        // during thread teardown the buffers may be gone; that allocation goes without a stack.)
+        SCRATCH
+            .try_with(|scratch| match scratch.try_borrow_mut() {
+                Ok(mut scratch) => self.capture_with(&mut scratch, trace),
+                Err(_) => 0,
+            })
+            .unwrap_or(0)
+    }
+
+    fn capture_with(&self, scratch: &mut Scratch, trace: &Trace) -> u32 {
+        let Scratch { ips, py, raw } = scratch;
+        if ips.len() < self.depth {
+            ips.resize(self.depth, 0);
+            py.resize(self.depth, RawFrame::default());
+        }
         let native = match &self.native {
             Some(n) => n.capture(&mut ips[..self.depth]),
             None => 0,
         };
-        let mut py = [RawFrame::default(); MAX_DEPTH];
         let python = match &self.python {
             Some(p) => p.walk(&mut py[..self.depth]),
             None => 0,
@@ -222,38 +246,34 @@ impl Stacks {
         }
         // The raw key: what was read off the stack, and for each Python frame what identifies
         // its code object's contents (so a code object replaced at the same address is a miss).
-        let mut raw = [0u64; MAX_DEPTH * (1 + PYTHON_KEY_WORDS)];
-        raw[..native].copy_from_slice(&ips[..native]);
-        let mut len = native;
+        raw.clear();
+        raw.extend_from_slice(&ips[..native]);
         if let Some(p) = &self.python {
             for frame in &py[..python] {
                 // SAFETY: `frame` was just walked on this thread, which is still in the hook.
                 let check = unsafe { p.check(frame.code) };
-                raw[len] = frame.code as u64;
-                raw[len + 1] = frame.offset as u64;
-                for (slot, word) in raw[len + 2..len + PYTHON_KEY_WORDS].iter_mut().zip(check) {
-                    *slot = word as u64;
-                }
-                len += PYTHON_KEY_WORDS;
+                raw.extend([frame.code as u64, frame.offset as u64]);
+                raw.extend(check.map(|word| word as u64));
             }
         }
-        let raw = &raw[..len];
+        let raw = &raw[..];
         let mut interner = self.interner.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(&id) = interner.raw_stacks.get(raw) {
             return id;
         }
-        // First time this exact stack is seen: intern its frames, then the stack.
-        let mut ids = [0u32; 2 * MAX_DEPTH];
-        for (slot, &ip) in ids.iter_mut().zip(&ips[..native]) {
-            *slot = interner.native_frame(trace, ip);
+        // First time this exact stack is seen (the cold path): intern its frames, then the
+        // stack.
+        let mut ids = Vec::with_capacity(native + python);
+        for &ip in &ips[..native] {
+            ids.push(interner.native_frame(trace, ip));
         }
         if let Some(p) = &self.python {
-            for (slot, &frame) in ids[native..].iter_mut().zip(&py[..python]) {
+            for &frame in &py[..python] {
                 // SAFETY: as above.
-                *slot = unsafe { interner.python_frame(trace, p, frame) };
+                ids.push(unsafe { interner.python_frame(trace, p, frame) });
             }
         }
-        let frames = &ids[..native + python];
+        let frames = &ids[..];
         let id = match interner.stacks.get(frames) {
             Some(&id) => id,
             None => {
