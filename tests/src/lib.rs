@@ -273,3 +273,33 @@ pub fn pythons() -> Vec<Python> {
     }
     found
 }
+
+/// Each allocation's stack by its requested size (the test programs give every allocation its
+/// own size): the frame definitions, innermost first; empty for an allocation without a stack.
+pub fn alloc_stacks(
+    records: &[Record],
+) -> std::collections::HashMap<u64, Vec<cachealloc_recorder::schema::FrameDef>> {
+    use std::collections::HashMap;
+    let mut frames = HashMap::new();
+    let mut stacks: HashMap<u32, Vec<u32>> = HashMap::new();
+    let mut by_size = HashMap::new();
+    for r in records {
+        match r {
+            Record::FrameDef(f) => {
+                frames.insert(f.id, (**f).clone());
+            }
+            Record::StackDef(s) => {
+                stacks.insert(s.id, s.frames.clone());
+            }
+            Record::Alloc(a) => {
+                let stack = stacks
+                    .get(&a.stack)
+                    .map(|ids| ids.iter().map(|id| frames[id].clone()).collect())
+                    .unwrap_or_default();
+                by_size.insert(a.requested, stack);
+            }
+            _ => {}
+        }
+    }
+    by_size
+}

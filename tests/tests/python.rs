@@ -7,7 +7,7 @@ use std::process::Command;
 
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::FRAME_PYTHON;
-use cachealloc_tests::{Python, Run, pythons, read_trace, trace_dirs};
+use cachealloc_tests::{Python, Run, alloc_stacks, pythons, read_trace, trace_dirs};
 
 #[allow(dead_code)]
 #[path = "../../shim/preload/src/stacks/python/layout.rs"]
@@ -170,28 +170,16 @@ fn expected_stacks(path: &std::path::Path) -> Vec<Expected> {
 
 /// Each allocation's recorded stack by requested size: (kind, name, file, line) per frame.
 fn recorded_stacks(records: &[Record]) -> HashMap<u64, Vec<(u8, String, String, u32)>> {
-    let mut frames = HashMap::new();
-    let mut stacks: HashMap<u32, Vec<u32>> = HashMap::new();
-    let mut by_size = HashMap::new();
-    for r in records {
-        match r {
-            Record::FrameDef(f) => {
-                frames.insert(f.id, (f.kind, f.name.clone(), f.file.clone(), f.line));
-            }
-            Record::StackDef(s) => {
-                stacks.insert(s.id, s.frames.clone());
-            }
-            Record::Alloc(a) => {
-                let frames = stacks
-                    .get(&a.stack)
-                    .map(|ids| ids.iter().map(|id| frames[id].clone()).collect())
-                    .unwrap_or_default();
-                by_size.insert(a.requested, frames);
-            }
-            _ => {}
-        }
-    }
-    by_size
+    alloc_stacks(records)
+        .into_iter()
+        .map(|(size, frames)| {
+            let frames = frames
+                .into_iter()
+                .map(|f| (f.kind, f.name, f.file, f.line))
+                .collect();
+            (size, frames)
+        })
+        .collect()
 }
 
 #[test]

@@ -370,34 +370,23 @@ fn pool_off_still_traces_every_allocation() {
 
 /// Each allocation's native frame names, by requested size.
 fn native_stack_names(records: &[Record]) -> HashMap<u64, Vec<String>> {
-    let mut frames = HashMap::new();
-    let mut stacks = HashMap::new();
-    let mut by_size = HashMap::new();
-    for r in records {
-        match r {
-            Record::FrameDef(f) => {
-                // Unsymbolized frames (named by address) differ between runs by ASLR.
-                let name = if f.name.is_empty() || f.name.starts_with("0x") {
-                    "?".to_string()
-                } else {
-                    f.name.clone()
-                };
-                frames.insert(f.id, name);
-            }
-            Record::StackDef(s) => {
-                stacks.insert(s.id, s.frames.clone());
-            }
-            Record::Alloc(a) => {
-                let names: Vec<String> = stacks
-                    .get(&a.stack)
-                    .map(|ids: &Vec<u32>| ids.iter().map(|id| frames[id].clone()).collect())
-                    .unwrap_or_default();
-                by_size.insert(a.requested, names);
-            }
-            _ => {}
-        }
-    }
-    by_size
+    cachealloc_tests::alloc_stacks(records)
+        .into_iter()
+        .map(|(size, frames)| {
+            let names = frames
+                .into_iter()
+                .map(|f| {
+                    // Unsymbolized frames (named by address) differ between runs by ASLR.
+                    if f.name.is_empty() || f.name.starts_with("0x") {
+                        "?".to_string()
+                    } else {
+                        f.name
+                    }
+                })
+                .collect();
+            (size, names)
+        })
+        .collect()
 }
 
 #[test]
