@@ -18,14 +18,5 @@ for r in $(seq "$REPEATS"); do
             python3 "$WORK/$w.py" 2>&1 | grep workload= | tee -a "$LOG"
     done
 done
-python3 - "$LOG" <<'PY'
-import re, statistics, sys
-rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in open(sys.argv[1])]
-for w in ("mlp", "gpt2"):
-    def med(label):
-        vals = [float(r["step_ms"]) for r in rows if r.get("workload") == w and r.get("label") == label]
-        return statistics.median(vals) if vals else float("nan")
-    n, a = med("native"), med("shim-all")
-    print(f"summary workload={w} native_step_ms={n:.3f} shim_all_step_ms={a:.3f} ratio={a / n:.3f}")
-PY
+python3 scripts/gpu/medians.py "$LOG" native shim-all
 "$LIBDIR/cachealloc" peak "$TRACE/a1gpt2_train" --top 1 | head -60

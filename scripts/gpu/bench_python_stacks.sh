@@ -30,16 +30,4 @@ for r in $(seq "$REPEATS"); do
     done
 done
 du -sh "$TRACE"/*
-python3 - "$LOG" <<'PY'
-import re, statistics, sys
-rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in open(sys.argv[1])]
-for w in ("mlp", "gpt2"):
-    def med(label):
-        vals = [float(r["step_ms"]) for r in rows if r.get("workload") == w and r.get("label") == label]
-        return statistics.median(vals) if vals else float("nan")
-    n = med("native")
-    parts = [f"native_step_ms={n:.3f}"]
-    for label in ("torch-history", "shim-python", "shim-nostacks"):
-        parts.append(f"{label}_step_ms={med(label):.3f} {label}_ratio={med(label) / n:.3f}")
-    print(f"summary workload={w} " + " ".join(parts))
-PY
+python3 scripts/gpu/medians.py "$LOG" native torch-history shim-python shim-nostacks
