@@ -14,7 +14,7 @@
 use std::hint::black_box;
 
 use cachealloc_core::sizes::Roundup;
-use cachealloc_core::{Allocator, AllocatorConfig, ReusePolicy, SimDevice};
+use cachealloc_core::{Allocator, AllocatorConfig, NO_STREAM, ReusePolicy, SimDevice};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 
 const LIVE_BLOCKS: usize = 10_000;
@@ -92,8 +92,10 @@ fn bookkeeping_pair(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("immediate", label), |b| {
             b.iter(|| {
                 alloc.with_pools(|pools| {
-                    let a = pools.alloc_cached(black_box(rounded), size, 0).unwrap();
-                    pools.free(black_box(a.address)).unwrap();
+                    let a = pools
+                        .alloc_cached(black_box(rounded), size, 0, NO_STREAM)
+                        .unwrap();
+                    pools.free(black_box(a.address), NO_STREAM).unwrap();
                 })
             })
         });

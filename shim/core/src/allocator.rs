@@ -34,7 +34,7 @@ use spin::relax::Yield;
 use crate::config::AllocatorConfig;
 use crate::device::{Device, DeviceError};
 use crate::pools::{
-    AddressInfo, Allocation, FreeError, Freed, Pools, ReleasedSegment, SegmentSnapshot,
+    AddressInfo, Allocation, FreeError, Freed, NO_STREAM, Pools, ReleasedSegment, SegmentSnapshot,
 };
 use crate::sizes::{self, PoolKind};
 use crate::stats::Stats;
@@ -158,6 +158,8 @@ struct Request {
     segment_size: u64,
     /// The caller's tag.
     tag: u64,
+    /// The stream it is for, or [`NO_STREAM`].
+    stream: u64,
 }
 
 /// One thing the allocator did, reported to its [`Observer`] under the allocator's lock, so that
@@ -292,6 +294,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             rounded,
             segment_size,
             tag,
+            stream,
         } = *request;
         changes.allocated.push((address, segment_size));
         self.observer.on_event(Event::SegmentAlloc {
@@ -300,7 +303,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             pool: sizes::pool_for(rounded),
             tag,
         });
-        let allocation = pools.add_segment_and_alloc(address, segment_size, rounded, size, tag);
+        let allocation =
+            pools.add_segment_and_alloc(address, segment_size, rounded, size, tag, stream);
         self.served(allocation)
     }
 
@@ -336,7 +340,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         self.limit
     }
 
-    /// Allocate `size` bytes. `tag` is kept with the block (a stack id for the recorder).
+    /// Allocate `size` bytes for the synchronous API ([`NO_STREAM`]). `tag` is kept with the
+    /// block (a stack id for the recorder).
     pub fn malloc(&self, size: u64, tag: u64) -> Result<Allocation, AllocError> {
         self.malloc_traced(size, tag, &mut SegmentChanges::default())
     }
@@ -345,6 +350,18 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     pub fn malloc_traced(
         &self,
         size: u64,
+        tag: u64,
+        changes: &mut SegmentChanges,
+    ) -> Result<Allocation, AllocError> {
+        self.malloc_on_stream(size, NO_STREAM, tag, changes)
+    }
+
+    /// Allocate `size` bytes for use on `stream` (or [`NO_STREAM`]), reporting the segments it
+    /// allocated or released; see [Note [Stream-ordered reuse]](crate::pools#note-stream-ordered-reuse).
+    pub fn malloc_on_stream(
+        &self,
+        size: u64,
+        stream: u64,
         tag: u64,
         changes: &mut SegmentChanges,
     ) -> Result<Allocation, AllocError> {
@@ -358,10 +375,17 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             }
             self.collect_completed(&mut pools, changes);
         }
-        if let Some(a) = pools.alloc_cached(rounded, size, tag) {
+        if let Some(a) = pools.alloc_cached(rounded, size, tag, stream) {
             return Ok(self.served(a));
         }
-        self.malloc_slow(pools, size, rounded, tag, changes)
+        let request = Request {
+            size,
+            rounded,
+            segment_size: sizes::segment_size(rounded),
+            tag,
+            stream,
+        };
+        self.malloc_slow(pools, &request, changes)
     }
 
     /// Allocate `size` bytes from a new segment without looking in the cache first (falling
@@ -372,7 +396,12 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// allocation, yet the allocation came from a new segment. `cachealloc simulate` replays a
     /// run's requests one at a time, and follows the recorded growth with this to make the run's
     /// decisions again.
-    pub fn malloc_from_new_segment(&self, size: u64, tag: u64) -> Result<Allocation, AllocError> {
+    pub fn malloc_from_new_segment(
+        &self,
+        size: u64,
+        stream: u64,
+        tag: u64,
+    ) -> Result<Allocation, AllocError> {
         let rounded = sizes::round_size(size, &self.config.roundup);
         let mut changes = SegmentChanges::default();
         let request = Request {
@@ -380,6 +409,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             rounded,
             segment_size: sizes::segment_size(rounded),
             tag,
+            stream,
         };
         let mut pools = self.pools.lock();
         // What the ladder did before growing, less the cache lookups: fences and GC.
@@ -400,24 +430,28 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         if let Some(a) = served? {
             return Ok(a);
         }
-        self.malloc_slow(pools, size, rounded, tag, &mut changes)
+        self.malloc_slow(pools, &request, &mut changes)
     }
 
     #[cold]
     fn malloc_slow<'a>(
         &'a self,
         mut pools: Locked<'a, D::Fence>,
-        size: u64,
-        rounded: u64,
-        tag: u64,
+        request: &Request,
         changes: &mut SegmentChanges,
     ) -> Result<Allocation, AllocError> {
-        let segment_size = sizes::segment_size(rounded);
+        let &Request {
+            size,
+            rounded,
+            segment_size,
+            tag,
+            stream,
+        } = request;
 
         // 2. Close the open batch; on an idle device it may complete at once.
         if pools.close_open_batch(&self.device)? {
             self.collect_completed(&mut pools, changes);
-            if let Some(a) = pools.alloc_cached(rounded, size, tag) {
+            if let Some(a) = pools.alloc_cached(rounded, size, tag, stream) {
                 return Ok(self.served(a));
             }
         }
@@ -429,7 +463,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         }
 
         // 4. Wait for pending fences, oldest first, while they could serve the request.
-        while pools.pending_could_serve(rounded)
+        while pools.pending_could_serve(rounded, stream)
             && let Some(fence) = pools.oldest_pending_fence()
         {
             pools.stats.num_fence_waits += 1;
@@ -437,29 +471,23 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             pools = relocked;
             waited?;
             self.collect_completed(&mut pools, changes);
-            if let Some(a) = pools.alloc_cached(rounded, size, tag) {
+            if let Some(a) = pools.alloc_cached(rounded, size, tag, stream) {
                 return Ok(self.served(a));
             }
         }
 
         // 5. A new segment.
-        let request = Request {
-            size,
-            rounded,
-            segment_size,
-            tag,
-        };
-        let (served, relocked) = self.grow_and_serve(pools, &request, changes, false);
+        let (served, relocked) = self.grow_and_serve(pools, request, changes, false);
         pools = relocked;
         if let Some(a) = served? {
             return Ok(a);
         }
 
         // 6. Release free oversize segments, then try again.
-        let oversize = pools.take_oversize_segments(rounded);
+        let oversize = pools.take_oversize_segments(rounded, stream);
         if !oversize.is_empty() {
             pools = self.release_unlocked(pools, oversize, changes);
-            let (served, relocked) = self.grow_and_serve(pools, &request, changes, false);
+            let (served, relocked) = self.grow_and_serve(pools, request, changes, false);
             pools = relocked;
             if let Some(a) = served? {
                 return Ok(a);
@@ -469,7 +497,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         // 7. Empty the cache, then try once more.
         let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
         pools = self.release_unlocked(pools, all, changes);
-        let (served, relocked) = self.grow_and_serve(pools, &request, changes, true);
+        let (served, relocked) = self.grow_and_serve(pools, request, changes, true);
         pools = relocked;
         if let Some(a) = served? {
             return Ok(a);
@@ -577,12 +605,20 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         }
     }
 
-    /// Free a block handed out by [`Allocator::malloc`]. A pointer that is not ours, a double
-    /// free and an interior pointer are refused with nothing changed.
+    /// Free a block synchronously (`cudaFree`). A pointer that is not ours, a double free and an
+    /// interior pointer are refused with nothing changed.
     #[inline]
     pub fn free(&self, address: u64) -> Result<Freed, FreeError> {
+        self.free_on_stream(address, NO_STREAM)
+    }
+
+    /// Free a block ordered on `stream` (`cudaFreeAsync`; [`NO_STREAM`] for a synchronous
+    /// free): on the block's own stream it is reusable at once, otherwise it waits for a fence
+    /// (see [Note [Stream-ordered reuse]](crate::pools#note-stream-ordered-reuse)).
+    #[inline]
+    pub fn free_on_stream(&self, address: u64, stream: u64) -> Result<Freed, FreeError> {
         let mut pools = self.pools.lock();
-        let freed = pools.free(address)?;
+        let freed = pools.free(address, stream)?;
         self.observer.on_event(Event::FreeRequested(&freed));
         Ok(freed)
     }

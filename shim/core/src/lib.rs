@@ -70,7 +70,9 @@ pub use allocator::{
 };
 pub use config::{AllocatorConfig, Config, ConfigError, ReusePolicy};
 pub use device::{Device, DeviceError, MemInfo};
-pub use pools::{AddressInfo, Allocation, BlockState, FreeError, Freed, SegmentSnapshot};
+pub use pools::{
+    AddressInfo, Allocation, BlockState, FreeError, Freed, NO_STREAM, SegmentSnapshot,
+};
 pub use sim::{FenceMode, SimDevice};
 pub use sizes::PoolKind;
 pub use stats::{Stat, StatArray, Stats};

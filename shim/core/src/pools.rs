@@ -30,7 +30,30 @@
 //! ([`Pools::start_fencing`]): every block already in the free lists then goes behind one
 //! *gate* fence, recorded before the new stream can have any work, and no free-list block is
 //! reused until it completes.
-
+//!
+//! # Note [Stream-ordered reuse]
+//!
+//! The stream-ordered API (`cudaMallocAsync(ptr, size, stream)`, `cudaFreeAsync(ptr, stream)`)
+//! tells the allocator what fences have to guess: the stream that will use a block, and the
+//! point in that stream's work where the block stops being used. So, as in PyTorch's own
+//! allocator, every segment (and every block in it) belongs to one **stream**, and a request is
+//! served only from its stream's free lists or from a new segment for that stream:
+//!
+//! * A block freed **on its own stream** is free at once (with `reuse:auto`): the next request
+//!   on that stream is ordered after the free by the stream itself, so no fence is needed and
+//!   nothing waits on the host. This is PyTorch's rule; a program that uses a block on another
+//!   stream without telling the allocator (`record_stream`, or a `cudaStreamWaitEvent` before
+//!   the free) has a bug under PyTorch too. `reuse:fenced` protects such programs by fencing
+//!   every free.
+//! * A block freed **on another stream** than its own, or **synchronously** (`cudaFree`),
+//!   waits behind a fence like any other freed block, then returns to its own stream's lists.
+//! * Blocks of the synchronous API belong to [`NO_STREAM`]; the gate of
+//!   [`Pools::start_fencing`] closes only their lists, since blocks of a stream were freed in
+//!   that stream's order and stay safe for it whatever streams appear.
+//!
+//! Blocks never move between streams; whole free segments of any stream are released by
+//! `empty_cache`, garbage collection and the out-of-memory ladder (oversize segments: only the
+//! request's stream's, as in PyTorch).
 //!
 //! # Note [The unlisted rest]
 //!
@@ -54,6 +77,10 @@ use crate::stats::Stats;
 use free_list::{BlockId, FreeList};
 /// Index of a segment in the segment table.
 type SegmentId = u32;
+/// The stream of blocks that belong to no stream: those of the synchronous API (`cudaMalloc`,
+/// `cudaFree`), whose frees are fenced against every stream. See
+/// [Note [Stream-ordered reuse]](self#note-stream-ordered-reuse).
+pub const NO_STREAM: u64 = 0;
 /// "No block" in the neighbour links.
 const NIL: BlockId = u32::MAX;
 /// The open fence batch is closed once it holds this many blocks, even without a cache miss, so
@@ -87,6 +114,8 @@ struct Block {
     free_since: u64,
     /// The caller's tag at allocation (a stack id for the recorder); 0 when none.
     tag: u64,
+    /// The stream the block belongs to (its segment's), or [`NO_STREAM`].
+    stream: u64,
 }
 
 impl Block {
@@ -103,6 +132,40 @@ struct Segment {
     first: BlockId,
     /// The caller's tag when the segment was allocated.
     tag: u64,
+    /// The stream whose requests the segment serves, or [`NO_STREAM`].
+    stream: u64,
+}
+
+/// The free lists of one stream, one per pool.
+#[derive(Debug)]
+struct StreamFreeLists {
+    stream: u64,
+    small: FreeList,
+    large: FreeList,
+}
+
+impl StreamFreeLists {
+    fn new(stream: u64) -> Self {
+        StreamFreeLists {
+            stream,
+            small: FreeList::default(),
+            large: FreeList::default(),
+        }
+    }
+
+    fn list(&self, pool: PoolKind) -> &FreeList {
+        match pool {
+            PoolKind::Small => &self.small,
+            PoolKind::Large => &self.large,
+        }
+    }
+
+    fn list_mut(&mut self, pool: PoolKind) -> &mut FreeList {
+        match pool {
+            PoolKind::Small => &mut self.small,
+            PoolKind::Large => &mut self.large,
+        }
+    }
 }
 
 /// Freed blocks behind one fence.
@@ -129,6 +192,8 @@ pub struct Allocation {
     pub pool: PoolKind,
     /// The caller's tag (a stack id for the recorder).
     pub tag: u64,
+    /// The stream the block belongs to, or [`NO_STREAM`].
+    pub stream: u64,
 }
 
 /// What a successful free did.
@@ -142,6 +207,8 @@ pub struct Freed {
     pub requested: u64,
     /// Whether it is reusable already (immediate reuse) or waits for a fence.
     pub pending: bool,
+    /// The stream the free was ordered on, or [`NO_STREAM`] for a synchronous free.
+    pub stream: u64,
 }
 
 /// Why a free was refused. Nothing was changed.
@@ -232,6 +299,8 @@ pub struct SegmentSnapshot {
     pub requested_size: u64,
     /// The caller's tag when the segment was allocated.
     pub tag: u64,
+    /// The stream the segment serves, or [`NO_STREAM`].
+    pub stream: u64,
     /// The blocks, tiling the segment.
     pub blocks: Vec<BlockSnapshot>,
 }
@@ -251,8 +320,9 @@ pub struct Pools<F> {
     spare_segments: Vec<SegmentId>,
     /// Live segments by address, to find the segment containing a pointer.
     segment_index: BTreeMap<u64, SegmentId>,
-    free_small: FreeList,
-    free_large: FreeList,
+    /// Free lists per stream; the first entry is always [`NO_STREAM`]'s. A process has few
+    /// streams, so a linear search finds a stream's lists faster than a map.
+    free: Vec<StreamFreeLists>,
     /// The most recent split-off rest, free but not yet in its free list (NIL when none); see
     /// [Note [The unlisted rest]](self#note-the-unlisted-rest).
     unlisted_rest: BlockId,
@@ -284,8 +354,7 @@ impl<F: Clone> Pools<F> {
             segments: Vec::new(),
             spare_segments: Vec::new(),
             segment_index: BTreeMap::new(),
-            free_small: FreeList::default(),
-            free_large: FreeList::default(),
+            free: vec![StreamFreeLists::new(NO_STREAM)],
             unlisted_rest: NIL,
             active: FxHashMap::default(),
             open_batch: Vec::new(),
@@ -301,15 +370,22 @@ impl<F: Clone> Pools<F> {
 
     // ----- allocation -------------------------------------------------------------------------
 
-    /// Serve a rounded request from the free lists, or `None` when no cached block fits.
-    pub fn alloc_cached(&mut self, rounded: u64, requested: u64, tag: u64) -> Option<Allocation> {
+    /// Serve a rounded request on `stream` from that stream's free lists, or `None` when no
+    /// cached block fits.
+    pub fn alloc_cached(
+        &mut self,
+        rounded: u64,
+        requested: u64,
+        tag: u64,
+        stream: u64,
+    ) -> Option<Allocation> {
         self.lookups += 1;
-        if self.gated {
+        if self.gated && stream == NO_STREAM {
             return None;
         }
         self.settle();
         let pool = sizes::pool_for(rounded);
-        let (size, address, id) = self.free_list(pool).best_fit(rounded)?;
+        let (size, address, id) = self.lists(stream)?.list(pool).best_fit(rounded)?;
         if !sizes::fits(size, rounded, self.max_split_size) {
             return None;
         }
@@ -328,6 +404,7 @@ impl<F: Clone> Pools<F> {
         rounded: u64,
         requested: u64,
         tag: u64,
+        stream: u64,
     ) -> Allocation {
         let pool = sizes::pool_for(rounded);
         let segment = self.new_segment_slot();
@@ -342,6 +419,7 @@ impl<F: Clone> Pools<F> {
             pool,
             free_since: self.lookups,
             tag,
+            stream,
         });
         self.segments[segment as usize] = Some(Segment {
             address,
@@ -349,6 +427,7 @@ impl<F: Clone> Pools<F> {
             pool,
             first: id,
             tag,
+            stream,
         });
         self.segment_index.insert(address, segment);
         self.stats.segment.increase(pool, 1);
@@ -380,6 +459,7 @@ impl<F: Clone> Pools<F> {
                 pool,
                 free_since: b.free_since,
                 tag: 0,
+                stream: b.stream,
             };
             let rest_id = self.new_block(rest);
             let old_next = self.blocks[id as usize].next;
@@ -397,7 +477,7 @@ impl<F: Clone> Pools<F> {
         b.state = BlockState::Active;
         b.requested = requested;
         b.tag = tag;
-        let (address, size, segment) = (b.address, b.size, b.segment);
+        let (address, size, segment, stream) = (b.address, b.size, b.segment, b.stream);
         self.active.insert(address, id);
         let s = &mut self.stats;
         s.allocation.increase(pool, 1);
@@ -416,25 +496,31 @@ impl<F: Clone> Pools<F> {
             segment_address,
             pool,
             tag,
+            stream,
         }
     }
 
     // ----- free -------------------------------------------------------------------------------
 
-    /// The application frees `address`. With fencing the block waits in the open batch;
-    /// otherwise it is free at once.
-    pub fn free(&mut self, address: u64) -> Result<Freed, FreeError> {
+    /// The application frees `address`, synchronously ([`NO_STREAM`]) or ordered on `stream`.
+    /// The block is free at once when no fence is needed (see
+    /// [Note [Stream-ordered reuse]](self#note-stream-ordered-reuse)); otherwise it waits in
+    /// the open batch.
+    pub fn free(&mut self, address: u64, stream: u64) -> Result<Freed, FreeError> {
         let Some(id) = self.active.remove(&address) else {
             return Err(self.explain_bad_free(address));
         };
         let b = &mut self.blocks[id as usize];
         let (pool, size, requested) = (b.pool, b.size, b.requested);
+        let stream_ordered =
+            self.reuse == ReusePolicy::Auto && stream != NO_STREAM && stream == b.stream;
+        let pending = self.fencing && !stream_ordered;
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size);
         if sizes::is_oversize(size, self.max_split_size) {
             self.stats.oversize_allocations.decrease(1);
         }
-        if self.fencing {
+        if pending {
             b.state = BlockState::PendingFree;
             self.open_batch.push(id);
         } else {
@@ -444,7 +530,8 @@ impl<F: Clone> Pools<F> {
             address,
             size,
             requested,
-            pending: self.fencing,
+            pending,
+            stream,
         })
     }
 
@@ -608,7 +695,7 @@ impl<F: Clone> Pools<F> {
     /// Whether waiting for pending batches could serve a rounded request: the pending blocks of
     /// its pool plus its free bytes add up to the request. (A cheap necessary condition; it
     /// keeps a big request from stalling behind many small pending frees.)
-    pub fn pending_could_serve(&mut self, rounded: u64) -> bool {
+    pub fn pending_could_serve(&mut self, rounded: u64, stream: u64) -> bool {
         self.settle();
         let pool = sizes::pool_for(rounded);
         let pending: u64 = self
@@ -616,11 +703,13 @@ impl<F: Clone> Pools<F> {
             .iter()
             .flat_map(|b| b.blocks.iter())
             .map(|&id| &self.blocks[id as usize])
-            .filter(|b| b.pool == pool)
+            .filter(|b| b.pool == pool && b.stream == stream)
             .map(|b| b.size)
             .sum();
-        let free: u64 = self.free_list(pool).iter().map(|(size, _, _)| size).sum();
-        self.gated || pending + free >= rounded
+        let free: u64 = self
+            .lists(stream)
+            .map_or(0, |l| l.list(pool).iter().map(|(size, _, _)| size).sum());
+        (self.gated && stream == NO_STREAM) || pending + free >= rounded
     }
 
     /// The fence of the oldest pending batch, to wait for outside the lock.
@@ -639,7 +728,8 @@ impl<F: Clone> Pools<F> {
         }
         self.fencing = true;
         self.settle();
-        if self.free_small.is_empty() && self.free_large.is_empty() {
+        let unordered = &self.free[0];
+        if unordered.small.is_empty() && unordered.large.is_empty() {
             return Ok(());
         }
         let fence = device.record_fence()?;
@@ -659,13 +749,16 @@ impl<F: Clone> Pools<F> {
     pub fn take_free_segments(&mut self, pools: &[PoolKind]) -> Vec<ReleasedSegment> {
         self.settle();
         let mut ids = Vec::new();
-        for &pool in pools {
-            ids.extend(
-                self.free_list(pool)
-                    .iter()
-                    .map(|(_, _, id)| id)
-                    .filter(|&id| !self.blocks[id as usize].is_split()),
-            );
+        for lists in &self.free {
+            for &pool in pools {
+                ids.extend(
+                    lists
+                        .list(pool)
+                        .iter()
+                        .map(|(_, _, id)| id)
+                        .filter(|&id| !self.blocks[id as usize].is_split()),
+                );
+            }
         }
         ids.into_iter().map(|id| self.take_segment(id)).collect()
     }
@@ -674,15 +767,19 @@ impl<F: Clone> Pools<F> {
     /// first, as PyTorch's `release_available_cached_blocks` does: the smallest one at least as
     /// big as the request if there is one, else the biggest ones until their sizes add up to it
     /// (or all of them: they are released even when they do not add up, as in PyTorch; the
-    /// device may have the rest).
-    pub fn take_oversize_segments(&mut self, rounded: u64) -> Vec<ReleasedSegment> {
+    /// device may have the rest). Only the request's stream's segments are candidates, as in
+    /// PyTorch.
+    pub fn take_oversize_segments(&mut self, rounded: u64, stream: u64) -> Vec<ReleasedSegment> {
         if self.max_split_size == u64::MAX {
             return Vec::new();
         }
         self.settle();
         let key = rounded.max(self.max_split_size);
-        let candidates: Vec<(u64, BlockId)> = self
-            .free_large
+        let Some(lists) = self.lists(stream) else {
+            return Vec::new();
+        };
+        let candidates: Vec<(u64, BlockId)> = lists
+            .large
             .iter_from(self.max_split_size)
             .filter(|&(_, _, id)| !self.blocks[id as usize].is_split())
             .map(|(size, _, id)| (size, id))
@@ -718,8 +815,9 @@ impl<F: Clone> Pools<F> {
         let target = reserved - gc_limit;
         self.settle();
         let mut candidates: Vec<(BlockId, u64, u64)> = self
-            .free_large
+            .free
             .iter()
+            .flat_map(|lists| lists.large.iter())
             .map(|(_, _, id)| id)
             .filter(|&id| !self.blocks[id as usize].is_split())
             .map(|id| {
@@ -844,14 +942,15 @@ impl<F: Clone> Pools<F> {
 
     /// The largest free block of either pool (0 when none).
     pub fn largest_free_block(&self) -> u64 {
-        let largest = |l: &FreeList| l.largest().unwrap_or(0);
         let rest = match self.unlisted_rest {
             NIL => 0,
             id => self.blocks[id as usize].size,
         };
-        largest(&self.free_small)
-            .max(largest(&self.free_large))
-            .max(rest)
+        self.free
+            .iter()
+            .flat_map(|l| [l.small.largest(), l.large.largest()])
+            .flatten()
+            .fold(rest, u64::max)
     }
 
     /// Where `address` lies in our memory, if anywhere.
@@ -902,6 +1001,7 @@ impl<F: Clone> Pools<F> {
                     active_size: 0,
                     requested_size: 0,
                     tag: seg.tag,
+                    stream: seg.stream,
                     blocks: Vec::new(),
                 };
                 let mut id = seg.first;
@@ -930,18 +1030,23 @@ impl<F: Clone> Pools<F> {
 
     // ----- small helpers ----------------------------------------------------------------------
 
-    fn free_list(&self, pool: PoolKind) -> &FreeList {
-        match pool {
-            PoolKind::Small => &self.free_small,
-            PoolKind::Large => &self.free_large,
-        }
+    /// The free lists of `stream`, if it has any.
+    #[inline]
+    fn lists(&self, stream: u64) -> Option<&StreamFreeLists> {
+        self.free.iter().find(|l| l.stream == stream)
     }
 
-    fn free_list_mut(&mut self, pool: PoolKind) -> &mut FreeList {
-        match pool {
-            PoolKind::Small => &mut self.free_small,
-            PoolKind::Large => &mut self.free_large,
-        }
+    /// The free list of `pool` on `stream`, created at the stream's first free block.
+    #[inline]
+    fn free_list_mut(&mut self, stream: u64, pool: PoolKind) -> &mut FreeList {
+        let at = match self.free.iter().position(|l| l.stream == stream) {
+            Some(at) => at,
+            None => {
+                self.free.push(StreamFreeLists::new(stream));
+                self.free.len() - 1
+            }
+        };
+        self.free[at].list_mut(pool)
     }
 
     /// A block became free: count it and put it into its free list.
@@ -957,8 +1062,8 @@ impl<F: Clone> Pools<F> {
             self.unlisted_rest = NIL;
         } else {
             let b = &self.blocks[id as usize];
-            let (pool, size, address) = (b.pool, b.size, b.address);
-            let removed = self.free_list_mut(pool).remove(size, address);
+            let (pool, size, address, stream) = (b.pool, b.size, b.address, b.stream);
+            let removed = self.free_list_mut(stream, pool).remove(size, address);
             debug_assert_eq!(removed, Some(id));
         }
         self.count_free(id, false);
@@ -975,8 +1080,8 @@ impl<F: Clone> Pools<F> {
 
     fn list(&mut self, id: BlockId) {
         let b = &self.blocks[id as usize];
-        let (pool, size, address) = (b.pool, b.size, b.address);
-        self.free_list_mut(pool).insert(size, address, id);
+        let (pool, size, address, stream) = (b.pool, b.size, b.address, b.stream);
+        self.free_list_mut(stream, pool).insert(size, address, id);
     }
 
     /// Count a free block in (or out of) `inactive_split` if its segment is split. (A free

@@ -39,9 +39,16 @@ enum Op {
         grew: bool,
         /// The size of the block the run gave it.
         size: u64,
+        /// The stream it was for (`NO_STREAM` for `cudaMalloc`).
+        stream: u64,
     },
-    /// A free (one that waited on a reuse fence in the run is followed by `FencesDone`).
-    Free { device: u32, address: u64 },
+    /// A free, on `stream` (`NO_STREAM` for `cudaFree`); one that waited on a reuse fence in
+    /// the run is followed by `FenceDone`.
+    Free {
+        device: u32,
+        address: u64,
+        stream: u64,
+    },
     /// The run's freed block at `address` on `device` became reusable (its fence completed).
     FenceDone { device: u32, address: u64 },
     /// The run created a stream (`reuse:auto` starts fencing).
@@ -106,10 +113,12 @@ fn record(dir: &Path) -> Result<Recording, Error> {
                 t: a.t,
                 grew: fresh == Some(a.address),
                 size: a.size,
+                stream: a.stream,
             },
             Record::Free(f) | Record::FreeRequested(f) => Op::Free {
                 device: f.device,
                 address: f.address,
+                stream: f.stream,
             },
             Record::FreeCompleted(f) => Op::FenceDone {
                 device: f.device,
@@ -248,14 +257,15 @@ fn simulate(
                 t,
                 grew,
                 size,
+                stream,
             } => {
                 let a = allocators
                     .entry(device)
                     .or_insert_with(|| get(device, fencing));
                 let result = if grew && follow_growth {
-                    a.malloc_from_new_segment(requested, u64::from(stack))
+                    a.malloc_from_new_segment(requested, stream, u64::from(stack))
                 } else {
-                    a.malloc(requested, u64::from(stack))
+                    a.malloc_on_stream(requested, stream, u64::from(stack), &mut Default::default())
                 };
                 match result {
                     Ok(got) => {
@@ -285,12 +295,16 @@ fn simulate(
                     }
                 }
             }
-            Op::Free { device, address } => {
+            Op::Free {
+                device,
+                address,
+                stream,
+            } => {
                 if let (Some(a), Some(sim)) = (
                     allocators.get(&device),
                     addresses.remove(&(device, address)),
                 ) {
-                    if a.free(sim).is_ok_and(|f| f.pending) {
+                    if a.free_on_stream(sim, stream).is_ok_and(|f| f.pending) {
                         freed.insert((device, address), sim);
                     }
                 }

@@ -12,8 +12,9 @@ impl<F: Clone> Pools<F> {
     ///
     /// * the blocks of each segment tile it exactly, in address order, with consistent links;
     /// * no two adjacent blocks of a segment are both free (they would have been merged);
-    /// * the free lists (plus the unlisted rest) hold exactly the free blocks, each in its pool's
-    ///   list;
+    /// * every block belongs to its segment's stream;
+    /// * the free lists (plus the unlisted rest) hold exactly the free blocks, each in its
+    ///   stream's list of its pool;
     /// * the active map holds exactly the allocated blocks; the open and pending batches hold
     ///   exactly the pending-free blocks, each once;
     /// * every current stat equals a recount.
@@ -58,8 +59,12 @@ impl<F: Clone> Pools<F> {
                 if b.size == 0 || b.size % sizes::MIN_BLOCK_SIZE != 0 {
                     return Err(format!("{here}: size is not a positive multiple of 512"));
                 }
-                if b.prev != prev || b.segment != segment_id as u32 || b.pool != seg.pool {
-                    return Err(format!("{here}: bad prev link, segment or pool"));
+                if b.prev != prev
+                    || b.segment != segment_id as u32
+                    || b.pool != seg.pool
+                    || b.stream != seg.stream
+                {
+                    return Err(format!("{here}: bad prev link, segment, pool or stream"));
                 }
                 let free = b.state == BlockState::Free;
                 if free && previous_free {
@@ -68,7 +73,7 @@ impl<F: Clone> Pools<F> {
                 previous_free = free;
                 match b.state {
                     BlockState::Free => {
-                        free_seen.insert((b.pool, b.size, b.address, id));
+                        free_seen.insert((b.stream, b.pool, b.size, b.address, id));
                         if b.is_split() {
                             recount.inactive_split.increase(b.pool, 1);
                             recount.inactive_split_bytes.increase(b.pool, b.size);
@@ -116,22 +121,34 @@ impl<F: Clone> Pools<F> {
                 self.segment_index.len()
             ));
         }
-        let listed: BTreeSet<_> = [
-            (PoolKind::Small, &self.free_small),
-            (PoolKind::Large, &self.free_large),
-        ]
-        .into_iter()
-        .flat_map(|(pool, list)| {
-            list.iter()
-                .map(move |(size, address, id)| (pool, size, address, id))
-        })
-        .chain((self.unlisted_rest != NIL).then(|| {
-            let b = &self.blocks[self.unlisted_rest as usize];
-            (b.pool, b.size, b.address, self.unlisted_rest)
-        }))
-        .collect();
+        if self.free.first().map(|l| l.stream) != Some(super::NO_STREAM) {
+            return Err("the first free lists are not NO_STREAM's".to_string());
+        }
+        let listed: BTreeSet<_> = self
+            .free
+            .iter()
+            .flat_map(|lists| {
+                [
+                    (lists.stream, PoolKind::Small, &lists.small),
+                    (lists.stream, PoolKind::Large, &lists.large),
+                ]
+            })
+            .flat_map(|(stream, pool, list)| {
+                list.iter()
+                    .map(move |(size, address, id)| (stream, pool, size, address, id))
+            })
+            .chain((self.unlisted_rest != NIL).then(|| {
+                let b = &self.blocks[self.unlisted_rest as usize];
+                (b.stream, b.pool, b.size, b.address, self.unlisted_rest)
+            }))
+            .collect();
         let rest = usize::from(self.unlisted_rest != NIL);
-        if self.free_small.len() + self.free_large.len() + rest != listed.len() {
+        let lengths: usize = self
+            .free
+            .iter()
+            .map(|l| l.small.len() + l.large.len())
+            .sum();
+        if lengths + rest != listed.len() {
             return Err("free list length counter is wrong".to_string());
         }
         if listed != free_seen {

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use cachealloc_core::sizes::Roundup;
 use cachealloc_core::{
     AllocError, Allocation, Allocator, AllocatorConfig, BlockState, Event, FenceMode, Freed,
-    Observer, ReusePolicy, SimDevice, Stats,
+    NO_STREAM, Observer, ReusePolicy, SegmentChanges, SimDevice, Stats,
 };
 
 pub(crate) const MIB: u64 = 1 << 20;
@@ -170,15 +170,30 @@ impl Checked {
     }
 
     pub(crate) fn try_malloc(&self, size: u64) -> Result<Allocation, AllocError> {
-        let r = self.alloc.malloc(size, 0);
+        self.try_malloc_on(size, NO_STREAM)
+    }
+
+    pub(crate) fn try_malloc_on(&self, size: u64, stream: u64) -> Result<Allocation, AllocError> {
+        let r = self
+            .alloc
+            .malloc_on_stream(size, stream, 0, &mut SegmentChanges::default());
         self.check();
         r
     }
 
+    pub(crate) fn malloc_on(&self, size: u64, stream: u64) -> Allocation {
+        self.try_malloc_on(size, stream)
+            .unwrap_or_else(|e| panic!("malloc({size}) on {stream:#x} failed: {e}"))
+    }
+
     pub(crate) fn free(&self, address: u64) -> Freed {
+        self.free_on(address, NO_STREAM)
+    }
+
+    pub(crate) fn free_on(&self, address: u64, stream: u64) -> Freed {
         let f = self
             .alloc
-            .free(address)
+            .free_on_stream(address, stream)
             .unwrap_or_else(|e| panic!("free failed: {e}"));
         self.check();
         f

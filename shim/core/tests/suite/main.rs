@@ -6,6 +6,7 @@
 //! * `fences`      — reuse fences: no reuse before the fence, gating at the first stream;
 //! * `oom`         — the out-of-memory ladder and the report's figures;
 //! * `conformance` — one scenario suite instantiated for every preset;
+//! * `streams`     — stream-ordered reuse: blocks per stream, fences only where needed;
 //! * `properties`  — proptest: random sequences against a naive model.
 
 mod common;
@@ -14,3 +15,4 @@ mod fences;
 mod oom;
 mod properties;
 mod rules;
+mod streams;

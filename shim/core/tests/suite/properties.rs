@@ -3,19 +3,26 @@
 //! which bytes are live and which freed bytes are still unsafe to reuse.
 //!
 //! The model's reuse rule: a block freed when `k` fences had been recorded may be handed out
-//! again only once a fence numbered above `k` has completed.
+//! again only once a fence numbered above `k` has completed — except that a block freed on its
+//! own stream (`reuse:auto`) may be handed out at once to a request on that stream, and never
+//! to another stream's. Requests come on [`NO_STREAM`] and on two streams.
 
 use cachealloc_core::sizes::Roundup;
-use cachealloc_core::{AllocError, AllocatorConfig, ReusePolicy};
+use cachealloc_core::{AllocError, AllocatorConfig, NO_STREAM, ReusePolicy};
 use proptest::prelude::*;
 
 use crate::common::{Checked, MIB};
 
+/// The streams requests and frees come on.
+const STREAMS: [u64; 3] = [NO_STREAM, 0x11, 0x22];
+
 #[derive(Clone, Debug)]
 enum Op {
-    Malloc(u64),
-    /// Free the live allocation at this index (modulo the number live).
-    Free(usize),
+    /// Allocate this many bytes on `STREAMS[i % 3]`.
+    Malloc(u64, usize),
+    /// Free the live allocation at this index (modulo the number live): synchronously, on its
+    /// own stream, or on another.
+    Free(usize, FreeOn),
     EmptyCache,
     /// The GPU catches up: every fence recorded so far completes.
     CompleteFences,
@@ -35,10 +42,22 @@ fn size_strategy() -> impl Strategy<Value = u64> {
     ]
 }
 
+#[derive(Clone, Copy, Debug)]
+enum FreeOn {
+    Sync,
+    OwnStream,
+    OtherStream,
+}
+
 fn op_strategy() -> impl Strategy<Value = Op> {
+    let free_on = prop_oneof![
+        Just(FreeOn::Sync),
+        Just(FreeOn::OwnStream),
+        Just(FreeOn::OtherStream)
+    ];
     prop_oneof![
-        10 => size_strategy().prop_map(Op::Malloc),
-        8 => any::<usize>().prop_map(Op::Free),
+        10 => (size_strategy(), 0usize..3).prop_map(|(size, s)| Op::Malloc(size, s)),
+        8 => (any::<usize>(), free_on).prop_map(|(i, on)| Op::Free(i, on)),
         1 => Just(Op::EmptyCache),
         3 => Just(Op::CompleteFences),
         1 => Just(Op::StreamCreated),
@@ -79,13 +98,16 @@ struct LiveBlock {
     address: u64,
     size: u64,
     requested: u64,
+    stream: u64,
 }
 
-/// Bytes freed but possibly still in use by the GPU: (address, size, fences recorded at free).
+/// Bytes freed but possibly still in use by the GPU: (address, size, fences recorded at free),
+/// and the stream that may reuse them at once (ordered after the free), if any.
 struct Unsafe {
     address: u64,
     size: u64,
     fences_at_free: u64,
+    safe_for: Option<u64>,
 }
 
 fn overlaps(a: u64, a_size: u64, b: u64, b_size: u64) -> bool {
@@ -94,6 +116,7 @@ fn overlaps(a: u64, a_size: u64, b: u64, b_size: u64) -> bool {
 
 fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let fenced_from_start = config.reuse == ReusePolicy::Fenced;
+    let auto = config.reuse == ReusePolicy::Auto;
     let immediate = config.reuse == ReusePolicy::Immediate;
     let c = Checked::manual(capacity, config);
     let mut live: Vec<LiveBlock> = Vec::new();
@@ -101,9 +124,11 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
     let mut fencing = fenced_from_start;
     for op in ops {
         match op {
-            Op::Malloc(size) => match c.try_malloc(size) {
+            Op::Malloc(size, s) => match c.try_malloc_on(size, STREAMS[s % STREAMS.len()]) {
                 Ok(a) => {
+                    let stream = STREAMS[s % STREAMS.len()];
                     prop_assert!(a.size >= size && a.size % 512 == 0);
+                    prop_assert_eq!(a.stream, stream);
                     for l in &live {
                         prop_assert!(
                             !overlaps(a.address, a.size, l.address, l.size),
@@ -112,17 +137,23 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                     }
                     let done = c.device().completed_through();
                     unsafe_ranges.retain(|u| u.fences_at_free >= done);
-                    for u in &unsafe_ranges {
+                    for u in unsafe_ranges.iter().filter(|u| u.safe_for != Some(stream)) {
                         prop_assert!(
                             !overlaps(a.address, a.size, u.address, u.size),
                             "reused {:#x} before a fence after its free completed",
                             u.address
                         );
                     }
+                    // Bytes once handed to this stream never go to another stream's requests.
+                    unsafe_ranges.retain(|u| {
+                        !(u.safe_for == Some(stream)
+                            && overlaps(a.address, a.size, u.address, u.size))
+                    });
                     live.push(LiveBlock {
                         address: a.address,
                         size: a.size,
                         requested: size,
+                        stream,
                     });
                 }
                 Err(AllocError::OutOfMemory(report)) => {
@@ -134,21 +165,33 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                 }
                 Err(e) => return Err(TestCaseError::fail(format!("device error {e}"))),
             },
-            Op::Free(i) if !live.is_empty() => {
+            Op::Free(i, on) if !live.is_empty() => {
                 let b = live.swap_remove(i % live.len());
-                let f = c.free(b.address);
+                let stream = match on {
+                    FreeOn::Sync => NO_STREAM,
+                    FreeOn::OwnStream => b.stream,
+                    FreeOn::OtherStream => *STREAMS
+                        .iter()
+                        .find(|&&s| s != b.stream && s != NO_STREAM)
+                        .unwrap(),
+                };
+                let stream_ordered = auto && stream != NO_STREAM && stream == b.stream;
+                let f = c.free_on(b.address, stream);
                 prop_assert_eq!(f.size, b.size);
-                prop_assert_eq!(f.pending, fencing);
-                if fencing {
+                prop_assert_eq!(f.pending, fencing && !stream_ordered);
+                if fencing || stream_ordered {
+                    // Unsafe for every other stream until a later fence completes; a stream's
+                    // own blocks are never handed to another stream anyway.
                     let k = c.device().fences_recorded();
                     unsafe_ranges.push(Unsafe {
                         address: b.address,
                         size: b.size,
-                        fences_at_free: k,
+                        fences_at_free: if f.pending { k } else { u64::MAX },
+                        safe_for: (!f.pending).then_some(b.stream),
                     });
                 }
             }
-            Op::Free(_) => {}
+            Op::Free(..) => {}
             Op::EmptyCache => c.empty_cache(),
             Op::CompleteFences => c.device().complete_fences(),
             Op::StreamCreated => {
@@ -168,11 +211,16 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                             .iter()
                             .filter(|b| b.state == cachealloc_core::BlockState::Free)
                         {
-                            unsafe_ranges.push(Unsafe {
-                                address: b.address,
-                                size: b.size,
-                                fences_at_free: gate,
-                            });
+                            // Only NO_STREAM's lists are gated: a stream's free blocks were
+                            // freed in its order and stay safe for it.
+                            if seg.stream == NO_STREAM {
+                                unsafe_ranges.push(Unsafe {
+                                    address: b.address,
+                                    size: b.size,
+                                    fences_at_free: gate,
+                                    safe_for: None,
+                                });
+                            }
                         }
                     }
                 }

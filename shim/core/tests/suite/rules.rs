@@ -1,7 +1,7 @@
 //! Size classes, pool choice, split and merge at their edges, through the whole allocator.
 
 use cachealloc_core::sizes::{LARGE_BUFFER, Roundup};
-use cachealloc_core::{AllocatorConfig, BlockState, FreeError, PoolKind};
+use cachealloc_core::{AllocatorConfig, BlockState, FreeError, NO_STREAM, PoolKind};
 
 use crate::common::{Checked, MIB};
 
@@ -360,7 +360,7 @@ fn a_replayed_growth_gets_a_new_segment_at_the_planned_address() {
     assert_eq!(first.segment_address, 0x1000_0000_0000);
     a.free(first.address).unwrap();
     let before = a.stats().num_device_alloc;
-    let grown = a.malloc_from_new_segment(3 * MIB, 0).unwrap();
+    let grown = a.malloc_from_new_segment(3 * MIB, NO_STREAM, 0).unwrap();
     assert_eq!(a.stats().num_device_alloc, before + 1);
     assert_ne!(grown.segment_address, first.segment_address);
     assert_eq!(grown.segment_address, planned);

@@ -1,0 +1,149 @@
+//! Stream-ordered reuse: a block belongs to its stream; freed on that stream it is reusable at
+//! once there (no fence, no wait), and never serves another stream; freed elsewhere or
+//! synchronously it waits for a fence. See Note [Stream-ordered reuse] in `pools`.
+
+use cachealloc_core::{AllocatorConfig, BlockState, NO_STREAM, ReusePolicy};
+
+use crate::common::{Checked, MIB};
+
+const A: u64 = 0xa000;
+const B: u64 = 0xb000;
+
+/// An allocator with `policy` whose fences complete only when the test says so, after the
+/// application created its first stream (so `auto` fences synchronous frees).
+fn with_streams(policy: ReusePolicy) -> Checked {
+    let c = Checked::manual(
+        1 << 34,
+        AllocatorConfig {
+            reuse: policy,
+            ..AllocatorConfig::default()
+        },
+    );
+    c.alloc.start_fencing().unwrap();
+    c
+}
+
+#[test]
+fn freed_on_its_stream_is_reused_there_at_once() {
+    let c = with_streams(ReusePolicy::Auto);
+    let a = c.malloc_on(4096, A);
+    assert_eq!(a.stream, A);
+    let f = c.free_on(a.address, A);
+    assert!(!f.pending, "no fence is needed in the stream's own order");
+    assert_eq!(c.alloc.lookup(a.address).unwrap().state, BlockState::Free);
+    let again = c.malloc_on(4096, A);
+    assert_eq!(again.address, a.address);
+    let counters = c.device().counters();
+    assert_eq!((counters.fences, counters.waits), (0, 0));
+    assert_eq!(c.stats().num_device_alloc, 1);
+}
+
+#[test]
+fn a_streams_blocks_never_serve_another_stream() {
+    let c = with_streams(ReusePolicy::Auto);
+    let a = c.malloc_on(4 * MIB, A);
+    c.free_on(a.address, A);
+    let b = c.malloc_on(4 * MIB, B);
+    assert_ne!(b.address, a.address);
+    assert_eq!(b.stream, B);
+    let seg_a = c.alloc.lookup(a.address).unwrap().segment_address;
+    let seg_b = c.alloc.lookup(b.address).unwrap().segment_address;
+    assert_ne!(seg_a, seg_b, "B got a segment of its own");
+    let sync = c.malloc(4 * MIB);
+    let seg_sync = c.alloc.lookup(sync.address).unwrap().segment_address;
+    assert!(seg_sync != seg_a && seg_sync != seg_b);
+    assert_eq!(c.stats().num_device_alloc, 3);
+    let streams: Vec<u64> = c.alloc.snapshot().iter().map(|s| s.stream).collect();
+    assert!(streams.contains(&A) && streams.contains(&B) && streams.contains(&NO_STREAM));
+}
+
+#[test]
+fn freed_on_another_stream_waits_for_a_fence() {
+    let c = with_streams(ReusePolicy::Auto);
+    let a = c.malloc_on(4096, A);
+    c.malloc_on(MIB - 4096, A); // fill the segment: a new request cannot go elsewhere in it
+    c.malloc_on(MIB, A);
+    let f = c.free_on(a.address, B);
+    assert!(f.pending, "A's next work is not ordered after B's free");
+    c.alloc.flush_fences().unwrap();
+    assert_eq!(c.device().counters().fences, 1);
+    // Nothing else fits in A's lists: the ladder waits for the fence rather than reuse early.
+    let reused = c.malloc_on(4096, A);
+    assert_eq!(
+        reused.address, a.address,
+        "back in A's lists after the fence"
+    );
+    assert_eq!(c.device().counters().waits, 1);
+}
+
+#[test]
+fn a_synchronous_free_of_a_stream_block_is_fenced() {
+    let c = with_streams(ReusePolicy::Auto);
+    let a = c.malloc_on(4096, A);
+    assert!(c.free(a.address).pending);
+    assert_eq!(
+        c.alloc.lookup(a.address).unwrap().state,
+        BlockState::PendingFree
+    );
+}
+
+#[test]
+fn reuse_fenced_fences_even_frees_on_the_blocks_stream() {
+    let c = with_streams(ReusePolicy::Fenced);
+    let a = c.malloc_on(4096, A);
+    assert!(c.free_on(a.address, A).pending);
+}
+
+#[test]
+fn reuse_immediate_never_fences() {
+    let c = with_streams(ReusePolicy::Immediate);
+    let a = c.malloc_on(4096, A);
+    assert!(!c.free_on(a.address, B).pending);
+    assert!(!c.free(c.malloc_on(4096, A).address).pending);
+}
+
+#[test]
+fn the_first_stream_gates_only_blocks_without_a_stream() {
+    let c = Checked::manual(1 << 34, AllocatorConfig::default());
+    let sync = c.malloc(4096);
+    let on_a = c.malloc_on(4096, A);
+    c.free(sync.address);
+    c.free_on(on_a.address, A);
+    c.alloc.start_fencing().unwrap(); // the gate fence, not completed
+    assert_eq!(
+        c.malloc_on(4096, A).address,
+        on_a.address,
+        "A's free block was freed in A's order: still safe for A"
+    );
+    assert_eq!(c.device().counters().waits, 0);
+    assert_eq!(c.malloc(4096).address, sync.address);
+    assert_eq!(
+        c.device().counters().waits,
+        1,
+        "the unordered block was reused only after waiting for the gate"
+    );
+}
+
+#[test]
+fn empty_cache_releases_every_streams_segments() {
+    let c = with_streams(ReusePolicy::Auto);
+    for stream in [A, B, NO_STREAM] {
+        let x = c.malloc_on(30 * MIB, stream);
+        c.free_on(x.address, stream);
+    }
+    c.empty_cache();
+    assert_eq!(c.stats().reserved_bytes.all.current, 0);
+    assert_eq!(c.device().used(), 0);
+}
+
+#[test]
+fn out_of_memory_releases_other_streams_cache_before_failing() {
+    let c = Checked::manual(64 * MIB, AllocatorConfig::default());
+    c.alloc.start_fencing().unwrap();
+    let x = c.malloc_on(40 * MIB, A);
+    c.free_on(x.address, A);
+    // B cannot use A's cached segment, but the ladder empties the cache and grows for B.
+    let y = c.malloc_on(40 * MIB, B);
+    assert_eq!(y.stream, B);
+    assert_eq!(c.stats().num_device_free, 1);
+}
