@@ -34,6 +34,13 @@ int fc_ipc_get_handle(void *handle64, const void *ptr);
 int fc_is_device_range(const void *ptr, size_t n);
 const char *fc_error_text(int code);
 void fc_init(void);
+int fc_malloc_async(void **out, size_t size, void *stream);
+int fc_stream_begin_capture(void *stream, int mode);
+int fc_stream_end_capture(void *stream, void **graph);
+int fc_stream_is_capturing(void *stream, int *status);
+int fc_exchange_capture_mode(int *mode);
+int fc_graph_launch(void *graph, void *stream);
+int fc_graph_destroy(void *graph);
 
 static __thread cudaError_t t_last_error;
 
@@ -44,7 +51,7 @@ static cudaError_t ret(int code) {
 
 RT_EXPORT cudaError_t cudaMalloc(void **p, size_t size) { return ret(fc_malloc(p, size)); }
 RT_EXPORT cudaError_t cudaFree(void *p) { fc_init(); return ret(fc_free(p)); }
-RT_EXPORT cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t s) { (void)s; return ret(fc_malloc(p, size)); }
+RT_EXPORT cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t s) { return ret(fc_malloc_async(p, size, s)); }
 RT_EXPORT cudaError_t cudaFreeAsync(void *p, cudaStream_t s) { return ret(fc_free_async(p, s)); }
 RT_EXPORT cudaError_t cudaMemGetInfo(size_t *f, size_t *t) { return ret(fc_mem_get_info(f, t)); }
 RT_EXPORT cudaError_t cudaGetDeviceCount(int *n) { if (!n) return ret(1); *n = fc_device_count(); return cudaSuccess; }
@@ -101,3 +108,60 @@ RT_EXPORT cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p) {
     if (!h) return ret(1);
     return ret(fc_ipc_get_handle(h->reserved, p));
 }
+
+/* ----- stream capture and graphs ----- */
+RT_EXPORT cudaError_t cudaStreamBeginCapture(cudaStream_t s, enum cudaStreamCaptureMode m) { return ret(fc_stream_begin_capture(s, (int)m)); }
+RT_EXPORT cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g) {
+    if (!g) return ret(1);
+    return ret(fc_stream_end_capture(s, (void **)g));
+}
+RT_EXPORT cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st) {
+    if (!st) return ret(1);
+    int v = 0;
+    int r = fc_stream_is_capturing(s, &v);
+    *st = (enum cudaStreamCaptureStatus)v;
+    return ret(r);
+}
+RT_EXPORT cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *m) { return ret(fc_exchange_capture_mode((int *)m)); }
+RT_EXPORT cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long flags) {
+    (void)flags;
+    if (!e || !g) return ret(1);
+    *e = (cudaGraphExec_t)g; /* an executable is its graph here */
+    return cudaSuccess;
+}
+RT_EXPORT cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s) { return ret(fc_graph_launch(e, s)); }
+RT_EXPORT cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) { (void)e; return cudaSuccess; }
+RT_EXPORT cudaError_t cudaGraphDestroy(cudaGraph_t g) { return ret(fc_graph_destroy(g)); }
+
+/* ----- memory pools: one default pool per device; its statistics count this runtime's
+ * allocations (cachealloc answers them itself for the pools it serves). ----- */
+#define POOL_BASE 0x7000
+RT_EXPORT cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *p, int device) {
+    if (!p || device < 0 || device >= fc_device_count()) return ret(1);
+    *p = (cudaMemPool_t)(uintptr_t)(POOL_BASE + device);
+    return cudaSuccess;
+}
+static int pool_device(cudaMemPool_t p) {
+    uintptr_t v = (uintptr_t)p;
+    return (v >= POOL_BASE && v < POOL_BASE + (uintptr_t)fc_device_count()) ? (int)(v - POOL_BASE) : -1;
+}
+RT_EXPORT cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t p, enum cudaMemPoolAttr a, void *v) {
+    if (pool_device(p) < 0 || !v) return ret(1);
+    size_t free_bytes = 0, total = 0;
+    fc_mem_get_info(&free_bytes, &total);
+    switch (a) {
+    case cudaMemPoolAttrReservedMemCurrent: case cudaMemPoolAttrReservedMemHigh:
+    case cudaMemPoolAttrUsedMemCurrent: case cudaMemPoolAttrUsedMemHigh:
+        *(unsigned long long *)v = total - free_bytes;
+        return cudaSuccess;
+    default:
+        *(unsigned long long *)v = 0;
+        return cudaSuccess;
+    }
+}
+RT_EXPORT cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t p, enum cudaMemPoolAttr a, void *v) {
+    if (pool_device(p) < 0 || !v) return ret(1);
+    if ((a == cudaMemPoolAttrReservedMemHigh || a == cudaMemPoolAttrUsedMemHigh) && *(unsigned long long *)v != 0) return ret(1);
+    return cudaSuccess;
+}
+RT_EXPORT cudaError_t cudaMemPoolTrimTo(cudaMemPool_t p, size_t keep) { (void)keep; return pool_device(p) < 0 ? ret(1) : cudaSuccess; }

@@ -13,6 +13,14 @@
  *    really sees the old work overwrite the new data.
  *  - cudaFree waits for the whole device first (as the real one does), then releases.
  *  - Events complete when their recording operation executes.
+ *  - Stream capture (CUDA graphs): work enqueued on a capturing stream is recorded into the
+ *    graph, not run; a graph launch enqueues copies of it. cudaMallocAsync on a capturing stream
+ *    gives graph-owned memory (kept until the graph is destroyed), a cudaFreeAsync of it there
+ *    does nothing. While a capture in global mode is under way (or one in thread-local mode on
+ *    the calling thread), a "potentially unsafe" call (cudaMalloc, cudaFree, event query or
+ *    synchronize, stream or device synchronize) from a thread not in relaxed mode fails with
+ *    900 and invalidates the capture; work on the legacy stream while a blocking stream
+ *    captures fails with 906 and invalidates it too. cudaStreamEndCapture then fails with 901.
  *
  * One global mutex guards everything (speed is irrelevant here); workers wait on one condition
  * variable that is broadcast on every completion.
@@ -47,10 +55,20 @@ typedef struct fc_stream fc_stream;
 
 typedef enum { OP_MEMSET, OP_MEMCPY, OP_HOSTFN, OP_EVENT, OP_FREE } op_kind;
 
+enum {
+    E_CAPTURE_UNSUPPORTED = 900, /* cudaErrorStreamCaptureUnsupported */
+    E_CAPTURE_INVALIDATED = 901, /* cudaErrorStreamCaptureInvalidated */
+    E_CAPTURE_IMPLICIT = 906,    /* cudaErrorStreamCaptureImplicit */
+};
+enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
+
+typedef struct fc_graph fc_graph;
+
 typedef struct fc_event {
     int magic;
     uint64_t generation; /* bumped by each record */
     uint64_t completed_generation;
+    int captured;        /* last recorded inside a capture: may not be queried */
 } fc_event;
 
 struct fc_op {
@@ -80,6 +98,20 @@ struct fc_stream {
     uint64_t enqueued, completed;
     fc_op *head, *tail;
     pthread_t worker;
+    fc_graph *capture;   /* the graph being captured, or NULL */
+    int capture_mode;
+    pthread_t capture_thread;
+    int capture_invalid;
+};
+
+#define GRAPH_MAGIC 0x9a9a
+#define MAX_GRAPH_OPS 256
+struct fc_graph {
+    int magic;
+    int nops;
+    fc_op ops[MAX_GRAPH_OPS];
+    int nowned;
+    char *owned[64];     /* graph-owned memory (cudaMallocAsync during the capture) */
 };
 
 typedef struct fc_alloc {
@@ -101,6 +133,7 @@ static int g_nstreams;
 static fc_stream *g_legacy[MAX_DEVICES];
 static __thread int t_device;
 static __thread void *t_context;
+static __thread int t_capture_mode; /* MODE_GLOBAL by default, as in CUDA */
 
 #define STREAM_MAGIC 0x5eea
 #define EVENT_MAGIC 0xe7e7
@@ -169,7 +202,49 @@ static fc_stream *resolve_locked(void *handle) {
     return NULL;
 }
 
+/* A potentially unsafe call while a capture forbids it: invalidate the capture(s) and fail. */
+static int unsafe_call_locked(void) {
+    if (t_capture_mode == MODE_RELAXED) return OK;
+    int hit = 0;
+    for (int i = 0; i < g_nstreams; i++) {
+        fc_stream *c = g_streams[i];
+        if (!c->capture) continue;
+        if (c->capture_mode == MODE_GLOBAL ||
+            (c->capture_mode == MODE_THREAD_LOCAL && pthread_equal(c->capture_thread, pthread_self()))) {
+            c->capture_invalid = 1;
+            hit = 1;
+        }
+    }
+    return hit ? E_CAPTURE_UNSUPPORTED : OK;
+}
+
+static int unsafe_call(void) {
+    lock();
+    int r = unsafe_call_locked();
+    unlock();
+    return r;
+}
+
 static int enqueue_locked(fc_stream *s, fc_op *op) {
+    if (s->capture) {
+        /* Recorded into the graph, not run. */
+        fc_graph *g = s->capture;
+        if (g->nops >= MAX_GRAPH_OPS) { free(op); return E_OUT_OF_MEMORY; }
+        if (op->kind == OP_EVENT) op->event->captured = 1;
+        g->ops[g->nops++] = *op;
+        free(op);
+        return OK;
+    }
+    if (s->legacy) {
+        for (int i = 0; i < g_nstreams; i++) {
+            fc_stream *o = g_streams[i];
+            if (o->capture && o->device == s->device && !o->nonblocking && !o->legacy) {
+                o->capture_invalid = 1;
+                free(op);
+                return E_CAPTURE_IMPLICIT;
+            }
+        }
+    }
     op->ndeps = 0;
     if (s->legacy) {
         for (int i = 0; i < g_nstreams; i++) {
@@ -270,6 +345,7 @@ FC_EXPORT int fc_stream_destroy(void *handle) {
 
 FC_EXPORT int fc_stream_synchronize(void *handle) {
     lock();
+    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
     fc_stream *s = resolve_locked(handle);
     if (!s) { unlock(); return E_INVALID_HANDLE; }
     wait_stream_locked(s);
@@ -281,6 +357,7 @@ FC_EXPORT int fc_device_synchronize(void) {
     runtime_touch();
     lock();
     init_locked();
+    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
     wait_device_locked(t_device);
     unlock();
     return OK;
@@ -322,17 +399,45 @@ static fc_alloc *find_alloc_locked(const char *p, int containing) {
     return NULL;
 }
 
+/* Device memory for cudaMalloc and for graph-owned allocations. */
+static int malloc_locked(void **out, size_t size);
+
 FC_EXPORT int fc_malloc(void **out, size_t size) {
     runtime_touch();
     if (!out) return E_INVALID_VALUE;
     lock();
     init_locked();
+    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
+    int r = malloc_locked(out, size);
+    unlock();
+    return r;
+}
+
+/* cudaMallocAsync: stream-ordered allocation is immediate here; on a capturing stream the memory
+ * belongs to the graph. */
+FC_EXPORT int fc_malloc_async(void **out, size_t size, void *stream) {
+    runtime_touch();
+    if (!out) return E_INVALID_VALUE;
+    lock();
+    init_locked();
+    fc_stream *s = resolve_locked(stream);
+    if (!s) { unlock(); return E_INVALID_HANDLE; }
+    int r = malloc_locked(out, size);
+    if (r == OK && s->capture && *out) {
+        fc_graph *g = s->capture;
+        if (g->nowned < 64) g->owned[g->nowned++] = *out;
+    }
+    unlock();
+    return r;
+}
+
+static int malloc_locked(void **out, size_t size) {
     int dev = t_device;
     size_t rounded = (size + 511) & ~(size_t)511;
-    if (size == 0) { *out = NULL; unlock(); return OK; }
-    if (rounded < size || rounded > g_capacity - g_used[dev]) { unlock(); return E_OUT_OF_MEMORY; }
+    if (size == 0) { *out = NULL; return OK; }
+    if (rounded < size || rounded > g_capacity - g_used[dev]) { return E_OUT_OF_MEMORY; }
     char *p = aligned_alloc(4096, (rounded + 4095) & ~(size_t)4095);
-    if (!p) { unlock(); return E_OUT_OF_MEMORY; }
+    if (!p) { return E_OUT_OF_MEMORY; }
     /* Fresh device memory holds garbage, not zeros. */
     memset(p, 0xA5, rounded);
     fc_alloc *a = malloc(sizeof *a);
@@ -340,7 +445,6 @@ FC_EXPORT int fc_malloc(void **out, size_t size) {
     g_allocs = a;
     g_used[dev] += rounded;
     *out = p;
-    unlock();
     return OK;
 }
 
@@ -357,9 +461,19 @@ static void release_alloc_locked(char *ptr) {
     }
 }
 
+static int graph_owns_locked(const void *ptr) {
+    for (int i = 0; i < g_nstreams; i++) {
+        fc_graph *g = g_streams[i]->capture;
+        if (!g) continue;
+        for (int j = 0; j < g->nowned; j++) if (g->owned[j] == ptr) return 1;
+    }
+    return 0;
+}
+
 FC_EXPORT int fc_free(void *ptr) {
     if (!ptr) return OK;
     lock();
+    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
     fc_alloc *a = find_alloc_locked(ptr, 0);
     if (!a) { unlock(); return E_INVALID_VALUE; }
     /* A real cudaFree waits for the device before it releases the memory. */
@@ -372,6 +486,13 @@ FC_EXPORT int fc_free(void *ptr) {
 FC_EXPORT int fc_free_async(void *ptr, void *stream) {
     lock();
     fc_alloc *a = find_alloc_locked(ptr, 0);
+    fc_stream *s = resolve_locked(stream);
+    if (a && s && s->capture) {
+        /* A free node: graph-owned memory stays for the replays; anything else is an error. */
+        int owned = graph_owns_locked(ptr);
+        unlock();
+        return owned ? OK : E_INVALID_VALUE;
+    }
     unlock();
     if (!a) return E_INVALID_VALUE;
     fc_op *op = new_op(OP_FREE);
@@ -469,7 +590,81 @@ FC_EXPORT int fc_event_record(void *handle, void *stream) {
     if (!s) { unlock(); free(op); return E_INVALID_HANDLE; }
     op->event = e;
     op->event_generation = ++e->generation;
-    enqueue_locked(s, op);
+    e->captured = 0;
+    int r = enqueue_locked(s, op);
+    unlock();
+    return r;
+}
+
+/* ----- stream capture and graphs ----------------------------------------------------------- */
+
+FC_EXPORT int fc_stream_begin_capture(void *handle, int mode) {
+    lock();
+    fc_stream *s = resolve_locked(handle);
+    if (!s) { unlock(); return E_INVALID_HANDLE; }
+    if (s->legacy || s->capture || mode < MODE_GLOBAL || mode > MODE_RELAXED) { unlock(); return E_INVALID_VALUE; }
+    s->capture = calloc(1, sizeof *s->capture);
+    s->capture->magic = GRAPH_MAGIC;
+    s->capture_mode = mode;
+    s->capture_thread = pthread_self();
+    s->capture_invalid = 0;
+    unlock();
+    return OK;
+}
+
+FC_EXPORT int fc_stream_end_capture(void *handle, void **graph) {
+    lock();
+    fc_stream *s = resolve_locked(handle);
+    if (!s || !s->capture) { unlock(); return E_INVALID_VALUE; }
+    fc_graph *g = s->capture;
+    int invalid = s->capture_invalid;
+    s->capture = NULL;
+    unlock();
+    if (invalid) { *graph = NULL; return E_CAPTURE_INVALIDATED; }
+    *graph = g;
+    return OK;
+}
+
+FC_EXPORT int fc_stream_is_capturing(void *handle, int *status) {
+    lock();
+    fc_stream *s = resolve_locked(handle);
+    if (!s) { unlock(); return E_INVALID_HANDLE; }
+    *status = !s->capture ? 0 : s->capture_invalid ? 2 : 1;
+    unlock();
+    return OK;
+}
+
+FC_EXPORT int fc_exchange_capture_mode(int *mode) {
+    if (!mode) return E_INVALID_VALUE;
+    int old = t_capture_mode;
+    t_capture_mode = *mode;
+    *mode = old;
+    return OK;
+}
+
+FC_EXPORT int fc_graph_launch(void *graph, void *stream) {
+    fc_graph *g = graph;
+    if (!g || g->magic != GRAPH_MAGIC) return E_INVALID_HANDLE;
+    lock();
+    fc_stream *s = resolve_locked(stream);
+    if (!s) { unlock(); return E_INVALID_HANDLE; }
+    for (int i = 0; i < g->nops; i++) {
+        fc_op *op = new_op(g->ops[i].kind);
+        *op = g->ops[i];
+        if (op->kind == OP_EVENT) op->event_generation = ++op->event->generation;
+        int r = enqueue_locked(s, op);
+        if (r != OK) { unlock(); return r; }
+    }
+    unlock();
+    return OK;
+}
+
+FC_EXPORT int fc_graph_destroy(void *graph) {
+    fc_graph *g = graph;
+    if (!g || g->magic != GRAPH_MAGIC) return E_INVALID_HANDLE;
+    lock();
+    for (int i = 0; i < g->nowned; i++) release_alloc_locked(g->owned[i]);
+    g->magic = 0;
     unlock();
     return OK;
 }
@@ -478,6 +673,7 @@ FC_EXPORT int fc_event_query(void *handle) {
     fc_event *e = event_of(handle);
     if (!e) return E_INVALID_HANDLE;
     lock();
+    if (e->captured || unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
     int done = e->completed_generation == e->generation;
     unlock();
     return done ? OK : E_NOT_READY;
@@ -487,6 +683,7 @@ FC_EXPORT int fc_event_synchronize(void *handle) {
     fc_event *e = event_of(handle);
     if (!e) return E_INVALID_HANDLE;
     lock();
+    if (e->captured || unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
     while (e->completed_generation != e->generation) pthread_cond_wait(&g_cond, &g_lock);
     unlock();
     return OK;
@@ -558,6 +755,8 @@ FC_EXPORT CUresult cuEventQuery(CUevent e) { return fc_event_query(e); }
 FC_EXPORT CUresult cuEventSynchronize(CUevent e) { return fc_event_synchronize(e); }
 FC_EXPORT CUresult cuEventDestroy_v2(CUevent e) { return fc_event_destroy(e); }
 FC_EXPORT CUresult cuStreamSynchronize(CUstream s) { return fc_stream_synchronize(s); }
+FC_EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) { return fc_exchange_capture_mode(mode); }
+FC_EXPORT CUresult cuStreamIsCapturing(CUstream s, int *status) { return status ? fc_stream_is_capturing(s, status) : E_INVALID_VALUE; }
 
 static const char *error_text(int code) {
     switch (code) {
@@ -569,6 +768,9 @@ static const char *error_text(int code) {
     case E_INVALID_CONTEXT: return "invalid device context";
     case E_INVALID_HANDLE: return "invalid resource handle";
     case E_NOT_READY: return "device not ready";
+    case E_CAPTURE_UNSUPPORTED: return "operation not permitted when stream is capturing";
+    case E_CAPTURE_INVALIDATED: return "operation failed due to a previous error during capture";
+    case E_CAPTURE_IMPLICIT: return "operation would make the legacy stream depend on a capturing blocking stream";
     default: return "unknown error";
     }
 }

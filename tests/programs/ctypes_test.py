@@ -33,9 +33,15 @@ def stats():
     return json.loads(buf.value)
 
 
-expected_env = sys.argv[1] if len(sys.argv) > 1 else "1"
-if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "unset") != expected_env:
-    fail(f"PYTORCH_NO_CUDA_MEMORY_CACHING is {os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING')!r}, expected {expected_env!r}")
+# What the constructor left for PyTorch: argv[1] is PYTORCH_CUDA_ALLOC_CONF, argv[2]
+# PYTORCH_NO_CUDA_MEMORY_CACHING ("unset": absent).
+expected = {
+    "PYTORCH_CUDA_ALLOC_CONF": sys.argv[1] if len(sys.argv) > 1 else "backend:cudaMallocAsync",
+    "PYTORCH_NO_CUDA_MEMORY_CACHING": sys.argv[2] if len(sys.argv) > 2 else "unset",
+}
+for var, want in expected.items():
+    if os.environ.get(var, "unset") != want:
+        fail(f"{var} is {os.environ.get(var)!r}, expected {want!r}")
 
 version = glob.cachealloc_version().decode()
 if not version:

@@ -223,14 +223,118 @@ fn python_host_through_ctypes() {
         "{}",
         out.stderr
     );
-    // torch_caching:keep leaves PyTorch's own cache alone.
-    Run::new(&python, &[script, "unset"])
-        .env("CACHEALLOC_CONF", "torch_caching:keep")
-        .output()
-        .assert_ok("ctypes");
-    // A user's own setting is kept.
-    Run::new(&python, &[script, "0"])
-        .env("PYTORCH_NO_CUDA_MEMORY_CACHING", "0")
-        .output()
-        .assert_ok("ctypes");
+    // What the constructor tells PyTorch: (CACHEALLOC_CONF, the user's variables) → the
+    // expected PYTORCH_CUDA_ALLOC_CONF and PYTORCH_NO_CUDA_MEMORY_CACHING.
+    let cases: [(&str, &[(&str, &str)], [&str; 2]); 5] = [
+        // torch_caching:keep leaves PyTorch's own cache alone.
+        ("torch_caching:keep", &[], ["unset", "unset"]),
+        // The first route: PyTorch's uncached path.
+        ("torch_caching:uncached", &[], ["unset", "1"]),
+        // A user's own choices are kept, their other allocator settings too.
+        (
+            "",
+            &[("PYTORCH_NO_CUDA_MEMORY_CACHING", "0")],
+            ["unset", "0"],
+        ),
+        (
+            "",
+            &[("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")],
+            ["max_split_size_mb:64,backend:cudaMallocAsync", "unset"],
+        ),
+        (
+            "",
+            &[("PYTORCH_CUDA_ALLOC_CONF", "backend:native")],
+            ["backend:native", "unset"],
+        ),
+    ];
+    for (conf, env, expected) in cases {
+        let mut run = Run::new(&python, &[script, expected[0], expected[1]]);
+        if !conf.is_empty() {
+            run = run.env("CACHEALLOC_CONF", conf);
+        }
+        for &(key, value) in env {
+            run = run.env(key, value);
+        }
+        run.output().assert_ok("ctypes");
+    }
+}
+
+/// The numbers `stream_ordered` printed after `label`.
+fn numbers_after(stdout: &str, label: &str) -> Vec<u64> {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(label))
+        .unwrap_or_else(|| panic!("no '{label}' line in:\n{stdout}"));
+    line.split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect()
+}
+
+fn assert_no_shim_failure(stderr: &str) {
+    assert!(
+        !stderr.contains("internal failure") && !stderr.contains("passing every"),
+        "the shim degraded:\n{stderr}"
+    );
+}
+
+#[test]
+fn stream_ordered_frees_are_reused_on_their_stream_and_never_across() {
+    let out = Run::c("stream_ordered", &[]).output();
+    out.assert_ok("stream_ordered");
+    assert_no_shim_failure(&out.stderr);
+    assert_eq!(numbers_after(&out.stdout, "same_stream_reuse"), [1]);
+    assert_eq!(numbers_after(&out.stdout, "cross_stream_reuse"), [0]);
+    // Control: with every free fenced, the same-stream block is not reused at once.
+    let fenced = Run::c("stream_ordered", &[])
+        .env("CACHEALLOC_CONF", "reuse:fenced")
+        .output();
+    fenced.assert_ok("stream_ordered");
+    assert_eq!(numbers_after(&fenced.stdout, "same_stream_reuse"), [0]);
+}
+
+#[test]
+fn the_default_pools_attributes_report_our_pools() {
+    let out = Run::c("stream_ordered", &[]).output();
+    out.assert_ok("stream_ordered");
+    // used before, with 3 MiB live, after the free; peak; peak after reset; reserved.
+    let [used0, used1, used2, peak, reset, reserved] = numbers_after(&out.stdout, "used")[..]
+    else {
+        panic!("{}", out.stdout)
+    };
+    assert_eq!(used1 - used0, 3 << 20, "{}", out.stdout);
+    assert_eq!(used2, used0);
+    assert!(peak >= 3 << 20, "the peak remembers the 3 MiB: {peak}");
+    assert_eq!(
+        reset, used2,
+        "resetting the peak brings it to the current value"
+    );
+    assert!(reserved >= used1, "reserved {reserved} < used {used1}");
+    assert_eq!(
+        numbers_after(&out.stdout, "reserved_after_trim"),
+        [0],
+        "cudaMemPoolTrimTo (PyTorch's empty_cache) released the cache"
+    );
+    // An impossible request: the OOM paragraph, and the program went on.
+    assert!(out.stderr.contains("out of memory"), "{}", out.stderr);
+}
+
+#[test]
+fn graph_capture_with_allocations_on_other_threads() {
+    for _ in 0..3 {
+        let out = Run::c("graph_capture", &[]).output();
+        out.assert_ok("graph_capture");
+        assert_no_shim_failure(&out.stderr);
+        assert!(
+            out.stderr.contains("allocations served from the cache"),
+            "the shim pooled: {}",
+            out.stderr
+        );
+    }
+}
+
+#[test]
+fn graph_and_stream_programs_pass_without_the_shim() {
+    for name in ["stream_ordered", "graph_capture"] {
+        Run::c(name, &[]).without_shim().output().assert_ok(name);
+    }
 }

@@ -447,3 +447,36 @@ fn native_frames_of_cpp_code_are_demangled() {
     );
     assert!(stack.iter().any(|n| n == "main"), "{stack:?}");
 }
+
+#[test]
+fn stream_ordered_records_carry_their_stream() {
+    let out = Run::c("stream_ordered", &[]).output();
+    out.assert_ok("stream_ordered");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.is_empty(), "{tears:?}");
+    let alloc_streams: Vec<u64> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Alloc(a) => Some(a.stream),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        alloc_streams.iter().filter(|&&s| s != 0).count() >= 6,
+        "cudaMallocAsync allocations name their stream: {alloc_streams:?}"
+    );
+    // The same-stream frees are immediate (kind 23) and name the stream too.
+    assert!(
+        records
+            .iter()
+            .any(|r| matches!(r, Record::Free(f) if f.stream != 0))
+    );
+    // The free on another stream waited for a fence (kinds 11 and 12).
+    assert!(
+        records
+            .iter()
+            .any(|r| matches!(r, Record::FreeRequested(f) if f.stream != 0))
+    );
+    replay_checking_frees(&records);
+}

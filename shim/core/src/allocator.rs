@@ -651,6 +651,12 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         Ok(changes)
     }
 
+    /// Put every block freed from now on behind a fence recorded now (see
+    /// [`Pools::close_batch_as_barrier`]).
+    pub fn fence_barrier(&self) -> Result<(), DeviceError> {
+        self.pools.lock().close_batch_as_barrier(&self.device)
+    }
+
     /// Switch to fenced reuse (see [`Pools::start_fencing`]); a no-op unless the policy is
     /// `auto` and fencing has not started.
     pub fn start_fencing(&self) -> Result<(), DeviceError> {

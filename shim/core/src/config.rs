@@ -58,13 +58,20 @@ pub enum LogLevel {
     Debug,
 }
 
-/// What PyTorch's own caching does when the shim pools memory.
+/// How PyTorch's tensors reach the pools when the shim pools memory (the measured choice is in
+/// the README's "PyTorch" section).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TorchCaching {
-    /// Set `PYTORCH_NO_CUDA_MEMORY_CACHING=1` (unless the user set it) so every tensor reaches
-    /// our pools.
-    Off,
-    /// Leave PyTorch's cache on; only its segment-sized requests reach us.
+    /// `async` (or `off`): select PyTorch's `backend:cudaMallocAsync` (unless the user chose a
+    /// backend), so every tensor reaches our pools through `cudaMallocAsync(size, stream)` and
+    /// `cudaFreeAsync(ptr, stream)`, with its stream; PyTorch's memory API and OOM handling
+    /// read our pools through the default memory pool's attributes.
+    Async,
+    /// `uncached`: set `PYTORCH_NO_CUDA_MEMORY_CACHING=1` (unless the user set it): every tensor
+    /// reaches our pools through `cudaMalloc`/`cudaFree`, without its stream (frees are fenced
+    /// against every stream), and PyTorch keeps no statistics and refuses graph capture.
+    Uncached,
+    /// `keep`: leave PyTorch's cache on; only its segment-sized requests reach us.
     Keep,
 }
 
@@ -94,7 +101,7 @@ pub struct Config {
     pub allocator: AllocatorConfig,
     /// `pool:on|off`: serve allocations from our pools, or pure passthrough (trace only).
     pub pool: bool,
-    /// `torch_caching:off|keep`.
+    /// `torch_caching:async|uncached|keep`.
     pub torch_caching: TorchCaching,
     /// `report_cached_as_free`: `cudaMemGetInfo` counts our cached free bytes as free.
     pub report_cached_as_free: bool,
@@ -136,7 +143,7 @@ impl Default for Config {
         Config {
             allocator: AllocatorConfig::default(),
             pool: true,
-            torch_caching: TorchCaching::Off,
+            torch_caching: TorchCaching::Async,
             report_cached_as_free: true,
             trace: true,
             trace_dir: PathBuf::from("cachealloc-trace"),
@@ -190,7 +197,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("expandable_segments", "True or False"),
     ("reuse", "auto, fenced or immediate"),
     ("pool", "on or off"),
-    ("torch_caching", "off or keep"),
+    ("torch_caching", "async (or off), uncached or keep"),
     ("report_cached_as_free", "true or false"),
     ("trace", "on or off"),
     ("trace_dir", "a directory path"),
@@ -307,7 +314,12 @@ impl Config {
                 self.torch_caching = choose(
                     key,
                     value,
-                    &[("off", TorchCaching::Off), ("keep", TorchCaching::Keep)],
+                    &[
+                        ("async", TorchCaching::Async),
+                        ("off", TorchCaching::Async),
+                        ("uncached", TorchCaching::Uncached),
+                        ("keep", TorchCaching::Keep),
+                    ],
                 )?;
             }
             "report_cached_as_free" => self.report_cached_as_free = parse_bool(key, value)?,

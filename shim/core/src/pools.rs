@@ -644,6 +644,27 @@ impl<F: Clone> Pools<F> {
         Ok(true)
     }
 
+    /// Put every block freed from now on behind a fence recorded after all work enqueued so
+    /// far: close the open batch, or if it is empty, close an empty batch behind a new fence
+    /// (batches complete in order, so every later batch completes after it). Nothing to do
+    /// unless frees are fenced. The shim calls this when a stream begins capturing a graph:
+    /// later fences leave the capturing stream out, and this one covers its earlier work.
+    pub fn close_batch_as_barrier<D: Device<Fence = F>>(
+        &mut self,
+        device: &D,
+    ) -> Result<(), crate::DeviceError> {
+        if !self.fencing || self.close_open_batch(device)? {
+            return Ok(());
+        }
+        let fence = device.record_fence()?;
+        self.pending.push_back(Batch {
+            fence,
+            blocks: Vec::new(),
+            gate: false,
+        });
+        Ok(())
+    }
+
     /// Make the blocks of every completed batch reusable, oldest first, stopping at the first
     /// batch that has not completed. Each block that became free is reported in `completed` as
     /// `(address, size)` as the application knew it (before merging with its neighbours).

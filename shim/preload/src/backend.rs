@@ -3,6 +3,10 @@
 //!
 //! Segment calls happen on the thread whose current device this is (the allocator of a device
 //! is chosen by the caller's current device), so the real runtime allocates on the right device.
+//!
+//! While a stream captures a CUDA graph (see [`crate::streams`]), every call here runs in the
+//! relaxed capture mode ([`driver::relaxed`]), and segment releases are deferred to the end of
+//! the last capture: `cudaFree` synchronizes the device, which a capture cannot allow.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -10,7 +14,7 @@ use std::sync::Arc;
 use cachealloc_core::{Device, DeviceError, MemInfo};
 
 use crate::cuda;
-use crate::driver::{Driver, Fence, Fences};
+use crate::driver::{self, Driver, Fence, Fences};
 use crate::real;
 use crate::streams::StreamRegistry;
 
@@ -20,6 +24,8 @@ pub struct CudaDevice {
     ordinal: i32,
     fences: Fences,
     streams: Arc<StreamRegistry>,
+    /// Segments released while a capture was under way, to free when it ends.
+    deferred_releases: std::sync::Mutex<Vec<u64>>,
 }
 
 impl CudaDevice {
@@ -29,6 +35,40 @@ impl CudaDevice {
             ordinal,
             fences: Fences::new(driver, ordinal),
             streams,
+            deferred_releases: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Run `f` in the relaxed capture mode while any capture is under way.
+    fn capture_safe<T>(&self, f: impl FnOnce() -> T) -> T {
+        if self.streams.captures_active() {
+            driver::relaxed(f)
+        } else {
+            f()
+        }
+    }
+
+    /// Free the segments whose release waited for the end of a capture. Returns how many
+    /// could not be freed.
+    pub fn release_deferred(&self) -> usize {
+        let segments = std::mem::take(
+            &mut *self
+                .deferred_releases
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        segments
+            .into_iter()
+            .filter(|&address| self.free_now(address).is_err())
+            .count()
+    }
+
+    fn free_now(&self, address: u64) -> Result<(), DeviceError> {
+        let free = real::cudaFree().ok_or_else(|| missing("cudaFree"))?;
+        // SAFETY: `address` is a segment the real cudaMalloc returned and we still own.
+        match unsafe { free(address as *mut c_void) } {
+            cuda::SUCCESS | cuda::ERROR_CUDART_UNLOADING => Ok(()),
+            other => Err(runtime_error(other, "cudaFree")),
         }
     }
 }
@@ -69,7 +109,7 @@ impl Device for CudaDevice {
         let malloc = real::cudaMalloc().ok_or_else(|| missing("cudaMalloc"))?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer; `size` fits in usize on the 64-bit platforms we build for.
-        let code = unsafe { malloc(&mut ptr, size as usize) };
+        let code = self.capture_safe(|| unsafe { malloc(&mut ptr, size as usize) });
         match code {
             cuda::SUCCESS if !ptr.is_null() => Ok(ptr as u64),
             cuda::ERROR_MEMORY_ALLOCATION => {
@@ -86,24 +126,29 @@ impl Device for CudaDevice {
     }
 
     fn free_segment(&self, address: u64, _size: u64) -> Result<(), DeviceError> {
-        let free = real::cudaFree().ok_or_else(|| missing("cudaFree"))?;
-        // SAFETY: `address` is a segment the real cudaMalloc returned and we still own.
-        match unsafe { free(address as *mut c_void) } {
-            cuda::SUCCESS | cuda::ERROR_CUDART_UNLOADING => Ok(()),
-            other => Err(runtime_error(other, "cudaFree")),
+        if self.streams.captures_active() {
+            self.deferred_releases
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(address);
+            return Ok(());
         }
+        self.free_now(address)
     }
 
     fn record_fence(&self) -> Result<Fence, DeviceError> {
-        self.fences.record(&self.streams.non_blocking(self.ordinal))
+        self.capture_safe(|| {
+            self.fences
+                .record(&self.streams.fence_targets(self.ordinal))
+        })
     }
 
     fn fence_completed(&self, fence: &Fence) -> bool {
-        self.fences.completed(fence)
+        self.capture_safe(|| self.fences.completed(fence))
     }
 
     fn wait_fence(&self, fence: &Fence) -> Result<(), DeviceError> {
-        self.fences.wait(fence)
+        self.capture_safe(|| self.fences.wait(fence))
     }
 
     fn release_fence(&self, fence: Fence) {

@@ -25,6 +25,19 @@ pub const ERROR_NOT_SUPPORTED: CudaError = 801;
 pub const STREAM_NON_BLOCKING: u32 = 0x1;
 /// `cudaStreamLegacy` / `CU_STREAM_LEGACY`: the legacy default stream of the current context.
 pub const STREAM_LEGACY: usize = 0x1;
+/// `cudaStreamPerThread` / `CU_STREAM_PER_THREAD`: the calling thread's default stream.
+pub const STREAM_PER_THREAD: usize = 0x2;
+
+/// `cudaMemPool_t`: an opaque handle.
+pub type MemPool = *mut c_void;
+/// `cudaMemPoolAttrReservedMemCurrent` (a `cuuint64_t`).
+pub const MEMPOOL_ATTR_RESERVED_MEM_CURRENT: i32 = 5;
+/// `cudaMemPoolAttrReservedMemHigh`: the peak; setting it to 0 resets it.
+pub const MEMPOOL_ATTR_RESERVED_MEM_HIGH: i32 = 6;
+/// `cudaMemPoolAttrUsedMemCurrent`.
+pub const MEMPOOL_ATTR_USED_MEM_CURRENT: i32 = 7;
+/// `cudaMemPoolAttrUsedMemHigh`: the peak; setting it to 0 resets it.
+pub const MEMPOOL_ATTR_USED_MEM_HIGH: i32 = 8;
 
 /// `cudaIpcMemHandle_t`.
 #[repr(C)]

@@ -3,9 +3,14 @@
 //!
 //! A fence for device *d* is one event recorded on *d*'s legacy default stream — which orders
 //! after all earlier work of every blocking stream, per-thread default streams included — plus
-//! one on each live non-blocking stream of *d* (see [`crate::streams`]). It has completed when
-//! all its events have. Events are recycled through a per-device pool, since creating one costs
-//! microseconds.
+//! one on each live non-blocking stream of *d*; while graphs are being captured the set changes
+//! (see [`crate::streams`]). It has completed when all its events have. Events are recycled
+//! through a per-device pool, since creating one costs microseconds.
+//!
+//! While any stream captures a graph, another thread's capture in `cudaStreamCaptureModeGlobal`
+//! forbids "potentially unsafe" calls (event queries, `cudaMalloc`) on every thread, and one
+//! such call makes the capture fail. Our own calls then run in the relaxed capture mode
+//! ([`relaxed`]), as PyTorch's allocator does around its own.
 //!
 //! Driver calls need a current context. A thread that reaches our hooks may not have one yet
 //! (its `cudaMalloc` never reached the runtime), so before recording we make the device's primary
@@ -22,7 +27,7 @@ use std::sync::{Mutex, OnceLock};
 use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
 
-/// Every driver function the shim calls.
+/// Every driver function the shim needs.
 const REQUIRED_SYMBOLS: [&str; 9] = [
     "cuInit",
     "cuDeviceGet",
@@ -78,6 +83,35 @@ fn device_error(result: sys::CUresult, what: &str) -> DeviceError {
         code: result as i32,
         message: format!("{what}: {result:?}"),
     }
+}
+
+/// Run `f` with the calling thread in the relaxed stream-capture mode (`f` then may make calls
+/// that another thread's global capture would forbid), restoring the thread's mode after. With
+/// a driver that lacks the function, `f` just runs.
+pub fn relaxed<T>(f: impl FnOnce() -> T) -> T {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    let present = *PRESENT.get_or_init(|| {
+        // SAFETY: only dlopens libcuda (by cudarc's list of names); no code of it runs.
+        if !unsafe { sys::is_culib_present() } {
+            return false;
+        }
+        // SAFETY: the library is present (checked above); looking a symbol up runs no code.
+        let lib = unsafe { sys::culib() };
+        // SAFETY: as above; the pointer is not used.
+        unsafe { lib.get::<*const c_void>(b"cuThreadExchangeStreamCaptureMode") }.is_ok()
+    });
+    if !present {
+        return f();
+    }
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: valid in/out pointer; the function is present (checked above).
+    let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    let result = f();
+    if swapped == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: as above; puts the thread's own mode back.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    result
 }
 
 /// Name and total memory of device `ordinal`, when the driver offers the functions (they are
@@ -189,16 +223,14 @@ impl Fences {
         Ok(Event(event))
     }
 
-    /// Record a fence on the legacy stream and each of `streams` (the device's live
-    /// non-blocking streams).
+    /// Record a fence: one event on each of `streams` (see
+    /// [`crate::streams::StreamRegistry::fence_targets`]).
     pub fn record(&self, streams: &[Stream]) -> Result<Fence, DeviceError> {
         self.ensure_context()?;
         let mut fence = Fence {
-            events: Vec::with_capacity(1 + streams.len()),
+            events: Vec::with_capacity(streams.len()),
         };
-        let targets =
-            std::iter::once(Stream(crate::cuda::STREAM_LEGACY)).chain(streams.iter().copied());
-        for stream in targets {
+        for &stream in streams {
             let event = match self.take_event() {
                 Ok(e) => e,
                 Err(e) => {

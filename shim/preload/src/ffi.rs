@@ -105,7 +105,8 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> CudaError {
     guarded("cudaFree", || hooks::free(dev_ptr as u64), || cuda::SUCCESS)
 }
 
-/// `cudaMallocAsync`: passed through.
+/// `cudaMallocAsync`, served from the pool of the stream (passed through while the stream
+/// captures a graph).
 ///
 /// # Safety
 /// `dev_ptr` must be valid for a write of a pointer.
@@ -247,6 +248,141 @@ pub unsafe extern "C" fn cudaStreamDestroy(stream: CudaStream) -> CudaError {
     )
 }
 
+/// `cudaStreamBeginCapture`, noting the capture.
+///
+/// # Safety
+/// None beyond CUDA's: the handle is passed on.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaStreamBeginCapture(stream: CudaStream, mode: c_int) -> CudaError {
+    let handle = stream as usize;
+    guarded(
+        "cudaStreamBeginCapture",
+        || hooks::stream_begin_capture(handle, mode),
+        || crate::real::stream_begin_capture(handle, mode),
+    )
+}
+
+/// `cudaStreamEndCapture`, noting the end of the capture.
+///
+/// # Safety
+/// `graph` must be null or valid for a write of a pointer.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaStreamEndCapture(
+    stream: CudaStream,
+    graph: *mut *mut c_void,
+) -> CudaError {
+    if graph.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    let handle = stream as usize;
+    let result = guarded(
+        "cudaStreamEndCapture",
+        || hooks::stream_end_capture(handle),
+        || crate::real::stream_end_capture(handle),
+    );
+    // SAFETY: checked non-null; valid for a write per CUDA's contract.
+    unsafe { put_allocation(graph, result.map(|g| g as u64)) }
+}
+
+/// `cudaDeviceGetDefaultMemPool`, noting which pool is the device's default.
+///
+/// # Safety
+/// `pool` must be valid for a write.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaDeviceGetDefaultMemPool(
+    pool: *mut cuda::MemPool,
+    device: c_int,
+) -> CudaError {
+    if pool.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    let result = guarded(
+        "cudaDeviceGetDefaultMemPool",
+        || hooks::device_get_default_mem_pool(device),
+        || crate::real::default_mem_pool(device),
+    );
+    // SAFETY: checked non-null; valid for a write per CUDA's contract.
+    unsafe { put_allocation(pool.cast(), result.map(|p| p as u64)) }
+}
+
+/// `cudaMemPoolGetAttribute`: a default pool's used and reserved memory (and peaks) are our
+/// pool's; everything else is the runtime's.
+///
+/// # Safety
+/// `value` must be valid for a write of the attribute's type (a `cuuint64_t` for the four
+/// memory attributes).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaMemPoolGetAttribute(
+    pool: cuda::MemPool,
+    attribute: c_int,
+    value: *mut c_void,
+) -> CudaError {
+    let handle = pool as usize;
+    let ours = guarded(
+        "cudaMemPoolGetAttribute",
+        || Ok(hooks::mem_pool_get_attribute(handle, attribute)),
+        || Ok(None),
+    );
+    if let Ok(Some(v)) = ours
+        && !value.is_null()
+    {
+        // SAFETY: non-null; the four memory attributes are `cuuint64_t` (CUDA's contract).
+        unsafe { value.cast::<u64>().write(v) };
+        return cuda::SUCCESS;
+    }
+    match crate::real::cudaMemPoolGetAttribute() {
+        // SAFETY: the application's arguments, passed on unchanged.
+        Some(real) => unsafe { real(pool, attribute, value) },
+        None => cuda::ERROR_INITIALIZATION,
+    }
+}
+
+/// `cudaMemPoolSetAttribute`: resetting a default pool's peaks resets ours too.
+///
+/// # Safety
+/// `value` must be valid for a read of the attribute's type.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaMemPoolSetAttribute(
+    pool: cuda::MemPool,
+    attribute: c_int,
+    value: *mut c_void,
+) -> CudaError {
+    let code = match crate::real::cudaMemPoolSetAttribute() {
+        // SAFETY: the application's arguments, passed on unchanged.
+        Some(real) => unsafe { real(pool, attribute, value) },
+        None => return cuda::ERROR_INITIALIZATION,
+    };
+    if code == cuda::SUCCESS {
+        let handle = pool as usize;
+        guarded(
+            "cudaMemPoolSetAttribute",
+            || {
+                hooks::mem_pool_attribute_set(handle, attribute);
+                cuda::SUCCESS
+            },
+            || cuda::SUCCESS,
+        );
+    }
+    code
+}
+
+/// `cudaMemPoolTrimTo`: on a default pool (PyTorch's `empty_cache`), releases our cache too.
+///
+/// # Safety
+/// None beyond CUDA's: the handle is passed on.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaMemPoolTrimTo(
+    pool: cuda::MemPool,
+    min_bytes_to_keep: usize,
+) -> CudaError {
+    let handle = pool as usize;
+    guarded(
+        "cudaMemPoolTrimTo",
+        || hooks::mem_pool_trim_to(handle, min_bytes_to_keep),
+        || crate::real::mem_pool_trim_to(handle, min_bytes_to_keep),
+    )
+}
+
 /// `cudaIpcGetMemHandle`: refused (with a message) for pointers inside pooled segments.
 ///
 /// # Safety
@@ -348,12 +484,13 @@ pub unsafe extern "C" fn cachealloc_annotate(name: *const c_char) -> c_int {
 pub extern "C" fn cachealloc_torch_malloc(
     size: isize,
     device: c_int,
-    _stream: CudaStream,
+    stream: CudaStream,
 ) -> *mut c_void {
     let size = size.max(0) as u64;
+    let stream = stream as usize;
     match guarded(
         "cachealloc_torch_malloc",
-        || hooks::torch_malloc(size, device),
+        || hooks::torch_malloc(size, device, stream),
         || crate::real::malloc(size),
     ) {
         Ok(address) => address as *mut c_void,
@@ -367,11 +504,12 @@ pub extern "C" fn cachealloc_torch_free(
     ptr: *mut c_void,
     _size: isize,
     _device: c_int,
-    _stream: CudaStream,
+    stream: CudaStream,
 ) {
+    let stream = stream as usize;
     guarded(
         "cachealloc_torch_free",
-        || hooks::torch_free(ptr as u64),
+        || hooks::torch_free(ptr as u64, stream),
         || cuda::SUCCESS,
     );
 }

@@ -5,11 +5,12 @@ use crate::cuda::{self, CudaError};
 use crate::log;
 use crate::process;
 use crate::real;
+use cachealloc_core::NO_STREAM;
 
 /// `cudaMalloc`.
 pub fn malloc(size: u64) -> Result<u64, CudaError> {
     match process::shim() {
-        Some(shim) if shim.pooling() => shim.malloc(size),
+        Some(shim) if shim.pooling() => shim.malloc(size, NO_STREAM),
         Some(shim) => shim.passthrough_malloc(size),
         None => real::malloc(size),
     }
@@ -20,7 +21,7 @@ pub fn free(address: u64) -> CudaError {
     if address != 0
         && let Some(shim) = process::shim()
     {
-        if let Some(code) = shim.free(address) {
+        if let Some(code) = shim.free(address, NO_STREAM) {
             return code;
         }
         shim.passthrough_free(address);
@@ -33,18 +34,31 @@ pub fn free(address: u64) -> CudaError {
     }
 }
 
-/// `cudaMallocAsync`: passed through (stream-ordered pools are the runtime's own).
+/// `cudaMallocAsync`: served from the pool of `stream` (see Note [Stream-ordered reuse] in
+/// `cachealloc-core`). On a stream that is capturing a CUDA graph it goes to the runtime, which
+/// makes it a node of the graph whose memory the graph owns, exactly as without us.
 pub fn malloc_async(size: u64, stream: usize) -> Result<u64, CudaError> {
-    real::malloc_async(size, stream)
+    match process::shim() {
+        Some(shim) if shim.pooling() && !shim.is_capturing(stream) => {
+            shim.malloc(size, shim.stream_key(stream))
+        }
+        _ => real::malloc_async(size, stream),
+    }
 }
 
-/// `cudaFreeAsync`: a pooled pointer is freed into its pool (its reuse then waits for a fence,
-/// which orders after the stream's earlier work); anything else goes to the runtime.
+/// `cudaFreeAsync`: a pooled pointer returns to its pool, reusable at once on its own stream
+/// when freed there, else behind a fence (a free captured into a graph counts as a synchronous
+/// free); anything else — graph memory, the runtime's own pools — goes to the runtime.
 pub fn free_async(address: u64, stream: usize) -> CudaError {
     if address != 0
         && let Some(shim) = process::shim()
     {
-        if let Some(code) = shim.free(address) {
+        let key = if shim.is_capturing(stream) {
+            NO_STREAM
+        } else {
+            shim.stream_key(stream)
+        };
+        if let Some(code) = shim.free(address, key) {
             return code;
         }
         shim.passthrough_free(address);
@@ -81,12 +95,93 @@ pub fn stream_create(flags: u32, priority: Option<i32>) -> Result<usize, CudaErr
     Ok(stream)
 }
 
-/// `cudaStreamDestroy`.
+/// `cudaStreamDestroy`. In pool mode the stream is synchronized first: its free blocks stay in
+/// the pool under its handle, which a stream created later may get again, and that stream's
+/// work must not overlap this one's.
 pub fn stream_destroy(stream: usize) -> CudaError {
     if let Some(shim) = process::shim() {
+        if shim.pooling() {
+            let _ = real::stream_synchronize(stream);
+        }
         shim.stream_destroyed(stream);
     }
     real::stream_destroy(stream)
+}
+
+/// `cudaStreamBeginCapture`: noted, after a barrier fence, so that allocations on the capturing
+/// stream go to the graph and our fences leave the stream alone.
+pub fn stream_begin_capture(stream: usize, mode: i32) -> CudaError {
+    let shim = process::shim();
+    if let Some(shim) = shim {
+        shim.capture_beginning(stream);
+    }
+    let code = real::stream_begin_capture(stream, mode);
+    if code != cuda::SUCCESS
+        && let Some(shim) = shim
+    {
+        shim.capture_ended(stream);
+    }
+    code
+}
+
+/// `cudaStreamEndCapture`: the capture is over, whether it succeeded or not.
+pub fn stream_end_capture(stream: usize) -> Result<usize, CudaError> {
+    let result = real::stream_end_capture(stream);
+    if let Some(shim) = process::shim() {
+        shim.capture_ended(stream);
+    }
+    result
+}
+
+/// `cudaDeviceGetDefaultMemPool`: noted, since PyTorch reads its memory statistics from this
+/// pool's attributes.
+pub fn device_get_default_mem_pool(device: i32) -> Result<usize, CudaError> {
+    let pool = real::default_mem_pool(device)?;
+    if let Some(shim) = process::shim() {
+        shim.note_default_pool(pool, device);
+    }
+    Ok(pool)
+}
+
+/// `cudaMemPoolGetAttribute` on a device's default pool: the memory in use and reserved, and
+/// their peaks, are our pool's (what PyTorch's `memory_allocated()`, `memory_reserved()` and
+/// their maxima read). `None`: ask the runtime.
+pub fn mem_pool_get_attribute(pool: usize, attribute: i32) -> Option<u64> {
+    let shim = process::shim()?;
+    let stats = shim.device_stats(shim.default_pool_device(pool)?)?;
+    let value = match attribute {
+        cuda::MEMPOOL_ATTR_RESERVED_MEM_CURRENT => stats.reserved_bytes.all.current,
+        cuda::MEMPOOL_ATTR_RESERVED_MEM_HIGH => stats.reserved_bytes.all.peak,
+        cuda::MEMPOOL_ATTR_USED_MEM_CURRENT => stats.allocated_bytes.all.current,
+        cuda::MEMPOOL_ATTR_USED_MEM_HIGH => stats.allocated_bytes.all.peak,
+        _ => return None,
+    };
+    Some(value.max(0) as u64)
+}
+
+/// `cudaMemPoolSetAttribute`, after the runtime accepted it: resetting a default pool's peak
+/// (`reset_peak_memory_stats`) resets our peaks.
+pub fn mem_pool_attribute_set(pool: usize, attribute: i32) {
+    if matches!(
+        attribute,
+        cuda::MEMPOOL_ATTR_RESERVED_MEM_HIGH | cuda::MEMPOOL_ATTR_USED_MEM_HIGH
+    ) && let Some(shim) = process::shim()
+        && let Some(device) = shim.default_pool_device(pool)
+    {
+        shim.reset_peak_stats(device);
+    }
+}
+
+/// `cudaMemPoolTrimTo`: on a default pool (PyTorch's `empty_cache`), our cached free segments
+/// of that device are released too; then the runtime trims its own.
+pub fn mem_pool_trim_to(pool: usize, min_bytes_to_keep: usize) -> CudaError {
+    if let Some(shim) = process::shim()
+        && let Some(device) = shim.default_pool_device(pool)
+        && let Err(code) = shim.empty_device_cache(device)
+    {
+        return code;
+    }
+    real::mem_pool_trim_to(pool, min_bytes_to_keep)
 }
 
 /// `cudaIpcGetMemHandle`: allowed for a pooled pointer only where the handle maps exactly it
@@ -109,15 +204,24 @@ pub fn empty_cache() -> CudaError {
     }
 }
 
-/// `cachealloc_torch_malloc`: `cudaMalloc` on the named device.
-pub fn torch_malloc(size: u64, device: i32) -> Result<u64, CudaError> {
+/// `cachealloc_torch_malloc`: an allocation for `stream` on the named device.
+pub fn torch_malloc(size: u64, device: i32, stream: usize) -> Result<u64, CudaError> {
     match process::shim() {
-        Some(shim) if shim.pooling() => shim.on_device(device, || shim.malloc(size))?,
+        Some(shim) if shim.pooling() => {
+            shim.on_device(device, || shim.malloc(size, shim.stream_key(stream)))?
+        }
         _ => real::malloc(size),
     }
 }
 
-/// `cachealloc_torch_free`.
-pub fn torch_free(address: u64) -> CudaError {
+/// `cachealloc_torch_free`: a free ordered on `stream` (PyTorch frees a block on the stream it
+/// was allocated for, after `record_stream` users).
+pub fn torch_free(address: u64, stream: usize) -> CudaError {
+    if address != 0
+        && let Some(shim) = process::shim()
+        && let Some(code) = shim.free(address, shim.stream_key(stream))
+    {
+        return code;
+    }
     free(address)
 }

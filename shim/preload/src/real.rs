@@ -8,7 +8,7 @@
 use std::ffi::{CStr, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
-use crate::cuda::{CudaError, CudaStream, IpcMemHandle};
+use crate::cuda::{CudaError, CudaStream, IpcMemHandle, MemPool};
 
 /// Sonames of the runtime we look for when `RTLD_NEXT` finds nothing, newest first.
 const RUNTIME_SONAMES: [&CStr; 3] = [c"libcudart.so.13", c"libcudart.so.12", c"libcudart.so"];
@@ -78,6 +78,13 @@ real_functions! {
     cudaStreamCreateWithPriority: fn(*mut CudaStream, c_uint, c_int) -> CudaError;
     cudaStreamDestroy: fn(CudaStream) -> CudaError;
     cudaIpcGetMemHandle: fn(*mut IpcMemHandle, *mut c_void) -> CudaError;
+    cudaStreamSynchronize: fn(CudaStream) -> CudaError;
+    cudaStreamBeginCapture: fn(CudaStream, c_int) -> CudaError;
+    cudaStreamEndCapture: fn(CudaStream, *mut *mut c_void) -> CudaError;
+    cudaDeviceGetDefaultMemPool: fn(*mut MemPool, c_int) -> CudaError;
+    cudaMemPoolGetAttribute: fn(MemPool, c_int, *mut c_void) -> CudaError;
+    cudaMemPoolSetAttribute: fn(MemPool, c_int, *mut c_void) -> CudaError;
+    cudaMemPoolTrimTo: fn(MemPool, usize) -> CudaError;
 }
 
 /// The calling thread's current device, through the real runtime.
@@ -204,4 +211,44 @@ pub fn device_count() -> usize {
     } else {
         0
     }
+}
+
+/// The real `cudaStreamSynchronize` (handle from the application, validated by the runtime).
+pub fn stream_synchronize(stream: usize) -> CudaError {
+    call_real!(cudaStreamSynchronize(stream as CudaStream))
+}
+
+/// The real `cudaStreamBeginCapture` (arguments from the application, validated by the
+/// runtime).
+pub fn stream_begin_capture(stream: usize, mode: i32) -> CudaError {
+    call_real!(cudaStreamBeginCapture(stream as CudaStream, mode))
+}
+
+/// The real `cudaStreamEndCapture`: the captured graph's handle.
+pub fn stream_end_capture(stream: usize) -> Result<usize, CudaError> {
+    let mut graph: *mut c_void = std::ptr::null_mut();
+    // Valid out-pointer; the stream handle is validated by the runtime.
+    let code = call_real!(cudaStreamEndCapture(stream as CudaStream, &mut graph));
+    if code == crate::cuda::SUCCESS {
+        Ok(graph as usize)
+    } else {
+        Err(code)
+    }
+}
+
+/// The real `cudaDeviceGetDefaultMemPool`: the pool's handle.
+pub fn default_mem_pool(device: i32) -> Result<usize, CudaError> {
+    let mut pool: MemPool = std::ptr::null_mut();
+    // Valid out-pointer; the device ordinal is validated by the runtime.
+    let code = call_real!(cudaDeviceGetDefaultMemPool(&mut pool, device));
+    if code == crate::cuda::SUCCESS {
+        Ok(pool as usize)
+    } else {
+        Err(code)
+    }
+}
+
+/// The real `cudaMemPoolTrimTo` (arguments from the application, validated by the runtime).
+pub fn mem_pool_trim_to(pool: usize, min_bytes_to_keep: usize) -> CudaError {
+    call_real!(cudaMemPoolTrimTo(pool as MemPool, min_bytes_to_keep))
 }

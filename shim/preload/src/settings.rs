@@ -1,5 +1,5 @@
 //! The configuration, read once from the environment by the library's constructor — before
-//! `main`, and before PyTorch reads `PYTORCH_NO_CUDA_MEMORY_CACHING` — and never again.
+//! `main`, and before PyTorch reads its allocator settings — and never again.
 //! Nothing CUDA happens here.
 
 use std::sync::OnceLock;
@@ -47,9 +47,8 @@ fn read() -> Settings {
     }
 }
 
-/// Constructor work: read the settings and, in pool mode, turn PyTorch's own cache off so that
-/// every tensor allocation reaches our pools — unless the user set the variable or asked for
-/// `torch_caching:keep`.
+/// Constructor work: read the settings and, in pool mode, route PyTorch's tensors to our pools
+/// as `torch_caching` says (see [`TorchCaching`]), unless the user already chose for PyTorch.
 pub fn on_load() {
     let settings = get();
     if let Some(problem) = &settings.problem {
@@ -57,13 +56,97 @@ pub fn on_load() {
         return;
     }
     let config = &settings.config;
-    if config.pool
-        && config.torch_caching == TorchCaching::Off
-        && std::env::var_os("PYTORCH_NO_CUDA_MEMORY_CACHING").is_none()
-    {
-        // SAFETY: this runs in the library's constructor, before `main`, while the process has
-        // no other threads that could read the environment concurrently.
-        unsafe { std::env::set_var("PYTORCH_NO_CUDA_MEMORY_CACHING", "1") };
-        log::debug!("set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor reaches the pool");
+    if !config.pool {
+        return;
+    }
+    match config.torch_caching {
+        TorchCaching::Async => select_torch_async_backend(),
+        TorchCaching::Uncached => {
+            if std::env::var_os("PYTORCH_NO_CUDA_MEMORY_CACHING").is_none() {
+                // SAFETY: this runs in the library's constructor, before `main`, while the
+                // process has no other threads that could read the environment concurrently.
+                unsafe { std::env::set_var("PYTORCH_NO_CUDA_MEMORY_CACHING", "1") };
+                log::debug!(
+                    "set PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor reaches the pool"
+                );
+            }
+        }
+        TorchCaching::Keep => {}
+    }
+}
+
+/// The variable PyTorch reads its allocator settings from: the first of these that is set.
+const TORCH_ALLOC_VARS: [&str; 3] = [
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_HIP_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+];
+
+/// Add `backend:cudaMallocAsync` to PyTorch's allocator settings, unless the user chose a
+/// backend or turned PyTorch's caching off themselves.
+fn select_torch_async_backend() {
+    if std::env::var_os("PYTORCH_NO_CUDA_MEMORY_CACHING").is_some() {
+        log::debug!(
+            "PYTORCH_NO_CUDA_MEMORY_CACHING is set: PyTorch's tensors reach the pool uncached"
+        );
+        return;
+    }
+    let current = TORCH_ALLOC_VARS
+        .iter()
+        .find_map(|&var| std::env::var(var).ok().map(|value| (var, value)));
+    let (var, value) = match current {
+        Some((var, value)) => match torch_with_async_backend(&value) {
+            Some(with_backend) => (var, with_backend),
+            None => {
+                log::debug!("{var} chooses PyTorch's backend ({value}): left as it is");
+                return;
+            }
+        },
+        None => (TORCH_ALLOC_VARS[0], "backend:cudaMallocAsync".to_string()),
+    };
+    // SAFETY: this runs in the library's constructor, before `main`, while the process has no
+    // other threads that could read the environment concurrently.
+    unsafe { std::env::set_var(var, &value) };
+    log::debug!("set {var}={value} so that every tensor reaches the pool with its stream");
+}
+
+/// `conf` (a `PYTORCH_CUDA_ALLOC_CONF` value) with `backend:cudaMallocAsync` added, or `None`
+/// when it names a backend already.
+fn torch_with_async_backend(conf: &str) -> Option<String> {
+    let names_backend = conf.split(',').any(|item| {
+        item.split(':')
+            .next()
+            .is_some_and(|k| k.trim() == "backend")
+    });
+    if names_backend {
+        return None;
+    }
+    let conf = conf.trim().trim_end_matches(',');
+    Some(if conf.is_empty() {
+        "backend:cudaMallocAsync".to_string()
+    } else {
+        format!("{conf},backend:cudaMallocAsync")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::torch_with_async_backend;
+
+    #[test]
+    fn the_async_backend_joins_the_users_settings_unless_a_backend_is_named() {
+        assert_eq!(
+            torch_with_async_backend("").as_deref(),
+            Some("backend:cudaMallocAsync")
+        );
+        assert_eq!(
+            torch_with_async_backend("max_split_size_mb:256,").as_deref(),
+            Some("max_split_size_mb:256,backend:cudaMallocAsync")
+        );
+        assert_eq!(
+            torch_with_async_backend("expandable_segments:True, backend:native"),
+            None
+        );
+        assert_eq!(torch_with_async_backend("backend:cudaMallocAsync"), None);
     }
 }

@@ -1,15 +1,27 @@
-//! The streams the application created, as seen through our `cudaStreamCreate*` hooks.
+//! The application's streams as seen through our `cudaStreamCreate*` and
+//! `cudaStreamBeginCapture`/`cudaStreamEndCapture` hooks: which exist, which are non-blocking,
+//! which are capturing a CUDA graph.
 //!
-//! Fences need the live non-blocking streams of each device (blocking ones are covered by the
-//! legacy stream's event). Whether any stream was ever created decides `reuse:auto`: until the
-//! first one, all work is ordered on the legacy stream and freed blocks may be reused at once.
+//! Fences need the streams to record on ([`StreamRegistry::fence_targets`]): normally the
+//! legacy default stream (which orders after every blocking stream) plus each live non-blocking
+//! stream. While a stream captures a graph, work enqueued on it is recorded, not run, and an
+//! event recorded on it would become part of the graph; and while a *blocking* stream captures,
+//! any work on the legacy stream (our event too) would join the capture implicitly and break
+//! it. So during captures a fence skips capturing streams, and replaces the legacy stream by
+//! each non-capturing blocking stream when a blocking one captures. Work enqueued on a stream
+//! before its capture began is covered by a barrier fence recorded at the capture's start (see
+//! `Allocator::fence_barrier`), which every later fence completes after.
 //!
-//! Not seen: streams created through the driver API (`cuStreamCreate`) by libraries that bypass
-//! the runtime. Their work is not covered by fences; see the README's limitations.
+//! Whether any stream was ever created decides `reuse:auto`: until the first one, all work is
+//! ordered on the legacy stream and freed blocks may be reused at once.
+//!
+//! Not seen: streams created, and captures begun, through the driver API (`cuStreamCreate`,
+//! `cuStreamBeginCapture`) by libraries that bypass the runtime; see the README's limitations.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use crate::cuda;
 use crate::driver::Stream;
 
 #[derive(Debug)]
@@ -17,35 +29,44 @@ struct Entry {
     stream: Stream,
     device: i32,
     non_blocking: bool,
+    capturing: bool,
 }
 
-/// Live streams, per device.
+/// Live streams, per device, and the captures under way.
 #[derive(Debug, Default)]
 pub struct StreamRegistry {
     live: Mutex<Vec<Entry>>,
     any_created: AtomicBool,
+    /// Captures under way (the fast path of [`StreamRegistry::is_capturing`]).
+    captures: AtomicUsize,
 }
 
 impl StreamRegistry {
+    fn live(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The application created `stream` on `device`. Returns whether it is the first stream of
     /// the process.
     pub fn created(&self, stream: Stream, device: i32, non_blocking: bool) -> bool {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let mut live = self.live();
         live.retain(|e| e.stream != stream); // a handle value reused after a destroy we missed
         live.push(Entry {
             stream,
             device,
             non_blocking,
+            capturing: false,
         });
         !self.any_created.swap(true, Ordering::AcqRel)
     }
 
     /// The application destroyed `stream`.
     pub fn destroyed(&self, stream: Stream) {
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|e| e.stream != stream);
+        let mut live = self.live();
+        if live.iter().any(|e| e.stream == stream && e.capturing) {
+            self.captures.fetch_sub(1, Ordering::AcqRel);
+        }
+        live.retain(|e| e.stream != stream);
     }
 
     /// Whether the process ever created a stream.
@@ -53,18 +74,76 @@ impl StreamRegistry {
         self.any_created.load(Ordering::Acquire)
     }
 
-    /// The live non-blocking streams of `device`.
-    pub fn non_blocking(&self, device: i32) -> Vec<Stream> {
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        live.iter()
-            .filter(|e| e.device == device && e.non_blocking)
+    /// `stream` of `device` began capturing a graph. A stream we did not see created (made
+    /// through the driver, say) is taken to be blocking, the cautious guess for fences.
+    pub fn capture_began(&self, stream: Stream, device: i32) {
+        let mut live = self.live();
+        match live.iter_mut().find(|e| e.stream == stream) {
+            Some(e) if e.capturing => return,
+            Some(e) => e.capturing = true,
+            None => live.push(Entry {
+                stream,
+                device,
+                non_blocking: false,
+                capturing: true,
+            }),
+        }
+        self.captures.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// `stream`'s capture ended (successfully or not). Returns whether no capture is under way
+    /// any more.
+    pub fn capture_ended(&self, stream: Stream) -> bool {
+        let mut live = self.live();
+        if let Some(e) = live.iter_mut().find(|e| e.stream == stream && e.capturing) {
+            e.capturing = false;
+            self.captures.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.captures.load(Ordering::Acquire) == 0
+    }
+
+    /// Whether any stream is capturing a graph (one atomic load).
+    #[inline]
+    pub fn captures_active(&self) -> bool {
+        self.captures.load(Ordering::Acquire) > 0
+    }
+
+    /// Whether `stream` is capturing a graph.
+    #[inline]
+    pub fn is_capturing(&self, stream: Stream) -> bool {
+        self.captures_active()
+            && self
+                .live()
+                .iter()
+                .any(|e| e.stream == stream && e.capturing)
+    }
+
+    /// The streams a fence for `device` records on; see the module docs.
+    pub fn fence_targets(&self, device: i32) -> Vec<Stream> {
+        let live = self.live();
+        let on_device = || live.iter().filter(|e| e.device == device && !e.capturing);
+        let legacy = Stream(cuda::STREAM_LEGACY);
+        if !self.captures_active() {
+            return std::iter::once(legacy)
+                .chain(on_device().filter(|e| e.non_blocking).map(|e| e.stream))
+                .collect();
+        }
+        let blocking_captures = live
+            .iter()
+            .any(|e| e.device == device && e.capturing && !e.non_blocking);
+        let mut targets: Vec<Stream> = on_device()
+            .filter(|e| e.non_blocking || blocking_captures)
             .map(|e| e.stream)
-            .collect()
+            .collect();
+        if !blocking_captures {
+            targets.insert(0, legacy);
+        }
+        targets
     }
 
     /// Number of live streams (for the exit summary).
     pub fn live_count(&self) -> usize {
-        self.live.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.live().len()
     }
 }
 
@@ -72,18 +151,59 @@ impl StreamRegistry {
 mod tests {
     use super::*;
 
+    const LEGACY: Stream = Stream(cuda::STREAM_LEGACY);
+
     #[test]
-    fn tracks_non_blocking_streams_per_device() {
+    fn fences_cover_the_legacy_stream_and_non_blocking_streams_per_device() {
         let r = StreamRegistry::default();
         assert!(!r.any_created());
         assert!(r.created(Stream(0x10), 0, true));
         assert!(!r.created(Stream(0x20), 0, false));
         assert!(!r.created(Stream(0x30), 1, true));
-        assert_eq!(r.non_blocking(0), vec![Stream(0x10)]);
-        assert_eq!(r.non_blocking(1), vec![Stream(0x30)]);
+        assert_eq!(r.fence_targets(0), vec![LEGACY, Stream(0x10)]);
+        assert_eq!(r.fence_targets(1), vec![LEGACY, Stream(0x30)]);
         r.destroyed(Stream(0x10));
-        assert!(r.non_blocking(0).is_empty());
+        assert_eq!(r.fence_targets(0), vec![LEGACY]);
         assert!(r.any_created(), "stays true after the streams are gone");
         assert_eq!(r.live_count(), 2);
+    }
+
+    #[test]
+    fn a_capturing_non_blocking_stream_is_left_out_of_fences() {
+        let r = StreamRegistry::default();
+        r.created(Stream(0x10), 0, true);
+        r.created(Stream(0x20), 0, true);
+        r.capture_began(Stream(0x10), 0);
+        assert!(r.captures_active() && r.is_capturing(Stream(0x10)));
+        assert!(!r.is_capturing(Stream(0x20)));
+        assert_eq!(r.fence_targets(0), vec![LEGACY, Stream(0x20)]);
+        assert!(r.capture_ended(Stream(0x10)), "no capture left");
+        assert_eq!(r.fence_targets(0), vec![LEGACY, Stream(0x10), Stream(0x20)]);
+    }
+
+    #[test]
+    fn a_capturing_blocking_stream_replaces_the_legacy_stream_by_each_other_stream() {
+        let r = StreamRegistry::default();
+        r.created(Stream(0x10), 0, false);
+        r.created(Stream(0x20), 0, false);
+        r.created(Stream(0x30), 0, true);
+        r.capture_began(Stream(0x10), 0);
+        assert_eq!(
+            r.fence_targets(0),
+            vec![Stream(0x20), Stream(0x30)],
+            "an event on the legacy stream would join the blocking stream's capture"
+        );
+        r.capture_began(Stream(0x10), 0); // counted once
+        assert!(r.capture_ended(Stream(0x10)));
+        assert!(!r.captures_active());
+    }
+
+    #[test]
+    fn destroying_a_capturing_stream_ends_its_capture() {
+        let r = StreamRegistry::default();
+        r.capture_began(Stream(0x40), 0); // not seen created: taken as blocking
+        assert_eq!(r.fence_targets(0), Vec::<Stream>::new());
+        r.destroyed(Stream(0x40));
+        assert!(!r.captures_active());
     }
 }

@@ -144,7 +144,7 @@ impl Observer for DeviceObserver {
             Event::Alloc(a) => Record::Alloc(schema::Alloc {
                 t,
                 device,
-                stream: 0,
+                stream: a.stream,
                 address: a.address,
                 requested: a.requested,
                 size: a.size,
@@ -155,7 +155,7 @@ impl Observer for DeviceObserver {
                 let body = schema::FreeRequested {
                     t,
                     device,
-                    stream: 0,
+                    stream: f.stream,
                     address: f.address,
                     size: f.size,
                     stack: 0,

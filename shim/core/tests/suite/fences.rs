@@ -222,3 +222,31 @@ fn completed_frees_are_reported_with_the_applications_address_and_size() {
         vec![(a.address, 4096), (b.address, 4096)]
     );
 }
+
+#[test]
+fn a_barrier_fences_even_an_empty_batch_and_orders_later_frees_after_it() {
+    let c = fenced();
+    let a = c.malloc(4096);
+    fill_small_segment(&c);
+    c.alloc.fence_barrier().unwrap(); // nothing pending: an empty batch behind a fence
+    assert_eq!(c.device().counters().fences, 1);
+    c.free(a.address);
+    c.alloc.fence_barrier().unwrap(); // closes the open batch: no extra fence
+    assert_eq!(c.device().counters().fences, 2);
+    c.device().complete_fences();
+    assert_eq!(c.malloc(4096).address, a.address);
+    assert_eq!(c.device().counters().waits, 0);
+}
+
+#[test]
+fn no_barrier_without_fencing() {
+    let c = Checked::manual(
+        1 << 34,
+        AllocatorConfig {
+            reuse: ReusePolicy::Immediate,
+            ..AllocatorConfig::default()
+        },
+    );
+    c.alloc.fence_barrier().unwrap();
+    assert_eq!(c.device().counters().fences, 0);
+}
