@@ -53,7 +53,7 @@ enum {
 typedef struct fc_op fc_op;
 typedef struct fc_stream fc_stream;
 
-typedef enum { OP_MEMSET, OP_MEMCPY, OP_HOSTFN, OP_EVENT, OP_FREE } op_kind;
+typedef enum { OP_MEMSET, OP_MEMCPY, OP_HOSTFN, OP_EVENT, OP_FREE, OP_WAIT } op_kind;
 
 enum {
     E_CAPTURE_UNSUPPORTED = 900, /* cudaErrorStreamCaptureUnsupported */
@@ -277,6 +277,8 @@ static fc_op *new_op(op_kind kind) {
 }
 
 static int deps_done_locked(const fc_op *op) {
+    /* A stream wait (cudaStreamWaitEvent): until the event's record it waits for completes. */
+    if (op->kind == OP_WAIT && op->event->completed_generation < op->event_generation) return 0;
     for (int i = 0; i < op->ndeps; i++)
         if (op->dep_stream[i]->completed < op->dep_target[i]) return 0;
     return 1;
@@ -297,6 +299,7 @@ static void *worker_main(void *arg) {
         case OP_HOSTFN: op->fn(op->arg); break;
         case OP_EVENT: break;
         case OP_FREE: break;
+        case OP_WAIT: break;
         }
         lock();
         if (op->kind == OP_EVENT && op->event->generation == op->event_generation)
@@ -596,6 +599,22 @@ FC_EXPORT int fc_event_record(void *handle, void *stream) {
     return r;
 }
 
+/* cudaStreamWaitEvent / cuStreamWaitEvent: the stream's later work waits on the device for the
+ * event's latest record; nothing waits on the host. */
+FC_EXPORT int fc_stream_wait_event(void *stream, void *handle) {
+    fc_event *e = event_of(handle);
+    if (!e) return E_INVALID_HANDLE;
+    fc_op *op = new_op(OP_WAIT);
+    lock();
+    fc_stream *s = resolve_locked(stream);
+    if (!s) { unlock(); free(op); return E_INVALID_HANDLE; }
+    op->event = e;
+    op->event_generation = e->generation;
+    int r = enqueue_locked(s, op);
+    unlock();
+    return r;
+}
+
 /* ----- stream capture and graphs ----------------------------------------------------------- */
 
 FC_EXPORT int fc_stream_begin_capture(void *handle, int mode) {
@@ -755,6 +774,7 @@ FC_EXPORT CUresult cuEventQuery(CUevent e) { return fc_event_query(e); }
 FC_EXPORT CUresult cuEventSynchronize(CUevent e) { return fc_event_synchronize(e); }
 FC_EXPORT CUresult cuEventDestroy_v2(CUevent e) { return fc_event_destroy(e); }
 FC_EXPORT CUresult cuStreamSynchronize(CUstream s) { return fc_stream_synchronize(s); }
+FC_EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) { (void)flags; NEED_CONTEXT(); return fc_stream_wait_event(s, e); }
 FC_EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) { return fc_exchange_capture_mode(mode); }
 FC_EXPORT CUresult cuStreamIsCapturing(CUstream s, int *status) { return status ? fc_stream_is_capturing(s, status) : E_INVALID_VALUE; }
 

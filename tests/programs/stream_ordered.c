@@ -45,16 +45,17 @@ int main(void) {
     CHECK(cudaFreeAsync(y, s2));
 
     /* Used on s2, freed on s2 (as PyTorch frees a record_stream'd block): s1's next request
-     * must not get it before s2's work is done. */
+     * (of a size only that block fits) must not use it before s2's work is done. */
     void *z = NULL, *w = NULL;
-    CHECK(cudaMallocAsync(&z, MIB, s1));
+    CHECK(cudaMallocAsync(&z, 12 * MIB, s1));
     CHECK(cudaStreamSynchronize(s1));
-    slow_fill(z, 0xEE, MIB, 150, s2);
+    slow_fill(z, 0xEE, 12 * MIB, 150, s2);
     CHECK(cudaFreeAsync(z, s2));
-    CHECK(cudaMallocAsync(&w, MIB, s1));
-    CHECK(cudaMemsetAsync(w, 0x11, MIB, s1));
+    CHECK(cudaMallocAsync(&w, 12 * MIB, s1));
+    CHECK(cudaMemsetAsync(w, 0x11, 12 * MIB, s1));
     CHECK(cudaDeviceSynchronize());
-    EXPECT(first_wrong_byte(w, 0x11, MIB) < 0, "freed on another stream: reused before that stream's work ended");
+    EXPECT(first_wrong_byte(w, 0x11, 12 * MIB) < 0, "freed on another stream: reused before that stream's work ended");
+    printf("adopted %d\n", z == w);
     CHECK(cudaFreeAsync(w, s1));
     CHECK(cudaDeviceSynchronize());
 

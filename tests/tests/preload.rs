@@ -284,6 +284,12 @@ fn stream_ordered_frees_are_reused_on_their_stream_and_never_across() {
     assert_no_shim_failure(&out.stderr);
     assert_eq!(numbers_after(&out.stdout, "same_stream_reuse"), [1]);
     assert_eq!(numbers_after(&out.stdout, "cross_stream_reuse"), [0]);
+    assert_eq!(
+        numbers_after(&out.stdout, "adopted"),
+        [1],
+        "the block freed on the other stream was reused behind a device-side wait"
+    );
+    assert!(out.stderr.contains(" 0 fence waits"), "{}", out.stderr);
     // Control: with every free fenced, the same-stream block is not reused at once.
     let fenced = Run::c("stream_ordered", &[])
         .env("CACHEALLOC_CONF", "reuse:fenced")

@@ -6,7 +6,9 @@
 //! `malloc` climbs these rungs until one serves the request (PyTorch's order, with our fences):
 //!
 //! 1. a cached block (after making completed fence batches reusable);
-//! 2. close the open fence batch and look again (it may complete at once on an idle GPU);
+//! 2. close the open fence batches and look again (they may complete at once on an idle GPU);
+//!    then adopt the stream's blocks freed on other streams, behind a device-side wait on their
+//!    fences (see [Note [Stream-ordered reuse]](crate::pools#note-stream-ordered-reuse));
 //! 3. garbage collection, when `garbage_collection_threshold` is set and reserved memory is above
 //!    that fraction of the limit: release old free segments;
 //! 4. wait for pending fence batches, oldest first, looking again after each — only while the
@@ -274,6 +276,24 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         }
     }
 
+    /// Adopt `stream`'s blocks freed on other streams ([`Pools::adopt_cross_stream`]),
+    /// reporting each as a completed free.
+    fn adopt_cross_stream(
+        &self,
+        pools: &mut Pools<D::Fence>,
+        stream: u64,
+        changes: &mut SegmentChanges,
+    ) -> Result<bool, DeviceError> {
+        let from = changes.completed_frees.len();
+        let adopted =
+            pools.adopt_cross_stream(stream, &self.device, &mut changes.completed_frees)?;
+        for &(address, size) in &changes.completed_frees[from..] {
+            self.observer
+                .on_event(Event::FreeCompleted { address, size });
+        }
+        Ok(adopted)
+    }
+
     /// Report a block handed out.
     #[inline(always)]
     fn served(&self, allocation: Allocation) -> Allocation {
@@ -371,7 +391,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         // 1. The cache, after closing a full open batch and collecting completed ones.
         if pools.has_pending() {
             if pools.open_batch_full() {
-                pools.close_open_batch(&self.device)?;
+                pools.close_open_batches(&self.device)?;
             }
             self.collect_completed(&mut pools, changes);
         }
@@ -415,12 +435,15 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         // What the ladder did before growing, less the cache lookups: fences and GC.
         if pools.has_pending() {
             if pools.open_batch_full() {
-                pools.close_open_batch(&self.device)?;
+                pools.close_open_batches(&self.device)?;
             }
             self.collect_completed(&mut pools, &mut changes);
         }
-        if pools.close_open_batch(&self.device)? {
+        if pools.close_open_batches(&self.device)? {
             self.collect_completed(&mut pools, &mut changes);
+        }
+        if stream != NO_STREAM {
+            self.adopt_cross_stream(&mut pools, stream, &mut changes)?;
         }
         if self.config.garbage_collection_threshold > 0.0 {
             let garbage = pools.take_garbage(self.config.garbage_collection_threshold, self.limit);
@@ -448,9 +471,16 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             stream,
         } = request;
 
-        // 2. Close the open batch; on an idle device it may complete at once.
-        if pools.close_open_batch(&self.device)? {
+        // 2. Close the open batches; on an idle device they may complete at once.
+        if pools.close_open_batches(&self.device)? {
             self.collect_completed(&mut pools, changes);
+            if let Some(a) = pools.alloc_cached(rounded, size, tag, stream) {
+                return Ok(self.served(a));
+            }
+        }
+
+        // 2b. The stream's blocks freed on other streams, behind a device-side wait.
+        if stream != NO_STREAM && self.adopt_cross_stream(&mut pools, stream, changes)? {
             if let Some(a) = pools.alloc_cached(rounded, size, tag, stream) {
                 return Ok(self.served(a));
             }
@@ -628,8 +658,11 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     pub fn empty_cache(&self) -> Result<SegmentChanges, DeviceError> {
         let mut changes = SegmentChanges::default();
         let mut pools = self.pools.lock();
-        pools.close_open_batch(&self.device)?;
-        while let Some(fence) = pools.oldest_pending_fence() {
+        pools.close_open_batches(&self.device)?;
+        while let Some(fence) = pools
+            .oldest_pending_fence()
+            .or_else(|| pools.any_cross_fence())
+        {
             pools.stats.num_fence_waits += 1;
             let (waited, relocked) = self.unlocked(pools, || self.device.wait_fence(&fence));
             pools = relocked;
@@ -646,7 +679,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     pub fn flush_fences(&self) -> Result<SegmentChanges, DeviceError> {
         let mut changes = SegmentChanges::default();
         let mut pools = self.pools.lock();
-        pools.close_open_batch(&self.device)?;
+        pools.close_open_batches(&self.device)?;
         self.collect_completed(&mut pools, &mut changes);
         Ok(changes)
     }

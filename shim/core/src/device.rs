@@ -66,4 +66,19 @@ pub trait Device: Send + Sync {
     fn release_fence(&self, fence: Self::Fence) {
         drop(fence);
     }
+
+    /// Record a fence after the work enqueued so far on `stream` alone (for blocks freed on
+    /// that stream; see [Note [Stream-ordered reuse]](crate::pools#note-stream-ordered-reuse)).
+    /// The default records a full fence, which is always enough.
+    fn record_stream_fence(&self, stream: u64) -> Result<Self::Fence, DeviceError> {
+        let _ = stream;
+        self.record_fence()
+    }
+
+    /// Order `stream`'s later work after `fence` on the device, without waiting on the host
+    /// (`cudaStreamWaitEvent`). The default waits on the host, which is always enough.
+    fn stream_wait(&self, stream: u64, fence: &Self::Fence) -> Result<(), DeviceError> {
+        let _ = stream;
+        self.wait_fence(fence)
+    }
 }

@@ -45,8 +45,15 @@
 //!   stream without telling the allocator (`record_stream`, or a `cudaStreamWaitEvent` before
 //!   the free) has a bug under PyTorch too. `reuse:fenced` protects such programs by fencing
 //!   every free.
-//! * A block freed **on another stream** than its own, or **synchronously** (`cudaFree`),
-//!   waits behind a fence like any other freed block, then returns to its own stream's lists.
+//! * A block freed **on another stream** than its own (PyTorch frees a block that
+//!   `record_stream` lent to other streams on a side stream that first waits for all of them)
+//!   is free once that stream reaches the free: it waits behind a fence recorded on the
+//!   freeing stream alone, and batches of such frees complete in any order. When its own
+//!   stream needs memory that its lists cannot give, such blocks are **adopted** before
+//!   anything waits or grows: the stream is made to wait for the fence on the device
+//!   ([`Device::stream_wait`], `cudaStreamWaitEvent`), and the block is reused at once.
+//! * A block freed **synchronously** (`cudaFree`) waits behind a fence over every stream like
+//!   any other freed block, then returns to its own stream's lists.
 //! * Blocks of the synchronous API belong to [`NO_STREAM`]; the gate of
 //!   [`Pools::start_fencing`] closes only their lists, since blocks of a stream were freed in
 //!   that stream's order and stay safe for it whatever streams appear.
@@ -332,6 +339,12 @@ pub struct Pools<F> {
     open_batch: Vec<BlockId>,
     /// Fenced batches, oldest first.
     pending: VecDeque<Batch<F>>,
+    /// Blocks freed on another stream than their own, not yet behind a fence: per freeing
+    /// stream. See [Note [Stream-ordered reuse]](self#note-stream-ordered-reuse).
+    open_cross: Vec<(u64, Vec<BlockId>)>,
+    /// Closed batches of such blocks, each behind a fence on its freeing stream alone; they
+    /// complete in any order.
+    cross: Vec<Batch<F>>,
     /// Number of free-list searches so far (the clock of GC ages, PyTorch's
     /// `get_free_blocks_call_count`).
     lookups: u64,
@@ -359,6 +372,8 @@ impl<F: Clone> Pools<F> {
             active: FxHashMap::default(),
             open_batch: Vec::new(),
             pending: VecDeque::new(),
+            open_cross: Vec::new(),
+            cross: Vec::new(),
             lookups: 0,
             growing: 0,
             stats: Stats {
@@ -512,8 +527,10 @@ impl<F: Clone> Pools<F> {
         };
         let b = &mut self.blocks[id as usize];
         let (pool, size, requested) = (b.pool, b.size, b.requested);
-        let stream_ordered =
-            self.reuse == ReusePolicy::Auto && stream != NO_STREAM && stream == b.stream;
+        let auto_streams =
+            self.reuse == ReusePolicy::Auto && stream != NO_STREAM && b.stream != NO_STREAM;
+        let stream_ordered = auto_streams && stream == b.stream;
+        let cross_stream = auto_streams && stream != b.stream;
         let pending = self.fencing && !stream_ordered;
         self.stats.allocation.decrease(pool, 1);
         self.stats.allocated_bytes.decrease(pool, size);
@@ -522,7 +539,11 @@ impl<F: Clone> Pools<F> {
         }
         if pending {
             b.state = BlockState::PendingFree;
-            self.open_batch.push(id);
+            if cross_stream {
+                self.open_cross_batch(stream).push(id);
+            } else {
+                self.open_batch.push(id);
+            }
         } else {
             self.release_to_free_list(id);
         }
@@ -615,15 +636,32 @@ impl<F: Clone> Pools<F> {
         self.fencing
     }
 
-    /// Whether the open batch is big enough to be closed now ([`FENCE_BATCH_BLOCKS`]).
+    /// Whether an open batch is big enough to be closed now ([`FENCE_BATCH_BLOCKS`]).
     #[inline]
     pub fn open_batch_full(&self) -> bool {
         self.open_batch.len() >= FENCE_BATCH_BLOCKS
+            || self
+                .open_cross
+                .iter()
+                .any(|(_, b)| b.len() >= FENCE_BATCH_BLOCKS)
     }
 
     /// Whether any freed block waits for a fence (open or closed batch).
     pub fn has_pending(&self) -> bool {
-        !self.open_batch.is_empty() || !self.pending.is_empty()
+        !self.open_batch.is_empty()
+            || !self.pending.is_empty()
+            || !self.open_cross.is_empty()
+            || !self.cross.is_empty()
+    }
+
+    /// Close every open batch behind a new fence (the cross-stream ones behind fences on their
+    /// freeing streams). Returns whether a batch was closed.
+    pub fn close_open_batches<D: Device<Fence = F>>(
+        &mut self,
+        device: &D,
+    ) -> Result<bool, crate::DeviceError> {
+        let cross = self.close_cross_batches(device)?;
+        Ok(self.close_open_batch(device)? || cross)
     }
 
     /// Close the open batch behind a new fence. Returns whether a batch was closed.
@@ -688,6 +726,7 @@ impl<F: Clone> Pools<F> {
             }
             device.release_fence(batch.fence);
         }
+        self.process_completed_cross(device, completed);
     }
 
     /// The fence a freed block at `address` waits behind, if it is in a closed batch; closes
@@ -698,13 +737,21 @@ impl<F: Clone> Pools<F> {
         device: &D,
         address: u64,
     ) -> Result<Option<F>, crate::DeviceError> {
-        let at = |id: &BlockId| self.blocks[*id as usize].address == address;
-        if self.open_batch.iter().any(at) {
+        let at = |blocks: &[Block], id: &BlockId| blocks[*id as usize].address == address;
+        if self.open_batch.iter().any(|id| at(&self.blocks, id)) {
             self.close_open_batch(device)?;
+        }
+        if self
+            .open_cross
+            .iter()
+            .any(|(_, b)| b.iter().any(|id| at(&self.blocks, id)))
+        {
+            self.close_cross_batches(device)?;
         }
         Ok(self
             .pending
             .iter()
+            .chain(self.cross.iter())
             .find(|b| {
                 b.blocks
                     .iter()
@@ -1166,5 +1213,6 @@ impl<F: Clone> Pools<F> {
     }
 }
 
+mod cross_stream;
 mod free_list;
 mod invariants;

@@ -42,6 +42,8 @@ pub struct SimCounters {
     pub fences: u64,
     /// Blocking waits on a fence.
     pub waits: u64,
+    /// Stream waits on a fence (device-side dependencies: nothing blocks).
+    pub stream_waits: u64,
 }
 
 #[derive(Debug)]
@@ -225,6 +227,11 @@ impl Device for SimDevice {
 
     fn fence_completed(&self, fence: &SimFence) -> bool {
         fence.0 <= self.state.lock().completed_through
+    }
+
+    fn stream_wait(&self, _stream: u64, _fence: &SimFence) -> Result<(), DeviceError> {
+        self.state.lock().counters.stream_waits += 1;
+        Ok(())
     }
 
     fn wait_fence(&self, fence: &SimFence) -> Result<(), DeviceError> {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use cachealloc_core::{Device, DeviceError, MemInfo};
 
 use crate::cuda;
-use crate::driver::{self, Driver, Fence, Fences};
+use crate::driver::{self, Driver, Fence, Fences, Stream};
 use crate::real;
 use crate::streams::StreamRegistry;
 
@@ -141,6 +141,21 @@ impl Device for CudaDevice {
             self.fences
                 .record(&self.streams.fence_targets(self.ordinal))
         })
+    }
+
+    fn record_stream_fence(&self, stream: u64) -> Result<Fence, DeviceError> {
+        let stream = Stream(stream as usize);
+        if self.streams.is_capturing(stream) {
+            // An event recorded now would join the capture: a full fence instead (it leaves the
+            // capturing stream out, and the barrier at the capture's start covers its earlier
+            // work).
+            return self.record_fence();
+        }
+        self.capture_safe(|| self.fences.record(&[stream]))
+    }
+
+    fn stream_wait(&self, stream: u64, fence: &Fence) -> Result<(), DeviceError> {
+        self.capture_safe(|| self.fences.make_wait(Stream(stream as usize), fence))
     }
 
     fn fence_completed(&self, fence: &Fence) -> bool {

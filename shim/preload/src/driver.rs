@@ -28,7 +28,7 @@ use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
 
 /// Every driver function the shim needs.
-const REQUIRED_SYMBOLS: [&str; 9] = [
+const REQUIRED_SYMBOLS: [&str; 10] = [
     "cuInit",
     "cuDeviceGet",
     "cuCtxGetCurrent",
@@ -38,6 +38,7 @@ const REQUIRED_SYMBOLS: [&str; 9] = [
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
+    "cuStreamWaitEvent",
 ];
 
 /// Proof that libcuda is loaded, initialized, and has every function we use.
@@ -266,6 +267,21 @@ impl Fences {
             let r = unsafe { sys::cuEventSynchronize(e.0) };
             if r != sys::CUresult::CUDA_SUCCESS {
                 return Err(device_error(r, "cuEventSynchronize"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Make `stream`'s later work wait on the device for every event of the fence
+    /// (`cuStreamWaitEvent`): nothing waits on the host.
+    pub fn make_wait(&self, stream: Stream, fence: &Fence) -> Result<(), DeviceError> {
+        self.ensure_context()?;
+        for e in &fence.events {
+            // SAFETY: a live event of ours and a stream handle of the application's (the one
+            // its allocation was made for); 0 is the only valid flag value.
+            let r = unsafe { sys::cuStreamWaitEvent(stream.0 as sys::CUstream, e.0, 0) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(device_error(r, "cuStreamWaitEvent"));
             }
         }
         Ok(())

@@ -174,6 +174,8 @@ impl<F: Clone> Pools<F> {
             .open_batch
             .iter()
             .chain(self.pending.iter().flat_map(|b| b.blocks.iter()))
+            .chain(self.open_cross.iter().flat_map(|(_, b)| b.iter()))
+            .chain(self.cross.iter().flat_map(|b| b.blocks.iter()))
         {
             if !batched.insert(id) {
                 return Err(format!("block id {id} is in two fence batches"));
@@ -181,6 +183,11 @@ impl<F: Clone> Pools<F> {
         }
         if batched != pending_seen {
             return Err("fence batches differ from the pending-free blocks".to_string());
+        }
+        if self.open_cross.iter().any(|(_, b)| b.is_empty())
+            || self.cross.iter().any(|b| b.blocks.is_empty() || b.gate)
+        {
+            return Err("an empty or gating cross-stream batch".to_string());
         }
         if self.gated != self.pending.iter().any(|b| b.gate) {
             return Err("gate flag disagrees with the pending batches".to_string());

@@ -102,12 +102,15 @@ struct LiveBlock {
 }
 
 /// Bytes freed but possibly still in use by the GPU: (address, size, fences recorded at free),
-/// and the stream that may reuse them at once (ordered after the free), if any.
+/// and the stream that may reuse them (ordered after the free), if any: at once for a free on
+/// that stream, or after a device-side wait (`stream_waits` above `waits_at_free`) for a free
+/// on another stream.
 struct Unsafe {
     address: u64,
     size: u64,
     fences_at_free: u64,
     safe_for: Option<u64>,
+    waits_at_free: Option<u64>,
 }
 
 fn overlaps(a: u64, a_size: u64, b: u64, b_size: u64) -> bool {
@@ -137,7 +140,12 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                     }
                     let done = c.device().completed_through();
                     unsafe_ranges.retain(|u| u.fences_at_free >= done);
-                    for u in unsafe_ranges.iter().filter(|u| u.safe_for != Some(stream)) {
+                    let stream_waits = c.device().counters().stream_waits;
+                    let ordered = |u: &Unsafe| {
+                        u.safe_for == Some(stream)
+                            && u.waits_at_free.is_none_or(|w| stream_waits > w)
+                    };
+                    for u in unsafe_ranges.iter().filter(|u| !ordered(u)) {
                         prop_assert!(
                             !overlaps(a.address, a.size, u.address, u.size),
                             "reused {:#x} before a fence after its free completed",
@@ -175,7 +183,9 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                         .find(|&&s| s != b.stream && s != NO_STREAM)
                         .unwrap(),
                 };
-                let stream_ordered = auto && stream != NO_STREAM && stream == b.stream;
+                let streams = auto && stream != NO_STREAM && b.stream != NO_STREAM;
+                let stream_ordered = streams && stream == b.stream;
+                let cross = streams && stream != b.stream;
                 let f = c.free_on(b.address, stream);
                 prop_assert_eq!(f.size, b.size);
                 prop_assert_eq!(f.pending, fencing && !stream_ordered);
@@ -187,7 +197,9 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                         address: b.address,
                         size: b.size,
                         fences_at_free: if f.pending { k } else { u64::MAX },
-                        safe_for: (!f.pending).then_some(b.stream),
+                        safe_for: (!f.pending || cross).then_some(b.stream),
+                        waits_at_free: (f.pending && cross)
+                            .then(|| c.device().counters().stream_waits),
                     });
                 }
             }
@@ -219,6 +231,7 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                                     size: b.size,
                                     fences_at_free: gate,
                                     safe_for: None,
+                                    waits_at_free: None,
                                 });
                             }
                         }

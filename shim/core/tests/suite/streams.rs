@@ -58,22 +58,50 @@ fn a_streams_blocks_never_serve_another_stream() {
 }
 
 #[test]
-fn freed_on_another_stream_waits_for_a_fence() {
+fn freed_on_another_stream_is_adopted_behind_a_device_side_wait() {
     let c = with_streams(ReusePolicy::Auto);
     let a = c.malloc_on(4096, A);
     c.malloc_on(MIB - 4096, A); // fill the segment: a new request cannot go elsewhere in it
     c.malloc_on(MIB, A);
     let f = c.free_on(a.address, B);
     assert!(f.pending, "A's next work is not ordered after B's free");
-    c.alloc.flush_fences().unwrap();
-    assert_eq!(c.device().counters().fences, 1);
-    // Nothing else fits in A's lists: the ladder waits for the fence rather than reuse early.
+    assert_eq!(c.device().counters().fences, 0, "batched until needed");
+    // Nothing else fits in A's lists: A is made to wait for B's free on the device, and the
+    // block is reused at once — no host wait, no new segment.
     let reused = c.malloc_on(4096, A);
+    assert_eq!(reused.address, a.address);
+    let counters = c.device().counters();
     assert_eq!(
-        reused.address, a.address,
-        "back in A's lists after the fence"
+        (counters.fences, counters.stream_waits, counters.waits),
+        (1, 1, 0)
     );
-    assert_eq!(c.device().counters().waits, 1);
+    assert_eq!(c.stats().num_device_alloc, 1);
+}
+
+#[test]
+fn a_cross_stream_free_completes_on_its_own_fence() {
+    let c = with_streams(ReusePolicy::Auto);
+    let a = c.malloc_on(4096, A);
+    c.free_on(a.address, B);
+    c.alloc.flush_fences().unwrap();
+    assert_eq!(
+        c.alloc.lookup(a.address).unwrap().state,
+        BlockState::PendingFree
+    );
+    c.device().complete_fences();
+    c.alloc.flush_fences().unwrap();
+    assert_eq!(c.alloc.lookup(a.address).unwrap().state, BlockState::Free);
+    assert_eq!(c.device().counters().stream_waits, 0);
+}
+
+#[test]
+fn blocks_freed_on_another_stream_never_serve_that_stream() {
+    let c = with_streams(ReusePolicy::Auto);
+    let a = c.malloc_on(4096, A);
+    c.free_on(a.address, B);
+    let b = c.malloc_on(4096, B);
+    assert_ne!(b.address, a.address, "the block is A's, whoever freed it");
+    assert_eq!(c.device().counters().stream_waits, 0);
 }
 
 #[test]

@@ -1,0 +1,111 @@
+"""cachealloc's Python integration: what the preloaded library cannot do from C.
+
+Activated with no change to the user's program: the preloaded `libcachealloc.so` puts the
+directory of this module first on `PYTHONPATH` of a Python process, and `sitecustomize.py`
+beside it runs any `sitecustomize` it shadows, then calls `install()`. It never imports torch
+itself and never touches the allocation path; it only acts when the program imports a module
+it has to adjust:
+
+* `torch._inductor.config` — `torch.compile(mode="reduce-overhead")` records CUDA graphs through
+  "CUDA graph trees", which need PyTorch's native allocator (its private pools and
+  `checkPoolLiveAllocations`); on the `cudaMallocAsync` backend that routes tensors to
+  cachealloc, graph trees fail. Inductor's older CUDA graph path works on that backend, so graph
+  trees are turned off (`triton.cudagraph_trees = False`), with one message.
+
+`CACHEALLOC_CONF=python:off` switches the integration off (the library then leaves
+`PYTHONPATH` alone).
+"""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+#: Modules to adjust after they load: name -> function of the loaded module.
+ADJUSTMENTS = {}
+
+
+def _adjusts(name):
+    def register(fn):
+        ADJUSTMENTS[name] = fn
+        return fn
+
+    return register
+
+
+def _say(message):
+    if "log:quiet" not in os.environ.get("CACHEALLOC_CONF", ""):
+        print(f"cachealloc: {message}", file=sys.stderr)
+
+
+def _torch_backend():
+    """The allocator backend PyTorch was configured with."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(var)
+        if conf is not None:
+            for item in conf.split(","):
+                key, _, value = item.partition(":")
+                if key.strip() == "backend":
+                    return value.strip()
+            return "native"
+    return "native"
+
+
+@_adjusts("torch._inductor.config")
+def _inductor_config(config):
+    if _torch_backend() != "cudaMallocAsync" or not config.triton.cudagraph_trees:
+        return
+    config.triton.cudagraph_trees = False
+    _say(
+        "torch.compile's CUDA graph trees need PyTorch's native allocator; with cachealloc "
+        "(PyTorch's cudaMallocAsync backend) Inductor records CUDA graphs without trees "
+        "(torch._inductor.config.triton.cudagraph_trees = False)"
+    )
+
+
+class _Wrapped(importlib.abc.Loader):
+    """A loader that runs the module's own loader, then its adjustment."""
+
+    def __init__(self, loader, adjust):
+        self.loader = loader
+        self.adjust = adjust
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        try:
+            self.adjust(module)
+        except Exception as e:  # never break the user's import
+            _say(f"could not adjust {module.__name__}: {e}")
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a module in ADJUSTMENTS, asks the other finders, then wraps
+    the loader they found."""
+
+    def find_spec(self, name, path=None, target=None):
+        adjust = ADJUSTMENTS.get(name)
+        if adjust is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _Wrapped(spec.loader, adjust)
+                return spec
+        return None
+
+
+def install():
+    """Adjust the modules of ADJUSTMENTS when they are imported (now, if already imported)."""
+    if "python:off" in os.environ.get("CACHEALLOC_CONF", "").replace(" ", ""):
+        return
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _Finder())
+    for name, adjust in ADJUSTMENTS.items():
+        if name in sys.modules:
+            adjust(sys.modules[name])
