@@ -48,6 +48,8 @@ run exit_nofree X=1 --
 run ipc X=1 --
 run multi_gpu X=1 --
 run device_reset X=1 --
+run stream_ordered X=1 --
+run graph_capture X=1 --
 
 # Control: without fences the race must be caught.
 out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
@@ -99,10 +101,19 @@ if [ -x "$CA" ]; then
     fi
 fi
 
+# PyTorch's CUDA graphs and memory API under the shim, as without it.
+out=$(LD_PRELOAD="$LIB" timeout 300 python3 "$WORK/graphs.py" 2>&1)
+echo "$out" | grep -E '^(graphs|cachealloc:)'
+if [ "$(echo "$out" | grep -c 'ok=True')" = 3 ]; then pass "graphs.py 3/3"; else fail "graphs.py"; echo "$out" | tail -5; fi
+out=$(LD_PRELOAD="$LIB" timeout 300 python3 "$WORK/torch_memory_api.py" 2>&1)
+echo "$out" | grep -E '^(api|cachealloc:)' | tail -14
+if echo "$out" | grep -q '^api result=PASS'; then pass "torch_memory_api.py"; else fail "torch_memory_api.py"; fi
+
 # Training: losses with and without the shim agree.
-for w in mlp_train gpt2_train; do
-    native=$(python3 "$WORK/$w.py" 2>&1 | grep '^workload=')
-    shim=$(LD_PRELOAD="$LIB" python3 "$WORK/$w.py" 2>&1 | grep -E '^(workload=|cachealloc:)')
+for w in mlp_train gpt2_train multistream; do
+    script="$WORK/$w.py"; [ -f "$script" ] || script="scripts/gpu/$w.py"
+    native=$(python3 "$script" 2>&1 | grep '^workload=')
+    shim=$(LD_PRELOAD="$LIB" python3 "$script" 2>&1 | grep -E '^(workload=|cachealloc:)')
     echo "native: $native"; echo "shim:   $shim"
     a=$(echo "$native" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p'); b=$(echo "$shim" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p')
     if [ -n "$a" ] && [ -n "$b" ] && python3 -c "import sys; sys.exit(0 if abs($a - $b) <= 1e-6 else 1)"; then

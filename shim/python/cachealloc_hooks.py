@@ -10,7 +10,7 @@ it has to adjust:
   "CUDA graph trees", which need PyTorch's native allocator (its private pools and
   `checkPoolLiveAllocations`); on the `cudaMallocAsync` backend that routes tensors to
   cachealloc, graph trees fail. Inductor's older CUDA graph path works on that backend, so graph
-  trees are turned off (`triton.cudagraph_trees = False`), with one message.
+  trees are turned off (`triton.cudagraph_trees = False`); `log:debug` says so.
 
 `CACHEALLOC_CONF=python:off` switches the integration off (the library then leaves
 `PYTHONPATH` alone).
@@ -32,8 +32,20 @@ def _adjusts(name):
     return register
 
 
+def _conf():
+    return os.environ.get("CACHEALLOC_CONF", "").replace(" ", "")
+
+
 def _say(message):
-    if "log:quiet" not in os.environ.get("CACHEALLOC_CONF", ""):
+    """A message on stderr, shown with `log:debug` (the adjustment is documented, and would
+    otherwise be printed by every PyTorch program)."""
+    if "log:debug" in _conf():
+        print(f"cachealloc: {message}", file=sys.stderr)
+
+
+def _warn(message):
+    """A message on stderr unless `log:quiet`: something did not work."""
+    if "log:quiet" not in _conf():
         print(f"cachealloc: {message}", file=sys.stderr)
 
 
@@ -77,7 +89,7 @@ class _Wrapped(importlib.abc.Loader):
         try:
             self.adjust(module)
         except Exception as e:  # never break the user's import
-            _say(f"could not adjust {module.__name__}: {e}")
+            _warn(f"could not adjust {module.__name__}: {e}")
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -101,7 +113,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def install():
     """Adjust the modules of ADJUSTMENTS when they are imported (now, if already imported)."""
-    if "python:off" in os.environ.get("CACHEALLOC_CONF", "").replace(" ", ""):
+    if "python:off" in _conf():
         return
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return

@@ -207,6 +207,10 @@ fn pool_off_passes_everything_through() {
     assert!(summary_lines(&out.stderr).is_empty(), "{}", out.stderr);
 }
 
+/// CACHEALLOC_CONF, the user's own variables, and the PYTORCH_CUDA_ALLOC_CONF and
+/// PYTORCH_NO_CUDA_MEMORY_CACHING that PyTorch must then see.
+type TorchEnvCase<'a> = (&'a str, &'a [(&'a str, &'a str)], [&'a str; 2]);
+
 #[test]
 fn python_host_through_ctypes() {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
@@ -225,7 +229,7 @@ fn python_host_through_ctypes() {
     );
     // What the constructor tells PyTorch: (CACHEALLOC_CONF, the user's variables) → the
     // expected PYTORCH_CUDA_ALLOC_CONF and PYTORCH_NO_CUDA_MEMORY_CACHING.
-    let cases: [(&str, &[(&str, &str)], [&str; 2]); 5] = [
+    let cases: [TorchEnvCase; 5] = [
         // torch_caching:keep leaves PyTorch's own cache alone.
         ("torch_caching:keep", &[], ["unset", "unset"]),
         // The first route: PyTorch's uncached path.
@@ -342,5 +346,49 @@ fn graph_capture_with_allocations_on_other_threads() {
 fn graph_and_stream_programs_pass_without_the_shim() {
     for name in ["stream_ordered", "graph_capture"] {
         Run::c(name, &[]).without_shim().output().assert_ok(name);
+    }
+}
+
+#[test]
+fn python_integration_turns_graph_trees_off_and_keeps_the_users_sitecustomize() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/programs/python_integration.py"
+    );
+    let user_site = cachealloc_tests::fresh_dir();
+    std::fs::write(
+        user_site.join("sitecustomize.py"),
+        "import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n",
+    )
+    .unwrap();
+    let user_path = user_site.to_str().unwrap();
+    // (CACHEALLOC_CONF, PyTorch's own setting, whether graph trees stay on)
+    let cases = [
+        ("", "", "False"),
+        ("python:off", "", "True"),
+        ("", "backend:native", "True"),
+        ("torch_caching:keep", "", "True"),
+    ];
+    for (conf, torch_conf, trees) in cases {
+        let mut run = Run::new(&python, &[script, trees]).env("PYTHONPATH", user_path);
+        let conf = if conf.is_empty() {
+            "log:debug".to_string()
+        } else {
+            format!("{conf},log:debug")
+        };
+        run = run.env("CACHEALLOC_CONF", &conf);
+        if !torch_conf.is_empty() {
+            run = run.env("PYTORCH_CUDA_ALLOC_CONF", torch_conf);
+        }
+        let out = run.output();
+        out.assert_ok("python_integration");
+        let said = out.stderr.matches("CUDA graph trees").count();
+        assert_eq!(
+            said,
+            usize::from(trees == "False"),
+            "one message (log:debug) when trees are turned off ({conf}): {}",
+            out.stderr
+        );
     }
 }

@@ -121,6 +121,9 @@ pub struct Config {
     pub compress: bool,
     /// `oom_checkpoint`: write a full state checkpoint to the trace at an OOM.
     pub oom_checkpoint: bool,
+    /// `python:on|off`: in a Python process, put the shim's Python integration on
+    /// `PYTHONPATH` (it adjusts what PyTorch cannot do on the `cudaMallocAsync` route).
+    pub python: bool,
     /// `log`.
     pub log: LogLevel,
 }
@@ -153,6 +156,7 @@ impl Default for Config {
             stack_depth: 64,
             compress: true,
             oom_checkpoint: true,
+            python: true,
             log: LogLevel::Info,
         }
     }
@@ -207,6 +211,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("stack_depth", "an integer from 1 to 256"),
     ("compress", "on or off"),
     ("oom_checkpoint", "on or off"),
+    ("python", "on or off"),
     ("log", "quiet, info or debug"),
 ];
 
@@ -348,6 +353,7 @@ impl Config {
             "stack_depth" => self.stack_depth = parse_int(key, value, 1, 256)? as u32,
             "compress" => self.compress = parse_bool(key, value)?,
             "oom_checkpoint" => self.oom_checkpoint = parse_bool(key, value)?,
+            "python" => self.python = parse_bool(key, value)?,
             "log" => {
                 self.log = choose(
                     key,

@@ -14,7 +14,8 @@
 //! | [`hooks`] | what each interposed call does: pool or pass through |
 //! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators |
 //! | [`report`] | the exit summary, annotations, the stats JSON |
-//! | [`settings`] | the configuration, read once by the constructor |
+//! | [`settings`] | the configuration, read once by the constructor; how PyTorch's tensors reach the pools |
+//! | [`python_integration`] | in a Python process, `shim/python/` first on `PYTHONPATH` |
 //! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait |
 //! | [`driver`] | reuse fences: CUDA events through the driver API (cudarc) |
 //! | [`streams`] | the application's streams, for fences and `reuse:auto` |
@@ -31,7 +32,9 @@
 //! # Guarantees
 //!
 //! * Nothing CUDA happens at load time; the constructor only reads the configuration and, in pool
-//!   mode, sets `PYTORCH_NO_CUDA_MEMORY_CACHING=1` (unless set, or `torch_caching:keep`).
+//!   mode, selects PyTorch's `backend:cudaMallocAsync` (unless the user chose a backend, or
+//!   `torch_caching` says otherwise) and, in a Python process, puts the Python integration on
+//!   `PYTHONPATH` (unless `python:off`).
 //! * A freed block is not handed out again before GPU work enqueued before its free, on any
 //!   stream the application created through the runtime, has finished (`reuse:auto`, the
 //!   default, knows all work is on one stream until the first stream is created).
@@ -47,6 +50,7 @@ pub mod ffi;
 pub mod hooks;
 pub mod log;
 pub mod process;
+pub mod python_integration;
 pub mod real;
 pub mod report;
 pub mod settings;

@@ -59,6 +59,9 @@ pub fn on_load() {
     if !config.pool {
         return;
     }
+    if config.python {
+        crate::python_integration::on_load();
+    }
     match config.torch_caching {
         TorchCaching::Async => select_torch_async_backend(),
         TorchCaching::Uncached => {
