@@ -73,6 +73,10 @@ fn main() {
         if path.extension().is_none_or(|e| e != "c") || name.starts_with("slow_fill") {
             continue;
         }
+        if name.starts_with("lib") {
+            build_library(&path, &name, &programs, &include, &fake, &bin);
+            continue;
+        }
         build_program(&path, &name, &programs, &include, &fake, &bin);
     }
     println!("cargo:rerun-if-changed=fakecuda");
@@ -98,6 +102,33 @@ fn build_program(
         .arg(bin.join(name))
         .arg(path)
         .arg(programs.join("slow_fill_fake.c"))
+        .arg("-L")
+        .arg(fake)
+        .arg("-l:libcudart.so.13")
+        .arg(format!("-Wl,-rpath-link,{}", fake.display()))
+        .arg("-lpthread");
+    run(cmd);
+}
+
+/// A helper library for the Python programs (`lib*.c` → `lib*.so`).
+fn build_library(
+    path: &Path,
+    name: &str,
+    programs: &Path,
+    include: &Path,
+    fake: &Path,
+    bin: &Path,
+) {
+    let mut cmd = compiler();
+    cmd.arg("-shared")
+        .arg("-fPIC")
+        .arg("-I")
+        .arg(include)
+        .arg("-I")
+        .arg(programs)
+        .arg("-o")
+        .arg(bin.join(format!("{name}.so")))
+        .arg(path)
         .arg("-L")
         .arg(fake)
         .arg("-l:libcudart.so.13")

@@ -11,6 +11,10 @@ it has to adjust:
   `checkPoolLiveAllocations`); on the `cudaMallocAsync` backend that routes tensors to
   cachealloc, graph trees fail. Inductor's older CUDA graph path works on that backend, so graph
   trees are turned off (`triton.cudagraph_trees = False`); `log:debug` says so.
+* `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
+  Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
+  they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
+  attributed to it. One call into the library per `backward()`, none per allocation.
 
 `CACHEALLOC_CONF=python:off` switches the integration off (the library then leaves
 `PYTHONPATH` alone).
@@ -72,6 +76,50 @@ def _inductor_config(config):
         "(PyTorch's cudaMallocAsync backend) Inductor records CUDA graphs without trees "
         "(torch._inductor.config.triton.cudagraph_trees = False)"
     )
+
+
+def _library():
+    """The preloaded library's C API, or None."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)
+        begin, end = lib.cachealloc_backward_begin, lib.cachealloc_backward_end
+    except (OSError, AttributeError):
+        return None
+    begin.restype = ctypes.c_uint
+    begin.argtypes = []
+    end.restype = None
+    end.argtypes = [ctypes.c_uint]
+    return begin, end
+
+
+def _attributed(fn, begin, end):
+    """`fn`, telling the library that the calling thread's stack owns what is allocated on
+    frameless threads while it runs."""
+    import functools
+
+    @functools.wraps(fn)
+    def backward_with_stack(*args, **kwargs):
+        token = begin()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end(token)
+
+    backward_with_stack._cachealloc_wrapped = True
+    return backward_with_stack
+
+
+@_adjusts("torch.autograd")
+def _autograd(autograd):
+    api = _library()
+    if api is None:
+        return
+    for name in ("backward", "grad"):
+        fn = getattr(autograd, name, None)
+        if fn is not None and not getattr(fn, "_cachealloc_wrapped", False):
+            setattr(autograd, name, _attributed(fn, *api))
 
 
 class _Wrapped(importlib.abc.Loader):

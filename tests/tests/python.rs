@@ -227,3 +227,26 @@ fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
         assert!(recorded_stacks(&records).values().all(|s| s.is_empty()));
     }
 }
+
+#[test]
+fn backward_allocations_get_the_stack_that_called_backward() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/python_backward.py");
+    let programs = cachealloc_tests::program("basic");
+    let libdir = programs.parent().unwrap().to_str().unwrap().to_string();
+    for (conf, attributed) in [("", true), ("python:off", false)] {
+        let out = Run::new("python3", &[script, &libdir])
+            .env("CACHEALLOC_CONF", conf)
+            .output();
+        out.assert_ok("python_backward");
+        let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+        let (records, _) = read_trace(&dirs[0]);
+        let stacks = alloc_stacks(&records);
+        let stack = &stacks[&777_216];
+        let names: Vec<&str> = stack.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names.contains(&"train_step"),
+            attributed,
+            "{conf}: the native thread's allocation has the stack {names:?}"
+        );
+    }
+}

@@ -476,6 +476,34 @@ pub unsafe extern "C" fn cachealloc_annotate(name: *const c_char) -> c_int {
     )
 }
 
+/// The calling Python thread enters `backward()`: allocations on threads without frames of their
+/// own (PyTorch's autograd threads) get its stack until [`cachealloc_backward_end`]. Returns a
+/// token for `cachealloc_backward_end`. Called by the Python integration.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_backward_begin() -> c_uint {
+    guarded(
+        "cachealloc_backward_begin",
+        || Ok(process::shim().map_or(0, |s| s.backward_begin())),
+        || Ok(0),
+    )
+    .unwrap_or(0)
+}
+
+/// The `backward()` announced by [`cachealloc_backward_begin`] returned.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_backward_end(token: c_uint) {
+    guarded(
+        "cachealloc_backward_end",
+        || {
+            if let Some(shim) = process::started_shim() {
+                shim.backward_end(token);
+            }
+            cuda::SUCCESS
+        },
+        || cuda::SUCCESS,
+    );
+}
+
 /// PyTorch `CUDAPluggableAllocator` allocation entry point.
 ///
 /// # Safety

@@ -295,6 +295,22 @@ impl Shim {
         stacks.capture(trace)
     }
 
+    /// The calling Python thread enters `backward()` (announced by the Python integration):
+    /// until [`Shim::backward_end`], threads without frames of their own — the autograd
+    /// engine's — get its stack. Returns the stack it replaces.
+    pub fn backward_begin(&self) -> u32 {
+        let Some(stacks) = &self.stacks else { return 0 };
+        let stack = self.capture_stack();
+        stacks.set_backward(stack)
+    }
+
+    /// The `backward()` announced by [`Shim::backward_begin`] returned: put back `previous`.
+    pub fn backward_end(&self, previous: u32) {
+        if let Some(stacks) = &self.stacks {
+            stacks.set_backward(previous);
+        }
+    }
+
     /// Serve `cudaMalloc(size)` ([`NO_STREAM`]) or `cudaMallocAsync(size, stream)` from the
     /// current device's pool.
     pub fn malloc(&self, size: u64, stream: u64) -> Result<u64, CudaError> {

@@ -21,11 +21,17 @@
 //!
 //! With `stacks:all` a stack is the native frames, innermost first, followed by the Python frames
 //! (the Python code is what called into the native code).
+//!
+//! A thread with no frame to record (in PyTorch, the autograd engine's device threads, which run
+//! the backward pass while the Python thread that called `backward()` waits) gets the stack of
+//! the Python thread currently in `backward()`, which the Python integration announces through
+//! `cachealloc_backward_begin`/`_end` ([`Stacks::set_backward`]).
 
 pub mod native;
 pub mod python;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cachealloc_core::config::StackMode;
@@ -171,6 +177,8 @@ pub struct Stacks {
     native: Option<NativeStacks>,
     python: Option<Python>,
     interner: Mutex<Interner>,
+    /// The stack of the Python thread in `backward()`, for threads without frames (0: none).
+    backward: AtomicU32,
 }
 
 impl Stacks {
@@ -206,7 +214,14 @@ impl Stacks {
             native: native.then(NativeStacks::new),
             python,
             interner: Mutex::default(),
+            backward: AtomicU32::new(0),
         })
+    }
+
+    /// The stack to give threads that have no frame to record (0: none): the stack of the
+    /// Python thread now in `backward()`. Returns the previous one, to put back after.
+    pub fn set_backward(&self, stack: u32) -> u32 {
+        self.backward.swap(stack, Ordering::AcqRel)
     }
 
     /// Whether Python frames are captured, and of which version.
@@ -242,7 +257,7 @@ impl Stacks {
             None => 0,
         };
         if native + python == 0 {
-            return 0;
+            return self.backward.load(Ordering::Acquire);
         }
         // The raw key: what was read off the stack, and for each Python frame what identifies
         // its code object's contents (so a code object replaced at the same address is a miss).
