@@ -299,8 +299,11 @@ impl Shim {
     /// until [`Shim::backward_end`], threads without frames of their own — the autograd
     /// engine's — get its stack. Returns the stack it replaces.
     pub fn backward_begin(&self) -> u32 {
-        let Some(stacks) = &self.stacks else { return 0 };
-        let stack = self.capture_stack();
+        let (Some(stacks), Ok(trace)) = (&self.stacks, &self.trace) else {
+            return 0;
+        };
+        // The innermost Python frame is the integration's wrapper: leave it out.
+        let stack = stacks.capture_skipping(trace, 1);
         stacks.set_backward(stack)
     }
 

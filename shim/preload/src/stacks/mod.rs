@@ -232,17 +232,23 @@ impl Stacks {
     /// The calling thread's stack as an id (0 if it has no frame to record), sending the
     /// definitions of anything new to `trace` first.
     pub fn capture(&self, trace: &Trace) -> u32 {
+        self.capture_skipping(trace, 0)
+    }
+
+    /// [`Stacks::capture`] without the `skip` innermost Python frames (the caller's own
+    /// wrapper).
+    pub fn capture_skipping(&self, trace: &Trace, skip: usize) -> u32 {
         // Reused per thread: a capture neither zeroes nor allocates buffers once warm. (`try_`:
         // during thread teardown the buffers may be gone; that allocation goes without a stack.)
         SCRATCH
             .try_with(|scratch| match scratch.try_borrow_mut() {
-                Ok(mut scratch) => self.capture_with(&mut scratch, trace),
+                Ok(mut scratch) => self.capture_with(&mut scratch, trace, skip),
                 Err(_) => 0,
             })
             .unwrap_or(0)
     }
 
-    fn capture_with(&self, scratch: &mut Scratch, trace: &Trace) -> u32 {
+    fn capture_with(&self, scratch: &mut Scratch, trace: &Trace, skip: usize) -> u32 {
         let Scratch { ips, py, raw } = scratch;
         if ips.len() < self.depth {
             ips.resize(self.depth, 0);
@@ -256,6 +262,8 @@ impl Stacks {
             Some(p) => p.walk(&mut py[..self.depth]),
             None => 0,
         };
+        let skip = skip.min(python);
+        let (py, python) = (&py[skip..], python - skip);
         if native + python == 0 {
             return self.backward.load(Ordering::Acquire);
         }
