@@ -85,6 +85,25 @@ fn main() {
     println!("cargo:rustc-env=PROGRAMS_DIR={}", bin.display());
 }
 
+/// The compiler command for one C file of `programs/` over fakecuda's runtime, writing `output`.
+fn c_command(path: &Path, programs: &Path, include: &Path, fake: &Path, output: &Path) -> Command {
+    let mut cmd = compiler();
+    cmd.arg("-I")
+        .arg(include)
+        .arg("-I")
+        .arg(programs)
+        .arg("-o")
+        .arg(output)
+        .arg(path)
+        .arg("-L")
+        .arg(fake)
+        .arg("-l:libcudart.so.13")
+        .arg(format!("-Wl,-rpath-link,{}", fake.display()))
+        .arg("-lpthread");
+    cmd
+}
+
+/// A test program, with fakecuda's `slow_fill`.
 fn build_program(
     path: &Path,
     name: &str,
@@ -93,20 +112,8 @@ fn build_program(
     fake: &Path,
     bin: &Path,
 ) {
-    let mut cmd = compiler();
-    cmd.arg("-I")
-        .arg(include)
-        .arg("-I")
-        .arg(programs)
-        .arg("-o")
-        .arg(bin.join(name))
-        .arg(path)
-        .arg(programs.join("slow_fill_fake.c"))
-        .arg("-L")
-        .arg(fake)
-        .arg("-l:libcudart.so.13")
-        .arg(format!("-Wl,-rpath-link,{}", fake.display()))
-        .arg("-lpthread");
+    let mut cmd = c_command(path, programs, include, fake, &bin.join(name));
+    cmd.arg(programs.join("slow_fill_fake.c"));
     run(cmd);
 }
 
@@ -119,21 +126,9 @@ fn build_library(
     fake: &Path,
     bin: &Path,
 ) {
-    let mut cmd = compiler();
-    cmd.arg("-shared")
-        .arg("-fPIC")
-        .arg("-I")
-        .arg(include)
-        .arg("-I")
-        .arg(programs)
-        .arg("-o")
-        .arg(bin.join(format!("{name}.so")))
-        .arg(path)
-        .arg("-L")
-        .arg(fake)
-        .arg("-l:libcudart.so.13")
-        .arg(format!("-Wl,-rpath-link,{}", fake.display()))
-        .arg("-lpthread");
+    let output = bin.join(format!("{name}.so"));
+    let mut cmd = c_command(path, programs, include, fake, &output);
+    cmd.args(["-shared", "-fPIC"]);
     run(cmd);
 }
 

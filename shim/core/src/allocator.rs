@@ -164,6 +164,19 @@ struct Request {
     stream: u64,
 }
 
+impl Request {
+    fn new(size: u64, stream: u64, tag: u64, config: &AllocatorConfig) -> Self {
+        let rounded = sizes::round_size(size, &config.roundup);
+        Request {
+            size,
+            rounded,
+            segment_size: sizes::segment_size(rounded),
+            tag,
+            stream,
+        }
+    }
+}
+
 /// One thing the allocator did, reported to its [`Observer`] under the allocator's lock, so that
 /// events reach the observer in the order they happened (a trace must never show a block
 /// allocated again before its free).
@@ -398,14 +411,11 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         if let Some(a) = pools.alloc_cached(rounded, size, tag, stream) {
             return Ok(self.served(a));
         }
-        let request = Request {
-            size,
-            rounded,
-            segment_size: sizes::segment_size(rounded),
-            tag,
-            stream,
-        };
-        self.malloc_slow(pools, &request, changes)
+        self.malloc_slow(
+            pools,
+            &Request::new(size, stream, tag, &self.config),
+            changes,
+        )
     }
 
     /// Allocate `size` bytes from a new segment without looking in the cache first (falling
@@ -422,15 +432,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         stream: u64,
         tag: u64,
     ) -> Result<Allocation, AllocError> {
-        let rounded = sizes::round_size(size, &self.config.roundup);
         let mut changes = SegmentChanges::default();
-        let request = Request {
-            size,
-            rounded,
-            segment_size: sizes::segment_size(rounded),
-            tag,
-            stream,
-        };
+        let request = Request::new(size, stream, tag, &self.config);
         let mut pools = self.pools.lock();
         // What the ladder did before growing, less the cache lookups: fences and GC.
         if pools.has_pending() {
