@@ -15,7 +15,7 @@
 //! * A freed block becomes **pending**: it stays *active* in the stats (PyTorch's
 //!   `free_requested`), joins the **open batch**, and is not reusable.
 //! * When the allocator next needs memory that the free lists cannot give, or when the batch
-//!   holds [`FENCE_BATCH_BLOCKS`] blocks, it **closes** the open batch: [`Device::record_fence`] marks all work enqueued so far on every stream that may use
+//!   holds [`FENCE_BATCH_BLOCKS`] blocks, it **closes** the open batch: [`Device::record_fence`](crate::Device::record_fence) marks all work enqueued so far on every stream that may use
 //!   our memory (the shim records one event on the legacy default stream, which orders after all
 //!   blocking streams, plus one on each live non-blocking stream).
 //! * Batches complete in the order they were closed. A completed batch's blocks become **free**
@@ -51,7 +51,7 @@
 //!   freeing stream alone, and batches of such frees complete in any order. When its own
 //!   stream needs memory that its lists cannot give, such blocks are **adopted** before
 //!   anything waits or grows: the stream is made to wait for the fence on the device
-//!   ([`Device::stream_wait`], `cudaStreamWaitEvent`), and the block is reused at once.
+//!   ([`Device::stream_wait`](crate::Device::stream_wait), `cudaStreamWaitEvent`), and the block is reused at once.
 //! * A block freed **synchronously** (`cudaFree`) waits behind a fence over every stream like
 //!   any other freed block, then returns to its own stream's lists.
 //! * Blocks of the synchronous API belong to [`NO_STREAM`]; the gate of
