@@ -774,6 +774,14 @@ FC_EXPORT CUresult cuEventQuery(CUevent e) { return fc_event_query(e); }
 FC_EXPORT CUresult cuEventSynchronize(CUevent e) { return fc_event_synchronize(e); }
 FC_EXPORT CUresult cuEventDestroy_v2(CUevent e) { return fc_event_destroy(e); }
 FC_EXPORT CUresult cuStreamSynchronize(CUstream s) { return fc_stream_synchronize(s); }
+FC_EXPORT CUresult cuStreamQuery(CUstream handle) {
+    lock();
+    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
+    fc_stream *s = resolve_locked(handle);
+    int r = !s ? E_INVALID_HANDLE : s->completed == s->enqueued ? OK : E_NOT_READY;
+    unlock();
+    return r;
+}
 FC_EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) { (void)flags; NEED_CONTEXT(); return fc_stream_wait_event(s, e); }
 FC_EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) { return fc_exchange_capture_mode(mode); }
 FC_EXPORT CUresult cuStreamIsCapturing(CUstream s, int *status) { return status ? fc_stream_is_capturing(s, status) : E_INVALID_VALUE; }

@@ -28,7 +28,7 @@ use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
 
 /// Every driver function the shim needs.
-const REQUIRED_SYMBOLS: [&str; 10] = [
+const REQUIRED_SYMBOLS: [&str; 11] = [
     "cuInit",
     "cuDeviceGet",
     "cuCtxGetCurrent",
@@ -39,6 +39,7 @@ const REQUIRED_SYMBOLS: [&str; 10] = [
     "cuEventQuery",
     "cuEventSynchronize",
     "cuStreamWaitEvent",
+    "cuStreamQuery",
 ];
 
 /// Proof that libcuda is loaded, initialized, and has every function we use.
@@ -225,13 +226,23 @@ impl Fences {
     }
 
     /// Record a fence: one event on each of `streams` (see
-    /// [`crate::streams::StreamRegistry::fence_targets`]).
+    /// [`crate::streams::StreamRegistry::fence_targets`]) that has unfinished work. A stream
+    /// that is idle now has finished all work enqueued before the fence: it needs no event. (The
+    /// legacy stream always gets one: its event also orders after the blocking streams' work,
+    /// which its own idleness says nothing about.)
     pub fn record(&self, streams: &[Stream]) -> Result<Fence, DeviceError> {
         self.ensure_context()?;
         let mut fence = Fence {
             events: Vec::with_capacity(streams.len()),
         };
         for &stream in streams {
+            if stream.0 != crate::cuda::STREAM_LEGACY
+                // SAFETY: a stream handle of the application's, of this device.
+                && unsafe { sys::cuStreamQuery(stream.0 as sys::CUstream) }
+                    == sys::CUresult::CUDA_SUCCESS
+            {
+                continue;
+            }
             let event = match self.take_event() {
                 Ok(e) => e,
                 Err(e) => {
