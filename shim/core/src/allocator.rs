@@ -18,6 +18,13 @@
 //! 7. release every free segment (empty the cache) and try the device once more;
 //! 8. fail with an [`OomReport`].
 //!
+//! **When the host waits.** Only rung 4 waits on the host, and only for blocks freed
+//! synchronously (`cudaFree`) or under `reuse:fenced`: a block freed in a stream's order is
+//! reusable at once (rung 1) or adopted behind a device-side wait (rung 2). The ladder prefers that
+//! wait to growing, as PyTorch does: memory that is about to be free is not reserved twice, so the
+//! policy's memory budget for waiting instead of growing is zero extra bytes; a request that the
+//! pending blocks cannot serve does not wait at all.
+//!
 //! The lock is never held across a device allocation, a device release or a fence wait: a real
 //! `cudaFree` synchronizes the whole device, and `cudaMalloc` can take milliseconds, and other
 //! threads must keep allocating from the cache meanwhile. So each of those rungs takes what it
