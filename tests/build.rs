@@ -73,11 +73,12 @@ fn main() {
         if path.extension().is_none_or(|e| e != "c") || name.starts_with("slow_fill") {
             continue;
         }
-        if name.starts_with("lib") {
-            build_library(&path, &name, &programs, &include, &fake, &bin);
-            continue;
-        }
-        build_program(&path, &name, &programs, &include, &fake, &bin);
+        let kind = if name.starts_with("lib") {
+            Output::Library
+        } else {
+            Output::Program
+        };
+        build_c((&path, &programs), &name, &include, &fake, &bin, kind);
     }
     println!("cargo:rerun-if-changed=fakecuda");
     println!("cargo:rerun-if-changed=programs");
@@ -103,32 +104,33 @@ fn c_command(path: &Path, programs: &Path, include: &Path, fake: &Path, output: 
     cmd
 }
 
-/// A test program, with fakecuda's `slow_fill`.
-fn build_program(
-    path: &Path,
-    name: &str,
-    programs: &Path,
-    include: &Path,
-    fake: &Path,
-    bin: &Path,
-) {
-    let mut cmd = c_command(path, programs, include, fake, &bin.join(name));
-    cmd.arg(programs.join("slow_fill_fake.c"));
-    run(cmd);
+/// What a C file of `programs/` becomes.
+#[derive(Clone, Copy, PartialEq)]
+enum Output {
+    /// A test program, with fakecuda's `slow_fill`.
+    Program,
+    /// A helper library for the Python programs (`lib*.c` → `lib*.so`).
+    Library,
 }
 
-/// A helper library for the Python programs (`lib*.c` → `lib*.so`).
-fn build_library(
-    path: &Path,
+fn build_c(
+    paths: (&Path, &Path),
     name: &str,
-    programs: &Path,
     include: &Path,
     fake: &Path,
     bin: &Path,
+    kind: Output,
 ) {
-    let output = bin.join(format!("{name}.so"));
+    let (path, programs) = paths;
+    let output = match kind {
+        Output::Program => bin.join(name),
+        Output::Library => bin.join(format!("{name}.so")),
+    };
     let mut cmd = c_command(path, programs, include, fake, &output);
-    cmd.args(["-shared", "-fPIC"]);
+    match kind {
+        Output::Program => cmd.arg(programs.join("slow_fill_fake.c")),
+        Output::Library => cmd.args(["-shared", "-fPIC"]),
+    };
     run(cmd);
 }
 

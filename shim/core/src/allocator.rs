@@ -48,87 +48,8 @@ use crate::pools::{
 use crate::sizes::{self, PoolKind};
 use crate::stats::Stats;
 
-/// Everything known about a request that could not be served, for the stderr paragraph, the
-/// trace's `oom` record and the tools.
-#[derive(Clone, Debug, PartialEq)]
-pub struct OomReport {
-    /// The application's request.
-    pub requested: u64,
-    /// The request after rounding.
-    pub rounded: u64,
-    /// The pool it would come from.
-    pub pool: PoolKind,
-    /// Size of the segment that was asked of the device.
-    pub segment_size: u64,
-    /// Bytes handed to the application.
-    pub allocated: u64,
-    /// Bytes held from the device.
-    pub reserved: u64,
-    /// Reserved bytes in free blocks (cached, not allocated).
-    pub cached_free: u64,
-    /// The largest free block.
-    pub largest_free_block: u64,
-    /// Share of cached free memory outside the largest free block (0 = one free block,
-    /// near 1 = scattered in small pieces).
-    pub fragmentation: f64,
-    /// What the device reports as free.
-    pub device_free: u64,
-    /// The device's total memory.
-    pub device_total: u64,
-    /// The process's memory limit (`per_process_memory_fraction` × total).
-    pub limit: u64,
-    /// The request's tag (the recorder's stack id).
-    pub tag: u64,
-}
-
-impl fmt::Display for OomReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let g = |b: u64| format_bytes(b);
-        write!(
-            f,
-            "out of memory: tried to allocate {} (rounded to {} in the {} pool, needing a {} segment). \
-             The device has {} in total, of which {} is free; this process may reserve {}. \
-             cachealloc holds {} reserved, {} of it allocated to the application and {} cached free; \
-             the largest free block is {} (fragmentation {:.0}%).",
-            g(self.requested),
-            g(self.rounded),
-            self.pool.segment_type(),
-            g(self.segment_size),
-            g(self.device_total),
-            g(self.device_free),
-            g(self.limit),
-            g(self.reserved),
-            g(self.allocated),
-            g(self.cached_free),
-            g(self.largest_free_block),
-            self.fragmentation * 100.0,
-        )?;
-        if self.cached_free >= self.rounded {
-            write!(
-                f,
-                " Enough memory is cached but no free block is big enough: fragmentation; \
-                 try max_split_size_mb or expandable_segments."
-            )?;
-        }
-        Ok(())
-    }
-}
-
-/// Bytes in binary units, as the reports print them.
-pub fn format_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
-}
+pub use crate::events::{Event, Observer};
+pub use crate::oom::{OomReport, format_bytes};
 
 /// Why `malloc` failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -182,53 +103,6 @@ impl Request {
             stream,
         }
     }
-}
-
-/// One thing the allocator did, reported to its [`Observer`] under the allocator's lock, so that
-/// events reach the observer in the order they happened (a trace must never show a block
-/// allocated again before its free).
-#[derive(Clone, Copy, Debug)]
-pub enum Event<'a> {
-    /// A block was handed out.
-    Alloc(&'a Allocation),
-    /// The application freed a block. Unless `pending`, it is reusable at once (and no
-    /// `FreeCompleted` follows).
-    FreeRequested(&'a Freed),
-    /// A pending freed block became reusable (its fence completed).
-    FreeCompleted {
-        /// Its address.
-        address: u64,
-        /// Its size.
-        size: u64,
-    },
-    /// A segment was allocated on the device.
-    SegmentAlloc {
-        /// Its address.
-        address: u64,
-        /// Its size.
-        size: u64,
-        /// Its pool.
-        pool: PoolKind,
-        /// The tag of the request that caused it.
-        tag: u64,
-    },
-    /// A segment left the pools, to be released on the device.
-    SegmentFree(&'a ReleasedSegment),
-    /// A request failed.
-    Oom(&'a OomReport),
-}
-
-/// Receives the allocator's [`Event`]s. Called with the allocator's lock held: keep it short
-/// (the recorder sends one record on a channel).
-pub trait Observer: Send + Sync {
-    /// One event.
-    fn on_event(&self, event: Event<'_>);
-}
-
-/// No observer.
-impl Observer for () {
-    #[inline]
-    fn on_event(&self, _event: Event<'_>) {}
 }
 
 /// The allocator's lock: a spin lock whose waiters yield the CPU. It is held only for

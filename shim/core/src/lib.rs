@@ -28,6 +28,8 @@
 //! | [`sizes`] | rounding, pool choice, segment size, split rules — and the note on their waste |
 //! | [`pools`] | segments, blocks, free lists, fence batches, stats bookkeeping; `check_invariants` |
 //! | [`allocator`] | the lock and the out-of-memory ladder around [`pools::Pools`] |
+//! | [`events`] | the [`Event`]s an [`Observer`] (the recorder) hears, in order |
+//! | [`oom`] | [`OomReport`]: what is known about a request that failed |
 //! | [`device`] | the [`Device`] trait: the only source of memory and fences |
 //! | [`sim`] | [`SimDevice`], a capacity-limited simulated device |
 //! | [`stats`] | [`Stats`] with PyTorch's names |
@@ -60,6 +62,8 @@
 pub mod allocator;
 pub mod config;
 pub mod device;
+pub mod events;
+pub mod oom;
 pub mod pools;
 pub mod sim;
 pub mod sizes;

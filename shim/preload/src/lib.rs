@@ -12,7 +12,7 @@
 //! |---|---|
 //! | [`ffi`] | every exported symbol: the interposed CUDA calls and the C API (the only module the C ABI touches) |
 //! | [`hooks`] | what each interposed call does: pool or pass through |
-//! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators |
+//! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators; `process::stream_api`: stream keys, graph captures, the default memory pool, backward stacks |
 //! | [`report`] | the exit summary, annotations, the stats JSON |
 //! | [`settings`] | the configuration, read once by the constructor; how PyTorch's tensors reach the pools |
 //! | [`python_integration`] | in a Python process, `shim/python/` first on `PYTHONPATH` |
