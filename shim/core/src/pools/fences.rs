@@ -49,14 +49,33 @@ impl<F: Clone> Pools<F> {
         if self.open_batch.is_empty() {
             return Ok(false);
         }
-        let fence = device.record_fence()?;
         let blocks = std::mem::take(&mut self.open_batch);
-        self.pending.push_back(Batch {
-            fence,
-            blocks,
-            gate: false,
-        });
+        self.push_fenced(device, blocks, false)?;
         Ok(true)
+    }
+
+    /// Put `blocks` (possibly none) behind a new fence over every stream, at the back of the
+    /// ordered queue. On failure the blocks go back to the open batch.
+    fn push_fenced<D: Device<Fence = F>>(
+        &mut self,
+        device: &D,
+        blocks: Vec<BlockId>,
+        gate: bool,
+    ) -> Result<(), crate::DeviceError> {
+        match device.record_fence() {
+            Ok(fence) => {
+                self.pending.push_back(Batch {
+                    fence,
+                    blocks,
+                    gate,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                self.open_batch.extend(blocks);
+                Err(e)
+            }
+        }
     }
 
     /// Put every block freed from now on behind a fence recorded after all work enqueued so
@@ -71,13 +90,7 @@ impl<F: Clone> Pools<F> {
         if !self.fencing || self.close_open_batch(device)? {
             return Ok(());
         }
-        let fence = device.record_fence()?;
-        self.pending.push_back(Batch {
-            fence,
-            blocks: Vec::new(),
-            gate: false,
-        });
-        Ok(())
+        self.push_fenced(device, Vec::new(), false)
     }
 
     /// Make the blocks of every completed batch reusable, oldest first, stopping at the first
@@ -177,12 +190,7 @@ impl<F: Clone> Pools<F> {
         if unordered.small.is_empty() && unordered.large.is_empty() {
             return Ok(());
         }
-        let fence = device.record_fence()?;
-        self.pending.push_back(Batch {
-            fence,
-            blocks: Vec::new(),
-            gate: true,
-        });
+        self.push_fenced(device, Vec::new(), true)?;
         self.gated = true;
         Ok(())
     }
