@@ -1,21 +1,24 @@
 //! [`CudaDevice`]: the real device behind `cachealloc-core`'s [`Device`] trait — segments from
-//! the real `cudaMalloc`/`cudaFree`, fences from CUDA events ([`crate::driver`]).
+//! libcuda's own `cuMemAlloc_v2`/`cuMemFree_v2` ([`crate::real_driver`]), fences from CUDA events
+//! ([`crate::driver`]).
 //!
-//! Segment calls happen on the thread whose current device this is (the allocator of a device
-//! is chosen by the caller's current device), so the real runtime allocates on the right device.
+//! Segments come from the driver, not the runtime: a program whose runtime is linked statically
+//! has no runtime we could call, and a shared runtime's `cudaMalloc` would come back to our own
+//! driver hooks. Every segment call runs with the device's primary context current
+//! ([`Fences::on_own_context`]). A release first synchronizes the context, which `cudaFree` did
+//! implicitly: no kernel still running may use a segment's memory when it goes.
 //!
 //! While a stream captures a CUDA graph (see [`crate::streams`]), every call here runs in the
 //! relaxed capture mode ([`driver::relaxed`]), and segment releases are deferred to the end of
 //! the last capture: `cudaFree` synchronizes the device, which a capture cannot allow.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use cachealloc_core::{Device, DeviceError, MemInfo};
 
 use crate::cuda;
 use crate::driver::{self, Driver, Fence, Fences, Stream};
-use crate::real;
+use crate::real_driver;
 use crate::streams::StreamRegistry;
 
 /// One GPU as the allocator core sees it.
@@ -64,23 +67,30 @@ impl CudaDevice {
     }
 
     fn free_now(&self, address: u64) -> Result<(), DeviceError> {
-        let free = real::cudaFree().ok_or_else(|| missing("cudaFree"))?;
-        // SAFETY: `address` is a segment the real cudaMalloc returned and we still own.
-        match unsafe { free(address as *mut c_void) } {
-            cuda::SUCCESS | cuda::ERROR_CUDART_UNLOADING => Ok(()),
-            other => Err(runtime_error(other, "cudaFree")),
+        let free = real_driver::cuMemFree_v2().ok_or_else(|| missing("cuMemFree_v2"))?;
+        let sync = real_driver::cuCtxSynchronize().ok_or_else(|| missing("cuCtxSynchronize"))?;
+        let code = self.fences.on_own_context(|| {
+            // SAFETY: no arguments; this device's context is current. An error here is a
+            // broken context, which cuMemFree below reports again.
+            unsafe { sync() };
+            // SAFETY: `address` is a segment cuMemAlloc_v2 returned and we still own.
+            unsafe { free(address) }
+        })?;
+        match code {
+            real_driver::SUCCESS | real_driver::ERROR_DEINITIALIZED => Ok(()),
+            other => Err(driver_error(other, "cuMemFree_v2")),
         }
     }
 }
 
 fn missing(name: &str) -> DeviceError {
     DeviceError::Other {
-        code: cuda::ERROR_INITIALIZATION,
-        message: format!("the CUDA runtime lacks {name}"),
+        code: real_driver::ERROR_NOT_FOUND,
+        message: format!("the CUDA driver lacks {name}"),
     }
 }
 
-fn runtime_error(code: cuda::CudaError, what: &str) -> DeviceError {
+fn driver_error(code: real_driver::CuResult, what: &str) -> DeviceError {
     DeviceError::Other {
         code,
         message: format!("{what} returned CUDA error {code}"),
@@ -91,12 +101,16 @@ impl Device for CudaDevice {
     type Fence = Fence;
 
     fn mem_info(&self) -> MemInfo {
-        let Some(get) = real::cudaMemGetInfo() else {
+        let Some(get) = real_driver::cuMemGetInfo_v2() else {
             return MemInfo::default();
         };
         let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: valid out-pointers for the duration of the call.
-        if unsafe { get(&mut free, &mut total) } != cuda::SUCCESS {
+        // SAFETY: valid out-pointers for the duration of the call; this device's context is
+        // current.
+        let code = self
+            .fences
+            .on_own_context(|| unsafe { get(&mut free, &mut total) });
+        if code != Ok(real_driver::SUCCESS) {
             return MemInfo::default();
         }
         MemInfo {
@@ -106,22 +120,20 @@ impl Device for CudaDevice {
     }
 
     fn allocate_segment(&self, size: u64) -> Result<u64, DeviceError> {
-        let malloc = real::cudaMalloc().ok_or_else(|| missing("cudaMalloc"))?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; `size` fits in usize on the 64-bit platforms we build for.
-        let code = self.capture_safe(|| unsafe { malloc(&mut ptr, size as usize) });
+        let malloc = real_driver::cuMemAlloc_v2().ok_or_else(|| missing("cuMemAlloc_v2"))?;
+        let mut ptr: u64 = 0;
+        let code = self.capture_safe(|| {
+            // SAFETY: valid out-pointer; `size` fits in usize on the 64-bit platforms we build
+            // for; this device's context is current.
+            self.fences
+                .on_own_context(|| unsafe { malloc(&mut ptr, size as usize) })
+        })?;
         match code {
-            cuda::SUCCESS if !ptr.is_null() => Ok(ptr as u64),
-            cuda::ERROR_MEMORY_ALLOCATION => {
-                // Clear the runtime's record of the failure, as PyTorch does, so the
-                // application's next cudaGetLastError does not report an OOM we recovered from.
-                if let Some(clear) = real::cudaGetLastError() {
-                    // SAFETY: takes no arguments.
-                    unsafe { clear() };
-                }
-                Err(DeviceError::OutOfMemory)
-            }
-            other => Err(runtime_error(other, "cudaMalloc")),
+            real_driver::SUCCESS if ptr != 0 => Ok(ptr),
+            // The driver keeps no sticky error for a failed allocation (the runtime did, which
+            // is why this once cleared it).
+            cuda::ERROR_MEMORY_ALLOCATION => Err(DeviceError::OutOfMemory),
+            other => Err(driver_error(other, "cuMemAlloc_v2")),
         }
     }
 

@@ -1,4 +1,6 @@
-//! Reuse fences on real streams: CUDA events through the driver API (`cudarc::driver::sys`,
+//! The driver through cudarc: reuse fences on real streams (CUDA events), contexts, devices.
+//!
+//! Reuse fences are CUDA events through the driver API (`cudarc::driver::sys`,
 //! which dlopens libcuda itself and never binds to the runtime names we export).
 //!
 //! A fence for device *d* is one event recorded on *d*'s legacy default stream — which orders
@@ -12,9 +14,11 @@
 //! such call makes the capture fail. Our own calls then run in the relaxed capture mode
 //! ([`relaxed`]), as PyTorch's allocator does around its own.
 //!
-//! Driver calls need a current context. A thread that reaches our hooks may not have one yet
-//! (its `cudaMalloc` never reached the runtime), so before recording we make the device's primary
-//! context — the one the runtime uses — current on the thread if no context is.
+//! Driver calls need a current context, and the right one. Every call made for a device's pool
+//! runs with that device's primary context current ([`Fences::on_own_context`]): made current
+//! if the thread has none (its `cudaMalloc` never reached the runtime), swapped in and back if
+//! the thread is on another device (a block freed there). Which context an application's
+//! driver-level allocation belongs to is [`current_context`]: only primary contexts are pooled.
 //!
 //! cudarc resolves each driver symbol at first call and panics when it is missing; [`Driver::load`]
 //! checks every symbol we use up front, so a missing libcuda or symbol becomes one clear message
@@ -28,18 +32,24 @@ use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
 
 /// Every driver function the shim needs.
-const REQUIRED_SYMBOLS: [&str; 11] = [
+const REQUIRED_SYMBOLS: [&str; 17] = [
     "cuInit",
     "cuDeviceGet",
+    "cuDeviceGetCount",
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
+    "cuCtxGetDevice",
+    "cuCtxSynchronize",
     "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxGetState",
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
     "cuStreamWaitEvent",
     "cuStreamQuery",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
 ];
 
 /// Proof that libcuda is loaded, initialized, and has every function we use.
@@ -84,6 +94,148 @@ fn device_error(result: sys::CUresult, what: &str) -> DeviceError {
     DeviceError::Other {
         code: result as i32,
         message: format!("{what}: {result:?}"),
+    }
+}
+
+/// Number of devices the driver sees (0 when it cannot say).
+pub fn device_count(_driver: Driver) -> usize {
+    let mut n = 0;
+    // SAFETY: valid out-pointer; the driver is loaded and initialized (a `Driver` exists).
+    if unsafe { sys::cuDeviceGetCount(&mut n) } == sys::CUresult::CUDA_SUCCESS {
+        usize::try_from(n).unwrap_or(0)
+    } else {
+        0
+    }
+}
+
+/// Most devices whose primary contexts we remember.
+const MAX_PRIMARY: usize = 64;
+
+/// Each device's primary context once we hold a reference to it (0: not yet).
+static PRIMARY: [std::sync::atomic::AtomicUsize; MAX_PRIMARY] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; MAX_PRIMARY];
+
+/// The context current on the calling thread, as the pools see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CurrentContext {
+    /// No context is current.
+    None,
+    /// The primary context of this device — the runtime's, and the one the pools serve.
+    Primary(i32),
+    /// A context made with `cuCtxCreate` (or a green context): its allocations are not pooled.
+    Other,
+}
+
+/// Which context is current on the calling thread. The primary context of the current
+/// context's device is retained (and remembered) only when it is already active, so asking
+/// never creates a context.
+pub fn current_context(_driver: Driver) -> CurrentContext {
+    let mut current: sys::CUcontext = ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    if unsafe { sys::cuCtxGetCurrent(&mut current) } != sys::CUresult::CUDA_SUCCESS
+        || current.is_null()
+    {
+        return CurrentContext::None;
+    }
+    let current = current as usize;
+    if let Some(d) = PRIMARY
+        .iter()
+        .position(|p| p.load(std::sync::atomic::Ordering::Acquire) == current)
+    {
+        return CurrentContext::Primary(d as i32);
+    }
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: valid out-pointer; a context is current.
+    if unsafe { sys::cuCtxGetDevice(&mut device) } != sys::CUresult::CUDA_SUCCESS {
+        return CurrentContext::Other;
+    }
+    match primary_context(device) {
+        Some(primary) if primary == current => CurrentContext::Primary(device),
+        _ => CurrentContext::Other,
+    }
+}
+
+/// The primary context of `device` if it is active, retained once for the life of the process
+/// (as the fences' own reference is).
+fn primary_context(device: i32) -> Option<usize> {
+    let slot = PRIMARY.get(usize::try_from(device).ok()?)?;
+    let known = slot.load(std::sync::atomic::Ordering::Acquire);
+    if known != 0 {
+        return Some(known);
+    }
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: valid out-pointers; the device ordinal came from the driver.
+    let r = unsafe { sys::cuDevicePrimaryCtxGetState(device, &mut flags, &mut active) };
+    if r != sys::CUresult::CUDA_SUCCESS || active == 0 {
+        return None;
+    }
+    let mut context: sys::CUcontext = ptr::null_mut();
+    // SAFETY: valid out-pointer and device; the context is active, so retaining creates nothing.
+    if unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, device) } != sys::CUresult::CUDA_SUCCESS
+    {
+        return None;
+    }
+    match slot.compare_exchange(
+        0,
+        context as usize,
+        std::sync::atomic::Ordering::AcqRel,
+        std::sync::atomic::Ordering::Acquire,
+    ) {
+        Ok(_) => Some(context as usize),
+        Err(other) => {
+            // Another thread remembered it first: give our extra reference back.
+            // SAFETY: releases the reference retained just above.
+            unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) };
+            Some(other)
+        }
+    }
+}
+
+/// The primary context of `ordinal`, retained (and so created if need be) once for the life of
+/// the process, like the runtime's own reference.
+fn own_primary_context(ordinal: i32) -> Result<usize, DeviceError> {
+    let slot = usize::try_from(ordinal)
+        .ok()
+        .and_then(|d| PRIMARY.get(d))
+        .ok_or_else(|| DeviceError::Other {
+            code: crate::cuda::ERROR_INVALID_VALUE,
+            message: format!("device {ordinal} is beyond the shim's {MAX_PRIMARY}"),
+        })?;
+    let known = slot.load(std::sync::atomic::Ordering::Acquire);
+    if known != 0 {
+        return Ok(known);
+    }
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: valid out-pointer; the ordinal came from the runtime or the driver.
+    let r = unsafe { sys::cuDeviceGet(&mut device, ordinal) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(device_error(r, "cuDeviceGet"));
+    }
+    let mut context: sys::CUcontext = ptr::null_mut();
+    // SAFETY: valid out-pointer and device.
+    let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, device) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(device_error(r, "cuDevicePrimaryCtxRetain"));
+    }
+    match slot.compare_exchange(
+        0,
+        context as usize,
+        std::sync::atomic::Ordering::AcqRel,
+        std::sync::atomic::Ordering::Acquire,
+    ) {
+        Ok(_) => Ok(context as usize),
+        Err(other) => {
+            // SAFETY: gives back the extra reference retained just above.
+            unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) };
+            Ok(other)
+        }
+    }
+}
+
+/// Forget `device`'s primary context (it was reset; its handle may change).
+pub fn forget_primary_context(device: i32) {
+    if let Some(slot) = usize::try_from(device).ok().and_then(|d| PRIMARY.get(d)) {
+        slot.store(0, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -182,33 +334,28 @@ impl Fences {
         }
     }
 
-    /// Make this device's primary context current on the calling thread if none is.
-    fn ensure_context(&self) -> Result<(), DeviceError> {
+    /// Run `f` with this device's primary context current on the calling thread: made current
+    /// if no context is (and left current, as the runtime would), swapped in and back out if
+    /// another context is (a block of this device freed while another device is current).
+    pub fn on_own_context<T>(&self, f: impl FnOnce() -> T) -> Result<T, DeviceError> {
+        let own = own_primary_context(self.ordinal)?;
         let mut current: sys::CUcontext = ptr::null_mut();
         // SAFETY: `current` is a valid out-pointer.
         let r = unsafe { sys::cuCtxGetCurrent(&mut current) };
-        if r == sys::CUresult::CUDA_SUCCESS && !current.is_null() {
-            return Ok(());
+        if r == sys::CUresult::CUDA_SUCCESS && current as usize == own {
+            return Ok(f());
         }
-        let mut device: sys::CUdevice = 0;
-        // SAFETY: valid out-pointer; the ordinal came from the runtime.
-        let r = unsafe { sys::cuDeviceGet(&mut device, self.ordinal) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(device_error(r, "cuDeviceGet"));
-        }
-        let mut context: sys::CUcontext = ptr::null_mut();
-        // SAFETY: valid out-pointer and device. The reference taken here is kept for the life
-        // of the process, like the runtime's own.
-        let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, device) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(device_error(r, "cuDevicePrimaryCtxRetain"));
-        }
-        // SAFETY: `context` is the live primary context just retained.
-        let r = unsafe { sys::cuCtxSetCurrent(context) };
+        // SAFETY: `own` is this device's live primary context, retained for the process.
+        let r = unsafe { sys::cuCtxSetCurrent(own as sys::CUcontext) };
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(device_error(r, "cuCtxSetCurrent"));
         }
-        Ok(())
+        let result = f();
+        if !current.is_null() {
+            // SAFETY: puts back the context that was current (still alive: the thread holds it).
+            unsafe { sys::cuCtxSetCurrent(current) };
+        }
+        Ok(result)
     }
 
     fn take_event(&self) -> Result<Event, DeviceError> {
@@ -217,7 +364,7 @@ impl Fences {
         }
         let mut event: sys::CUevent = ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: valid out-pointer; a context is current (ensure_context ran before).
+        // SAFETY: valid out-pointer; this device's context is current (on_own_context).
         let r = unsafe { sys::cuEventCreate(&mut event, flags) };
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(device_error(r, "cuEventCreate"));
@@ -231,7 +378,10 @@ impl Fences {
     /// legacy stream always gets one: its event also orders after the blocking streams' work,
     /// which its own idleness says nothing about.)
     pub fn record(&self, streams: &[Stream]) -> Result<Fence, DeviceError> {
-        self.ensure_context()?;
+        self.on_own_context(|| self.record_here(streams))?
+    }
+
+    fn record_here(&self, streams: &[Stream]) -> Result<Fence, DeviceError> {
         let mut fence = Fence {
             events: Vec::with_capacity(streams.len()),
         };
@@ -286,7 +436,10 @@ impl Fences {
     /// Make `stream`'s later work wait on the device for every event of the fence
     /// (`cuStreamWaitEvent`): nothing waits on the host.
     pub fn make_wait(&self, stream: Stream, fence: &Fence) -> Result<(), DeviceError> {
-        self.ensure_context()?;
+        self.on_own_context(|| self.make_wait_here(stream, fence))?
+    }
+
+    fn make_wait_here(&self, stream: Stream, fence: &Fence) -> Result<(), DeviceError> {
         for e in &fence.events {
             // SAFETY: a live event of ours and a stream handle of the application's (the one
             // its allocation was made for); 0 is the only valid flag value.

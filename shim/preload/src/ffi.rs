@@ -10,6 +10,9 @@
 // The exported names are CUDA's.
 #![allow(non_snake_case)]
 
+pub mod driver;
+pub mod entry_points;
+
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -257,7 +260,7 @@ pub unsafe extern "C" fn cudaStreamBeginCapture(stream: CudaStream, mode: c_int)
     let handle = stream as usize;
     guarded(
         "cudaStreamBeginCapture",
-        || hooks::stream_begin_capture(handle, mode),
+        || hooks::stream_begin_capture(handle, || crate::real::stream_begin_capture(handle, mode)),
         || crate::real::stream_begin_capture(handle, mode),
     )
 }
@@ -277,7 +280,7 @@ pub unsafe extern "C" fn cudaStreamEndCapture(
     let handle = stream as usize;
     let result = guarded(
         "cudaStreamEndCapture",
-        || hooks::stream_end_capture(handle),
+        || hooks::stream_end_capture(handle, || crate::real::stream_end_capture(handle)),
         || crate::real::stream_end_capture(handle),
     );
     // SAFETY: checked non-null; valid for a write per CUDA's contract.

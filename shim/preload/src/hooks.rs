@@ -1,7 +1,11 @@
 //! What each interposed call does, in safe Rust: pool or pass through. [`crate::ffi`] converts
-//! the C arguments and calls these; [`crate::process`] holds the state.
+//! the C arguments and calls these; [`crate::process`] holds the state. This module is the
+//! runtime's door; [`driver`] is the driver's (see [`crate::doors`]).
+
+pub mod driver;
 
 use crate::cuda::{self, CudaError};
+use crate::doors::{self, Door};
 use crate::log;
 use crate::process;
 use crate::real;
@@ -9,9 +13,10 @@ use cachealloc_core::NO_STREAM;
 
 /// `cudaMalloc`.
 pub fn malloc(size: u64) -> Result<u64, CudaError> {
+    doors::count(Door::Runtime);
     match process::shim() {
         Some(shim) if shim.pooling() => shim.malloc(size, NO_STREAM),
-        Some(shim) => shim.passthrough_malloc(size),
+        Some(shim) => shim.passthrough_malloc(size, || real::malloc(size)),
         None => real::malloc(size),
     }
 }
@@ -38,6 +43,7 @@ pub fn free(address: u64) -> CudaError {
 /// `cachealloc-core`). On a stream that is capturing a CUDA graph it goes to the runtime, which
 /// makes it a node of the graph whose memory the graph owns, exactly as without us.
 pub fn malloc_async(size: u64, stream: usize) -> Result<u64, CudaError> {
+    doors::count(Door::Runtime);
     match process::shim() {
         Some(shim) if shim.pooling() && !shim.is_capturing(stream) => {
             shim.malloc(size, shim.stream_key(stream))
@@ -99,23 +105,32 @@ pub fn stream_create(flags: u32, priority: Option<i32>) -> Result<usize, CudaErr
 /// the pool under its handle, which a stream created later may get again, and that stream's
 /// work must not overlap this one's.
 pub fn stream_destroy(stream: usize) -> CudaError {
+    stream_destroy_with(stream, real::stream_synchronize, real::stream_destroy)
+}
+
+/// `cudaStreamDestroy` or `cuStreamDestroy_v2`, with the matching real functions.
+pub fn stream_destroy_with(
+    stream: usize,
+    synchronize: impl FnOnce(usize) -> CudaError,
+    destroy: impl FnOnce(usize) -> CudaError,
+) -> CudaError {
     if let Some(shim) = process::shim() {
         if shim.pooling() {
-            let _ = real::stream_synchronize(stream);
+            let _ = synchronize(stream);
         }
         shim.stream_destroyed(stream);
     }
-    real::stream_destroy(stream)
+    destroy(stream)
 }
 
 /// `cudaStreamBeginCapture`: noted, after a barrier fence, so that allocations on the capturing
 /// stream go to the graph and our fences leave the stream alone.
-pub fn stream_begin_capture(stream: usize, mode: i32) -> CudaError {
+pub fn stream_begin_capture(stream: usize, real: impl FnOnce() -> CudaError) -> CudaError {
     let shim = process::shim();
     if let Some(shim) = shim {
         shim.capture_beginning(stream);
     }
-    let code = real::stream_begin_capture(stream, mode);
+    let code = real();
     if code != cuda::SUCCESS
         && let Some(shim) = shim
     {
@@ -125,8 +140,8 @@ pub fn stream_begin_capture(stream: usize, mode: i32) -> CudaError {
 }
 
 /// `cudaStreamEndCapture`: the capture is over, whether it succeeded or not.
-pub fn stream_end_capture(stream: usize) -> Result<usize, CudaError> {
-    let result = real::stream_end_capture(stream);
+pub fn stream_end_capture<T>(stream: usize, real: impl FnOnce() -> T) -> T {
+    let result = real();
     if let Some(shim) = process::shim() {
         shim.capture_ended(stream);
     }
@@ -206,6 +221,7 @@ pub fn empty_cache() -> CudaError {
 
 /// `cachealloc_torch_malloc`: an allocation for `stream` on the named device.
 pub fn torch_malloc(size: u64, device: i32, stream: usize) -> Result<u64, CudaError> {
+    doors::count(Door::Runtime);
     match process::shim() {
         Some(shim) if shim.pooling() => {
             shim.on_device(device, || shim.malloc(size, shim.stream_key(stream)))?

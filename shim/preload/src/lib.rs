@@ -10,18 +10,20 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`ffi`] | every exported symbol: the interposed CUDA calls and the C API (the only module the C ABI touches) |
-//! | [`hooks`] | what each interposed call does: pool or pass through |
+//! | [`ffi`] | every exported symbol: the interposed CUDA calls and the C API (the only module the C ABI touches); `ffi::driver`: the driver functions; `ffi::entry_points`: `dlsym` and the entry-point resolvers |
+//! | [`doors`] | the four ways into CUDA's allocation functions (runtime, driver symbols, `dlsym`, `cuGetProcAddress`) and how lookups are substituted |
+//! | [`hooks`] | what each interposed call does: pool or pass through; `hooks::driver` for the driver's |
 //! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators; `process::stream_api`: stream keys, graph captures, the default memory pool, backward stacks |
 //! | [`report`] | the exit summary, annotations, the stats JSON |
 //! | [`settings`] | the configuration, read once by the constructor; how PyTorch's tensors reach the pools |
 //! | [`python_integration`] | in a Python process, `shim/python/` first on `PYTHONPATH` |
 //! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait |
-//! | [`driver`] | reuse fences: CUDA events through the driver API (cudarc) |
+//! | [`driver`] | the driver through cudarc: reuse fences (CUDA events), contexts, devices |
 //! | [`streams`] | the application's streams, for fences and `reuse:auto` |
 //! | [`trace`] | the trace: directory, header, allocator events as records |
 //! | [`stacks`] | stack capture (native and Python) and interning |
 //! | [`real`] | the real runtime functions, found at first use |
+//! | [`real_driver`] | libcuda's own functions, found with the real `dlsym` |
 //! | [`cuda`] | CUDA ABI constants and types |
 //! | [`log`] | stderr messages |
 //!
@@ -45,6 +47,7 @@
 
 pub mod backend;
 pub mod cuda;
+pub mod doors;
 pub mod driver;
 pub mod ffi;
 pub mod hooks;
@@ -52,11 +55,25 @@ pub mod log;
 pub mod process;
 pub mod python_integration;
 pub mod real;
+pub mod real_driver;
 pub mod report;
 pub mod settings;
 pub mod stacks;
 pub mod streams;
 pub mod trace;
+
+/// The NUL-terminated name of an identifier, as a `&'static CStr`.
+#[macro_export]
+macro_rules! cstr_of {
+    ($name:ident) => {
+        const {
+            match std::ffi::CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
+                Ok(name) => name,
+                Err(_) => panic!("an identifier has no NUL"),
+            }
+        }
+    };
+}
 
 /// Constructor: read the settings and register the fork handler. Nothing CUDA.
 #[ctor::ctor(unsafe)]
@@ -64,6 +81,7 @@ fn on_load() {
     // No panic may escape a constructor.
     let _ = std::panic::catch_unwind(|| {
         settings::on_load();
+        doors::prepare();
         extern "C" fn child() {
             process::after_fork_in_child();
         }

@@ -91,6 +91,8 @@ pub struct Shim {
     /// Whether new allocations are pooled: false with `pool:off`, and after an internal failure.
     healthy: AtomicBool,
     pub(crate) passthrough_mallocs: AtomicU64,
+    /// Driver-level allocations in a context that is not a device's primary one (not pooled).
+    pub(crate) unpooled_context_mallocs: AtomicU64,
     /// Traced allocations that passed through (`pool:off`, or degraded): address → (size,
     /// device), to trace their frees.
     passthrough: std::sync::Mutex<std::collections::HashMap<u64, (u64, u32)>>,
@@ -152,7 +154,10 @@ fn start() -> Option<Shim> {
     } else {
         log::debug!("pool:off: passing allocations through, tracing them");
     }
-    let device_count = crate::real::device_count();
+    let device_count = driver
+        .map(crate::driver::device_count)
+        .filter(|&n| n > 0)
+        .unwrap_or_else(crate::real::device_count);
     let slots = if device_count > 0 {
         device_count.min(MAX_DEVICES)
     } else {
@@ -190,6 +195,7 @@ fn start() -> Option<Shim> {
         devices: (0..slots).map(|_| OnceLock::new()).collect(),
         healthy: AtomicBool::new(pooling),
         passthrough_mallocs: AtomicU64::new(0),
+        unpooled_context_mallocs: AtomicU64::new(0),
         passthrough: std::sync::Mutex::new(std::collections::HashMap::new()),
         started: std::time::Instant::now(),
         default_pools: std::sync::Mutex::new(Vec::new()),
@@ -211,12 +217,41 @@ impl Shim {
         self.healthy.load(Ordering::Acquire)
     }
 
-    /// The calling thread's current device.
+    /// The calling thread's current device: the runtime's, or without a shared runtime (one
+    /// linked statically), the current context's.
     fn current_device(&self) -> Result<i32, CudaError> {
         if self.device_count == 1 {
-            Ok(0)
-        } else {
-            crate::real::current_device()
+            return Ok(0);
+        }
+        if crate::real::cudaGetDevice().is_some() {
+            return crate::real::current_device();
+        }
+        match self.driver.map(crate::driver::current_context) {
+            Some(crate::driver::CurrentContext::Primary(device)) => Ok(device),
+            _ => Err(cuda::ERROR_INVALID_VALUE),
+        }
+    }
+
+    /// The context current on the calling thread (for the driver's door).
+    pub fn current_context(&self) -> crate::driver::CurrentContext {
+        self.driver.map_or(
+            crate::driver::CurrentContext::None,
+            crate::driver::current_context,
+        )
+    }
+
+    /// A driver-level allocation in a context other than a device's primary one passed
+    /// through: count it, and say so once.
+    pub fn note_unpooled_context(&self) {
+        if self
+            .unpooled_context_mallocs
+            .fetch_add(1, Ordering::Relaxed)
+            == 0
+        {
+            log::info!(
+                "an allocation in a context made with cuCtxCreate passes through unpooled (only \
+                 the devices' primary contexts, the runtime's, are pooled)"
+            );
         }
     }
 
@@ -277,12 +312,6 @@ impl Shim {
             .map(|p| &p.alloc)
     }
 
-    /// The allocator of the current device, if it exists.
-    fn current_allocator(&self) -> Option<&Allocator<CudaDevice, DeviceObserver>> {
-        let device = usize::try_from(self.current_device().ok()?).ok()?;
-        self.devices.get(device)?.get().map(|p| &p.alloc)
-    }
-
     /// The calling thread's stack id for an allocation record, or 0: no stacks configured, or
     /// shed because the trace's channel is congested (stacks are the one payload the recorder
     /// may drop under overload; the count goes into the trace's `Dropped` records).
@@ -300,7 +329,11 @@ impl Shim {
     /// Serve `cudaMalloc(size)` ([`NO_STREAM`](cachealloc_core::NO_STREAM)) or
     /// `cudaMallocAsync(size, stream)` from the current device's pool.
     pub fn malloc(&self, size: u64, stream: u64) -> Result<u64, CudaError> {
-        let device = self.current_device()?;
+        self.malloc_on(self.current_device()?, size, stream)
+    }
+
+    /// Serve an allocation for `stream` from `device`'s pool.
+    pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
         let pool = self.pool(device)?;
         let mut changes = cachealloc_core::SegmentChanges::default();
         let stack = self.capture_stack();
@@ -352,15 +385,20 @@ impl Shim {
         None
     }
 
-    /// Count (and trace) an allocation that passed through (`pool:off`, or degraded). A raw
-    /// `cudaMalloc` is a segment holding one block: both are recorded.
-    pub fn passthrough_malloc(&self, size: u64) -> Result<u64, CudaError> {
+    /// Count (and trace) an allocation that passed through (`pool:off`, or degraded) to
+    /// `real`, the real `cudaMalloc` or `cuMemAlloc_v2`. A raw allocation is a segment holding
+    /// one block: both are recorded.
+    pub fn passthrough_malloc(
+        &self,
+        size: u64,
+        real: impl FnOnce() -> Result<u64, CudaError>,
+    ) -> Result<u64, CudaError> {
         self.passthrough_mallocs.fetch_add(1, Ordering::Relaxed);
         let Ok(trace) = &self.trace else {
-            return crate::real::malloc(size);
+            return real();
         };
         let stack = self.capture_stack();
-        let address = crate::real::malloc(size)?;
+        let address = real()?;
         if address == 0 {
             return Ok(0); // cudaMalloc(0)
         }
@@ -429,24 +467,56 @@ impl Shim {
 
     /// Cached-but-free bytes of the current device, for `cudaMemGetInfo`.
     pub fn cached_free_bytes(&self) -> u64 {
+        self.current_device()
+            .map_or(0, |device| self.cached_free_bytes_on(device))
+    }
+
+    /// Cached-but-free bytes of `device`, for `cudaMemGetInfo` and `cuMemGetInfo_v2`.
+    pub fn cached_free_bytes_on(&self, device: i32) -> u64 {
         if !self.report_cached_as_free {
             return 0;
         }
-        self.current_allocator()
+        self.allocator_of(device)
             .map_or(0, |a| a.cached_free_bytes())
     }
 
     /// The current device's context was reset: forget its pools (their memory is gone).
     pub fn device_reset(&self) {
-        if let Some(alloc) = self.current_allocator() {
-            alloc.forget_all();
-            log::debug!("the current device was reset: its pools were forgotten");
+        if let Ok(device) = self.current_device() {
+            self.device_reset_of(device);
         }
     }
 
-    /// The application created a stream.
+    /// `device`'s primary context was reset: forget its pools (their memory is gone).
+    pub fn device_reset_of(&self, device: i32) {
+        crate::driver::forget_primary_context(device);
+        if let Some(alloc) = self.allocator_of(device) {
+            alloc.forget_all();
+            log::debug!("device {device} was reset: its pools were forgotten");
+        }
+    }
+
+    /// Where the live allocation containing `address` lies, if it is one of ours: its block's
+    /// `(base, size)`. `Err(())` for an address inside our segments that is not live (a freed
+    /// block): the program has no allocation there.
+    pub fn block_range(&self, address: u64) -> Option<Result<(u64, u64), ()>> {
+        self.allocators().find_map(|alloc| {
+            let info = alloc.lookup(address)?;
+            Some(if info.state == cachealloc_core::BlockState::Active {
+                Ok((info.block_address, info.block_size))
+            } else {
+                Err(())
+            })
+        })
+    }
+
+    /// The application created a stream on the current device.
     pub fn stream_created(&self, stream: usize, flags: u32) {
-        let device = self.current_device().unwrap_or(0);
+        self.stream_created_on(self.current_device().unwrap_or(0), stream, flags);
+    }
+
+    /// The application created a stream on `device`.
+    pub fn stream_created_on(&self, device: i32, stream: usize, flags: u32) {
         let non_blocking = flags & cuda::STREAM_NON_BLOCKING != 0;
         if let Ok(trace) = &self.trace {
             let t = crate::trace::now();

@@ -1,11 +1,12 @@
-//! The real CUDA runtime functions behind our hooks, found at first use.
+//! The real CUDA runtime functions behind our hooks, found at first use (for the driver's, see
+//! [`crate::real_driver`]).
 //!
 //! The runtime is loaded long after our constructor, so nothing is resolved at load time. Each
 //! function is looked up once with `dlsym(RTLD_NEXT)`; where that finds nothing (PyTorch loads
 //! CUDA libraries with `RTLD_LOCAL`, out of the global scope), we ask the already-loaded runtime
 //! directly: `dlopen(soname, RTLD_NOLOAD)` + `dlsym(handle)`.
 
-use std::ffi::{CStr, c_int, c_uint, c_void};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
 use crate::cuda::{CudaError, CudaStream, IpcMemHandle, MemPool};
@@ -85,31 +86,34 @@ real_functions! {
     cudaMemPoolGetAttribute: fn(MemPool, c_int, *mut c_void) -> CudaError;
     cudaMemPoolSetAttribute: fn(MemPool, c_int, *mut c_void) -> CudaError;
     cudaMemPoolTrimTo: fn(MemPool, usize) -> CudaError;
-}
-
-/// The calling thread's current device, through the real runtime.
-pub fn current_device() -> Result<i32, CudaError> {
-    let get = cudaGetDevice().ok_or(crate::cuda::ERROR_INITIALIZATION)?;
-    let mut device: c_int = 0;
-    // SAFETY: `device` is a valid out-pointer for the duration of the call.
-    let code = unsafe { get(&mut device) };
-    if code == crate::cuda::SUCCESS {
-        Ok(device)
-    } else {
-        Err(code)
-    }
+    cudaGetDriverEntryPoint: fn(*const c_char, *mut *mut c_void, u64, *mut c_int) -> CudaError;
+    cudaGetDriverEntryPointByVersion: fn(*const c_char, *mut *mut c_void, c_uint, u64, *mut c_int) -> CudaError;
 }
 
 /// Call a real function, or fail with `cudaErrorInitializationError` when it does not exist.
+/// The runtime's own driver calls during it go straight to the driver
+/// ([`crate::doors::through_runtime`]): the shim already handled the request.
 macro_rules! call_real {
     ($name:ident($($arg:expr),*)) => {
         match $name() {
             // SAFETY: the caller passes arguments that satisfy the CUDA function's contract
             // (each wrapper below documents why).
-            Some(f) => unsafe { f($($arg),*) },
+            Some(f) => crate::doors::through_runtime(|| unsafe { f($($arg),*) }),
             None => crate::cuda::ERROR_INITIALIZATION,
         }
     };
+}
+
+/// The calling thread's current device, through the real runtime.
+pub fn current_device() -> Result<i32, CudaError> {
+    let mut device: c_int = 0;
+    // Valid out-pointer for the duration of the call.
+    let code = call_real!(cudaGetDevice(&mut device));
+    if code == crate::cuda::SUCCESS {
+        Ok(device)
+    } else {
+        Err(code)
+    }
 }
 
 /// The real `cudaMalloc`.

@@ -47,6 +47,9 @@ pub fn exit_summary() {
     }
     if stats.is_empty() {
         log::info!("pid {pid}: no allocation reached the pool");
+        if let Some(doors) = doors_line() {
+            log::info!("pid {pid}: allocations by door: {doors}");
+        }
         return;
     }
     for (device, s) in stats {
@@ -70,6 +73,26 @@ pub fn exit_summary() {
             "pid {pid}: {passed} allocations passed through unpooled after an internal failure"
         );
     }
+    if let Some(doors) = doors_line() {
+        log::info!("pid {pid}: allocations by door: {doors}");
+    }
+    let other_contexts = shim.unpooled_context_mallocs.load(Ordering::Relaxed);
+    if other_contexts > 0 {
+        log::info!(
+            "pid {pid}: {other_contexts} allocations in contexts made with cuCtxCreate passed through unpooled"
+        );
+    }
+}
+
+/// The doors allocation requests came through (see [`crate::doors`]), those used only: "runtime
+/// cudaMalloc* 12, driver entry points (cuGetProcAddress) 3".
+fn doors_line() -> Option<String> {
+    let used: Vec<String> = crate::doors::counts()
+        .into_iter()
+        .filter(|&(_, n)| n > 0)
+        .map(|(door, n)| format!("{} {n}", door.name()))
+        .collect();
+    (!used.is_empty()).then(|| used.join(", "))
 }
 
 /// `cachealloc_annotate`: a named marker, written to the trace and, with the memory state of

@@ -96,7 +96,10 @@ impl Shim {
     }
 
     /// The allocator of `device`, if it exists.
-    fn allocator_of(&self, device: i32) -> Option<&Allocator<CudaDevice, DeviceObserver>> {
+    pub(super) fn allocator_of(
+        &self,
+        device: i32,
+    ) -> Option<&Allocator<CudaDevice, DeviceObserver>> {
         let slot = self.devices.get(usize::try_from(device).ok()?)?;
         slot.get().map(|p| &p.alloc)
     }

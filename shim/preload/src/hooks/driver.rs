@@ -1,0 +1,196 @@
+//! The driver's door: what each wrapped driver function does, in safe Rust. The wrappers in
+//! [`crate::ffi::driver`] convert the C arguments and pass the real call as a closure, used for
+//! everything that is not ours.
+//!
+//! Every hook first asks [`doors::inside_runtime`]: a driver call the runtime makes while the
+//! shim is calling into it belongs to a request the shim already handled, and goes straight to
+//! the driver. Allocations are pooled only in a device's primary context (the runtime's); the
+//! current context decides the device ([`crate::driver::current_context`]).
+
+use cachealloc_core::NO_STREAM;
+
+use crate::cuda;
+use crate::doors::{self, Door};
+use crate::driver::CurrentContext;
+use crate::log;
+use crate::process;
+use crate::real_driver::{self, CuResult};
+
+/// A stream argument of a driver call.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamArg {
+    /// The handle as given.
+    pub handle: usize,
+    /// Whether the call is a `_ptsz` variant, where NULL names the per-thread default stream.
+    pub per_thread_default: bool,
+}
+
+impl StreamArg {
+    /// The handle as the runtime would name the same stream (NULL in a `_ptsz` call is
+    /// `cudaStreamPerThread`).
+    fn runtime_handle(self) -> usize {
+        if self.per_thread_default && self.handle == 0 {
+            cuda::STREAM_PER_THREAD
+        } else {
+            self.handle
+        }
+    }
+}
+
+/// `cuMemAlloc_v2` (no stream) or `cuMemAllocAsync*`, which came through `door`.
+pub fn mem_alloc(
+    door: Door,
+    size: u64,
+    stream: Option<StreamArg>,
+    real: impl FnOnce() -> Result<u64, CuResult>,
+) -> Result<u64, CuResult> {
+    if doors::inside_runtime() {
+        return real();
+    }
+    doors::count(door);
+    let Some(shim) = process::shim() else {
+        return real();
+    };
+    if !shim.pooling() {
+        return shim.passthrough_malloc(size, real);
+    }
+    if size == 0 {
+        return real(); // the driver's own answer to a zero-byte request
+    }
+    let key = match stream.map(StreamArg::runtime_handle) {
+        // On a capturing stream the allocation is a node of the graph, which owns its memory.
+        Some(handle) if shim.is_capturing(handle) => return real(),
+        Some(handle) => shim.stream_key(handle),
+        None => NO_STREAM,
+    };
+    match shim.current_context() {
+        CurrentContext::Primary(device) => shim.malloc_on(device, size, key),
+        CurrentContext::Other => {
+            shim.note_unpooled_context();
+            real()
+        }
+        CurrentContext::None => real(), // the driver says what is wrong
+    }
+}
+
+/// `cuMemFree_v2` (no stream) or `cuMemFreeAsync*`: a pooled pointer returns to its pool;
+/// anything else — allocated before us, in another context, by a graph, from the driver's own
+/// pools — goes to the driver.
+pub fn mem_free(
+    address: u64,
+    stream: Option<StreamArg>,
+    real: impl FnOnce() -> CuResult,
+) -> CuResult {
+    if doors::inside_runtime() || address == 0 {
+        return real();
+    }
+    if let Some(shim) = process::shim() {
+        let key = match stream.map(StreamArg::runtime_handle) {
+            Some(handle) if !shim.is_capturing(handle) => shim.stream_key(handle),
+            _ => NO_STREAM,
+        };
+        if let Some(code) = shim.free(address, key) {
+            return code;
+        }
+        shim.passthrough_free(address);
+    }
+    real()
+}
+
+/// `cuMemGetInfo_v2`: our cached free bytes of the current context's device count as free.
+pub fn mem_get_info(
+    real: impl FnOnce() -> Result<(u64, u64), CuResult>,
+) -> Result<(u64, u64), CuResult> {
+    let (free, total) = real()?;
+    if doors::inside_runtime() {
+        return Ok((free, total));
+    }
+    let cached = process::started_shim().map_or(0, |shim| match shim.current_context() {
+        CurrentContext::Primary(device) => shim.cached_free_bytes_on(device),
+        _ => 0,
+    });
+    Ok((free.saturating_add(cached).min(total), total))
+}
+
+/// For `cuMemGetAddressRange_v2` and the range attributes of `cuPointerGetAttribute(s)`: the
+/// live allocation containing `address` if it is ours (`Ok((base, size))`), an error for an
+/// address in our segments that is not live (a freed block), `None` to ask the driver.
+pub fn block_range(address: u64) -> Option<Result<(u64, u64), CuResult>> {
+    if doors::inside_runtime() {
+        return None;
+    }
+    let shim = process::started_shim()?;
+    shim.block_range(address)
+        .map(|r| r.map_err(|()| real_driver::ERROR_INVALID_VALUE))
+}
+
+/// `cuIpcGetMemHandle`: refused inside a pooled segment, as `cudaIpcGetMemHandle` is.
+pub fn ipc_get_mem_handle(address: u64, real: impl FnOnce() -> CuResult) -> CuResult {
+    if !doors::inside_runtime()
+        && let Some(shim) = process::shim()
+        && let Err(why) = shim.ipc_check(address)
+    {
+        log::error!(
+            "{}",
+            why.replace("cudaIpcGetMemHandle", "cuIpcGetMemHandle")
+        );
+        return real_driver::ERROR_INVALID_VALUE;
+    }
+    real()
+}
+
+/// `cuStreamCreate*`: a stream of a primary context becomes visible to the fences.
+pub fn stream_create(
+    flags: u32,
+    real: impl FnOnce() -> Result<usize, CuResult>,
+) -> Result<usize, CuResult> {
+    let stream = real()?;
+    if !doors::inside_runtime()
+        && let Some(shim) = process::shim()
+        && let CurrentContext::Primary(device) = shim.current_context()
+    {
+        shim.stream_created_on(device, stream, flags);
+    }
+    Ok(stream)
+}
+
+/// `cuStreamDestroy_v2`.
+pub fn stream_destroy(stream: usize, real: impl FnOnce(usize) -> CuResult) -> CuResult {
+    if doors::inside_runtime() {
+        return real(stream);
+    }
+    super::stream_destroy_with(
+        stream,
+        // Handle from the application, validated by the driver.
+        |s| real_driver::call_driver!(cuStreamSynchronize(s as real_driver::Handle)),
+        real,
+    )
+}
+
+/// `cuStreamBeginCapture_v2*`.
+pub fn stream_begin_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) -> CuResult {
+    if doors::inside_runtime() {
+        return real();
+    }
+    super::stream_begin_capture(stream.runtime_handle(), real)
+}
+
+/// `cuStreamEndCapture*`.
+pub fn stream_end_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) -> CuResult {
+    if doors::inside_runtime() {
+        return real();
+    }
+    super::stream_end_capture(stream.runtime_handle(), real)
+}
+
+/// `cuDevicePrimaryCtxReset_v2`: the device's memory is gone; forget its pools.
+pub fn primary_context_reset(device: i32, real: impl FnOnce() -> CuResult) -> CuResult {
+    let code = real();
+    if code == real_driver::SUCCESS
+        && !doors::inside_runtime()
+        && let Some(shim) = process::started_shim()
+    {
+        shim.device_reset_of(device);
+    }
+    code
+}
