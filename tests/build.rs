@@ -1,5 +1,9 @@
 //! Builds fakecuda (`libcuda.so.1`, `libcudart.so.13`) and the C (and C++) test programs into
 //! OUT_DIR with the system compilers, and tells the tests where they are.
+//!
+//! The runtime has no link-time dependency on the driver: like the real one it reaches it only
+//! through `dlopen("libcuda.so.1")` + `cuGetProcAddress_v2`. Both libraries are linked with
+//! `-Bsymbolic`, so no internal call goes through an exported name.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -33,9 +37,12 @@ fn main() {
         "-shared",
         "-fPIC",
         "-fvisibility=hidden",
+        "-Wl,-Bsymbolic",
         "-Wl,-soname,libcuda.so.1",
-        "-o",
     ])
+    .arg("-I")
+    .arg(&include)
+    .arg("-o")
     .arg(fake.join("libcuda.so.1"))
     .arg(src.join("fakecuda.c"))
     .arg("-lpthread");
@@ -45,11 +52,14 @@ fn main() {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink("libcuda.so.1", &link).unwrap();
 
+    // The runtime (-z defs proves it calls no cu* name directly).
     let mut cmd = compiler();
     cmd.args([
         "-shared",
         "-fPIC",
         "-fvisibility=hidden",
+        "-Wl,-Bsymbolic",
+        "-Wl,-z,defs",
         "-Wl,-soname,libcudart.so.13",
     ])
     .arg("-I")
@@ -57,9 +67,7 @@ fn main() {
     .arg("-o")
     .arg(fake.join("libcudart.so.13"))
     .arg(src.join("cudart.c"))
-    .arg("-L")
-    .arg(&fake)
-    .arg("-l:libcuda.so.1");
+    .args(["-ldl", "-lpthread"]);
     run(cmd);
 
     let programs = root.join("programs");
