@@ -178,7 +178,12 @@ fn build_c(
             cmd.args(["-l:libcudart_static.a", "-ldl"]);
         }
         Output::DriverProgram => {
-            cmd.args(["-Wl,--as-needed", "-l:libcuda.so.1", "-Wl,--no-as-needed", "-ldl"]);
+            cmd.args([
+                "-Wl,--as-needed",
+                "-l:libcuda.so.1",
+                "-Wl,--no-as-needed",
+                "-ldl",
+            ]);
         }
     }
     cmd.arg(format!("-Wl,-rpath-link,{}", fake.display()))
@@ -199,7 +204,10 @@ fn check_static(program: &Path) {
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
     };
     let Some(dynamic) = output("readelf", &["-d", "-W"]) else {
-        println!("cargo:warning=readelf not found: {} not checked", program.display());
+        println!(
+            "cargo:warning=readelf not found: {} not checked",
+            program.display()
+        );
         return;
     };
     assert!(
