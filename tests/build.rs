@@ -1,5 +1,21 @@
-//! Builds fakecuda (`libcuda.so.1`, `libcudart.so.13`) and the C (and C++) test programs into
-//! OUT_DIR with the system compilers, and tells the tests where they are.
+//! Builds fakecuda and the C (and C++) test programs into OUT_DIR with the system compilers, and
+//! tells the tests where they are.
+//!
+//! fakecuda has the structure of the real CUDA 13 stack:
+//! - `libcuda.so.1` (`fakecuda/fakecuda.c`): the driver API with its versioned and per-thread
+//!   symbols and the `cuGetProcAddress` resolver (and a `libcuda.so` link to it);
+//! - the runtime (`fakecuda/cudart.c`), which reaches the driver only through
+//!   `dlopen("libcuda.so.1")` + `cuGetProcAddress_v2`, in two flavours: the shared
+//!   `libcudart.so.13` and the static `libcudart_static.a` (hidden symbols, like nvcc's default
+//!   static cudart). Both libraries are linked with `-Bsymbolic`, so no internal call goes
+//!   through an exported name.
+//!
+//! Each C program `programs/NAME.c` (not `lib*.c`, not `slow_fill*`) becomes `NAME`, over the
+//! shared runtime, and `NAME_static`, over the static one (checked with `readelf`/`nm`, where
+//! present: no `libcudart` needed, no `cuda*` exported). Programs named `driver_*` use the driver
+//! API only: they are built once, linked against `libcuda.so.1` as needed (one that only
+//! dlopens it does not need it). `lib*.c` become helper libraries `lib*.so` for the Python
+//! programs; the C++ program is built over the shared runtime.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,14 +44,18 @@ fn main() {
     let src = root.join("fakecuda");
     let include = src.join("include");
 
+    // The driver.
     let mut cmd = compiler();
     cmd.args([
         "-shared",
         "-fPIC",
         "-fvisibility=hidden",
+        "-Wl,-Bsymbolic",
         "-Wl,-soname,libcuda.so.1",
-        "-o",
     ])
+    .arg("-I")
+    .arg(&include)
+    .arg("-o")
     .arg(fake.join("libcuda.so.1"))
     .arg(src.join("fakecuda.c"))
     .arg("-lpthread");
@@ -45,11 +65,15 @@ fn main() {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink("libcuda.so.1", &link).unwrap();
 
+    // The shared runtime: no link-time dependency on the driver (-z defs proves it calls no
+    // cu* name directly).
     let mut cmd = compiler();
     cmd.args([
         "-shared",
         "-fPIC",
         "-fvisibility=hidden",
+        "-Wl,-Bsymbolic",
+        "-Wl,-z,defs",
         "-Wl,-soname,libcudart.so.13",
     ])
     .arg("-I")
@@ -57,9 +81,23 @@ fn main() {
     .arg("-o")
     .arg(fake.join("libcudart.so.13"))
     .arg(src.join("cudart.c"))
-    .arg("-L")
-    .arg(&fake)
-    .arg("-l:libcuda.so.1");
+    .args(["-ldl", "-lpthread"]);
+    run(cmd);
+
+    // The static runtime.
+    let object = fake.join("cudart_static.o");
+    let mut cmd = compiler();
+    cmd.args(["-c", "-fPIC", "-fvisibility=hidden", "-DCUDART_STATIC"])
+        .arg("-I")
+        .arg(&include)
+        .arg("-o")
+        .arg(&object)
+        .arg(src.join("cudart.c"));
+    run(cmd);
+    let archive = fake.join("libcudart_static.a");
+    let _ = std::fs::remove_file(&archive);
+    let mut cmd = cc::Build::new().get_archiver();
+    cmd.arg("crs").arg(&archive).arg(&object);
     run(cmd);
 
     let programs = root.join("programs");
@@ -73,12 +111,16 @@ fn main() {
         if path.extension().is_none_or(|e| e != "c") || name.starts_with("slow_fill") {
             continue;
         }
-        let kind = if name.starts_with("lib") {
-            Output::Library
+        let paths = (path.as_path(), programs.as_path());
+        if name.starts_with("lib") {
+            build_c(paths, &name, &include, &fake, &bin, Output::Library);
+        } else if name.starts_with("driver_") {
+            build_c(paths, &name, &include, &fake, &bin, Output::DriverProgram);
         } else {
-            Output::Program
-        };
-        build_c((&path, &programs), &name, &include, &fake, &bin, kind);
+            build_c(paths, &name, &include, &fake, &bin, Output::Program);
+            build_c(paths, &name, &include, &fake, &bin, Output::StaticProgram);
+            check_static(&bin.join(format!("{name}_static")));
+        }
     }
     println!("cargo:rerun-if-changed=fakecuda");
     println!("cargo:rerun-if-changed=programs");
@@ -86,29 +128,15 @@ fn main() {
     println!("cargo:rustc-env=PROGRAMS_DIR={}", bin.display());
 }
 
-/// The compiler command for one C file of `programs/` over fakecuda's runtime, writing `output`.
-fn c_command(path: &Path, programs: &Path, include: &Path, fake: &Path, output: &Path) -> Command {
-    let mut cmd = compiler();
-    cmd.arg("-I")
-        .arg(include)
-        .arg("-I")
-        .arg(programs)
-        .arg("-o")
-        .arg(output)
-        .arg(path)
-        .arg("-L")
-        .arg(fake)
-        .arg("-l:libcudart.so.13")
-        .arg(format!("-Wl,-rpath-link,{}", fake.display()))
-        .arg("-lpthread");
-    cmd
-}
-
 /// What a C file of `programs/` becomes.
 #[derive(Clone, Copy, PartialEq)]
 enum Output {
-    /// A test program, with fakecuda's `slow_fill`.
+    /// A test program over the shared runtime, with fakecuda's `slow_fill` (`NAME`).
     Program,
+    /// The same over the static runtime (`NAME_static`).
+    StaticProgram,
+    /// A driver API program (`driver_*`): libcuda only, as needed.
+    DriverProgram,
     /// A helper library for the Python programs (`lib*.c` → `lib*.so`).
     Library,
 }
@@ -123,15 +151,82 @@ fn build_c(
 ) {
     let (path, programs) = paths;
     let output = match kind {
-        Output::Program => bin.join(name),
+        Output::Program | Output::DriverProgram => bin.join(name),
+        Output::StaticProgram => bin.join(format!("{name}_static")),
         Output::Library => bin.join(format!("{name}.so")),
     };
-    let mut cmd = c_command(path, programs, include, fake, &output);
+    let mut cmd = compiler();
+    cmd.arg("-I")
+        .arg(include)
+        .arg("-I")
+        .arg(programs)
+        .arg("-o")
+        .arg(output)
+        .arg(path);
+    if kind == Output::Program || kind == Output::StaticProgram {
+        cmd.arg(programs.join("slow_fill_fake.c"));
+    }
+    if kind == Output::Library {
+        cmd.args(["-shared", "-fPIC"]);
+    }
+    cmd.arg("-L").arg(fake);
     match kind {
-        Output::Program => cmd.arg(programs.join("slow_fill_fake.c")),
-        Output::Library => cmd.args(["-shared", "-fPIC"]),
-    };
+        Output::Program | Output::Library => {
+            cmd.arg("-l:libcudart.so.13");
+        }
+        Output::StaticProgram => {
+            cmd.args(["-l:libcudart_static.a", "-ldl"]);
+        }
+        Output::DriverProgram => {
+            cmd.args([
+                "-Wl,--as-needed",
+                "-l:libcuda.so.1",
+                "-Wl,--no-as-needed",
+                "-ldl",
+            ]);
+        }
+    }
+    cmd.arg(format!("-Wl,-rpath-link,{}", fake.display()))
+        .arg("-lpthread");
     run(cmd);
+}
+
+/// A program over the static runtime must neither need `libcudart` nor export the runtime's
+/// names (they stay local to it). Checked with binutils where the machine has them.
+fn check_static(program: &Path) {
+    let output = |tool: &str, args: &[&str]| {
+        Command::new(tool)
+            .args(args)
+            .arg(program)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let Some(dynamic) = output("readelf", &["-d", "-W"]) else {
+        println!(
+            "cargo:warning=readelf not found: {} not checked",
+            program.display()
+        );
+        return;
+    };
+    assert!(
+        !dynamic.contains("libcudart"),
+        "{} needs libcudart:\n{dynamic}",
+        program.display()
+    );
+    if let Some(symbols) = output("nm", &["-D", "--defined-only"]) {
+        let exported: Vec<&str> = symbols
+            .lines()
+            .filter_map(|l| l.split_whitespace().last())
+            .filter(|s| s.starts_with("cuda"))
+            .collect();
+        assert!(
+            exported.is_empty(),
+            "{} exports {exported:?}",
+            program.display()
+        );
+    }
 }
 
 /// A C++ test program (no shared helpers: they are C).

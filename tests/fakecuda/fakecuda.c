@@ -1,31 +1,69 @@
 /*
- * fakecuda — a CPU stand-in for the CUDA driver (built as libcuda.so.1). It holds all state;
- * cudart.c (libcudart.so.13) is a thin runtime layer over the fc_* functions here.
+ * fakecuda — a CPU stand-in for the CUDA 13 driver, built as libcuda.so.1. It holds all state and
+ * exports a driver API surface with CUDA's real names, signatures and values (include/cuda.h);
+ * cudart.c (libcudart.so.13 and libcudart_static.a) is a runtime over it that, like the real
+ * one, reaches it only through dlopen + cuGetProcAddress_v2.
+ *
+ * The structure a driver-boundary interposer meets, as measured on the real CUDA 13 stack:
+ *  - Versioned exports: the ABI symbols (cuMemAlloc_v2, cuMemFree_v2, cuStreamDestroy_v2, ...)
+ *    next to their old v1 symbols (cuMemAlloc with a 32-bit out-pointer, which here answers
+ *    CUDA_ERROR_NOT_SUPPORTED and writes nothing, so that a wrong-signature substitution shows),
+ *    and per-thread default stream variants (_ptsz/_ptds: a NULL stream means the per-thread
+ *    default stream, approximated as the legacy stream, as CU_STREAM_PER_THREAD is).
+ *  - The resolver: cuGetProcAddress_v2 (and _v2_ptsz, and the v1 cuGetProcAddress without the
+ *    status argument) looks a base name up in a versioned table of (name, minimum CUDA version,
+ *    per-thread or not, function) and returns the newest variant the requested version allows:
+ *    "cuMemAlloc" at 3020 or later gives cuMemAlloc_v2, below it the v1 cuMemAlloc; with
+ *    CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM a name that has a _ptsz/_ptds variant gives
+ *    it. An unknown name is CUDA_ERROR_NOT_FOUND with CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, a
+ *    version below every variant's CUDA_ERROR_NOT_FOUND with ..._VERSION_NOT_SUFFICIENT; both
+ *    set *pfn to NULL. Every pointer returned is the exported symbol of that name.
+ *  - Nothing in here calls an exported cu* name: exports are thin wrappers over static
+ *    functions, and the library is linked with -Bsymbolic, so an interposer exporting the same
+ *    names never sees the driver's internal calls (nor the resolver's table entries).
  *
  * What it models, because cachealloc's tests depend on it:
+ *  - cuInit first (CUDA_ERROR_NOT_INITIALIZED before). Contexts: one primary context per device
+ *    (cuDevicePrimaryCtxRetain/Release/Reset/GetState; the handle stays the same across a
+ *    reset) and non-primary ones (cuCtxCreate*, cuCtxDestroy*), each thread with one current
+ *    context (cuCtxSetCurrent; it also sets the thread's device). Calls that need a context fail
+ *    with CUDA_ERROR_INVALID_CONTEXT while none is current, and so does the NULL stream (which is
+ *    the current context's device's legacy stream); an explicit stream handle needs none.
  *  - Device memory is host memory, counted against a capacity (FAKECUDA_CAPACITY_MB, default
- *    1024) per device; FAKECUDA_DEVICES devices (default 1). Allocations are 512-byte aligned.
+ *    1024) per device; FAKECUDA_DEVICES devices (default 1). Allocations are 512-byte aligned,
+ *    belong to the context current at allocation, and are released by its reset or destruction.
+ *    cuMemGetAddressRange_v2 and cuPointerGetAttribute find the allocation containing any
+ *    pointer inside it; each allocation has its own buffer id. Copies and memsets check that the
+ *    device range lies inside one live allocation (CUDA_ERROR_INVALID_VALUE otherwise).
  *  - Streams run *asynchronously*: every stream (and each device's legacy default stream) has a
  *    worker thread that executes its queued operations in order. Legacy semantics: an operation
  *    on the legacy stream waits for all earlier work of the device's blocking streams, and an
  *    operation on a blocking stream waits for all earlier legacy-stream work; non-blocking
  *    streams are ordered with nothing. So a caching allocator that reuses memory too early
  *    really sees the old work overwrite the new data.
- *  - cudaFree waits for the whole device first (as the real one does), then releases.
- *  - Events complete when their recording operation executes.
+ *  - cuMemFree_v2 waits for the whole device first (as the real one does), then releases;
+ *    cuMemFreeAsync releases when the stream reaches it.
+ *  - Events complete when their recording operation executes; cuStreamWaitEvent makes a stream
+ *    wait on the device, not the host.
  *  - Stream capture (CUDA graphs): work enqueued on a capturing stream is recorded into the
- *    graph, not run; a graph launch enqueues copies of it. cudaMallocAsync on a capturing stream
- *    gives graph-owned memory (kept until the graph is destroyed), a cudaFreeAsync of it there
- *    does nothing. While a capture in global mode is under way (or one in thread-local mode on
- *    the calling thread), a "potentially unsafe" call (cudaMalloc, cudaFree, event query or
- *    synchronize, stream or device synchronize) from a thread not in relaxed mode fails with
- *    900 and invalidates the capture; work on the legacy stream while a blocking stream
- *    captures fails with 906 and invalidates it too. cudaStreamEndCapture then fails with 901.
+ *    graph, not run; a graph launch enqueues copies of it. cuMemAllocAsync on a capturing
+ *    stream gives graph-owned memory (kept until the graph is destroyed), a cuMemFreeAsync of it
+ *    there does nothing. While a capture in global mode is under way (or one in thread-local
+ *    mode on the calling thread), a "potentially unsafe" call (cuMemAlloc, cuMemFree, event
+ *    query or synchronize, stream query or synchronize, context synchronize) from a thread not
+ *    in relaxed mode fails with 900 and invalidates the capture; work on the legacy stream while
+ *    a blocking stream captures fails with 906 and invalidates it too. cuStreamEndCapture then
+ *    fails with 901.
+ *  - One default memory pool per device, whose attributes report the device's used memory.
+ *  - FAKECUDA_REPORT=1: at exit, one line on stderr, "fakecuda: <n> device allocations, <m>
+ *    device frees" (cuMemAlloc_v2 and cuMemAllocAsync* outside captures; cuMemFree_v2 and
+ *    cuMemFreeAsync* outside captures), so that a test can tell a pool served requests.
  *
  * One global mutex guards everything (speed is irrelevant here); workers wait on one condition
  * variable that is broadcast on every completion.
  */
 #define _GNU_SOURCE
+#define __CUDA_API_VERSION_INTERNAL
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -34,35 +72,32 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cuda.h"
+
 #define FC_EXPORT __attribute__((visibility("default")))
 #define MAX_DEVICES 8
 #define MAX_STREAMS 256
+#define MAX_CONTEXTS 64
+#define DRIVER_VERSION 13000
 
-/* Error codes shared by the runtime (cudaError_t) and the driver (CUresult) where they agree. */
-enum {
-    OK = 0,
-    E_INVALID_VALUE = 1,
-    E_OUT_OF_MEMORY = 2,
-    E_NOT_INITIALIZED = 3,
-    E_INVALID_DEVICE = 101,
-    E_INVALID_CONTEXT = 201,
-    E_INVALID_HANDLE = 400,
-    E_NOT_READY = 600,
-};
+enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
 
 typedef struct fc_op fc_op;
 typedef struct fc_stream fc_stream;
+typedef struct fc_graph fc_graph;
 
 typedef enum { OP_MEMSET, OP_MEMCPY, OP_HOSTFN, OP_EVENT, OP_FREE, OP_WAIT } op_kind;
 
-enum {
-    E_CAPTURE_UNSUPPORTED = 900, /* cudaErrorStreamCaptureUnsupported */
-    E_CAPTURE_INVALIDATED = 901, /* cudaErrorStreamCaptureInvalidated */
-    E_CAPTURE_IMPLICIT = 906,    /* cudaErrorStreamCaptureImplicit */
-};
-enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
-
-typedef struct fc_graph fc_graph;
+#define CTX_MAGIC 0xc7c7
+typedef struct fc_ctx {
+    int magic;
+    int device;
+    int primary;
+    int refcount;  /* primary: retains since the last reset */
+    int active;    /* primary: retained since the last reset */
+    int destroyed; /* non-primary: cuCtxDestroy ran (kept allocated, never reused) */
+    unsigned flags;
+} fc_ctx;
 
 typedef struct fc_event {
     int magic;
@@ -111,13 +146,15 @@ struct fc_graph {
     int nops;
     fc_op ops[MAX_GRAPH_OPS];
     int nowned;
-    char *owned[64];     /* graph-owned memory (cudaMallocAsync during the capture) */
+    char *owned[64];     /* graph-owned memory (cuMemAllocAsync during the capture) */
 };
 
 typedef struct fc_alloc {
     char *ptr;
     size_t size;
     int device;
+    fc_ctx *ctx;
+    unsigned long long buffer_id;
     struct fc_alloc *next;
 } fc_alloc;
 
@@ -128,11 +165,15 @@ static int g_devices = 1;
 static size_t g_capacity = (size_t)1024 << 20;
 static size_t g_used[MAX_DEVICES];
 static fc_alloc *g_allocs;
+static unsigned long long g_next_buffer_id = 1;
 static fc_stream *g_streams[MAX_STREAMS];
 static int g_nstreams;
 static fc_stream *g_legacy[MAX_DEVICES];
-static __thread int t_device;
-static __thread void *t_context;
+static fc_ctx g_primary[MAX_DEVICES];
+static fc_ctx *g_contexts[MAX_CONTEXTS];
+static int g_ncontexts;
+static unsigned long g_report_allocs, g_report_frees;
+static __thread fc_ctx *t_ctx;
 static __thread int t_capture_mode; /* MODE_GLOBAL by default, as in CUDA */
 
 #define STREAM_MAGIC 0x5eea
@@ -140,14 +181,27 @@ static __thread int t_capture_mode; /* MODE_GLOBAL by default, as in CUDA */
 
 static void *worker_main(void *arg);
 
-/* Runtime calls make the current device's context current on the calling thread, as the real
- * runtime does lazily; driver calls (cu*) need it to be current already. */
-static void runtime_touch(void) {
-    if (!t_context) t_context = (void *)(uintptr_t)(0x1000 + t_device);
-}
-
 static void lock(void) { pthread_mutex_lock(&g_lock); }
 static void unlock(void) { pthread_mutex_unlock(&g_lock); }
+
+static int initialized(void) { return __atomic_load_n(&g_initialized, __ATOMIC_ACQUIRE); }
+
+/* Driver calls need cuInit first; most also need a current (live) context. */
+#define NEED_INIT() do { if (!initialized()) return CUDA_ERROR_NOT_INITIALIZED; } while (0)
+#define NEED_CONTEXT() do { \
+        NEED_INIT(); \
+        if (!t_ctx || t_ctx->destroyed) return CUDA_ERROR_INVALID_CONTEXT; \
+    } while (0)
+
+static void count(unsigned long *counter) { __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED); }
+
+__attribute__((destructor)) static void report_at_exit(void) {
+    const char *report = getenv("FAKECUDA_REPORT");
+    if (!report || strcmp(report, "1") != 0) return;
+    fprintf(stderr, "fakecuda: %lu device allocations, %lu device frees\n",
+            __atomic_load_n(&g_report_allocs, __ATOMIC_RELAXED),
+            __atomic_load_n(&g_report_frees, __ATOMIC_RELAXED));
+}
 
 static void after_fork_child(void) {
     /* The child has no worker threads; it may only ask for memory info (cachealloc's fork
@@ -178,33 +232,52 @@ static void init_locked(void) {
     if (d && atoi(d) > 0 && atoi(d) <= MAX_DEVICES) g_devices = atoi(d);
     const char *c = getenv("FAKECUDA_CAPACITY_MB");
     if (c && atol(c) > 0) g_capacity = (size_t)atol(c) << 20;
-    for (int i = 0; i < g_devices; i++) g_legacy[i] = new_stream_locked(i, 0, 1);
+    for (int i = 0; i < g_devices; i++) {
+        g_legacy[i] = new_stream_locked(i, 0, 1);
+        g_primary[i] = (fc_ctx){.magic = CTX_MAGIC, .device = i, .primary = 1};
+    }
     pthread_atfork(NULL, NULL, after_fork_child);
-    g_initialized = 1;
+    __atomic_store_n(&g_initialized, 1, __ATOMIC_RELEASE);
 }
 
-FC_EXPORT void fc_init(void) {
-    lock();
-    init_locked();
-    unlock();
+static int valid_device(CUdevice d) { return d >= 0 && d < g_devices; }
+
+/* A context handle of ours: a primary context, or a live non-primary one. */
+static fc_ctx *ctx_lookup_locked(CUcontext handle) {
+    fc_ctx *c = (fc_ctx *)handle;
+    for (int i = 0; i < g_devices; i++)
+        if (c == &g_primary[i]) return c;
+    for (int i = 0; i < g_ncontexts; i++)
+        if (c == g_contexts[i] && !c->destroyed) return c;
+    return NULL;
 }
 
 /* ----- streams and operations ------------------------------------------------------------ */
 
+static int is_default_stream(CUstream handle) {
+    return handle == NULL || handle == CU_STREAM_LEGACY || handle == CU_STREAM_PER_THREAD;
+}
+
 /* Resolve a stream handle: NULL, legacy (0x1) and per-thread (0x2, approximated as legacy)
- * mean the current device's legacy stream. */
-static fc_stream *resolve_locked(void *handle) {
-    init_locked();
-    if (handle == NULL || handle == (void *)0x1 || handle == (void *)0x2) return g_legacy[t_device];
-    fc_stream *s = handle;
+ * mean the current context's device's legacy stream, which needs a current context. */
+static fc_stream *stream_locked(CUstream handle, CUresult *err) {
+    if (is_default_stream(handle)) {
+        if (!t_ctx || t_ctx->destroyed) { *err = CUDA_ERROR_INVALID_CONTEXT; return NULL; }
+        return g_legacy[t_ctx->device];
+    }
+    fc_stream *s = (fc_stream *)handle;
     for (int i = 0; i < g_nstreams; i++)
         if (g_streams[i] == s && s->magic == STREAM_MAGIC && !s->destroyed) return s;
+    *err = CUDA_ERROR_INVALID_HANDLE;
     return NULL;
 }
 
+/* A _ptsz/_ptds call: its NULL stream is the calling thread's per-thread default stream. */
+static CUstream per_thread(CUstream handle) { return handle ? handle : CU_STREAM_PER_THREAD; }
+
 /* A potentially unsafe call while a capture forbids it: invalidate the capture(s) and fail. */
-static int unsafe_call_locked(void) {
-    if (t_capture_mode == MODE_RELAXED) return OK;
+static CUresult unsafe_call_locked(void) {
+    if (t_capture_mode == MODE_RELAXED) return CUDA_SUCCESS;
     int hit = 0;
     for (int i = 0; i < g_nstreams; i++) {
         fc_stream *c = g_streams[i];
@@ -215,25 +288,18 @@ static int unsafe_call_locked(void) {
             hit = 1;
         }
     }
-    return hit ? E_CAPTURE_UNSUPPORTED : OK;
+    return hit ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;
 }
 
-static int unsafe_call(void) {
-    lock();
-    int r = unsafe_call_locked();
-    unlock();
-    return r;
-}
-
-static int enqueue_locked(fc_stream *s, fc_op *op) {
+static CUresult enqueue_locked(fc_stream *s, fc_op *op) {
     if (s->capture) {
         /* Recorded into the graph, not run. */
         fc_graph *g = s->capture;
-        if (g->nops >= MAX_GRAPH_OPS) { free(op); return E_OUT_OF_MEMORY; }
+        if (g->nops >= MAX_GRAPH_OPS) { free(op); return CUDA_ERROR_OUT_OF_MEMORY; }
         if (op->kind == OP_EVENT) op->event->captured = 1;
         g->ops[g->nops++] = *op;
         free(op);
-        return OK;
+        return CUDA_SUCCESS;
     }
     if (s->legacy) {
         for (int i = 0; i < g_nstreams; i++) {
@@ -241,7 +307,7 @@ static int enqueue_locked(fc_stream *s, fc_op *op) {
             if (o->capture && o->device == s->device && !o->nonblocking && !o->legacy) {
                 o->capture_invalid = 1;
                 free(op);
-                return E_CAPTURE_IMPLICIT;
+                return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
             }
         }
     }
@@ -267,7 +333,7 @@ static int enqueue_locked(fc_stream *s, fc_op *op) {
     if (s->tail) s->tail->next = op; else s->head = op;
     s->tail = op;
     pthread_cond_broadcast(&g_cond);
-    return OK;
+    return CUDA_SUCCESS;
 }
 
 static fc_op *new_op(op_kind kind) {
@@ -277,7 +343,7 @@ static fc_op *new_op(op_kind kind) {
 }
 
 static int deps_done_locked(const fc_op *op) {
-    /* A stream wait (cudaStreamWaitEvent): until the event's record it waits for completes. */
+    /* A stream wait (cuStreamWaitEvent): until the event's record it waits for completes. */
     if (op->kind == OP_WAIT && op->event->completed_generation < op->event_generation) return 0;
     for (int i = 0; i < op->ndeps; i++)
         if (op->dep_stream[i]->completed < op->dep_target[i]) return 0;
@@ -324,77 +390,18 @@ static void wait_device_locked(int device) {
         if (g_streams[i]->device == device) wait_stream_locked(g_streams[i]);
 }
 
-FC_EXPORT int fc_stream_create(void **out, unsigned flags) {
-    runtime_touch();
-    if (!out) return E_INVALID_VALUE;
+/* Enqueue `op` on `handle`'s stream (taking the lock). */
+static CUresult submit(CUstream handle, fc_op *op) {
     lock();
-    init_locked();
-    fc_stream *s = new_stream_locked(t_device, flags & 1, 0);
-    unlock();
-    if (!s) return E_OUT_OF_MEMORY;
-    *out = s;
-    return OK;
-}
-
-FC_EXPORT int fc_stream_destroy(void *handle) {
-    lock();
-    fc_stream *s = resolve_locked(handle);
-    if (!s || s->legacy) { unlock(); return E_INVALID_HANDLE; }
-    /* Work already queued still runs, as with the real API. */
-    s->destroyed = 1;
-    unlock();
-    return OK;
-}
-
-FC_EXPORT int fc_stream_synchronize(void *handle) {
-    lock();
-    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
-    fc_stream *s = resolve_locked(handle);
-    if (!s) { unlock(); return E_INVALID_HANDLE; }
-    wait_stream_locked(s);
-    unlock();
-    return OK;
-}
-
-FC_EXPORT int fc_device_synchronize(void) {
-    runtime_touch();
-    lock();
-    init_locked();
-    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
-    wait_device_locked(t_device);
-    unlock();
-    return OK;
-}
-
-static int submit(void *handle, fc_op *op) {
-    lock();
-    fc_stream *s = resolve_locked(handle);
-    if (!s) { unlock(); free(op); return E_INVALID_HANDLE; }
-    int r = enqueue_locked(s, op);
+    CUresult err = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &err);
+    if (!s) { unlock(); free(op); return err; }
+    CUresult r = enqueue_locked(s, op);
     unlock();
     return r;
 }
 
-FC_EXPORT int fc_memset_async(void *ptr, int value, size_t n, void *stream) {
-    fc_op *op = new_op(OP_MEMSET);
-    op->ptr = ptr; op->value = value; op->n = n;
-    return submit(stream, op);
-}
-
-FC_EXPORT int fc_memcpy_async(void *dst, const void *src, size_t n, void *stream) {
-    fc_op *op = new_op(OP_MEMCPY);
-    op->ptr = dst; op->src = src; op->n = n;
-    return submit(stream, op);
-}
-
-FC_EXPORT int fc_launch_host_func(void *stream, void (*fn)(void *), void *arg) {
-    if (!fn) return E_INVALID_VALUE;
-    fc_op *op = new_op(OP_HOSTFN);
-    op->fn = fn; op->arg = arg;
-    return submit(stream, op);
-}
-
-/* ----- memory ------------------------------------------------------------------------------ */
+/* ----- memory internals ------------------------------------------------------------------- */
 
 static fc_alloc *find_alloc_locked(const char *p, int containing) {
     for (fc_alloc *a = g_allocs; a; a = a->next)
@@ -402,53 +409,31 @@ static fc_alloc *find_alloc_locked(const char *p, int containing) {
     return NULL;
 }
 
-/* Device memory for cudaMalloc and for graph-owned allocations. */
-static int malloc_locked(void **out, size_t size);
+static char *ptr_of(CUdeviceptr p) { return (char *)(uintptr_t)p; }
+static CUdeviceptr dptr_of(const void *p) { return (CUdeviceptr)(uintptr_t)p; }
 
-FC_EXPORT int fc_malloc(void **out, size_t size) {
-    runtime_touch();
-    if (!out) return E_INVALID_VALUE;
-    lock();
-    init_locked();
-    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
-    int r = malloc_locked(out, size);
-    unlock();
-    return r;
+/* Whether [p, p+n) lies inside one live allocation. */
+static int device_range_locked(CUdeviceptr p, size_t n) {
+    fc_alloc *a = find_alloc_locked(ptr_of(p), 1);
+    return a && ptr_of(p) + n <= a->ptr + a->size;
 }
 
-/* cudaMallocAsync: stream-ordered allocation is immediate here; on a capturing stream the memory
- * belongs to the graph. */
-FC_EXPORT int fc_malloc_async(void **out, size_t size, void *stream) {
-    runtime_touch();
-    if (!out) return E_INVALID_VALUE;
-    lock();
-    init_locked();
-    fc_stream *s = resolve_locked(stream);
-    if (!s) { unlock(); return E_INVALID_HANDLE; }
-    int r = malloc_locked(out, size);
-    if (r == OK && s->capture && *out) {
-        fc_graph *g = s->capture;
-        if (g->nowned < 64) g->owned[g->nowned++] = *out;
-    }
-    unlock();
-    return r;
-}
-
-static int malloc_locked(void **out, size_t size) {
-    int dev = t_device;
+static CUresult alloc_locked(fc_ctx *ctx, size_t size, char **out) {
+    int dev = ctx->device;
     size_t rounded = (size + 511) & ~(size_t)511;
-    if (size == 0) { *out = NULL; return OK; }
-    if (rounded < size || rounded > g_capacity - g_used[dev]) { return E_OUT_OF_MEMORY; }
+    if (rounded < size || rounded > g_capacity - g_used[dev]) return CUDA_ERROR_OUT_OF_MEMORY;
     char *p = aligned_alloc(4096, (rounded + 4095) & ~(size_t)4095);
-    if (!p) { return E_OUT_OF_MEMORY; }
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     /* Fresh device memory holds garbage, not zeros. */
     memset(p, 0xA5, rounded);
     fc_alloc *a = malloc(sizeof *a);
-    a->ptr = p; a->size = rounded; a->device = dev; a->next = g_allocs;
+    a->ptr = p; a->size = rounded; a->device = dev; a->ctx = ctx;
+    a->buffer_id = g_next_buffer_id++;
+    a->next = g_allocs;
     g_allocs = a;
     g_used[dev] += rounded;
     *out = p;
-    return OK;
+    return CUDA_SUCCESS;
 }
 
 static void release_alloc_locked(char *ptr) {
@@ -464,6 +449,17 @@ static void release_alloc_locked(char *ptr) {
     }
 }
 
+/* Release every allocation of a context (quadratic, which a test stand-in can afford). */
+static void release_context_memory_locked(fc_ctx *ctx) {
+    wait_device_locked(ctx->device);
+    for (;;) {
+        fc_alloc *a = g_allocs;
+        while (a && a->ctx != ctx) a = a->next;
+        if (!a) break;
+        release_alloc_locked(a->ptr);
+    }
+}
+
 static int graph_owns_locked(const void *ptr) {
     for (int i = 0; i < g_nstreams; i++) {
         fc_graph *g = g_streams[i]->capture;
@@ -473,335 +469,1038 @@ static int graph_owns_locked(const void *ptr) {
     return 0;
 }
 
-FC_EXPORT int fc_free(void *ptr) {
-    if (!ptr) return OK;
-    lock();
-    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
-    fc_alloc *a = find_alloc_locked(ptr, 0);
-    if (!a) { unlock(); return E_INVALID_VALUE; }
-    /* A real cudaFree waits for the device before it releases the memory. */
-    wait_device_locked(a->device);
-    release_alloc_locked(ptr);
-    unlock();
-    return OK;
-}
+/* ----- the driver's functions (static: nothing in here calls an exported name) ----------- */
 
-FC_EXPORT int fc_free_async(void *ptr, void *stream) {
-    lock();
-    fc_alloc *a = find_alloc_locked(ptr, 0);
-    fc_stream *s = resolve_locked(stream);
-    if (a && s && s->capture) {
-        /* A free node: graph-owned memory stays for the replays; anything else is an error. */
-        int owned = graph_owns_locked(ptr);
-        unlock();
-        return owned ? OK : E_INVALID_VALUE;
-    }
-    unlock();
-    if (!a) return E_INVALID_VALUE;
-    fc_op *op = new_op(OP_FREE);
-    op->ptr = ptr;
-    return submit(stream, op);
-}
-
-FC_EXPORT int fc_mem_get_info(size_t *free_bytes, size_t *total) {
-    runtime_touch();
+static CUresult d_init(unsigned flags) {
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
     lock();
     init_locked();
-    if (free_bytes) *free_bytes = g_capacity - g_used[t_device];
-    if (total) *total = g_capacity;
     unlock();
-    return OK;
+    return CUDA_SUCCESS;
 }
 
-/* Whether [ptr, ptr+n) lies inside one live allocation (for the runtime's argument checks). */
-FC_EXPORT int fc_is_device_range(const void *ptr, size_t n) {
+static CUresult d_device_get(CUdevice *d, int ordinal) {
+    NEED_INIT();
+    if (!d || !valid_device(ordinal)) return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_device_get_count(int *n) {
+    NEED_INIT();
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    *n = g_devices;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_device_get_name(char *name, int len, CUdevice d) {
+    NEED_INIT();
+    if (!name || len <= 0 || !valid_device(d)) return CUDA_ERROR_INVALID_VALUE;
+    snprintf(name, (size_t)len, "fakecuda device %d", d);
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_device_total_mem(size_t *bytes, CUdevice d) {
+    NEED_INIT();
+    if (!bytes || !valid_device(d)) return CUDA_ERROR_INVALID_VALUE;
+    *bytes = g_capacity;
+    return CUDA_SUCCESS;
+}
+
+/* ----- contexts ----- */
+
+static CUresult d_primary_retain(CUcontext *ctx, CUdevice d) {
+    NEED_INIT();
+    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d)) return CUDA_ERROR_INVALID_DEVICE;
     lock();
-    fc_alloc *a = find_alloc_locked(ptr, 1);
-    int ok = a && (const char *)ptr + n <= a->ptr + a->size;
+    g_primary[d].refcount++;
+    g_primary[d].active = 1;
+    *ctx = (CUcontext)&g_primary[d];
     unlock();
-    return ok;
+    return CUDA_SUCCESS;
+}
+
+/* Reset: all of the primary context's memory goes; the handle stays valid (inactive until the
+ * next retain; calls made in it meanwhile still work, which the real driver need not allow). */
+static void primary_reset_locked(CUdevice d) {
+    release_context_memory_locked(&g_primary[d]);
+    g_primary[d].refcount = 0;
+    g_primary[d].active = 0;
+}
+
+static CUresult d_primary_release(CUdevice d) {
+    NEED_INIT();
+    if (!valid_device(d)) return CUDA_ERROR_INVALID_DEVICE;
+    lock();
+    if (g_primary[d].refcount == 0) { unlock(); return CUDA_ERROR_INVALID_CONTEXT; }
+    if (--g_primary[d].refcount == 0) primary_reset_locked(d);
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_primary_reset(CUdevice d) {
+    NEED_INIT();
+    if (!valid_device(d)) return CUDA_ERROR_INVALID_DEVICE;
+    lock();
+    primary_reset_locked(d);
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_primary_get_state(CUdevice d, unsigned *flags, int *active) {
+    NEED_INIT();
+    if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d)) return CUDA_ERROR_INVALID_DEVICE;
+    lock();
+    *flags = g_primary[d].flags;
+    *active = g_primary[d].active;
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+/* A non-primary context of device d, made current on the calling thread. */
+static CUresult d_ctx_create(CUcontext *pctx, unsigned flags, CUdevice d) {
+    NEED_INIT();
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d)) return CUDA_ERROR_INVALID_DEVICE;
+    lock();
+    if (g_ncontexts >= MAX_CONTEXTS) { unlock(); return CUDA_ERROR_OUT_OF_MEMORY; }
+    fc_ctx *c = calloc(1, sizeof *c);
+    *c = (fc_ctx){.magic = CTX_MAGIC, .device = d, .flags = flags};
+    g_contexts[g_ncontexts++] = c;
+    unlock();
+    t_ctx = c;
+    *pctx = (CUcontext)c;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_ctx_destroy(CUcontext handle) {
+    NEED_INIT();
+    lock();
+    fc_ctx *c = ctx_lookup_locked(handle);
+    if (!c || c->primary) { unlock(); return CUDA_ERROR_INVALID_CONTEXT; }
+    release_context_memory_locked(c);
+    c->destroyed = 1;
+    unlock();
+    if (t_ctx == c) t_ctx = NULL;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_ctx_get_current(CUcontext *ctx) {
+    NEED_INIT();
+    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+    *ctx = (CUcontext)t_ctx;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_ctx_set_current(CUcontext handle) {
+    NEED_INIT();
+    if (handle == NULL) { t_ctx = NULL; return CUDA_SUCCESS; }
+    lock();
+    fc_ctx *c = ctx_lookup_locked(handle);
+    unlock();
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    t_ctx = c;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_ctx_get_device(CUdevice *d) {
+    NEED_INIT();
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    NEED_CONTEXT();
+    *d = t_ctx->device;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_ctx_synchronize(void) {
+    NEED_CONTEXT();
+    lock();
+    CUresult r = unsafe_call_locked();
+    if (r == CUDA_SUCCESS) wait_device_locked(t_ctx->device);
+    unlock();
+    return r;
+}
+
+/* ----- memory ----- */
+
+static CUresult d_mem_alloc(CUdeviceptr *dptr, size_t size) {
+    NEED_CONTEXT();
+    if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    lock();
+    CUresult r = unsafe_call_locked();
+    char *p = NULL;
+    if (r == CUDA_SUCCESS) r = alloc_locked(t_ctx, size, &p);
+    unlock();
+    if (r != CUDA_SUCCESS) return r;
+    count(&g_report_allocs);
+    *dptr = dptr_of(p);
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_mem_free(CUdeviceptr ptr) {
+    NEED_CONTEXT();
+    if (!ptr) return CUDA_SUCCESS;
+    lock();
+    CUresult r = unsafe_call_locked();
+    if (r != CUDA_SUCCESS) { unlock(); return r; }
+    fc_alloc *a = find_alloc_locked(ptr_of(ptr), 0);
+    if (!a) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    /* A real cuMemFree waits for the device before it releases the memory. */
+    wait_device_locked(a->device);
+    release_alloc_locked(ptr_of(ptr));
+    unlock();
+    count(&g_report_frees);
+    return CUDA_SUCCESS;
+}
+
+/* Stream-ordered allocation is immediate here; on a capturing stream the memory belongs to the
+ * graph. */
+static CUresult d_mem_alloc_async(CUdeviceptr *dptr, size_t size, CUstream handle) {
+    NEED_CONTEXT();
+    if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    lock();
+    CUresult r = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &r);
+    if (!s) { unlock(); return r; }
+    fc_ctx *ctx = t_ctx->device == s->device ? t_ctx : &g_primary[s->device];
+    char *p = NULL;
+    r = alloc_locked(ctx, size, &p);
+    int captured = s->capture != NULL;
+    if (r == CUDA_SUCCESS && captured) {
+        fc_graph *g = s->capture;
+        if (g->nowned < 64) g->owned[g->nowned++] = p;
+    }
+    unlock();
+    if (r != CUDA_SUCCESS) return r;
+    if (!captured) count(&g_report_allocs);
+    *dptr = dptr_of(p);
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_mem_free_async(CUdeviceptr ptr, CUstream handle) {
+    NEED_CONTEXT();
+    lock();
+    fc_alloc *a = find_alloc_locked(ptr_of(ptr), 0);
+    CUresult err = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &err);
+    if (a && s && s->capture) {
+        /* A free node: graph-owned memory stays for the replays; anything else is an error. */
+        int owned = graph_owns_locked(ptr_of(ptr));
+        unlock();
+        return owned ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!a) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    if (!s) { unlock(); return err; }
+    fc_op *op = new_op(OP_FREE);
+    op->ptr = ptr_of(ptr);
+    CUresult r = enqueue_locked(s, op);
+    unlock();
+    if (r == CUDA_SUCCESS) count(&g_report_frees);
+    return r;
+}
+
+static CUresult d_mem_get_info(size_t *free_bytes, size_t *total) {
+    NEED_CONTEXT();
+    lock();
+    if (free_bytes) *free_bytes = g_capacity - g_used[t_ctx->device];
+    if (total) *total = g_capacity;
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_mem_get_address_range(CUdeviceptr *base, size_t *size, CUdeviceptr ptr) {
+    NEED_CONTEXT();
+    lock();
+    fc_alloc *a = find_alloc_locked(ptr_of(ptr), 1);
+    if (!a) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    if (base) *base = dptr_of(a->ptr);
+    if (size) *size = a->size;
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_pointer_get_attribute(void *data, CUpointer_attribute attr, CUdeviceptr ptr) {
+    NEED_INIT();
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    lock();
+    fc_alloc *a = find_alloc_locked(ptr_of(ptr), 1);
+    CUresult r = CUDA_SUCCESS;
+    if (!a) r = CUDA_ERROR_INVALID_VALUE;
+    else switch (attr) {
+    case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = (CUcontext)a->ctx; break;
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *(unsigned int *)data = CU_MEMORYTYPE_DEVICE; break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *(CUdeviceptr *)data = ptr; break;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID: *(unsigned long long *)data = a->buffer_id; break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *(int *)data = a->device; break;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = dptr_of(a->ptr); break;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = a->size; break;
+    default: r = CUDA_ERROR_INVALID_VALUE; break;
+    }
+    unlock();
+    return r;
 }
 
 /* The base of the allocation containing ptr, as a real IPC handle refers to it. */
-FC_EXPORT int fc_ipc_get_handle(void *handle64, const void *ptr) {
+static CUresult d_ipc_get_mem_handle(CUipcMemHandle *handle, CUdeviceptr ptr) {
+    NEED_CONTEXT();
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
     lock();
-    fc_alloc *a = find_alloc_locked(ptr, 1);
-    if (!a) { unlock(); return E_INVALID_VALUE; }
-    memset(handle64, 0, 64);
-    memcpy(handle64, &a->ptr, sizeof a->ptr);
-    memcpy((char *)handle64 + 8, &a->size, sizeof a->size);
+    fc_alloc *a = find_alloc_locked(ptr_of(ptr), 1);
+    if (!a) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    memset(handle->reserved, 0, sizeof handle->reserved);
+    memcpy(handle->reserved, &a->ptr, sizeof a->ptr);
+    memcpy(handle->reserved + 8, &a->size, sizeof a->size);
     unlock();
-    return OK;
+    return CUDA_SUCCESS;
 }
 
-FC_EXPORT int fc_device_reset(void) {
+/* A copy or memset: the device ranges given must lie inside live allocations. */
+static CUresult d_copy_async(CUdeviceptr dst, int dst_device, CUdeviceptr src, int src_device, size_t n,
+                             CUstream handle) {
+    NEED_INIT();
     lock();
-    init_locked();
-    int dev = t_device;
-    wait_device_locked(dev);
-    /* Release every allocation of the device (quadratic, which a test stand-in can afford). */
-    for (;;) {
-        fc_alloc *a = g_allocs;
-        while (a && a->device != dev) a = a->next;
-        if (!a) break;
-        release_alloc_locked(a->ptr);
+    if ((src_device && !device_range_locked(src, n)) || (dst_device && !device_range_locked(dst, n))) {
+        unlock();
+        return CUDA_ERROR_INVALID_VALUE;
     }
     unlock();
-    return OK;
+    fc_op *op = new_op(OP_MEMCPY);
+    op->ptr = ptr_of(dst); op->src = ptr_of(src); op->n = n;
+    return submit(handle, op);
 }
 
-/* ----- devices and contexts --------------------------------------------------------------- */
-
-FC_EXPORT int fc_device_count(void) {
+static CUresult d_memset_async(CUdeviceptr dst, unsigned char value, size_t n, CUstream handle) {
+    NEED_INIT();
     lock();
-    init_locked();
-    int n = g_devices;
+    int ok = device_range_locked(dst, n);
     unlock();
-    return n;
+    if (!ok) return CUDA_ERROR_INVALID_VALUE;
+    fc_op *op = new_op(OP_MEMSET);
+    op->ptr = ptr_of(dst); op->value = value; op->n = n;
+    return submit(handle, op);
 }
 
-FC_EXPORT int fc_get_device(void) { return t_device; }
-
-FC_EXPORT int fc_set_device(int device) {
-    if (device < 0 || device >= fc_device_count()) return E_INVALID_DEVICE;
-    t_device = device;
-    t_context = (void *)(uintptr_t)(0x1000 + device);
-    return OK;
+/* The synchronous forms: enqueued on the (legacy or per-thread) default stream, then waited for. */
+static CUresult wait_default_stream(CUstream handle) {
+    lock();
+    CUresult r = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &r);
+    if (s) wait_stream_locked(s);
+    unlock();
+    return r;
 }
 
-/* ----- events ------------------------------------------------------------------------------ */
-
-FC_EXPORT int fc_event_create(void **out) {
-    if (!out) return E_INVALID_VALUE;
-    fc_event *e = calloc(1, sizeof *e);
-    e->magic = EVENT_MAGIC;
-    *out = e;
-    return OK;
+static CUresult d_copy_sync(CUdeviceptr dst, int dst_device, CUdeviceptr src, int src_device, size_t n,
+                            CUstream handle) {
+    CUresult r = d_copy_async(dst, dst_device, src, src_device, n, handle);
+    return r != CUDA_SUCCESS ? r : wait_default_stream(handle);
 }
 
-static fc_event *event_of(void *handle) {
-    fc_event *e = handle;
+static CUresult d_memset_sync(CUdeviceptr dst, unsigned char value, size_t n, CUstream handle) {
+    CUresult r = d_memset_async(dst, value, n, handle);
+    return r != CUDA_SUCCESS ? r : wait_default_stream(handle);
+}
+
+static CUresult d_launch_host_func(CUstream handle, CUhostFn fn, void *arg) {
+    NEED_INIT();
+    if (!fn) return CUDA_ERROR_INVALID_VALUE;
+    fc_op *op = new_op(OP_HOSTFN);
+    op->fn = fn; op->arg = arg;
+    return submit(handle, op);
+}
+
+/* ----- memory pools: one default pool per device ----- */
+
+#define POOL_BASE 0x7000
+static int pool_device(CUmemoryPool pool) {
+    uintptr_t v = (uintptr_t)pool;
+    return (v >= POOL_BASE && v < POOL_BASE + (uintptr_t)g_devices) ? (int)(v - POOL_BASE) : -1;
+}
+
+static CUresult d_default_mem_pool(CUmemoryPool *pool, CUdevice d) {
+    NEED_INIT();
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d)) return CUDA_ERROR_INVALID_DEVICE;
+    *pool = (CUmemoryPool)(uintptr_t)(POOL_BASE + d);
+    return CUDA_SUCCESS;
+}
+
+/* The pool's statistics count all of the device's memory (cachealloc answers them itself for
+ * the pools it serves). */
+static CUresult d_mem_pool_get_attribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
+    NEED_INIT();
+    int d = pool_device(pool);
+    if (d < 0 || !value) return CUDA_ERROR_INVALID_VALUE;
+    switch (attr) {
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: case CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+        lock();
+        *(cuuint64_t *)value = g_used[d];
+        unlock();
+        return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD:
+        *(cuuint64_t *)value = 0;
+        return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES:
+        *(int *)value = 0;
+        return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult d_mem_pool_set_attribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
+    NEED_INIT();
+    if (pool_device(pool) < 0 || !value) return CUDA_ERROR_INVALID_VALUE;
+    /* Only a reset of the high-water marks (to 0) is allowed for them. */
+    if ((attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH || attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) &&
+        *(cuuint64_t *)value != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_mem_pool_trim_to(CUmemoryPool pool, size_t keep) {
+    (void)keep;
+    NEED_INIT();
+    return pool_device(pool) < 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+/* ----- streams ----- */
+
+static CUresult d_stream_create(CUstream *out, unsigned flags) {
+    NEED_CONTEXT();
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    lock();
+    fc_stream *s = new_stream_locked(t_ctx->device, flags & CU_STREAM_NON_BLOCKING, 0);
+    unlock();
+    if (!s) return CUDA_ERROR_OUT_OF_MEMORY;
+    *out = (CUstream)s;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_stream_destroy(CUstream handle) {
+    NEED_INIT();
+    if (is_default_stream(handle)) return CUDA_ERROR_INVALID_HANDLE;
+    lock();
+    CUresult err = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &err);
+    if (!s) { unlock(); return err; }
+    /* Work already queued still runs, as with the real API. */
+    s->destroyed = 1;
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_stream_synchronize(CUstream handle) {
+    NEED_INIT();
+    lock();
+    CUresult r = unsafe_call_locked();
+    if (r != CUDA_SUCCESS) { unlock(); return r; }
+    fc_stream *s = stream_locked(handle, &r);
+    if (s) wait_stream_locked(s);
+    unlock();
+    return r;
+}
+
+static CUresult d_stream_query(CUstream handle) {
+    NEED_INIT();
+    lock();
+    CUresult r = unsafe_call_locked();
+    if (r != CUDA_SUCCESS) { unlock(); return r; }
+    fc_stream *s = stream_locked(handle, &r);
+    if (s) r = s->completed == s->enqueued ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    unlock();
+    return r;
+}
+
+/* ----- events ----- */
+
+static fc_event *event_of(CUevent handle) {
+    fc_event *e = (fc_event *)handle;
     return (e && e->magic == EVENT_MAGIC) ? e : NULL;
 }
 
-FC_EXPORT int fc_event_record(void *handle, void *stream) {
+static CUresult d_event_create(CUevent *out, unsigned flags) {
+    (void)flags;
+    NEED_CONTEXT();
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    fc_event *e = calloc(1, sizeof *e);
+    e->magic = EVENT_MAGIC;
+    *out = (CUevent)e;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_event_record(CUevent handle, CUstream stream) {
+    NEED_CONTEXT();
     fc_event *e = event_of(handle);
-    if (!e) return E_INVALID_HANDLE;
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
     fc_op *op = new_op(OP_EVENT);
     lock();
-    fc_stream *s = resolve_locked(stream);
-    if (!s) { unlock(); free(op); return E_INVALID_HANDLE; }
+    CUresult r = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(stream, &r);
+    if (!s) { unlock(); free(op); return r; }
     op->event = e;
     op->event_generation = ++e->generation;
     e->captured = 0;
-    int r = enqueue_locked(s, op);
+    r = enqueue_locked(s, op);
     unlock();
     return r;
 }
 
-/* cudaStreamWaitEvent / cuStreamWaitEvent: the stream's later work waits on the device for the
- * event's latest record; nothing waits on the host. */
-FC_EXPORT int fc_stream_wait_event(void *stream, void *handle) {
+/* The stream's later work waits on the device for the event's latest record; nothing waits on
+ * the host. */
+static CUresult d_stream_wait_event(CUstream stream, CUevent handle, unsigned flags) {
+    (void)flags;
+    NEED_CONTEXT();
     fc_event *e = event_of(handle);
-    if (!e) return E_INVALID_HANDLE;
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
     fc_op *op = new_op(OP_WAIT);
     lock();
-    fc_stream *s = resolve_locked(stream);
-    if (!s) { unlock(); free(op); return E_INVALID_HANDLE; }
+    CUresult r = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(stream, &r);
+    if (!s) { unlock(); free(op); return r; }
     op->event = e;
     op->event_generation = e->generation;
-    int r = enqueue_locked(s, op);
+    r = enqueue_locked(s, op);
     unlock();
     return r;
 }
 
-/* ----- stream capture and graphs ----------------------------------------------------------- */
-
-FC_EXPORT int fc_stream_begin_capture(void *handle, int mode) {
+static CUresult d_event_query(CUevent handle) {
+    NEED_INIT();
+    fc_event *e = event_of(handle);
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
     lock();
-    fc_stream *s = resolve_locked(handle);
-    if (!s) { unlock(); return E_INVALID_HANDLE; }
-    if (s->legacy || s->capture || mode < MODE_GLOBAL || mode > MODE_RELAXED) { unlock(); return E_INVALID_VALUE; }
+    if (e->captured || unsafe_call_locked()) { unlock(); return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; }
+    int done = e->completed_generation == e->generation;
+    unlock();
+    return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+static CUresult d_event_synchronize(CUevent handle) {
+    NEED_INIT();
+    fc_event *e = event_of(handle);
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    lock();
+    if (e->captured || unsafe_call_locked()) { unlock(); return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; }
+    while (e->completed_generation != e->generation) pthread_cond_wait(&g_cond, &g_lock);
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_event_destroy(CUevent handle) {
+    NEED_INIT();
+    fc_event *e = event_of(handle);
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    /* Kept allocated (but invalid) so that a queued record of it stays harmless. */
+    e->magic = 0;
+    return CUDA_SUCCESS;
+}
+
+/* ----- stream capture and graphs ----- */
+
+static CUresult d_begin_capture(CUstream handle, int mode) {
+    NEED_INIT();
+    lock();
+    CUresult r = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &r);
+    if (!s) { unlock(); return r; }
+    if (s->legacy || s->capture || mode < MODE_GLOBAL || mode > MODE_RELAXED) {
+        unlock();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     s->capture = calloc(1, sizeof *s->capture);
     s->capture->magic = GRAPH_MAGIC;
     s->capture_mode = mode;
     s->capture_thread = pthread_self();
     s->capture_invalid = 0;
     unlock();
-    return OK;
+    return CUDA_SUCCESS;
 }
 
-FC_EXPORT int fc_stream_end_capture(void *handle, void **graph) {
+static CUresult d_end_capture(CUstream handle, CUgraph *graph) {
+    NEED_INIT();
+    if (!graph) return CUDA_ERROR_INVALID_VALUE;
     lock();
-    fc_stream *s = resolve_locked(handle);
-    if (!s || !s->capture) { unlock(); return E_INVALID_VALUE; }
+    CUresult r = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &r);
+    if (!s || !s->capture) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
     fc_graph *g = s->capture;
     int invalid = s->capture_invalid;
     s->capture = NULL;
     unlock();
-    if (invalid) { *graph = NULL; return E_CAPTURE_INVALIDATED; }
-    *graph = g;
-    return OK;
+    if (invalid) { *graph = NULL; return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED; }
+    *graph = (CUgraph)g;
+    return CUDA_SUCCESS;
 }
 
-FC_EXPORT int fc_stream_is_capturing(void *handle, int *status) {
+static CUresult d_is_capturing(CUstream handle, CUstreamCaptureStatus *status) {
+    NEED_INIT();
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
     lock();
-    fc_stream *s = resolve_locked(handle);
-    if (!s) { unlock(); return E_INVALID_HANDLE; }
-    *status = !s->capture ? 0 : s->capture_invalid ? 2 : 1;
+    CUresult r = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &r);
+    if (s)
+        *status = !s->capture ? CU_STREAM_CAPTURE_STATUS_NONE
+                : s->capture_invalid ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                : CU_STREAM_CAPTURE_STATUS_ACTIVE;
     unlock();
-    return OK;
+    return r;
 }
 
-FC_EXPORT int fc_exchange_capture_mode(int *mode) {
-    if (!mode) return E_INVALID_VALUE;
+static CUresult d_exchange_capture_mode(CUstreamCaptureMode *mode) {
+    if (!mode) return CUDA_ERROR_INVALID_VALUE;
     int old = t_capture_mode;
-    t_capture_mode = *mode;
-    *mode = old;
-    return OK;
+    t_capture_mode = (int)*mode;
+    *mode = (CUstreamCaptureMode)old;
+    return CUDA_SUCCESS;
 }
 
-FC_EXPORT int fc_graph_launch(void *graph, void *stream) {
-    fc_graph *g = graph;
-    if (!g || g->magic != GRAPH_MAGIC) return E_INVALID_HANDLE;
+static fc_graph *graph_of(void *handle) {
+    fc_graph *g = handle;
+    return (g && g->magic == GRAPH_MAGIC) ? g : NULL;
+}
+
+/* An executable graph is its graph here. */
+static CUresult d_graph_instantiate(CUgraphExec *exec, CUgraph graph, unsigned long long flags) {
+    (void)flags;
+    NEED_INIT();
+    if (!exec || !graph) return CUDA_ERROR_INVALID_VALUE;
+    if (!graph_of(graph)) return CUDA_ERROR_INVALID_HANDLE;
+    *exec = (CUgraphExec)graph;
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_graph_launch(CUgraphExec exec, CUstream handle) {
+    NEED_INIT();
+    fc_graph *g = graph_of(exec);
+    if (!g) return CUDA_ERROR_INVALID_HANDLE;
     lock();
-    fc_stream *s = resolve_locked(stream);
-    if (!s) { unlock(); return E_INVALID_HANDLE; }
+    CUresult r = CUDA_SUCCESS;
+    fc_stream *s = stream_locked(handle, &r);
+    if (!s) { unlock(); return r; }
     for (int i = 0; i < g->nops; i++) {
         fc_op *op = new_op(g->ops[i].kind);
         *op = g->ops[i];
         if (op->kind == OP_EVENT) op->event_generation = ++op->event->generation;
-        int r = enqueue_locked(s, op);
-        if (r != OK) { unlock(); return r; }
+        r = enqueue_locked(s, op);
+        if (r != CUDA_SUCCESS) break;
     }
     unlock();
-    return OK;
+    return r;
 }
 
-FC_EXPORT int fc_graph_destroy(void *graph) {
-    fc_graph *g = graph;
-    if (!g || g->magic != GRAPH_MAGIC) return E_INVALID_HANDLE;
+static CUresult d_graph_destroy(CUgraph graph) {
+    NEED_INIT();
+    fc_graph *g = graph_of(graph);
+    if (!g) return CUDA_ERROR_INVALID_HANDLE;
     lock();
     for (int i = 0; i < g->nowned; i++) release_alloc_locked(g->owned[i]);
     g->magic = 0;
     unlock();
-    return OK;
+    return CUDA_SUCCESS;
 }
 
-FC_EXPORT int fc_event_query(void *handle) {
-    fc_event *e = event_of(handle);
-    if (!e) return E_INVALID_HANDLE;
-    lock();
-    if (e->captured || unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
-    int done = e->completed_generation == e->generation;
-    unlock();
-    return done ? OK : E_NOT_READY;
-}
+/* ----- errors ----- */
 
-FC_EXPORT int fc_event_synchronize(void *handle) {
-    fc_event *e = event_of(handle);
-    if (!e) return E_INVALID_HANDLE;
-    lock();
-    if (e->captured || unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
-    while (e->completed_generation != e->generation) pthread_cond_wait(&g_cond, &g_lock);
-    unlock();
-    return OK;
-}
-
-FC_EXPORT int fc_event_destroy(void *handle) {
-    fc_event *e = event_of(handle);
-    if (!e) return E_INVALID_HANDLE;
-    /* Kept allocated (but invalid) so that a queued record of it stays harmless. */
-    e->magic = 0;
-    return OK;
-}
-
-/* ----- the driver API (cu*) that cachealloc uses through cudarc ----------------------------- */
-
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUevent;
-typedef void *CUstream;
-
-FC_EXPORT CUresult cuInit(unsigned flags) { (void)flags; fc_init(); return OK; }
-FC_EXPORT CUresult cuDriverGetVersion(int *v) { if (!v) return E_INVALID_VALUE; *v = 13000; return OK; }
-FC_EXPORT CUresult cuDeviceGetCount(int *n) { if (!n) return E_INVALID_VALUE; *n = fc_device_count(); return OK; }
-FC_EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) {
-    if (!d || ordinal < 0 || ordinal >= fc_device_count()) return E_INVALID_DEVICE;
-    *d = ordinal;
-    return OK;
-}
-FC_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
-    if (!name || len <= 0 || d < 0 || d >= fc_device_count()) return E_INVALID_VALUE;
-    snprintf(name, (size_t)len, "fakecuda device %d", d);
-    return OK;
-}
-FC_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
-    if (!bytes || d < 0 || d >= fc_device_count()) return E_INVALID_VALUE;
-    lock();
-    init_locked();
-    *bytes = g_capacity;
-    unlock();
-    return OK;
-}
-FC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) {
-    if (!ctx || d < 0 || d >= fc_device_count()) return E_INVALID_DEVICE;
-    *ctx = (void *)(uintptr_t)(0x1000 + d);
-    return OK;
-}
-FC_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
-FC_EXPORT CUresult cuCtxGetCurrent(CUcontext *ctx) { if (!ctx) return E_INVALID_VALUE; *ctx = t_context; return OK; }
-FC_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
-    uintptr_t v = (uintptr_t)ctx;
-    if (ctx == NULL) { t_context = NULL; return OK; }
-    if (v < 0x1000 || v >= 0x1000 + (uintptr_t)fc_device_count()) return E_INVALID_CONTEXT;
-    t_context = ctx;
-    t_device = (int)(v - 0x1000);
-    return OK;
-}
-FC_EXPORT CUresult cuCtxGetDevice(CUdevice *d) {
-    if (!d) return E_INVALID_VALUE;
-    if (!t_context) return E_INVALID_CONTEXT;
-    *d = (int)((uintptr_t)t_context - 0x1000);
-    return OK;
-}
-/* Driver calls need a current context, as with the real driver. */
-#define NEED_CONTEXT() do { if (!t_context) return E_INVALID_CONTEXT; } while (0)
-FC_EXPORT CUresult cuEventCreate(CUevent *e, unsigned flags) { (void)flags; NEED_CONTEXT(); return fc_event_create(e); }
-FC_EXPORT CUresult cuEventRecord(CUevent e, CUstream s) { NEED_CONTEXT(); return fc_event_record(e, s); }
-FC_EXPORT CUresult cuEventQuery(CUevent e) { return fc_event_query(e); }
-FC_EXPORT CUresult cuEventSynchronize(CUevent e) { return fc_event_synchronize(e); }
-FC_EXPORT CUresult cuEventDestroy_v2(CUevent e) { return fc_event_destroy(e); }
-FC_EXPORT CUresult cuStreamSynchronize(CUstream s) { return fc_stream_synchronize(s); }
-FC_EXPORT CUresult cuStreamQuery(CUstream handle) {
-    lock();
-    if (unsafe_call_locked()) { unlock(); return E_CAPTURE_UNSUPPORTED; }
-    fc_stream *s = resolve_locked(handle);
-    int r = !s ? E_INVALID_HANDLE : s->completed == s->enqueued ? OK : E_NOT_READY;
-    unlock();
-    return r;
-}
-FC_EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) { (void)flags; NEED_CONTEXT(); return fc_stream_wait_event(s, e); }
-FC_EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) { return fc_exchange_capture_mode(mode); }
-FC_EXPORT CUresult cuStreamIsCapturing(CUstream s, int *status) { return status ? fc_stream_is_capturing(s, status) : E_INVALID_VALUE; }
-
-static const char *error_text(int code) {
+static const char *error_text(CUresult code) {
     switch (code) {
-    case OK: return "no error";
-    case E_INVALID_VALUE: return "invalid argument";
-    case E_OUT_OF_MEMORY: return "out of memory";
-    case E_NOT_INITIALIZED: return "initialization error";
-    case E_INVALID_DEVICE: return "invalid device ordinal";
-    case E_INVALID_CONTEXT: return "invalid device context";
-    case E_INVALID_HANDLE: return "invalid resource handle";
-    case E_NOT_READY: return "device not ready";
-    case E_CAPTURE_UNSUPPORTED: return "operation not permitted when stream is capturing";
-    case E_CAPTURE_INVALIDATED: return "operation failed due to a previous error during capture";
-    case E_CAPTURE_IMPLICIT: return "operation would make the legacy stream depend on a capturing blocking stream";
-    default: return "unknown error";
+    case CUDA_SUCCESS: return "no error";
+    case CUDA_ERROR_INVALID_VALUE: return "invalid argument";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case CUDA_ERROR_NOT_INITIALIZED: return "initialization error";
+    case CUDA_ERROR_DEINITIALIZED: return "driver shutting down";
+    case CUDA_ERROR_INVALID_DEVICE: return "invalid device ordinal";
+    case CUDA_ERROR_INVALID_CONTEXT: return "invalid device context";
+    case CUDA_ERROR_INVALID_HANDLE: return "invalid resource handle";
+    case CUDA_ERROR_NOT_FOUND: return "named symbol not found";
+    case CUDA_ERROR_NOT_READY: return "device not ready";
+    case CUDA_ERROR_NOT_SUPPORTED: return "operation not supported";
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: return "operation not permitted when stream is capturing";
+    case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: return "operation failed due to a previous error during capture";
+    case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: return "operation would make the legacy stream depend on a capturing blocking stream";
+    case CUDA_ERROR_UNKNOWN: return "unknown error";
     }
+    return NULL;
 }
-FC_EXPORT const char *fc_error_text(int code) { return error_text(code); }
-FC_EXPORT CUresult cuGetErrorString(CUresult r, const char **s) { if (!s) return E_INVALID_VALUE; *s = error_text(r); return OK; }
-FC_EXPORT CUresult cuGetErrorName(CUresult r, const char **s) { if (!s) return E_INVALID_VALUE; *s = error_text(r); return OK; }
+
+static const char *error_name(CUresult code) {
+    switch (code) {
+    case CUDA_SUCCESS: return "CUDA_SUCCESS";
+    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+    case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+    case CUDA_ERROR_DEINITIALIZED: return "CUDA_ERROR_DEINITIALIZED";
+    case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
+    case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
+    case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
+    case CUDA_ERROR_NOT_READY: return "CUDA_ERROR_NOT_READY";
+    case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: return "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED";
+    case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: return "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED";
+    case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: return "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT";
+    case CUDA_ERROR_UNKNOWN: return "CUDA_ERROR_UNKNOWN";
+    }
+    return NULL;
+}
+
+/* An unknown code: CUDA_ERROR_INVALID_VALUE and a NULL string, as with the real driver. */
+static CUresult d_error_string(CUresult code, const char **s, int name) {
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    *s = name ? error_name(code) : error_text(code);
+    return *s ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ----- the resolver ----- */
+
+static CUresult d_get_proc_address(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                                   CUdriverProcAddressQueryResult *status);
+
+/* ========================================================================================== */
+/* The exported driver API: thin wrappers over the static functions above.                   */
+/* ========================================================================================== */
+
+FC_EXPORT CUresult cuInit(unsigned int flags) { return d_init(flags); }
+FC_EXPORT CUresult cuDriverGetVersion(int *v) {
+    if (!v) return CUDA_ERROR_INVALID_VALUE;
+    *v = DRIVER_VERSION;
+    return CUDA_SUCCESS;
+}
+FC_EXPORT CUresult cuGetErrorString(CUresult r, const char **s) { return d_error_string(r, s, 0); }
+FC_EXPORT CUresult cuGetErrorName(CUresult r, const char **s) { return d_error_string(r, s, 1); }
+
+FC_EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) { return d_device_get(d, ordinal); }
+FC_EXPORT CUresult cuDeviceGetCount(int *n) { return d_device_get_count(n); }
+FC_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice d) { return d_device_get_name(name, len, d); }
+FC_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) { return d_device_total_mem(bytes, d); }
+
+FC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) { return d_primary_retain(ctx, d); }
+FC_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d_primary_release(d); }
+FC_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return d_primary_release(d); }
+FC_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { return d_primary_reset(d); }
+FC_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice d) { return d_primary_reset(d); }
+FC_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *active) {
+    return d_primary_get_state(d, flags, active);
+}
+FC_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice d) { return d_ctx_create(pctx, flags, d); }
+FC_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d) { return d_ctx_create(pctx, flags, d); }
+/* With execution-affinity or CIG parameters: not supported (the empty forms are plain creates). */
+FC_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *params, int n, unsigned int flags, CUdevice d) {
+    if (n < 0 || (n > 0 && !params)) return CUDA_ERROR_INVALID_VALUE;
+    if (n > 0) return CUDA_ERROR_NOT_SUPPORTED;
+    return d_ctx_create(pctx, flags, d);
+}
+FC_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags, CUdevice d) {
+    if (params && (params->numExecAffinityParams != 0 || params->cigParams)) return CUDA_ERROR_NOT_SUPPORTED;
+    return d_ctx_create(pctx, flags, d);
+}
+FC_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) { return d_ctx_destroy(ctx); }
+FC_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { return d_ctx_destroy(ctx); }
+FC_EXPORT CUresult cuCtxGetCurrent(CUcontext *ctx) { return d_ctx_get_current(ctx); }
+FC_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) { return d_ctx_set_current(ctx); }
+FC_EXPORT CUresult cuCtxGetDevice(CUdevice *d) { return d_ctx_get_device(d); }
+FC_EXPORT CUresult cuCtxSynchronize(void) { return d_ctx_synchronize(); }
+
+FC_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) { return d_mem_get_info(free_bytes, total); }
+FC_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) { return d_mem_alloc(dptr, size); }
+FC_EXPORT CUresult cuMemFree_v2(CUdeviceptr ptr) { return d_mem_free(ptr); }
+FC_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr ptr) {
+    return d_mem_get_address_range(base, size, ptr);
+}
+/* The v1 symbols with 32-bit device pointers or sizes: they cannot address this device's
+ * memory; CUDA_ERROR_NOT_SUPPORTED, and nothing written. */
+FC_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice d) { (void)bytes; (void)d; return CUDA_ERROR_NOT_SUPPORTED; }
+FC_EXPORT CUresult cuMemGetInfo(unsigned int *f, unsigned int *t) { (void)f; (void)t; return CUDA_ERROR_NOT_SUPPORTED; }
+FC_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int size) { (void)dptr; (void)size; return CUDA_ERROR_NOT_SUPPORTED; }
+FC_EXPORT CUresult cuMemFree(CUdeviceptr_v1 ptr) { (void)ptr; return CUDA_ERROR_NOT_SUPPORTED; }
+FC_EXPORT CUresult cuMemGetAddressRange(CUdeviceptr_v1 *base, unsigned int *size, CUdeviceptr_v1 ptr) {
+    (void)base; (void)size; (void)ptr;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+FC_EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attr, CUdeviceptr ptr) {
+    return d_pointer_get_attribute(data, attr, ptr);
+}
+FC_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr ptr) { return d_ipc_get_mem_handle(handle, ptr); }
+
+FC_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    return d_copy_sync(dst, 1, dptr_of(src), 0, n, NULL);
+}
+FC_EXPORT CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr dst, const void *src, size_t n) {
+    return d_copy_sync(dst, 1, dptr_of(src), 0, n, CU_STREAM_PER_THREAD);
+}
+FC_EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    return d_copy_sync(dptr_of(dst), 0, src, 1, n, NULL);
+}
+FC_EXPORT CUresult cuMemcpyDtoH_v2_ptds(void *dst, CUdeviceptr src, size_t n) {
+    return d_copy_sync(dptr_of(dst), 0, src, 1, n, CU_STREAM_PER_THREAD);
+}
+FC_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char uc, size_t n) { return d_memset_sync(dst, uc, n, NULL); }
+FC_EXPORT CUresult cuMemsetD8_v2_ptds(CUdeviceptr dst, unsigned char uc, size_t n) {
+    return d_memset_sync(dst, uc, n, CU_STREAM_PER_THREAD);
+}
+FC_EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    return d_copy_async(dst, 1, dptr_of(src), 0, n, s);
+}
+FC_EXPORT CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    return d_copy_async(dst, 1, dptr_of(src), 0, n, per_thread(s));
+}
+FC_EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
+    return d_copy_async(dptr_of(dst), 0, src, 1, n, s);
+}
+FC_EXPORT CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dst, CUdeviceptr src, size_t n, CUstream s) {
+    return d_copy_async(dptr_of(dst), 0, src, 1, n, per_thread(s));
+}
+FC_EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return d_copy_async(dst, 1, src, 1, n, s);
+}
+FC_EXPORT CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return d_copy_async(dst, 1, src, 1, n, per_thread(s));
+}
+/* Unified addressing: either side may be host or device memory; nothing is checked. */
+FC_EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return d_copy_async(dst, 0, src, 0, n, s);
+}
+FC_EXPORT CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return d_copy_async(dst, 0, src, 0, n, per_thread(s));
+}
+FC_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s) {
+    return d_memset_async(dst, uc, n, s);
+}
+FC_EXPORT CUresult cuMemsetD8Async_ptsz(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s) {
+    return d_memset_async(dst, uc, n, per_thread(s));
+}
+FC_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s) { return d_mem_alloc_async(dptr, size, s); }
+FC_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream s) {
+    return d_mem_alloc_async(dptr, size, per_thread(s));
+}
+FC_EXPORT CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream s) { return d_mem_free_async(ptr, s); }
+FC_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr ptr, CUstream s) { return d_mem_free_async(ptr, per_thread(s)); }
+FC_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d) { return d_default_mem_pool(pool, d); }
+FC_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
+    return d_mem_pool_get_attribute(pool, attr, value);
+}
+FC_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
+    return d_mem_pool_set_attribute(pool, attr, value);
+}
+FC_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) { return d_mem_pool_trim_to(pool, keep); }
+
+FC_EXPORT CUresult cuStreamCreate(CUstream *s, unsigned int flags) { return d_stream_create(s, flags); }
+FC_EXPORT CUresult cuStreamCreateWithPriority(CUstream *s, unsigned int flags, int priority) {
+    (void)priority;
+    return d_stream_create(s, flags);
+}
+FC_EXPORT CUresult cuStreamDestroy_v2(CUstream s) { return d_stream_destroy(s); }
+FC_EXPORT CUresult cuStreamDestroy(CUstream s) { return d_stream_destroy(s); }
+FC_EXPORT CUresult cuStreamSynchronize(CUstream s) { return d_stream_synchronize(s); }
+FC_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s) { return d_stream_synchronize(per_thread(s)); }
+FC_EXPORT CUresult cuStreamQuery(CUstream s) { return d_stream_query(s); }
+FC_EXPORT CUresult cuStreamQuery_ptsz(CUstream s) { return d_stream_query(per_thread(s)); }
+FC_EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) { return d_stream_wait_event(s, e, flags); }
+FC_EXPORT CUresult cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned int flags) {
+    return d_stream_wait_event(per_thread(s), e, flags);
+}
+FC_EXPORT CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void *arg) { return d_launch_host_func(s, fn, arg); }
+FC_EXPORT CUresult cuLaunchHostFunc_ptsz(CUstream s, CUhostFn fn, void *arg) {
+    return d_launch_host_func(per_thread(s), fn, arg);
+}
+
+FC_EXPORT CUresult cuEventCreate(CUevent *e, unsigned int flags) { return d_event_create(e, flags); }
+FC_EXPORT CUresult cuEventRecord(CUevent e, CUstream s) { return d_event_record(e, s); }
+FC_EXPORT CUresult cuEventRecord_ptsz(CUevent e, CUstream s) { return d_event_record(e, per_thread(s)); }
+FC_EXPORT CUresult cuEventQuery(CUevent e) { return d_event_query(e); }
+FC_EXPORT CUresult cuEventSynchronize(CUevent e) { return d_event_synchronize(e); }
+FC_EXPORT CUresult cuEventDestroy_v2(CUevent e) { return d_event_destroy(e); }
+FC_EXPORT CUresult cuEventDestroy(CUevent e) { return d_event_destroy(e); }
+
+FC_EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) { return d_begin_capture(s, (int)mode); }
+FC_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode) {
+    return d_begin_capture(per_thread(s), (int)mode);
+}
+/* The CUDA 10.0 form, without a mode: global. */
+FC_EXPORT CUresult cuStreamBeginCapture(CUstream s) { return d_begin_capture(s, MODE_GLOBAL); }
+FC_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream s) { return d_begin_capture(per_thread(s), MODE_GLOBAL); }
+FC_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) { return d_end_capture(s, g); }
+FC_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g) { return d_end_capture(per_thread(s), g); }
+FC_EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *status) { return d_is_capturing(s, status); }
+FC_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream s, CUstreamCaptureStatus *status) {
+    return d_is_capturing(per_thread(s), status);
+}
+FC_EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode) { return d_exchange_capture_mode(mode); }
+FC_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph g, unsigned long long flags) {
+    return d_graph_instantiate(exec, g, flags);
+}
+FC_EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream s) { return d_graph_launch(exec, s); }
+FC_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream s) { return d_graph_launch(exec, per_thread(s)); }
+FC_EXPORT CUresult cuGraphExecDestroy(CUgraphExec exec) { (void)exec; return CUDA_SUCCESS; }
+FC_EXPORT CUresult cuGraphDestroy(CUgraph g) { return d_graph_destroy(g); }
+
+FC_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                                       CUdriverProcAddressQueryResult *status) {
+    return d_get_proc_address(symbol, pfn, version, flags, status);
+}
+FC_EXPORT CUresult cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                                            CUdriverProcAddressQueryResult *status) {
+    return d_get_proc_address(symbol, pfn, version, flags, status);
+}
+FC_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags) {
+    return d_get_proc_address(symbol, pfn, version, flags, NULL);
+}
+
+/* ========================================================================================== */
+/* The resolver's table: base name, the CUDA version that introduced this variant, whether it */
+/* is the per-thread default stream variant, and the exported function.                       */
+/* ========================================================================================== */
+
+typedef struct {
+    const char *name;
+    int version;
+    int per_thread;
+    void *fn;
+} proc_entry;
+
+#define PROC(name, version, fn) { name, version, 0, (void *)(fn) }
+#define PROC_PT(name, version, fn) { name, version, 1, (void *)(fn) }
+
+static const proc_entry g_procs[] = {
+    PROC("cuInit", 2000, cuInit),
+    PROC("cuDriverGetVersion", 2020, cuDriverGetVersion),
+    PROC("cuGetErrorString", 6000, cuGetErrorString),
+    PROC("cuGetErrorName", 6000, cuGetErrorName),
+    PROC("cuGetProcAddress", 11030, cuGetProcAddress),
+    PROC("cuGetProcAddress", 12000, cuGetProcAddress_v2),
+    PROC_PT("cuGetProcAddress", 12000, cuGetProcAddress_v2_ptsz),
+
+    PROC("cuDeviceGet", 2000, cuDeviceGet),
+    PROC("cuDeviceGetCount", 2000, cuDeviceGetCount),
+    PROC("cuDeviceGetName", 2000, cuDeviceGetName),
+    PROC("cuDeviceTotalMem", 2000, cuDeviceTotalMem),
+    PROC("cuDeviceTotalMem", 3020, cuDeviceTotalMem_v2),
+
+    PROC("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
+    PROC("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease),
+    PROC("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2),
+    PROC("cuDevicePrimaryCtxReset", 7000, cuDevicePrimaryCtxReset),
+    PROC("cuDevicePrimaryCtxReset", 11000, cuDevicePrimaryCtxReset_v2),
+    PROC("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState),
+    PROC("cuCtxCreate", 2000, cuCtxCreate),
+    PROC("cuCtxCreate", 3020, cuCtxCreate_v2),
+    PROC("cuCtxCreate", 11040, cuCtxCreate_v3),
+    PROC("cuCtxCreate", 12050, cuCtxCreate_v4),
+    PROC("cuCtxDestroy", 2000, cuCtxDestroy),
+    PROC("cuCtxDestroy", 4000, cuCtxDestroy_v2),
+    PROC("cuCtxGetCurrent", 4000, cuCtxGetCurrent),
+    PROC("cuCtxSetCurrent", 4000, cuCtxSetCurrent),
+    PROC("cuCtxGetDevice", 2000, cuCtxGetDevice),
+    PROC("cuCtxSynchronize", 2000, cuCtxSynchronize),
+
+    PROC("cuMemGetInfo", 2000, cuMemGetInfo),
+    PROC("cuMemGetInfo", 3020, cuMemGetInfo_v2),
+    PROC("cuMemAlloc", 2000, cuMemAlloc),
+    PROC("cuMemAlloc", 3020, cuMemAlloc_v2),
+    PROC("cuMemFree", 2000, cuMemFree),
+    PROC("cuMemFree", 3020, cuMemFree_v2),
+    PROC("cuMemGetAddressRange", 2000, cuMemGetAddressRange),
+    PROC("cuMemGetAddressRange", 3020, cuMemGetAddressRange_v2),
+    PROC("cuPointerGetAttribute", 4000, cuPointerGetAttribute),
+    PROC("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle),
+    PROC("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2),
+    PROC_PT("cuMemcpyHtoD", 7000, cuMemcpyHtoD_v2_ptds),
+    PROC("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2),
+    PROC_PT("cuMemcpyDtoH", 7000, cuMemcpyDtoH_v2_ptds),
+    PROC("cuMemsetD8", 3020, cuMemsetD8_v2),
+    PROC_PT("cuMemsetD8", 7000, cuMemsetD8_v2_ptds),
+    PROC("cuMemcpyHtoDAsync", 3020, cuMemcpyHtoDAsync_v2),
+    PROC_PT("cuMemcpyHtoDAsync", 7000, cuMemcpyHtoDAsync_v2_ptsz),
+    PROC("cuMemcpyDtoHAsync", 3020, cuMemcpyDtoHAsync_v2),
+    PROC_PT("cuMemcpyDtoHAsync", 7000, cuMemcpyDtoHAsync_v2_ptsz),
+    PROC("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2),
+    PROC_PT("cuMemcpyDtoDAsync", 7000, cuMemcpyDtoDAsync_v2_ptsz),
+    PROC("cuMemcpyAsync", 4000, cuMemcpyAsync),
+    PROC_PT("cuMemcpyAsync", 7000, cuMemcpyAsync_ptsz),
+    PROC("cuMemsetD8Async", 3020, cuMemsetD8Async),
+    PROC_PT("cuMemsetD8Async", 7000, cuMemsetD8Async_ptsz),
+    PROC("cuMemAllocAsync", 11020, cuMemAllocAsync),
+    PROC_PT("cuMemAllocAsync", 11020, cuMemAllocAsync_ptsz),
+    PROC("cuMemFreeAsync", 11020, cuMemFreeAsync),
+    PROC_PT("cuMemFreeAsync", 11020, cuMemFreeAsync_ptsz),
+    PROC("cuDeviceGetDefaultMemPool", 11020, cuDeviceGetDefaultMemPool),
+    PROC("cuMemPoolGetAttribute", 11020, cuMemPoolGetAttribute),
+    PROC("cuMemPoolSetAttribute", 11020, cuMemPoolSetAttribute),
+    PROC("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo),
+
+    PROC("cuStreamCreate", 2000, cuStreamCreate),
+    PROC("cuStreamCreateWithPriority", 5050, cuStreamCreateWithPriority),
+    PROC("cuStreamDestroy", 2000, cuStreamDestroy),
+    PROC("cuStreamDestroy", 4000, cuStreamDestroy_v2),
+    PROC("cuStreamSynchronize", 2000, cuStreamSynchronize),
+    PROC_PT("cuStreamSynchronize", 7000, cuStreamSynchronize_ptsz),
+    PROC("cuStreamQuery", 2000, cuStreamQuery),
+    PROC_PT("cuStreamQuery", 7000, cuStreamQuery_ptsz),
+    PROC("cuStreamWaitEvent", 3020, cuStreamWaitEvent),
+    PROC_PT("cuStreamWaitEvent", 7000, cuStreamWaitEvent_ptsz),
+    PROC("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
+    PROC_PT("cuLaunchHostFunc", 10000, cuLaunchHostFunc_ptsz),
+    PROC("cuEventCreate", 2000, cuEventCreate),
+    PROC("cuEventRecord", 2000, cuEventRecord),
+    PROC_PT("cuEventRecord", 7000, cuEventRecord_ptsz),
+    PROC("cuEventQuery", 2000, cuEventQuery),
+    PROC("cuEventSynchronize", 2000, cuEventSynchronize),
+    PROC("cuEventDestroy", 2000, cuEventDestroy),
+    PROC("cuEventDestroy", 4000, cuEventDestroy_v2),
+
+    PROC("cuStreamBeginCapture", 10000, cuStreamBeginCapture),
+    PROC_PT("cuStreamBeginCapture", 10000, cuStreamBeginCapture_ptsz),
+    PROC("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2),
+    PROC_PT("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2_ptsz),
+    PROC("cuStreamEndCapture", 10000, cuStreamEndCapture),
+    PROC_PT("cuStreamEndCapture", 10000, cuStreamEndCapture_ptsz),
+    PROC("cuStreamIsCapturing", 10000, cuStreamIsCapturing),
+    PROC_PT("cuStreamIsCapturing", 10000, cuStreamIsCapturing_ptsz),
+    PROC("cuThreadExchangeStreamCaptureMode", 10010, cuThreadExchangeStreamCaptureMode),
+    PROC("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags),
+    PROC("cuGraphLaunch", 10000, cuGraphLaunch),
+    PROC_PT("cuGraphLaunch", 10000, cuGraphLaunch_ptsz),
+    PROC("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
+    PROC("cuGraphDestroy", 10000, cuGraphDestroy),
+};
+
+/* cuGetProcAddress: the newest variant of `symbol` that `version` allows, the per-thread one
+ * where flags ask for it and the name has one. */
+static CUresult d_get_proc_address(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                                   CUdriverProcAddressQueryResult *status) {
+    if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+    *pfn = NULL;
+    cuuint64_t mode = flags & (CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM);
+    if (flags != mode || mode == (CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM))
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Asking for a version newer than the driver is an error of its own (as documented). */
+    if (version > DRIVER_VERSION) return CUDA_ERROR_INVALID_VALUE;
+    const size_t n = sizeof g_procs / sizeof g_procs[0];
+    int named = 0, has_per_thread = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(g_procs[i].name, symbol) != 0) continue;
+        named = 1;
+        has_per_thread |= g_procs[i].per_thread;
+    }
+    if (!named) {
+        if (status) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    int per_thread = mode == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM && has_per_thread;
+    const proc_entry *best = NULL;
+    for (size_t i = 0; i < n; i++) {
+        const proc_entry *e = &g_procs[i];
+        if (strcmp(e->name, symbol) != 0 || e->per_thread != per_thread || e->version > version) continue;
+        if (!best || e->version > best->version) best = e;
+    }
+    if (!best) {
+        if (status) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    *pfn = best->fn;
+    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+}

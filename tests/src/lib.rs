@@ -1,9 +1,14 @@
 //! Helpers for cachealloc's end-to-end tests: run a program under
 //! `LD_PRELOAD=libcachealloc.so` over fakecuda and capture what it did.
 //!
-//! The build script compiles fakecuda (a CPU stand-in for `libcudart.so.13` and `libcuda.so.1`
-//! with asynchronous streams) and the C programs of `programs/`; `libcachealloc.so` is the one
-//! cargo built for this workspace (`cargo build -p cachealloc`, done by `scripts/test`).
+//! The build script compiles fakecuda, a CPU stand-in for the CUDA 13 stack with asynchronous
+//! streams: the driver `libcuda.so.1` (versioned symbols and the `cuGetProcAddress` resolver) and
+//! the runtime over it, shared (`libcudart.so.13`) and static (`libcudart_static.a`), which
+//! reaches the driver only through `dlopen` + `cuGetProcAddress_v2` as the real one does. It
+//! builds each C program of `programs/` twice, `NAME` over the shared runtime and `NAME_static`
+//! over the static one, except the driver API programs `driver_*` (built once, over libcuda
+//! alone). `libcachealloc.so` is the one cargo built for this workspace (`cargo build -p
+//! cachealloc`, done by `scripts/test`).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
