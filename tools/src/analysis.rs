@@ -89,7 +89,7 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
     while let Some(step) = replay.step() {
         let step = step?;
         out.records += 1;
-        if out.records % 65536 == 0 {
+        if out.records.is_multiple_of(65536) {
             progress.tick(out.records);
         }
         if step.in_checkpoint {

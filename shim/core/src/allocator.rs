@@ -364,10 +364,11 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         }
 
         // 2b. The stream's blocks freed on other streams, behind a device-side wait.
-        if stream != NO_STREAM && self.adopt_cross_stream(&mut pools, stream, changes)? {
-            if let Some(a) = pools.alloc_cached(rounded, size, tag, stream) {
-                return Ok(self.served(a));
-            }
+        if stream != NO_STREAM
+            && self.adopt_cross_stream(&mut pools, stream, changes)?
+            && let Some(a) = pools.alloc_cached(rounded, size, tag, stream)
+        {
+            return Ok(self.served(a));
         }
 
         // 3. Garbage collection of old cached segments.

@@ -303,10 +303,9 @@ fn simulate(
                 if let (Some(a), Some(sim)) = (
                     allocators.get(&device),
                     addresses.remove(&(device, address)),
-                ) {
-                    if a.free_on_stream(sim, stream).is_ok_and(|f| f.pending) {
-                        freed.insert((device, address), sim);
-                    }
+                ) && a.free_on_stream(sim, stream).is_ok_and(|f| f.pending)
+                {
+                    freed.insert((device, address), sim);
                 }
             }
             Op::FenceDone { device, address } => {

@@ -56,7 +56,7 @@ impl<F: Clone> Pools<F> {
                         "{here}: expected to start at {expected_address:#x}"
                     ));
                 }
-                if b.size == 0 || b.size % sizes::MIN_BLOCK_SIZE != 0 {
+                if b.size == 0 || !b.size.is_multiple_of(sizes::MIN_BLOCK_SIZE) {
                     return Err(format!("{here}: size is not a positive multiple of 512"));
                 }
                 if b.prev != prev

@@ -244,7 +244,10 @@ mod fast {
                     slot.get_or_insert_with(|| (Box::new(CacheX86_64::new()), thread_stack(sp)));
                 let stack = stack.clone();
                 let mut read_stack = |address: u64| -> Result<u64, ()> {
-                    if address % 8 != 0 || address < stack.start || address + 8 > stack.end {
+                    if !address.is_multiple_of(8)
+                        || address < stack.start
+                        || address + 8 > stack.end
+                    {
                         return Err(());
                     }
                     // SAFETY: the address is aligned and inside this thread's own stack, which

@@ -323,7 +323,7 @@ impl Python {
 
 /// A pointer the walker may follow: non-null and aligned like an object.
 fn plausible(address: usize) -> bool {
-    address >= 4096 && address % 8 == 0
+    address >= 4096 && address.is_multiple_of(8)
 }
 
 /// # Safety
