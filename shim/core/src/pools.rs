@@ -122,6 +122,9 @@ struct Block {
     tag: u64,
     /// The stream the block belongs to (its segment's), or [`NO_STREAM`].
     stream: u64,
+    /// Which allocation of the pools this active block is (1, 2, … in the order they were
+    /// handed out): tells two allocations at one address apart.
+    serial: u64,
 }
 
 impl Block {
@@ -260,6 +263,9 @@ pub struct AddressInfo {
     pub segment_address: u64,
     /// The segment's size.
     pub segment_size: u64,
+    /// Which allocation of the pools an active block is (1, 2, …): tells two allocations at
+    /// one address apart (0 for a free block).
+    pub serial: u64,
 }
 
 /// A segment taken out of the pools, to be released on the device by the caller.
@@ -347,6 +353,8 @@ pub struct Pools<F> {
     /// Number of free-list searches so far (the clock of GC ages, PyTorch's
     /// `get_free_blocks_call_count`).
     lookups: u64,
+    /// Allocations handed out so far (the last one's [`AddressInfo::serial`]).
+    allocations_handed_out: u64,
     /// Bytes of device allocations in progress outside the lock (counted against the limit).
     growing: u64,
     /// The statistics.
@@ -374,6 +382,7 @@ impl<F: Clone> Pools<F> {
             open_cross: Vec::new(),
             cross: Vec::new(),
             lookups: 0,
+            allocations_handed_out: 0,
             growing: 0,
             stats: Stats {
                 max_split_size: config.max_split_size,
@@ -434,6 +443,7 @@ impl<F: Clone> Pools<F> {
             free_since: self.lookups,
             tag,
             stream,
+            serial: 0,
         });
         self.segments[segment as usize] = Some(Segment {
             address,
@@ -474,6 +484,7 @@ impl<F: Clone> Pools<F> {
                 free_since: b.free_since,
                 tag: 0,
                 stream: b.stream,
+                serial: 0,
             };
             let rest_id = self.new_block(rest);
             let old_next = self.blocks[id as usize].next;
@@ -487,10 +498,12 @@ impl<F: Clone> Pools<F> {
             self.count_free(rest_id, true);
             self.unlisted_rest = rest_id;
         }
+        self.allocations_handed_out += 1;
         let b = &mut self.blocks[id as usize];
         b.state = BlockState::Active;
         b.requested = requested;
         b.tag = tag;
+        b.serial = self.allocations_handed_out;
         let (address, size, segment, stream) = (b.address, b.size, b.segment, b.stream);
         self.active.insert(address, id);
         let s = &mut self.stats;
@@ -674,6 +687,7 @@ impl<F: Clone> Pools<F> {
             state: b.state,
             segment_address: seg.address,
             segment_size: seg.size,
+            serial: b.serial,
         })
     }
 

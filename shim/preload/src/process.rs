@@ -76,6 +76,23 @@ impl Pool {
     }
 }
 
+/// A live pooled allocation, as the driver's pointer queries describe an allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PooledBlock {
+    /// Its base address (what the program got).
+    pub base: u64,
+    /// Its size (the request, rounded up).
+    pub size: u64,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: unique per allocation in the process, never reused —
+    /// a block handed out again at the same address is a new buffer.
+    pub buffer_id: u64,
+}
+
+impl PooledBlock {
+    /// Our buffer ids stay clear of the driver's, which count up from 1.
+    const BUFFER_ID_BASE: u64 = 1 << 62;
+}
+
 /// The pooling state of the process.
 #[derive(Debug)]
 pub struct Shim {
@@ -496,14 +513,18 @@ impl Shim {
         }
     }
 
-    /// Where the live allocation containing `address` lies, if it is one of ours: its block's
-    /// `(base, size)`. `Err(())` for an address inside our segments that is not live (a freed
-    /// block): the program has no allocation there.
-    pub fn block_range(&self, address: u64) -> Option<Result<(u64, u64), ()>> {
-        self.allocators().find_map(|alloc| {
-            let info = alloc.lookup(address)?;
+    /// The live allocation containing `address`, if it is one of ours. `Err(())` for an address
+    /// inside our segments that is not live (a freed block): the program has no allocation
+    /// there.
+    pub fn pooled_block(&self, address: u64) -> Option<Result<PooledBlock, ()>> {
+        self.devices.iter().enumerate().find_map(|(device, slot)| {
+            let info = slot.get()?.alloc.lookup(address)?;
             Some(if info.state == cachealloc_core::BlockState::Active {
-                Ok((info.block_address, info.block_size))
+                Ok(PooledBlock {
+                    base: info.block_address,
+                    size: info.block_size,
+                    buffer_id: PooledBlock::BUFFER_ID_BASE | (device as u64) << 48 | info.serial,
+                })
             } else {
                 Err(())
             })

@@ -30,6 +30,8 @@ pub const ERROR_DEINITIALIZED: CuResult = 4;
 /// `CUDA_ERROR_NOT_FOUND`: what a hook answers when the real function does not exist.
 pub const ERROR_NOT_FOUND: CuResult = 500;
 
+/// `CU_POINTER_ATTRIBUTE_BUFFER_ID` (an `unsigned long long`, unique per allocation).
+pub const POINTER_ATTRIBUTE_BUFFER_ID: c_int = 7;
 /// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` (a `CUdeviceptr`).
 pub const POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int = 11;
 /// `CU_POINTER_ATTRIBUTE_RANGE_SIZE` (a `size_t`).

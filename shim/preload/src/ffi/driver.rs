@@ -11,6 +11,7 @@ use std::ffi::{c_int, c_uint, c_void};
 use super::{guarded, put};
 use crate::doors::Door;
 use crate::hooks::driver::{self as hooks, StreamArg};
+use crate::process::PooledBlock;
 use crate::real_driver::{self, CuResult, DevicePtr, Handle, SUCCESS, call_driver};
 
 // ----- allocation, one copy per door -------------------------------------------------------
@@ -224,9 +225,9 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     }
 }
 
-/// Our answer about `address`'s range, if it lies in our memory.
-fn our_range(what: &str, address: DevicePtr) -> Option<Result<(u64, u64), CuResult>> {
-    guarded(what, || Ok(hooks::block_range(address)), || Ok(None)).unwrap_or(None)
+/// Our answer about `address`, if it lies in our memory.
+fn our_block(what: &str, address: DevicePtr) -> Option<Result<PooledBlock, CuResult>> {
+    guarded(what, || Ok(hooks::pooled_block(address)), || Ok(None)).unwrap_or(None)
 }
 
 /// `cuMemGetAddressRange_v2`: for a pooled pointer, the allocation the program got (its
@@ -240,12 +241,12 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
     size: *mut usize,
     dptr: DevicePtr,
 ) -> CuResult {
-    match our_range("cuMemGetAddressRange_v2", dptr) {
-        Some(Ok((b, s))) => {
+    match our_block("cuMemGetAddressRange_v2", dptr) {
+        Some(Ok(block)) => {
             // SAFETY: null or valid for a write, per the caller's contract.
             unsafe {
-                put(base, b);
-                put(size, s as usize);
+                put(base, block.base);
+                put(size, block.size as usize);
             }
             SUCCESS
         }
@@ -255,8 +256,39 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
     }
 }
 
-/// `cuPointerGetAttribute`: the range attributes of a pooled pointer are its block's; every
-/// other attribute is the driver's (so `CU_POINTER_ATTRIBUTE_BUFFER_ID` is the segment's).
+/// Whether we answer `attribute` for a pooled pointer: its range (start and size) and its
+/// buffer id are its block's; every other attribute is the driver's.
+fn answered_by_block(attribute: c_int) -> bool {
+    matches!(
+        attribute,
+        real_driver::POINTER_ATTRIBUTE_RANGE_START_ADDR
+            | real_driver::POINTER_ATTRIBUTE_RANGE_SIZE
+            | real_driver::POINTER_ATTRIBUTE_BUFFER_ID
+    )
+}
+
+/// Write a pooled block's answer to one of the attributes of [`answered_by_block`].
+///
+/// # Safety
+/// `data` must be valid for a write of the attribute's type.
+unsafe fn write_block_attribute(data: *mut c_void, attribute: c_int, block: PooledBlock) {
+    match attribute {
+        real_driver::POINTER_ATTRIBUTE_RANGE_START_ADDR => {
+            // SAFETY: a CUdeviceptr, per the caller's contract.
+            unsafe { data.cast::<DevicePtr>().write(block.base) }
+        }
+        real_driver::POINTER_ATTRIBUTE_RANGE_SIZE => {
+            // SAFETY: a size_t, per the caller's contract.
+            unsafe { data.cast::<usize>().write(block.size as usize) }
+        }
+        _ => {
+            // SAFETY: the buffer id is an unsigned long long, per the caller's contract.
+            unsafe { data.cast::<u64>().write(block.buffer_id) }
+        }
+    }
+}
+
+/// `cuPointerGetAttribute`: see [`answered_by_block`].
 ///
 /// # Safety
 /// `data` must be valid for a write of the attribute's type.
@@ -266,17 +298,14 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
     attribute: c_int,
     ptr: DevicePtr,
 ) -> CuResult {
-    if matches!(
-        attribute,
-        real_driver::POINTER_ATTRIBUTE_RANGE_START_ADDR | real_driver::POINTER_ATTRIBUTE_RANGE_SIZE
-    ) && !data.is_null()
-        && let Some(range) = our_range("cuPointerGetAttribute", ptr)
+    if answered_by_block(attribute)
+        && !data.is_null()
+        && let Some(block) = our_block("cuPointerGetAttribute", ptr)
     {
-        return match range {
-            Ok((base, size)) => {
-                // SAFETY: non-null and valid for the attribute's type: a CUdeviceptr for the
-                // start, a size_t for the size (CUDA's contract).
-                unsafe { write_range_attribute(data, attribute, base, size) };
+        return match block {
+            Ok(block) => {
+                // SAFETY: non-null and valid for the attribute's type (CUDA's contract).
+                unsafe { write_block_attribute(data, attribute, block) };
                 SUCCESS
             }
             Err(code) => code,
@@ -286,26 +315,12 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
     call_driver!(cuPointerGetAttribute(data, attribute, ptr))
 }
 
-/// Write a range attribute.
+/// `cuPointerGetAttributes`: the driver's answers, with those of [`answered_by_block`]
+/// replaced by a live pooled pointer's block's.
 ///
 /// # Safety
-/// `data` must be valid for a write of the attribute's type.
-unsafe fn write_range_attribute(data: *mut c_void, attribute: c_int, base: u64, size: u64) {
-    if attribute == real_driver::POINTER_ATTRIBUTE_RANGE_START_ADDR {
-        // SAFETY: a CUdeviceptr, per the caller's contract.
-        unsafe { data.cast::<DevicePtr>().write(base) };
-    } else {
-        // SAFETY: a size_t, per the caller's contract.
-        unsafe { data.cast::<usize>().write(size as usize) };
-    }
-}
-
-/// `cuPointerGetAttributes`: the driver's answers, with the range attributes of a live pooled
-/// pointer replaced by its block's.
-///
-/// # Safety
-/// `attributes` and `data` must be valid for `count` elements, each `data[i]` for a write of
-/// `attributes[i]`'s type.
+/// `attributes` and `data` must be valid for `count` elements, each `data[i]` null or valid for
+/// a write of `attributes[i]`'s type.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub unsafe extern "C" fn cuPointerGetAttributes(
     count: c_uint,
@@ -318,18 +333,13 @@ pub unsafe extern "C" fn cuPointerGetAttributes(
     if code != SUCCESS || attributes.is_null() || data.is_null() {
         return code;
     }
-    if let Some(Ok((base, size))) = our_range("cuPointerGetAttributes", ptr) {
+    if let Some(Ok(block)) = our_block("cuPointerGetAttributes", ptr) {
         for i in 0..count as usize {
             // SAFETY: both arrays hold `count` elements (CUDA's contract).
             let (attribute, slot) = unsafe { (attributes.add(i).read(), data.add(i).read()) };
-            if matches!(
-                attribute,
-                real_driver::POINTER_ATTRIBUTE_RANGE_START_ADDR
-                    | real_driver::POINTER_ATTRIBUTE_RANGE_SIZE
-            ) && !slot.is_null()
-            {
+            if answered_by_block(attribute) && !slot.is_null() {
                 // SAFETY: `slot` is valid for the attribute's type (CUDA's contract).
-                unsafe { write_range_attribute(slot, attribute, base, size) };
+                unsafe { write_block_attribute(slot, attribute, block) };
             }
         }
     }

@@ -2,9 +2,9 @@
 //! [`crate::ffi::driver`] convert the C arguments and pass the real call as a closure, used for
 //! everything that is not ours.
 //!
-//! Every hook first asks [`doors::inside_runtime`]: a driver call the runtime makes while the
-//! shim is calling into it belongs to a request the shim already handled, and goes straight to
-//! the driver. Allocations are pooled only in a device's primary context (the runtime's); the
+//! Every hook first asks [`doors::bypass_driver_hooks`]: a driver call the runtime makes while
+//! the shim is calling into it belongs to a request the shim already handled, and goes straight
+//! to the driver, as every driver call does with `driver_doors:off`. Allocations are pooled only in a device's primary context (the runtime's); the
 //! current context decides the device ([`crate::driver::current_context`]).
 
 use cachealloc_core::NO_STREAM;
@@ -13,7 +13,7 @@ use crate::cuda;
 use crate::doors::{self, Door};
 use crate::driver::CurrentContext;
 use crate::log;
-use crate::process;
+use crate::process::{self, PooledBlock};
 use crate::real_driver::{self, CuResult};
 
 /// A stream argument of a driver call.
@@ -44,7 +44,7 @@ pub fn mem_alloc(
     stream: Option<StreamArg>,
     real: impl FnOnce() -> Result<u64, CuResult>,
 ) -> Result<u64, CuResult> {
-    if doors::inside_runtime() {
+    if doors::bypass_driver_hooks() {
         return real();
     }
     doors::count(door);
@@ -81,7 +81,7 @@ pub fn mem_free(
     stream: Option<StreamArg>,
     real: impl FnOnce() -> CuResult,
 ) -> CuResult {
-    if doors::inside_runtime() || address == 0 {
+    if doors::bypass_driver_hooks() || address == 0 {
         return real();
     }
     if let Some(shim) = process::shim() {
@@ -102,7 +102,7 @@ pub fn mem_get_info(
     real: impl FnOnce() -> Result<(u64, u64), CuResult>,
 ) -> Result<(u64, u64), CuResult> {
     let (free, total) = real()?;
-    if doors::inside_runtime() {
+    if doors::bypass_driver_hooks() {
         return Ok((free, total));
     }
     let cached = process::started_shim().map_or(0, |shim| match shim.current_context() {
@@ -112,21 +112,21 @@ pub fn mem_get_info(
     Ok((free.saturating_add(cached).min(total), total))
 }
 
-/// For `cuMemGetAddressRange_v2` and the range attributes of `cuPointerGetAttribute(s)`: the
-/// live allocation containing `address` if it is ours (`Ok((base, size))`), an error for an
-/// address in our segments that is not live (a freed block), `None` to ask the driver.
-pub fn block_range(address: u64) -> Option<Result<(u64, u64), CuResult>> {
-    if doors::inside_runtime() {
+/// For `cuMemGetAddressRange_v2` and `cuPointerGetAttribute(s)`: the live allocation
+/// containing `address` if it is ours, an error for an address in our segments that is not live
+/// (a freed block), `None` to ask the driver.
+pub fn pooled_block(address: u64) -> Option<Result<PooledBlock, CuResult>> {
+    if doors::bypass_driver_hooks() {
         return None;
     }
     let shim = process::started_shim()?;
-    shim.block_range(address)
+    shim.pooled_block(address)
         .map(|r| r.map_err(|()| real_driver::ERROR_INVALID_VALUE))
 }
 
 /// `cuIpcGetMemHandle`: refused inside a pooled segment, as `cudaIpcGetMemHandle` is.
 pub fn ipc_get_mem_handle(address: u64, real: impl FnOnce() -> CuResult) -> CuResult {
-    if !doors::inside_runtime()
+    if !doors::bypass_driver_hooks()
         && let Some(shim) = process::shim()
         && let Err(why) = shim.ipc_check(address)
     {
@@ -145,7 +145,7 @@ pub fn stream_create(
     real: impl FnOnce() -> Result<usize, CuResult>,
 ) -> Result<usize, CuResult> {
     let stream = real()?;
-    if !doors::inside_runtime()
+    if !doors::bypass_driver_hooks()
         && let Some(shim) = process::shim()
         && let CurrentContext::Primary(device) = shim.current_context()
     {
@@ -156,7 +156,7 @@ pub fn stream_create(
 
 /// `cuStreamDestroy_v2`.
 pub fn stream_destroy(stream: usize, real: impl FnOnce(usize) -> CuResult) -> CuResult {
-    if doors::inside_runtime() {
+    if doors::bypass_driver_hooks() {
         return real(stream);
     }
     super::stream_destroy_with(
@@ -169,7 +169,7 @@ pub fn stream_destroy(stream: usize, real: impl FnOnce(usize) -> CuResult) -> Cu
 
 /// `cuStreamBeginCapture_v2*`.
 pub fn stream_begin_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) -> CuResult {
-    if doors::inside_runtime() {
+    if doors::bypass_driver_hooks() {
         return real();
     }
     super::stream_begin_capture(stream.runtime_handle(), real)
@@ -177,7 +177,7 @@ pub fn stream_begin_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) 
 
 /// `cuStreamEndCapture*`.
 pub fn stream_end_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) -> CuResult {
-    if doors::inside_runtime() {
+    if doors::bypass_driver_hooks() {
         return real();
     }
     super::stream_end_capture(stream.runtime_handle(), real)
@@ -187,7 +187,7 @@ pub fn stream_end_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) ->
 pub fn primary_context_reset(device: i32, real: impl FnOnce() -> CuResult) -> CuResult {
     let code = real();
     if code == real_driver::SUCCESS
-        && !doors::inside_runtime()
+        && !doors::bypass_driver_hooks()
         && let Some(shim) = process::started_shim()
     {
         shim.device_reset_of(device);
