@@ -124,6 +124,10 @@ pub struct Config {
     /// `python:on|off`: in a Python process, put the shim's Python integration on
     /// `PYTHONPATH` (it adjusts what PyTorch cannot do on the `cudaMallocAsync` route).
     pub python: bool,
+    /// `driver_doors:on|off`: serve the driver's allocation functions too (reached through
+    /// libcuda's symbols, `dlsym` and `cuGetProcAddress`); off, only the runtime's `cudaMalloc*`
+    /// symbols lead to the pools and every driver call passes through.
+    pub driver_doors: bool,
     /// `log`.
     pub log: LogLevel,
 }
@@ -157,6 +161,7 @@ impl Default for Config {
             compress: true,
             oom_checkpoint: true,
             python: true,
+            driver_doors: true,
             log: LogLevel::Info,
         }
     }
@@ -212,6 +217,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("compress", "on or off"),
     ("oom_checkpoint", "on or off"),
     ("python", "on or off"),
+    ("driver_doors", "on or off"),
     ("log", "quiet, info or debug"),
 ];
 
@@ -354,6 +360,7 @@ impl Config {
             "compress" => self.compress = parse_bool(key, value)?,
             "oom_checkpoint" => self.oom_checkpoint = parse_bool(key, value)?,
             "python" => self.python = parse_bool(key, value)?,
+            "driver_doors" => self.driver_doors = parse_bool(key, value)?,
             "log" => {
                 self.log = choose(
                     key,

@@ -94,11 +94,29 @@ thread_local! {
     static INSIDE_RUNTIME: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Threads inside a call the shim made into the runtime: while none is, [`inside_runtime`] needs
+/// no thread-local lookup (which costs a call into the loader in a preloaded library).
+static THREADS_INSIDE_RUNTIME: AtomicUsize = AtomicUsize::new(0);
+
 /// Whether the calling thread is inside a call the shim made into the CUDA runtime: its driver
 /// calls then go straight to the driver (the shim already handled the request).
 #[inline]
 pub fn inside_runtime() -> bool {
-    INSIDE_RUNTIME.try_with(Cell::get).unwrap_or(false)
+    THREADS_INSIDE_RUNTIME.load(Ordering::Acquire) != 0
+        && INSIDE_RUNTIME.try_with(Cell::get).unwrap_or(false)
+}
+
+/// Whether the driver's doors are open (`driver_doors:on`, the default).
+#[inline]
+pub fn driver_doors_open() -> bool {
+    crate::settings::get().config.driver_doors
+}
+
+/// Whether a driver call goes straight to the driver: inside a call of the shim's into the
+/// runtime, or with `driver_doors:off`.
+#[inline]
+pub fn bypass_driver_hooks() -> bool {
+    inside_runtime() || !driver_doors_open()
 }
 
 /// Run `f` (a call into the real runtime) with [`inside_runtime`] true on this thread.
@@ -234,6 +252,9 @@ fn real_addresses() -> Option<&'static [(usize, Interposed)]> {
 /// Our wrapper for the real driver function at `found`, as handed out through `door`; `None`
 /// when it is not one we wrap.
 pub fn substitute(found: usize, door: Door) -> Option<usize> {
+    if !driver_doors_open() {
+        return None;
+    }
     let (_, interposed) = real_addresses()?.iter().find(|(real, _)| *real == found)?;
     Some(match door {
         Door::Dlsym => interposed.through_dlsym,

@@ -43,6 +43,9 @@ pub fn exit_summary() {
     if shim.driver.is_none() || (stats.is_empty() && !shim.pooling()) {
         let passed = shim.passthrough_mallocs.load(Ordering::Relaxed);
         log::info!("pid {pid}: pool:off: {passed} allocations passed through; {trace_note}");
+        if let Some(doors) = doors_line() {
+            log::info!("pid {pid}: allocations by door: {doors}");
+        }
         return;
     }
     if stats.is_empty() {
