@@ -8,17 +8,24 @@ import sys
 
 
 def device_used_mb():
-    """Device memory in use by everything on the GPU, from the driver (libcuda's cuMemGetInfo is
-    not interposed): compares the shim, which pools every cudaMalloc of the process, fairly with
-    PyTorch native, whose own counter misses the allocations of other libraries."""
+    """Device memory in use by everything on the GPU, from NVML (the shim interposes the
+    driver's cuMemGetInfo, not NVML): compares the shim, which pools every allocation of the
+    process, fairly with PyTorch native, whose own counter misses the allocations of other
+    libraries."""
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
         return None
-    free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
+
+    class Memory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    device, memory = ctypes.c_void_p(), Memory()
+    if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(device)) != 0:
         return None
-    return (total.value - free.value) / 1e6
+    if nvml.nvmlDeviceGetMemoryInfo(device, ctypes.byref(memory)) != 0:
+        return None
+    return (memory.total - memory.free) / 1e6
 
 
 def report():
