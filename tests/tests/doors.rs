@@ -76,6 +76,17 @@ fn a_static_runtime_reaches_the_pools_through_the_driver_entry_points() {
     );
     assert_eq!(door_count(&out.stderr, ENTRY_POINTS), 8, "{}", out.stderr);
     assert_eq!(door_count(&out.stderr, RUNTIME), 0, "{}", out.stderr);
+    // Control: with the driver's doors shut, a static runtime never reaches the pools.
+    let shut = Run::c("basic_static", &[])
+        .env("CACHEALLOC_CONF", "driver_doors:off")
+        .output();
+    shut.assert_ok("basic");
+    assert!(
+        !shut.stderr.contains("served from the cache")
+            && door_count(&shut.stderr, ENTRY_POINTS) == 0,
+        "{}",
+        shut.stderr
+    );
     // Control: without the shim every request is a device allocation.
     let native = Run::c("basic_static", &[])
         .env("FAKECUDA_REPORT", "1")
@@ -236,5 +247,26 @@ fn every_door_program_is_correct_without_the_shim() {
         ("threads_static", "threads"),
     ] {
         Run::c(name, &[]).without_shim().output().assert_ok(ok);
+    }
+}
+
+#[test]
+fn dlsym_keeps_rtld_next_and_rtld_default_relative_to_their_caller() {
+    // A second interposer preloaded after ours, as a user may stack them.
+    let helpers = |dir: &std::path::Path| {
+        ["libnext_a.so", "libnext_b.so"].map(|l| dir.join(l).display().to_string())
+    };
+    let programs = cachealloc_tests::program("");
+    let [a, b] = helpers(&programs);
+    let shim = cachealloc_tests::shim_library().display().to_string();
+    for name in ["dlsym_next", "dlsym_next_static"] {
+        Run::c(name, &[])
+            .env("LD_PRELOAD", &format!("{shim} {a} {b}"))
+            .output()
+            .assert_ok("dlsym_next");
+        Run::c(name, &[])
+            .env("LD_PRELOAD", &format!("{a} {b}"))
+            .output()
+            .assert_ok("dlsym_next");
     }
 }

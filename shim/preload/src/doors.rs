@@ -121,11 +121,13 @@ pub fn bypass_driver_hooks() -> bool {
 
 /// Run `f` (a call into the real runtime) with [`inside_runtime`] true on this thread.
 pub fn through_runtime<T>(f: impl FnOnce() -> T) -> T {
+    THREADS_INSIDE_RUNTIME.fetch_add(1, Ordering::AcqRel);
     let outer = INSIDE_RUNTIME
         .try_with(|c| c.replace(true))
         .unwrap_or(false);
     let result = f();
     let _ = INSIDE_RUNTIME.try_with(|c| c.set(outer));
+    THREADS_INSIDE_RUNTIME.fetch_sub(1, Ordering::AcqRel);
     result
 }
 
