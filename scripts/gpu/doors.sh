@@ -53,12 +53,12 @@ if echo "$out" | grep -q "overwritten by the old work"; then pass "static race c
 
 # --- the driver API: linked with libcuda, and looked up with dlsym ----------------------------
 nvcc -O2 -o "$BIN/driver_doors" scripts/gpu/driver_doors.cu -lcuda -ldl || fail "build driver_doors"
-for mode in symbols dlsym; do
+for mode in symbols dlsym entry; do
     out=$(LD_PRELOAD="$LIB" timeout 120 "$BIN/driver_doors" "$mode" 2>&1)
     ok=no; echo "$out" | grep -q "^OK driver_doors" && ok=yes
     d=$(doors "$out")
     row "driver API ($mode)" "${d:-none}" "$(pooled "$out")" "$ok"
-    want="driver symbols"; [ "$mode" = dlsym ] && want="dlsym"
+    case "$mode" in symbols) want="driver symbols";; dlsym) want="dlsym";; *) want="driver entry points";; esac
     if [ "$ok" = yes ] && echo "$d" | grep -q "$want"; then pass "driver_doors $mode"; else fail "driver_doors $mode"; echo "$out" | tail -4; fi
 done
 
@@ -95,16 +95,8 @@ if [ -n "${WORKLOADS:-}" ] && [ -f "$WORKLOADS/mlp_train.py" ]; then
     compare "PyTorch $(python3 -c 'import torch; print(torch.__version__)') mlp_train.py" loss python3 "$WORKLOADS/mlp_train.py"
 fi
 
-# --- what a cached pair costs through each door (trace off) ----------------------------------
-nvcc -cudart shared -O2 -o "$BIN/bench_pair_shared" scripts/gpu/bench_pair.c
-nvcc -O2 -o "$BIN/bench_pair_static" scripts/gpu/bench_pair.c
-echo "== pair latency (ns; sizes 512 B .. 64 MiB)"
-"$BIN/bench_pair_shared" sync 2000 | sed 's/^/raw cudaMalloc+cudaFree /'
-CACHEALLOC_CONF=log:quiet,trace:off LD_PRELOAD="$LIB" "$BIN/bench_pair_shared" sync 200000 | sed 's/^/runtime door /'
-CACHEALLOC_CONF=log:quiet,trace:off LD_PRELOAD="$LIB" "$BIN/bench_pair_static" sync 200000 | sed 's/^/entry-point door (static cudart) /'
-for mode in symbols dlsym; do
-    CACHEALLOC_CONF=log:quiet,trace:off LD_PRELOAD="$LIB" "$BIN/driver_doors" "$mode" | grep '^OK' | sed "s/^/$mode door (1 MiB) /"
-done
+# --- what a cached pair costs through each door -----------------------------------------------
+bash scripts/gpu/door_pairs.sh "$(dirname "$LIB")" 3
 
 echo "== coverage"
 echo "| program | door (allocation requests) | pooled | correct |"

@@ -1,6 +1,8 @@
 // The driver's doors on a real GPU: allocations through cuMemAlloc_v2/cuMemFree_v2 reached
-// either through the symbols of libcuda the program links ("symbols") or through dlsym on the
-// program's own handle of libcuda ("dlsym", as cuBLAS and XLA do). Checks, then prints
+// through the symbols of libcuda the program links ("symbols"), through dlsym on the program's
+// own handle of libcuda ("dlsym", as cuBLAS and XLA do), or through the runtime's
+// cudaGetDriverEntryPoint, which resolves them with cuGetProcAddress ("entry": the door every
+// runtime uses, timed here without the runtime's own cudaMalloc around it). Checks, then prints
 // "OK driver_doors MODE pair_p50_ns=N":
 //  - 20000 warm alloc/free pairs of 1 MiB, each timed (minus the timer's own cost);
 //  - cuMemGetAddressRange_v2 and cuPointerGetAttribute's range of an interior pointer are the
@@ -8,7 +10,7 @@
 //    ranges do not overlap;
 //  - the reuse race across a stream created with cuStreamCreate: a slow kernel writes a freed
 //    block; the next allocation of its size, written on the legacy stream, must keep its bytes.
-// Usage: driver_doors symbols|dlsym
+// Usage: driver_doors symbols|dlsym|entry
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -46,7 +48,8 @@ static uint64_t now_ns() {
 }
 
 int main(int argc, char **argv) {
-    bool by_dlsym = argc > 1 && strcmp(argv[1], "dlsym") == 0;
+    const char *mode = argc > 1 ? argv[1] : "symbols";
+    bool by_dlsym = strcmp(mode, "dlsym") == 0, by_entry = strcmp(mode, "entry") == 0;
     RT(cudaFree(0));  // the runtime makes the primary context current
     alloc_fn mem_alloc = cuMemAlloc_v2;
     free_fn mem_free = cuMemFree_v2;
@@ -62,6 +65,20 @@ int main(int argc, char **argv) {
         attr = (attr_fn)dlsym(h, "cuPointerGetAttribute");
         stream_create = (stream_fn)dlsym(h, "cuStreamCreate");
         if (!mem_alloc || !mem_free || !range || !attr || !stream_create) FAIL("dlsym");
+    }
+    if (by_entry) {
+        cudaDriverEntryPointQueryResult q;
+        void *f[5] = {0};
+        const char *names[5] = {"cuMemAlloc", "cuMemFree", "cuMemGetAddressRange", "cuPointerGetAttribute", "cuStreamCreate"};
+        for (int i = 0; i < 5; i++) {
+            RT(cudaGetDriverEntryPointByVersion(names[i], &f[i], 12000, cudaEnableDefault, &q));
+            if (!f[i] || q != cudaDriverEntryPointSuccess) FAIL("no entry point for %s", names[i]);
+        }
+        mem_alloc = (alloc_fn)f[0];
+        mem_free = (free_fn)f[1];
+        range = (range_fn)f[2];
+        attr = (attr_fn)f[3];
+        stream_create = (stream_fn)f[4];
     }
 
     // Pairs.
@@ -124,6 +141,6 @@ int main(int argc, char **argv) {
         CU(mem_free(filler));
     }
     printf("reused %d\n", reused);
-    printf("OK driver_doors %s pair_p50_ns=%lld\n", by_dlsym ? "dlsym" : "symbols", p50);
+    printf("OK driver_doors %s pair_p50_ns=%lld\n", mode, p50);
     return 0;
 }
