@@ -30,10 +30,12 @@ unsafe fn put_allocation(dptr: *mut DevicePtr, result: Result<u64, CuResult>) ->
     code
 }
 
-/// `cuMemAlloc_v2` through `door`.
+/// `cuMemAlloc_v2` through `door`. Never inlined: the three doors' copies are thunks to this one
+/// body, so that they cost the same.
 ///
 /// # Safety
 /// `dptr` must be valid for a write (CUDA's contract).
+#[inline(never)]
 unsafe fn mem_alloc(door: Door, dptr: *mut DevicePtr, size: usize) -> CuResult {
     if dptr.is_null() {
         return real_driver::ERROR_INVALID_VALUE;
@@ -55,10 +57,11 @@ unsafe fn mem_alloc(door: Door, dptr: *mut DevicePtr, size: usize) -> CuResult {
     unsafe { put_allocation(dptr, result) }
 }
 
-/// `cuMemAllocAsync` (or `_ptsz`) through `door`.
+/// `cuMemAllocAsync` (or `_ptsz`) through `door` (never inlined, as [`mem_alloc`]).
 ///
 /// # Safety
 /// `dptr` must be valid for a write (CUDA's contract).
+#[inline(never)]
 unsafe fn mem_alloc_async(
     door: Door,
     dptr: *mut DevicePtr,
