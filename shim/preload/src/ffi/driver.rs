@@ -291,7 +291,8 @@ unsafe fn write_block_attribute(data: *mut c_void, attribute: c_int, block: Pool
     }
 }
 
-/// `cuPointerGetAttribute`: see [`answered_by_block`].
+/// `cuPointerGetAttribute`: a pooled pointer's range (start and size) and buffer id are its
+/// block's; every other attribute is the driver's.
 ///
 /// # Safety
 /// `data` must be valid for a write of the attribute's type.
@@ -318,8 +319,8 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
     call_driver!(cuPointerGetAttribute(data, attribute, ptr))
 }
 
-/// `cuPointerGetAttributes`: the driver's answers, with those of [`answered_by_block`]
-/// replaced by a live pooled pointer's block's.
+/// `cuPointerGetAttributes`: the driver's answers, with a live pooled pointer's range and buffer
+/// id replaced by its block's.
 ///
 /// # Safety
 /// `attributes` and `data` must be valid for `count` elements, each `data[i]` null or valid for

@@ -13,7 +13,7 @@ use crate::real_driver::{CuResult, SUCCESS, call_driver};
 
 /// `dlsym`. For `RTLD_DEFAULT` and `RTLD_NEXT`, whose answers depend on who calls, a tail jump
 /// to libc's `dlsym` (it then sees the original caller); for an explicit handle,
-/// [`dlsym_on_handle`] with the caller's return address.
+/// `dlsym_on_handle` with the caller's return address.
 ///
 /// # Safety
 /// `dlsym`'s contract.
