@@ -301,7 +301,15 @@ pub struct CheckpointEnd {
 }
 
 macro_rules! records {
-    ($($(#[$doc:meta])* $kind:literal => $variant:ident($ty:ty),)*) => {
+    ($($(#[$doc:meta])* $kind:literal => $variant:ident($ty:ty) as $name:ident,)*) => {
+        /// The kind byte of each record, by name (what [`Record::kind`] returns).
+        pub mod kinds {
+            $(
+                #[doc = concat!("[`Record::", stringify!($variant), "`](super::Record::", stringify!($variant), ").")]
+                pub const $name: u8 = $kind;
+            )*
+        }
+
         /// One trace record.
         #[derive(Clone, Debug, PartialEq)]
         pub enum Record {
@@ -348,46 +356,46 @@ macro_rules! records {
 
 records! {
     /// The file header.
-    1 => Header(Box<Header>),
+    1 => Header(Box<Header>) as HEADER,
     /// A live segment (checkpoint).
-    2 => CheckpointSegment(SegmentState),
+    2 => CheckpointSegment(SegmentState) as CHECKPOINT_SEGMENT,
     /// A live block (checkpoint).
-    3 => CheckpointBlock(BlockState),
+    3 => CheckpointBlock(BlockState) as CHECKPOINT_BLOCK,
     /// End of a checkpoint.
-    4 => CheckpointEnd(CheckpointEnd),
+    4 => CheckpointEnd(CheckpointEnd) as CHECKPOINT_END,
     /// A stack definition.
-    5 => StackDef(Box<StackDef>),
+    5 => StackDef(Box<StackDef>) as STACK_DEF,
     /// A frame definition.
-    6 => FrameDef(Box<FrameDef>),
+    6 => FrameDef(Box<FrameDef>) as FRAME_DEF,
     /// An allocation.
-    10 => Alloc(Alloc),
+    10 => Alloc(Alloc) as ALLOC,
     /// A free by the application.
-    11 => FreeRequested(FreeRequested),
+    11 => FreeRequested(FreeRequested) as FREE_REQUESTED,
     /// A freed block became reusable.
-    12 => FreeCompleted(FreeCompleted),
+    12 => FreeCompleted(FreeCompleted) as FREE_COMPLETED,
     /// A segment was allocated on the device.
-    13 => SegmentAlloc(SegmentEvent),
+    13 => SegmentAlloc(SegmentEvent) as SEGMENT_ALLOC,
     /// A segment was released to the device.
-    14 => SegmentFree(SegmentEvent),
+    14 => SegmentFree(SegmentEvent) as SEGMENT_FREE,
     /// Pages of an expandable segment were mapped.
-    15 => SegmentMap(SegmentEvent),
+    15 => SegmentMap(SegmentEvent) as SEGMENT_MAP,
     /// Pages of an expandable segment were unmapped.
-    16 => SegmentUnmap(SegmentEvent),
+    16 => SegmentUnmap(SegmentEvent) as SEGMENT_UNMAP,
     /// Out of memory.
-    17 => Oom(Box<Oom>),
+    17 => Oom(Box<Oom>) as OOM,
     /// A stream was created.
-    18 => StreamCreated(StreamEvent),
+    18 => StreamCreated(StreamEvent) as STREAM_CREATED,
     /// A stream was destroyed.
-    19 => StreamDestroyed(StreamEvent),
+    19 => StreamDestroyed(StreamEvent) as STREAM_DESTROYED,
     /// An application marker.
-    20 => Annotation(Box<Annotation>),
+    20 => Annotation(Box<Annotation>) as ANNOTATION,
     /// Allocator statistics.
-    21 => StatsSample(StatsSample),
+    21 => StatsSample(StatsSample) as STATS_SAMPLE,
     /// What the recorder could not keep.
-    22 => Dropped(Dropped),
+    22 => Dropped(Dropped) as DROPPED,
     /// A free that was reusable at once (free requested and completed together: no fence was
     /// needed). One record instead of two on the hottest path.
-    23 => Free(FreeRequested),
+    23 => Free(FreeRequested) as FREE,
 }
 
 /// Append `value` as unsigned LEB128.

@@ -3,6 +3,7 @@
 //! absent for a forked child, and a clear message (with the program unharmed) when the trace
 //! directory cannot be written.
 
+use cachealloc_recorder::schema::kinds;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -62,14 +63,18 @@ fn a_run_leaves_a_complete_ordered_trace() {
     assert_eq!(header.devices[0].name, "fakecuda device 0");
     assert!(header.cmdline[0].ends_with("basic"));
     // basic: 9 allocations, all freed at once (no stream: immediate reuse), 3 segments.
-    assert_eq!(count(&records, 10), 9, "allocs");
-    assert_eq!(count(&records, 23), 9, "immediate frees");
+    assert_eq!(count(&records, kinds::ALLOC), 9, "allocs");
+    assert_eq!(count(&records, kinds::FREE), 9, "immediate frees");
     assert_eq!(
-        count(&records, 11) + count(&records, 12),
+        count(&records, kinds::FREE_REQUESTED) + count(&records, kinds::FREE_COMPLETED),
         0,
         "no fenced frees"
     );
-    assert_eq!(count(&records, 13), 3, "segment allocations");
+    assert_eq!(
+        count(&records, kinds::SEGMENT_ALLOC),
+        3,
+        "segment allocations"
+    );
     // In order: replaying the events never frees a block that is not live.
     let mut live: HashMap<u64, u64> = HashMap::new();
     let mut last_t = 0;
@@ -94,8 +99,11 @@ fn exit_without_freeing_still_flushes_everything() {
     let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
     let (records, tears) = read_trace(&dirs[0]);
     assert!(tears.is_empty());
-    assert_eq!(count(&records, 10), 10);
-    assert_eq!(count(&records, 11) + count(&records, 23), 0);
+    assert_eq!(count(&records, kinds::ALLOC), 10);
+    assert_eq!(
+        count(&records, kinds::FREE_REQUESTED) + count(&records, kinds::FREE),
+        0
+    );
     let mut state = LiveState::default();
     records.iter().for_each(|r| state.apply(r));
     assert_eq!(state.blocks.len(), 10, "ten blocks live at the end");
@@ -115,7 +123,7 @@ fn kill_9_loses_at_most_the_last_chunk() {
     assert_eq!(dirs.len(), 1);
     let (records, tears) = read_trace(&dirs[0]);
     assert!(tears.len() <= 1, "{tears:?}");
-    let allocs = count(&records, 10);
+    let allocs = count(&records, kinds::ALLOC);
     assert!(
         allocs > 1000,
         "the records written before the kill are there ({allocs})"
@@ -170,7 +178,19 @@ fn rotation_bounds_the_files_of_a_long_run() {
     // Each remaining file starts with a checkpoint: the blocks live then are known, so every
     // completion in the trace matches a block the reader knows.
     let state = replay_checking_frees(&records);
-    assert!(!state.blocks.is_empty() || count(&records, 23) > 0);
+    // churn frees everything before it exits; the blocks its kept files free include those
+    // allocated in the rotated-away files (known from the checkpoint).
+    assert!(
+        state.blocks.is_empty(),
+        "{} blocks left live",
+        state.blocks.len()
+    );
+    assert!(
+        count(&records, kinds::FREE) >= count(&records, kinds::ALLOC),
+        "frees {} < allocs {}",
+        count(&records, kinds::FREE),
+        count(&records, kinds::ALLOC)
+    );
 }
 
 #[test]
@@ -223,11 +243,21 @@ fn annotations_and_streams_are_recorded() {
     out.assert_ok("race");
     let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
     let (records, _) = read_trace(&dirs[0]);
-    assert_eq!(count(&records, 18), 2, "two streams created");
-    assert_eq!(count(&records, 19), 2, "and destroyed");
+    assert_eq!(
+        count(&records, kinds::STREAM_CREATED),
+        2,
+        "two streams created"
+    );
+    assert_eq!(count(&records, kinds::STREAM_DESTROYED), 2, "and destroyed");
     // The race program's frees wait for fences: completions come after requests.
-    let first_request = records.iter().position(|r| r.kind() == 11).unwrap();
-    let first_completion = records.iter().position(|r| r.kind() == 12).unwrap();
+    let first_request = records
+        .iter()
+        .position(|r| r.kind() == kinds::FREE_REQUESTED)
+        .unwrap();
+    let first_completion = records
+        .iter()
+        .position(|r| r.kind() == kinds::FREE_COMPLETED)
+        .unwrap();
     assert!(first_completion > first_request);
 }
 
@@ -290,16 +320,16 @@ fn an_oom_is_followed_by_a_checkpoint_of_the_state() {
         out.assert_ok("oom");
         let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
         let (records, _) = read_trace(&dirs[0]);
-        let ooms = count(&records, 17);
+        let ooms = count(&records, kinds::OOM);
         assert_eq!(ooms, 2, "the fill's last request and the impossible one");
         // Checkpoints after the file's opening one.
         let ends: Vec<usize> = records
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.kind() == 4)
+            .filter(|(_, r)| r.kind() == kinds::CHECKPOINT_END)
             .map(|(i, _)| i)
             .collect();
-        let first_oom = records.iter().position(|r| r.kind() == 17).unwrap();
+        let first_oom = records.iter().position(|r| r.kind() == kinds::OOM).unwrap();
         (ends.len() - 1, ends.last().is_some_and(|&e| e > first_oom))
     };
     assert_eq!(checkpoints_after_ooms(None), (2, true));
@@ -360,10 +390,10 @@ fn pool_off_still_traces_every_allocation() {
     assert!(tears.is_empty());
     // basic makes 9 requests; cudaMalloc(0) returns no memory: 8 are recorded, each a segment of
     // its own, and all are freed.
-    assert_eq!(count(&records, 10), 8);
-    assert_eq!(count(&records, 13), 8);
-    assert_eq!(count(&records, 23), 8);
-    assert_eq!(count(&records, 14), 8);
+    assert_eq!(count(&records, kinds::ALLOC), 8);
+    assert_eq!(count(&records, kinds::SEGMENT_ALLOC), 8);
+    assert_eq!(count(&records, kinds::FREE), 8);
+    assert_eq!(count(&records, kinds::SEGMENT_FREE), 8);
     let state = replay_checking_frees(&records);
     assert!(state.blocks.is_empty() && state.segments.is_empty());
 }
