@@ -55,6 +55,8 @@
  *    a blocking stream captures fails with 906 and invalidates it too. cuStreamEndCapture then
  *    fails with 901.
  *  - One default memory pool per device, whose attributes report the device's used memory.
+ *  - FAKECUDA_FAULT=overlap: a broken allocator that hands a live allocation out twice (see
+ *    overlap_locked), for the controls of tests that must catch one.
  *  - FAKECUDA_REPORT=1: at exit, one line on stderr, "fakecuda: <n> device allocations, <m>
  *    device frees" (cuMemAlloc_v2 and cuMemAllocAsync* outside captures; cuMemFree_v2 and
  *    cuMemFreeAsync* outside captures), so that a test can tell a pool served requests.
@@ -624,13 +626,50 @@ static CUresult d_ctx_synchronize(void) {
 
 /* ----- memory ----- */
 
+/* FAKECUDA_FAULT=overlap: a broken allocator, for the tests' controls. Every second
+ * cuMemAlloc_v2 that fits in the previous allocation hands out that allocation's address again
+ * while it is still live (a later free of such a duplicate is accepted and does nothing), so a
+ * test that writes a pattern per allocation must see a foreign byte. */
+#define MAX_DUPLICATES 4096
+static char *g_last_alloc;
+static size_t g_last_size;
+static unsigned long g_fault_allocs;
+static char *g_duplicates[MAX_DUPLICATES];
+
+static int fault_overlap(void) {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *f = getenv("FAKECUDA_FAULT");
+        mode = f && strcmp(f, "overlap") == 0;
+    }
+    return mode;
+}
+
+/* Under the lock: a duplicate of the last allocation, or NULL. */
+static char *overlap_locked(size_t size) {
+    if (!fault_overlap() || !g_last_alloc || size > g_last_size || ++g_fault_allocs % 2) return NULL;
+    for (int i = 0; i < MAX_DUPLICATES; i++)
+        if (!g_duplicates[i]) { g_duplicates[i] = g_last_alloc; return g_last_alloc; }
+    return NULL;
+}
+
+/* Under the lock: whether `p` is an outstanding duplicate (then forgotten). */
+static int forget_duplicate_locked(char *p) {
+    for (int i = 0; fault_overlap() && i < MAX_DUPLICATES; i++)
+        if (g_duplicates[i] == p) { g_duplicates[i] = NULL; return 1; }
+    return 0;
+}
+
 static CUresult d_mem_alloc(CUdeviceptr *dptr, size_t size) {
     NEED_CONTEXT();
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
     lock();
     CUresult r = unsafe_call_locked();
-    char *p = NULL;
-    if (r == CUDA_SUCCESS) r = alloc_locked(t_ctx, size, &p);
+    char *p = r == CUDA_SUCCESS ? overlap_locked(size) : NULL;
+    if (r == CUDA_SUCCESS && !p) {
+        r = alloc_locked(t_ctx, size, &p);
+        if (r == CUDA_SUCCESS && fault_overlap()) { g_last_alloc = p; g_last_size = size; }
+    }
     unlock();
     if (r != CUDA_SUCCESS) return r;
     count(&g_report_allocs);
@@ -644,8 +683,10 @@ static CUresult d_mem_free(CUdeviceptr ptr) {
     lock();
     CUresult r = unsafe_call_locked();
     if (r != CUDA_SUCCESS) { unlock(); return r; }
+    if (forget_duplicate_locked(ptr_of(ptr))) { unlock(); return CUDA_SUCCESS; }
     fc_alloc *a = find_alloc_locked(ptr_of(ptr), 0);
     if (!a) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    if (ptr_of(ptr) == g_last_alloc) g_last_alloc = NULL;
     /* A real cuMemFree waits for the device before it releases the memory. */
     wait_device_locked(a->device);
     release_alloc_locked(ptr_of(ptr));

@@ -96,13 +96,42 @@ pub struct Output {
 }
 
 impl Output {
-    /// Assert the program printed `OK <name>` and exited 0.
+    /// Assert the program printed `OK <name>` and exited 0, and that the shim neither failed
+    /// internally (it degrades to passthrough with one message, which a program's own check
+    /// cannot see) nor panicked.
     pub fn assert_ok(&self, name: &str) {
         assert!(
             self.code == Some(0) && self.stdout.contains(&format!("OK {name}")),
             "{name} failed (exit {:?})\n--- stdout\n{}--- stderr\n{}",
             self.code,
             self.stdout,
+            self.stderr
+        );
+        for sign in ["internal failure", "panicked"] {
+            assert!(
+                !self.stderr.contains(sign),
+                "{name}: the shim reported '{sign}'\n--- stderr\n{}",
+                self.stderr
+            );
+        }
+    }
+
+    /// [`Output::assert_ok`], and the pools served the program: its exit summary counts
+    /// allocations that reached them ("N of M allocations served from the cache", M > 0; a
+    /// shim that passed through, or was not loaded, prints no such line).
+    pub fn assert_pooled(&self, name: &str) {
+        self.assert_ok(name);
+        let requests = self
+            .stderr
+            .lines()
+            .filter_map(|l| {
+                let (before, _) = l.split_once(" allocations served from the cache")?;
+                before.rsplit_once(" of ")?.1.parse::<u64>().ok()
+            })
+            .sum::<u64>();
+        assert!(
+            requests > 0,
+            "{name}: no allocation reached the pools\n--- stderr\n{}",
             self.stderr
         );
     }

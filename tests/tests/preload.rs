@@ -45,7 +45,7 @@ fn cross_stream_reuse_waits_for_the_old_work() {
     ] {
         let flavour = args.join(" ");
         let out = Run::c("race", args).output();
-        out.assert_ok("race");
+        out.assert_pooled("race");
         // The freed block was the only candidate: it was reused, after a fence wait, with the
         // right bytes.
         assert!(out.stdout.contains("reused 3"), "{flavour}: {}", out.stdout);
@@ -78,7 +78,18 @@ fn the_race_test_catches_unfenced_reuse() {
 fn many_threads_never_share_a_live_block() {
     Run::c("threads", &["8", "400"])
         .output()
-        .assert_ok("threads");
+        .assert_pooled("threads");
+    // Control: an allocator that hands a live block out twice is caught by the program.
+    let broken = Run::c("threads", &["8", "400"])
+        .env("FAKECUDA_FAULT", "overlap")
+        .without_shim()
+        .output();
+    assert_eq!(broken.code, Some(1), "{}{}", broken.stdout, broken.stderr);
+    assert!(
+        broken.stdout.contains("a live block was overwritten"),
+        "{}",
+        broken.stdout
+    );
 }
 
 #[test]
@@ -86,7 +97,7 @@ fn oom_releases_the_cache_and_retries_then_reports() {
     let out = Run::c("oom", &[])
         .env("FAKECUDA_CAPACITY_MB", "64")
         .output();
-    out.assert_ok("oom");
+    out.assert_pooled("oom");
     assert!(
         out.stderr
             .contains("device 0: out of memory: tried to allocate 128.00 MiB"),
@@ -103,7 +114,7 @@ fn oom_releases_the_cache_and_retries_then_reports() {
 #[test]
 fn bad_frees_are_refused_with_a_message() {
     let out = Run::c("badfree", &[]).output();
-    out.assert_ok("badfree");
+    out.assert_pooled("badfree");
     assert!(
         out.stderr
             .contains("is 512 bytes into a block of 8192 bytes"),
@@ -115,7 +126,7 @@ fn bad_frees_are_refused_with_a_message() {
 
 #[test]
 fn mem_get_info_counts_cached_bytes_as_free() {
-    Run::c("meminfo", &[]).output().assert_ok("meminfo");
+    Run::c("meminfo", &[]).output().assert_pooled("meminfo");
     // Control: without the option, the cached bytes are missing from "free".
     let out = Run::c("meminfo", &[])
         .env("CACHEALLOC_CONF", "report_cached_as_free:false")
@@ -130,13 +141,13 @@ fn mem_get_info_counts_cached_bytes_as_free() {
 
 #[test]
 fn fork_while_another_thread_allocates_does_not_deadlock() {
-    Run::c("fork", &[]).output().assert_ok("fork");
+    Run::c("fork", &[]).output().assert_pooled("fork");
 }
 
 #[test]
 fn exit_without_freeing_ends_cleanly_with_a_summary() {
     let out = Run::c("exit_nofree", &[]).output();
-    out.assert_ok("exit_nofree");
+    out.assert_pooled("exit_nofree");
     assert_eq!(summary_lines(&out.stderr).len(), 1, "{}", out.stderr);
 }
 
@@ -152,7 +163,7 @@ fn log_quiet_silences_the_summary() {
 #[test]
 fn ipc_handles_are_refused_inside_segments_only() {
     let out = Run::c("ipc", &[]).output();
-    out.assert_ok("ipc");
+    out.assert_pooled("ipc");
     assert!(
         out.stderr.contains("cudaIpcGetMemHandle") && out.stderr.contains("refused"),
         "{}",
@@ -165,7 +176,7 @@ fn each_device_has_its_own_pool() {
     let out = Run::c("multi_gpu", &[])
         .env("FAKECUDA_DEVICES", "2")
         .output();
-    out.assert_ok("multi_gpu");
+    out.assert_pooled("multi_gpu");
     let summary = summary_lines(&out.stderr);
     assert_eq!(summary.len(), 2, "{}", out.stderr);
     assert!(summary[1].contains("device 1"), "{}", summary[1]);
@@ -175,7 +186,7 @@ fn each_device_has_its_own_pool() {
 fn device_reset_forgets_the_pools() {
     Run::c("device_reset", &[])
         .output()
-        .assert_ok("device_reset");
+        .assert_pooled("device_reset");
 }
 
 #[test]
@@ -284,7 +295,7 @@ fn assert_no_shim_failure(stderr: &str) {
 #[test]
 fn stream_ordered_frees_are_reused_on_their_stream_and_never_across() {
     let out = Run::c("stream_ordered", &[]).output();
-    out.assert_ok("stream_ordered");
+    out.assert_pooled("stream_ordered");
     assert_no_shim_failure(&out.stderr);
     assert_eq!(numbers_after(&out.stdout, "same_stream_reuse"), [1]);
     assert_eq!(numbers_after(&out.stdout, "cross_stream_reuse"), [0]);
@@ -298,14 +309,14 @@ fn stream_ordered_frees_are_reused_on_their_stream_and_never_across() {
     let fenced = Run::c("stream_ordered", &[])
         .env("CACHEALLOC_CONF", "reuse:fenced")
         .output();
-    fenced.assert_ok("stream_ordered");
+    fenced.assert_pooled("stream_ordered");
     assert_eq!(numbers_after(&fenced.stdout, "same_stream_reuse"), [0]);
 }
 
 #[test]
 fn the_default_pools_attributes_report_our_pools() {
     let out = Run::c("stream_ordered", &[]).output();
-    out.assert_ok("stream_ordered");
+    out.assert_pooled("stream_ordered");
     // used before, with 3 MiB live, after the free; peak; peak after reset; reserved.
     let [used0, used1, used2, peak, reset, reserved] = numbers_after(&out.stdout, "used")[..]
     else {
@@ -332,7 +343,7 @@ fn the_default_pools_attributes_report_our_pools() {
 fn graph_capture_with_allocations_on_other_threads() {
     for _ in 0..3 {
         let out = Run::c("graph_capture", &[]).output();
-        out.assert_ok("graph_capture");
+        out.assert_pooled("graph_capture");
         assert_no_shim_failure(&out.stderr);
         assert!(
             out.stderr.contains("allocations served from the cache"),
