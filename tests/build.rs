@@ -44,26 +44,34 @@ fn main() {
     let src = root.join("fakecuda");
     let include = src.join("include");
 
-    // The driver.
-    let mut cmd = compiler();
-    cmd.args([
-        "-shared",
-        "-fPIC",
-        "-fvisibility=hidden",
-        "-Wl,-Bsymbolic",
-        "-Wl,-soname,libcuda.so.1",
-    ])
-    .arg("-I")
-    .arg(&include)
-    .arg("-o")
-    .arg(fake.join("libcuda.so.1"))
-    .arg(src.join("fakecuda.c"))
-    .arg("-lpthread");
-    run(cmd);
-    // cudarc looks for libcuda.so first.
-    let link = fake.join("libcuda.so");
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink("libcuda.so.1", &link).unwrap();
+    // The driver; and in `without_primary_ctx_state/`, one lacking a function the shim needs.
+    let missing = fake.join("without_primary_ctx_state");
+    std::fs::create_dir_all(&missing).unwrap();
+    for (dir, defines) in [
+        (&fake, &[][..]),
+        (&missing, &["-DFAKECUDA_WITHOUT_PRIMARY_CTX_STATE"][..]),
+    ] {
+        let mut cmd = compiler();
+        cmd.args([
+            "-shared",
+            "-fPIC",
+            "-fvisibility=hidden",
+            "-Wl,-Bsymbolic",
+            "-Wl,-soname,libcuda.so.1",
+        ])
+        .args(defines)
+        .arg("-I")
+        .arg(&include)
+        .arg("-o")
+        .arg(dir.join("libcuda.so.1"))
+        .arg(src.join("fakecuda.c"))
+        .arg("-lpthread");
+        run(cmd);
+        // cudarc looks for libcuda.so first.
+        let link = dir.join("libcuda.so");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink("libcuda.so.1", &link).unwrap();
+    }
 
     // The shared runtime: no link-time dependency on the driver (-z defs proves it calls no
     // cu* name directly).

@@ -1223,9 +1223,13 @@ FC_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d_primary_r
 FC_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return d_primary_release(d); }
 FC_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { return d_primary_reset(d); }
 FC_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice d) { return d_primary_reset(d); }
+/* FAKECUDA_WITHOUT_PRIMARY_CTX_STATE builds a driver lacking this function, which cachealloc
+ * needs and the runtime does not (a test of the shim's passthrough). */
+#ifndef FAKECUDA_WITHOUT_PRIMARY_CTX_STATE
 FC_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *active) {
     return d_primary_get_state(d, flags, active);
 }
+#endif
 FC_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice d) { return d_ctx_create(pctx, flags, d); }
 FC_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d) { return d_ctx_create(pctx, flags, d); }
 /* With execution-affinity or CIG parameters: not supported (the empty forms are plain creates). */
@@ -1425,7 +1429,9 @@ static const proc_entry g_procs[] = {
     PROC("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2),
     PROC("cuDevicePrimaryCtxReset", 7000, cuDevicePrimaryCtxReset),
     PROC("cuDevicePrimaryCtxReset", 11000, cuDevicePrimaryCtxReset_v2),
+#ifndef FAKECUDA_WITHOUT_PRIMARY_CTX_STATE
     PROC("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState),
+#endif
     PROC("cuCtxCreate", 2000, cuCtxCreate),
     PROC("cuCtxCreate", 3020, cuCtxCreate_v2),
     PROC("cuCtxCreate", 11040, cuCtxCreate_v3),

@@ -181,6 +181,12 @@ impl Run {
         self
     }
 
+    /// Kill the program if it runs longer than `timeout` (default 60 s).
+    pub fn timeout(mut self, timeout: Duration) -> Run {
+        self.timeout = timeout;
+        self
+    }
+
     /// Kill the program with SIGKILL `after` it printed `line` on stdout.
     pub fn kill_after(mut self, line: &str, after: Duration) -> Run {
         self.kill_after = Some((line.to_string(), after));

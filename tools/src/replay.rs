@@ -125,7 +125,7 @@ pub fn last_index_at(dir: &Path, t: u64) -> Result<u64, String> {
         }
         last = Some(step.index);
     }
-    last.ok_or_else(|| "the trace has no records".to_string())
+    last.ok_or_else(|| format!("{}: the trace has no records", dir.display()))
 }
 
 /// The time of a record, for kinds that have one.

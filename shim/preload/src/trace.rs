@@ -63,8 +63,16 @@ impl Trace {
             config.trace_files,
             config.compress,
         );
-        let recorder = Recorder::start(writer, header, CHANNEL_CAPACITY, |e| {
-            log::error!("writing the trace failed: {e}; the trace stops here, the program goes on");
+        // A file-size limit (`ulimit -f`) answers a write beyond it with SIGXFSZ, whose default
+        // action kills the process: our trace must never be the reason. The recorder's thread
+        // is started with the signal blocked (a new thread inherits the mask), so its writes fail
+        // with EFBIG instead, which ends the trace with one message.
+        let recorder = with_sigxfsz_blocked(|| {
+            Recorder::start(writer, header, CHANNEL_CAPACITY, |e| {
+                log::error!(
+                    "writing the trace failed: {e}; the trace stops here, the program goes on"
+                );
+            })
         })
         .map_err(|e| format!("cannot write the trace in {}: {e}", dir.display()))?;
         Ok(Trace { recorder, dir })
@@ -275,4 +283,26 @@ fn modules() -> Vec<Module> {
             })
         })
         .collect()
+}
+
+/// Run `f` with SIGXFSZ blocked on the calling thread (and so on the threads it starts), then
+/// restore the thread's mask.
+fn with_sigxfsz_blocked<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialize it before it is read.
+    let mut block: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; a zeroed sigset_t is valid storage for these calls.
+    let mut previous: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointers to the local sets; SIGXFSZ is a valid signal number;
+    // pthread_sigmask only changes the calling thread's mask.
+    let blocked = unsafe {
+        libc::sigemptyset(&mut block);
+        libc::sigaddset(&mut block, libc::SIGXFSZ);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &block, &mut previous) == 0
+    };
+    let result = f();
+    if blocked {
+        // SAFETY: restores the mask saved above on this same thread.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut()) };
+    }
+    result
 }

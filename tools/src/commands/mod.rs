@@ -252,7 +252,9 @@ fn resolve_when(dir: &std::path::Path, when: &When) -> Result<(u64, String), Err
             .devices
             .iter()
             .max_by_key(|(_, d)| d.peak_allocated.bytes)
-            .ok_or_else(|| Error::Message("the trace has no allocations".into()))?;
+            .ok_or_else(|| {
+                Error::Message(format!("{}: the trace has no allocations", dir.display()))
+            })?;
         let label = format!(
             "peak allocated of device {device}: {} at {}",
             crate::format::bytes(d.peak_allocated.bytes),

@@ -1,0 +1,151 @@
+//! Reliability under load and faults, end to end over fakecuda (RELIABILITY.md lists every
+//! scenario and what it promises). Each test checks the program's own result, that the shim
+//! served it (not a silent passthrough), and that the trace tells the truth; each scenario that
+//! could pass without the shim has a control that shows it can fail.
+
+use cachealloc_recorder::schema::kinds;
+use cachealloc_tests::{Output, Run, read_trace, trace_dirs};
+
+/// `key`'s value in the `stats` JSON line the load program prints (device 0).
+fn stat(out: &Output, key: &str) -> u64 {
+    let line = out
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("stats "))
+        .unwrap_or_else(|| panic!("no stats line: {}", out.stdout));
+    let json: serde_json::Value = serde_json::from_str(line).expect("stats JSON");
+    json["devices"]["0"][key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no {key} in {line}"))
+}
+
+fn number_after(out: &Output, label: &str) -> u64 {
+    out.stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(label)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no '{label}' in {}", out.stdout))
+}
+
+fn load(seed: &str) -> Run {
+    Run::c("load", &["4", "500", seed])
+        .env("FAKECUDA_CAPACITY_MB", "4096")
+        .timeout(std::time::Duration::from_secs(120))
+}
+
+#[test]
+fn load_threads_streams_and_sizes_keep_every_byte_and_every_record() {
+    for seed in ["1", "2"] {
+        let out = load(seed).output();
+        out.assert_pooled("load");
+        let allocations = number_after(&out, "allocations");
+        assert!(allocations > 500, "{allocations}");
+        // The shim's stats equal the program's own count, and everything came back.
+        assert_eq!(stat(&out, "allocation.all.allocated"), allocations);
+        assert_eq!(stat(&out, "allocation.all.current"), 0);
+        assert_eq!(stat(&out, "allocated_bytes.all.current"), 0);
+        // The trace holds every allocation and every free, with nothing dropped.
+        let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+        let (records, tears) = read_trace(&dirs[0]);
+        assert!(tears.is_empty(), "{tears:?}");
+        let count = |kind| records.iter().filter(|r| r.kind() == kind).count() as u64;
+        assert_eq!(count(kinds::ALLOC), allocations, "seed {seed}");
+        assert_eq!(
+            count(kinds::FREE) + count(kinds::FREE_REQUESTED),
+            allocations,
+            "seed {seed}: allocs = frees + live (0) at the end"
+        );
+        assert_eq!(count(kinds::DROPPED), 0, "seed {seed}: nothing dropped");
+    }
+}
+
+#[test]
+fn the_load_program_catches_a_broken_allocator() {
+    // Control: the same load straight over fakecuda is correct, and over an allocator that
+    // hands a live block out twice it sees the foreign bytes.
+    load("1").without_shim().output().assert_ok("load");
+    let broken = load("1")
+        .without_shim()
+        .env("FAKECUDA_FAULT", "overlap")
+        .output();
+    assert_eq!(broken.code, Some(1), "{}{}", broken.stdout, broken.stderr);
+    assert!(
+        broken.stdout.contains("not its pattern"),
+        "{}",
+        broken.stdout
+    );
+}
+
+#[test]
+fn a_file_size_limit_ends_the_trace_not_the_program() {
+    // `ulimit -f` makes a write past the limit raise SIGXFSZ, which kills by default: the
+    // trace's writes must fail instead (regression: the shim's recorder killed the program).
+    let churn = cachealloc_tests::program("churn");
+    let script = format!("ulimit -f 64; exec {} 200000", churn.display());
+    let out = Run::new("sh", &["-c", &script])
+        .env("CACHEALLOC_CONF", "compress:off")
+        .output();
+    out.assert_pooled("churn");
+    let reports = out.stderr.matches("writing the trace failed").count();
+    assert_eq!(reports, 1, "reported once: {}", out.stderr);
+    assert!(out.stderr.contains("File too large"), "{}", out.stderr);
+    // What was written before the limit is readable, up to the tear.
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, _tears) = read_trace(&dirs[0]);
+    assert!(
+        matches!(
+            records.first(),
+            Some(cachealloc_recorder::Record::Header(_))
+        ),
+        "the trace so far starts with its header"
+    );
+}
+
+#[test]
+fn the_trace_directory_deleted_mid_run_is_reported_once_and_harms_nothing() {
+    let churn = cachealloc_tests::program("churn");
+    // churn runs while the shell deletes its trace directory; rotating to a new file in the
+    // deleted directory then fails.
+    let script = format!(
+        "{} 2000000 & sleep 0.2; rm -rf cachealloc-trace; wait $!",
+        churn.display()
+    );
+    let out = Run::new("sh", &["-c", &script])
+        .env("CACHEALLOC_CONF", "trace_file_mb:1,compress:off")
+        .output();
+    out.assert_pooled("churn");
+    assert_eq!(
+        out.stderr.matches("writing the trace failed").count(),
+        1,
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn a_driver_without_a_function_we_need_means_passthrough_with_one_message() {
+    let fake = cachealloc_tests::fakecuda_dir();
+    let path = format!(
+        "{}:{}",
+        fake.join("without_primary_ctx_state").display(),
+        fake.display()
+    );
+    let out = Run::c("basic", &[]).env("LD_LIBRARY_PATH", &path).output();
+    out.assert_ok("basic");
+    let messages: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("cuDevicePrimaryCtxGetState"))
+        .collect();
+    assert_eq!(messages.len(), 1, "{}", out.stderr);
+    assert!(
+        messages[0].contains("the CUDA driver lacks cuDevicePrimaryCtxGetState")
+            && messages[0].contains("pass through unpooled"),
+        "{}",
+        messages[0]
+    );
+    assert!(
+        !out.stderr.contains("served from the cache"),
+        "{}",
+        out.stderr
+    );
+}
