@@ -198,7 +198,8 @@ fn a_bad_config_passes_through_with_one_clear_message() {
     let messages: Vec<&str> = out.stderr.lines().collect();
     assert_eq!(messages.len(), 1, "{}", out.stderr);
     assert!(
-        messages[0].contains("'reuse'") && messages[0].contains("auto, fenced, immediate"),
+        messages[0].contains("'reuse'")
+            && messages[0].contains("expected auto, fenced or immediate"),
         "{}",
         messages[0]
     );
