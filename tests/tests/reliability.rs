@@ -149,3 +149,32 @@ fn a_driver_without_a_function_we_need_means_passthrough_with_one_message() {
         out.stderr
     );
 }
+
+#[test]
+fn exit_from_another_thread_and_underscore_exit_end_cleanly_with_a_readable_trace() {
+    // exit() from a thread while the main thread allocates: the summary and the whole trace.
+    let out = Run::c("exit_paths", &["thread"]).output();
+    out.assert_pooled("exit_paths");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.is_empty(), "{tears:?}");
+    assert!(records.iter().any(|r| r.kind() == kinds::ALLOC));
+    // _exit(): no atexit handler runs, so no summary; what was written is readable, with at
+    // most a tear at the very end.
+    let out = Run::c("exit_paths", &["_exit"]).output();
+    out.assert_ok("exit_paths");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    assert_eq!(dirs.len(), 1);
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.len() <= 1, "{tears:?}");
+    assert!(matches!(
+        records.first(),
+        Some(cachealloc_recorder::Record::Header(_))
+    ));
+}
+
+#[test]
+fn signals_during_allocation_change_nothing() {
+    let out = Run::c("exit_paths", &["signals"]).output();
+    out.assert_pooled("exit_paths");
+}

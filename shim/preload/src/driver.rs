@@ -301,6 +301,18 @@ pub fn device_info(_driver: Driver, ordinal: i32) -> Option<(String, u64)> {
     Some((name, total as u64))
 }
 
+/// Whether a stream call failed because the stream is gone: another thread destroyed it between
+/// our listing the live streams and recording on it (regression: a load test saw
+/// `cuEventRecord` fail with `CUDA_ERROR_INVALID_HANDLE` and the allocation fail with it). Its
+/// work is finished — the shim's `cudaStreamDestroy` waits for it in pool mode — so it needs no
+/// event.
+fn destroyed(result: sys::CUresult) -> bool {
+    matches!(
+        result,
+        sys::CUresult::CUDA_ERROR_INVALID_HANDLE | sys::CUresult::CUDA_ERROR_INVALID_CONTEXT
+    )
+}
+
 /// A CUDA event handle that may move between threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Event(sys::CUevent);
@@ -386,12 +398,14 @@ impl Fences {
             events: Vec::with_capacity(streams.len()),
         };
         for &stream in streams {
-            if stream.0 != crate::cuda::STREAM_LEGACY
-                // SAFETY: a stream handle of the application's, of this device.
-                && unsafe { sys::cuStreamQuery(stream.0 as sys::CUstream) }
-                    == sys::CUresult::CUDA_SUCCESS
-            {
-                continue;
+            let legacy = stream.0 == crate::cuda::STREAM_LEGACY;
+            if !legacy {
+                // SAFETY: a stream handle of the application's, of this device (or one destroyed
+                // since: the driver then answers with an error, no harm done).
+                let state = unsafe { sys::cuStreamQuery(stream.0 as sys::CUstream) };
+                if state == sys::CUresult::CUDA_SUCCESS || destroyed(state) {
+                    continue;
+                }
             }
             let event = match self.take_event() {
                 Ok(e) => e,
@@ -402,6 +416,10 @@ impl Fences {
             };
             // SAFETY: a live event and a stream handle of this device (or CU_STREAM_LEGACY).
             let r = unsafe { sys::cuEventRecord(event.0, stream.0 as sys::CUstream) };
+            if !legacy && destroyed(r) {
+                self.spare_event(event);
+                continue;
+            }
             fence.events.push(event);
             if r != sys::CUresult::CUDA_SUCCESS {
                 self.release(fence);
@@ -409,6 +427,13 @@ impl Fences {
             }
         }
         Ok(fence)
+    }
+
+    fn spare_event(&self, event: Event) {
+        self.spare
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(event);
     }
 
     /// Whether every event of the fence has completed. An error other than "not ready" (a
