@@ -10,6 +10,8 @@
 //! alone). `libcachealloc.so` is the one cargo built for this workspace (`cargo build -p
 //! cachealloc`, done by `scripts/test`).
 
+pub mod fuzz;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
