@@ -55,6 +55,7 @@
  *    a blocking stream captures fails with 906 and invalidates it too. cuStreamEndCapture then
  *    fails with 901.
  *  - One default memory pool per device, whose attributes report the device's used memory.
+ *  - FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 fails with out-of-memory.
  *  - FAKECUDA_FAULT=overlap: a broken allocator that hands a live allocation out twice (see
  *    overlap_locked), for the controls of tests that must catch one.
  *  - FAKECUDA_REPORT=1: at exit, one line on stderr, "fakecuda: <n> device allocations, <m>
@@ -660,11 +661,24 @@ static int forget_duplicate_locked(char *p) {
     return 0;
 }
 
+/* FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 fails with CUDA_ERROR_OUT_OF_MEMORY
+ * although the memory is there (a device shared with other processes, fragmentation). */
+static int fault_oom_now_locked(void) {
+    static long every = -1;
+    static unsigned long attempts;
+    if (every < 0) {
+        const char *f = getenv("FAKECUDA_FAULT");
+        every = f && strncmp(f, "oom_every:", 10) == 0 ? atol(f + 10) : 0;
+    }
+    return every > 0 && ++attempts % (unsigned long)every == 0;
+}
+
 static CUresult d_mem_alloc(CUdeviceptr *dptr, size_t size) {
     NEED_CONTEXT();
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
     lock();
     CUresult r = unsafe_call_locked();
+    if (r == CUDA_SUCCESS && fault_oom_now_locked()) r = CUDA_ERROR_OUT_OF_MEMORY;
     char *p = r == CUDA_SUCCESS ? overlap_locked(size) : NULL;
     if (r == CUDA_SUCCESS && !p) {
         r = alloc_locked(t_ctx, size, &p);

@@ -178,3 +178,20 @@ fn signals_during_allocation_change_nothing() {
     let out = Run::c("exit_paths", &["signals"]).output();
     out.assert_pooled("exit_paths");
 }
+
+#[test]
+fn a_device_that_refuses_now_and_then_is_retried_by_the_ladder() {
+    // Every third device allocation fails although the memory is there: the ladder releases
+    // the cache and retries, and the program never sees an error.
+    let out = Run::c("threads", &["4", "300"])
+        .env("FAKECUDA_FAULT", "oom_every:3")
+        .output();
+    out.assert_pooled("threads");
+    // Control: without the shim, the same device fails the program.
+    let native = Run::c("threads", &["4", "300"])
+        .env("FAKECUDA_FAULT", "oom_every:3")
+        .without_shim()
+        .output();
+    assert_eq!(native.code, Some(1), "{}{}", native.stdout, native.stderr);
+    assert!(native.stdout.contains("returned 2"), "{}", native.stdout);
+}
