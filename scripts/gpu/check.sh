@@ -56,6 +56,9 @@ run device_reset X=1 --
 run stream_ordered X=1 --
 run graph_capture X=1 --
 run entry_point X=1 --
+run load X=1 -- 4 300 1
+run exit_paths X=1 -- thread
+run exit_paths X=1 -- signals
 
 # Control: without fences the race must be caught.
 out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
