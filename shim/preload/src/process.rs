@@ -22,8 +22,7 @@ use std::sync::{Arc, OnceLock};
 use cachealloc_core::config::ReusePolicy;
 use cachealloc_core::{AllocError, Allocator, FreeError, Stats, format_bytes};
 
-use cachealloc_recorder::Record;
-use cachealloc_recorder::schema::{self, DeviceInfo, SegmentEvent, StreamEvent};
+use cachealloc_recorder::schema::DeviceInfo;
 
 use crate::backend::CudaDevice;
 use crate::cuda::{self, CudaError};
@@ -198,7 +197,11 @@ fn start() -> Option<Shim> {
         Err("trace:off".to_string())
     };
     let stacks = match &trace {
-        Ok(_) => Stacks::new(config.stacks, config.stack_depth as usize),
+        Ok(_) => Stacks::new(
+            config.stacks,
+            config.stack_depth as usize,
+            config.system_unwinder,
+        ),
         Err(_) => None,
     };
     Some(Shim {
@@ -420,31 +423,11 @@ impl Shim {
             return Ok(0); // cudaMalloc(0)
         }
         let device = self.current_device().unwrap_or(0) as u32;
-        let t = crate::trace::now();
-        let pool = u8::from(size > cachealloc_core::sizes::SMALL_SIZE);
         self.passthrough
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(address, (size, device));
-        trace.send(Record::SegmentAlloc(SegmentEvent {
-            t,
-            device,
-            address,
-            size,
-            pool,
-            stack,
-        }));
-        let thread = crate::trace::thread_number();
-        trace.send(Record::Alloc(schema::Alloc {
-            t,
-            device,
-            stream: 0,
-            address,
-            requested: size,
-            size,
-            stack,
-            thread,
-        }));
+        trace.raw_allocation(device, address, size, stack);
         Ok(address)
     }
 
@@ -460,26 +443,7 @@ impl Shim {
         else {
             return;
         };
-        let t = crate::trace::now();
-        let thread = crate::trace::thread_number();
-        let pool = u8::from(size > cachealloc_core::sizes::SMALL_SIZE);
-        trace.send(Record::Free(schema::FreeRequested {
-            t,
-            device,
-            stream: 0,
-            address,
-            size,
-            stack: 0,
-            thread,
-        }));
-        trace.send(Record::SegmentFree(SegmentEvent {
-            t,
-            device,
-            address,
-            size,
-            pool,
-            stack: 0,
-        }));
+        trace.raw_free(device, address, size);
     }
 
     /// Cached-but-free bytes of the current device, for `cudaMemGetInfo`.
@@ -540,13 +504,7 @@ impl Shim {
     pub fn stream_created_on(&self, device: i32, stream: usize, flags: u32) {
         let non_blocking = flags & cuda::STREAM_NON_BLOCKING != 0;
         if let Ok(trace) = &self.trace {
-            let t = crate::trace::now();
-            trace.send(Record::StreamCreated(StreamEvent {
-                t,
-                device: device as u32,
-                stream: stream as u64,
-                flags,
-            }));
+            trace.stream_created(device as u32, stream as u64, flags);
         }
         if self.streams.created(Stream(stream), device, non_blocking) {
             log::debug!("first stream created: freed blocks now wait for reuse fences");
@@ -560,13 +518,7 @@ impl Shim {
     pub fn stream_destroyed(&self, stream: usize) {
         self.streams.destroyed(Stream(stream));
         if let Ok(trace) = &self.trace {
-            let t = crate::trace::now();
-            trace.send(Record::StreamDestroyed(StreamEvent {
-                t,
-                device: 0,
-                stream: stream as u64,
-                flags: 0,
-            }));
+            trace.stream_destroyed(stream as u64);
         }
     }
 
@@ -623,15 +575,12 @@ impl Shim {
         if current == device {
             return Ok(f());
         }
-        let set = crate::real::cudaSetDevice().ok_or(cuda::ERROR_INITIALIZATION)?;
-        // SAFETY: plain call with a device ordinal.
-        let code = unsafe { set(device) };
+        let code = crate::real::set_device(device);
         if code != cuda::SUCCESS {
             return Err(code);
         }
         let result = f();
-        // SAFETY: as above; restores the caller's device.
-        unsafe { set(current) };
+        crate::real::set_device(current); // back to the caller's device
         Ok(result)
     }
 }

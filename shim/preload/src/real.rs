@@ -167,6 +167,11 @@ pub fn mem_get_info() -> Result<(u64, u64), CudaError> {
     }
 }
 
+/// The real `cudaSetDevice` (an ordinal of the application's, validated by the runtime).
+pub fn set_device(device: i32) -> CudaError {
+    call_real!(cudaSetDevice(device))
+}
+
 /// The real `cudaDeviceReset`.
 pub fn device_reset() -> CudaError {
     call_real!(cudaDeviceReset())

@@ -78,6 +78,73 @@ impl Trace {
         Ok(Trace { recorder, dir })
     }
 
+    /// A raw allocation that passed through (`pool:off`, or degraded): a segment holding one
+    /// block, both recorded.
+    pub fn raw_allocation(&self, device: u32, address: u64, size: u64, stack: u32) {
+        let t = now();
+        let pool = pool_byte(cachealloc_core::sizes::pool_for(size));
+        self.send(Record::SegmentAlloc(schema::SegmentEvent {
+            t,
+            device,
+            address,
+            size,
+            pool,
+            stack,
+        }));
+        self.send(Record::Alloc(schema::Alloc {
+            t,
+            device,
+            stream: 0,
+            address,
+            requested: size,
+            size,
+            stack,
+            thread: thread_number(),
+        }));
+    }
+
+    /// The free of a raw allocation ([`Trace::raw_allocation`]): the block and its segment.
+    pub fn raw_free(&self, device: u32, address: u64, size: u64) {
+        let t = now();
+        self.send(Record::Free(schema::FreeRequested {
+            t,
+            device,
+            stream: 0,
+            address,
+            size,
+            stack: 0,
+            thread: thread_number(),
+        }));
+        self.send(Record::SegmentFree(schema::SegmentEvent {
+            t,
+            device,
+            address,
+            size,
+            pool: pool_byte(cachealloc_core::sizes::pool_for(size)),
+            stack: 0,
+        }));
+    }
+
+    /// The application created `stream` on `device`.
+    pub fn stream_created(&self, device: u32, stream: u64, flags: u32) {
+        self.send(Record::StreamCreated(schema::StreamEvent {
+            t: now(),
+            device,
+            stream,
+            flags,
+        }));
+    }
+
+    /// The application destroyed `stream`.
+    pub fn stream_destroyed(&self, stream: u64) {
+        self.send(Record::StreamDestroyed(schema::StreamEvent {
+            t: now(),
+            device: 0,
+            stream,
+            flags: 0,
+        }));
+    }
+
     /// Send one record.
     pub fn send(&self, record: Record) {
         self.recorder.send(record);
@@ -138,8 +205,8 @@ pub struct DeviceObserver {
 
 fn pool_byte(pool: PoolKind) -> u8 {
     match pool {
-        PoolKind::Small => 0,
-        PoolKind::Large => 1,
+        PoolKind::Small => schema::POOL_SMALL,
+        PoolKind::Large => schema::POOL_LARGE,
     }
 }
 
