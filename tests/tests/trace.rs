@@ -438,10 +438,11 @@ fn native_stacks_match_the_system_unwinder() {
             } else {
                 Run::new(program, &args)
             };
-            run = run.env("CACHEALLOC_CONF", "stacks:native,stack_depth:64");
-            if let Some(u) = unwinder {
-                run = run.env("CACHEALLOC_UNWINDER", u);
-            }
+            let conf = match unwinder {
+                Some(u) => format!("stacks:native,stack_depth:64,unwinder:{u}"),
+                None => "stacks:native,stack_depth:64".to_string(),
+            };
+            run = run.env("CACHEALLOC_CONF", &conf);
             let out = run.output();
             out.assert_ok(name);
             let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));

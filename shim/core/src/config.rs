@@ -124,6 +124,10 @@ pub struct Config {
     /// `python:on|off`: in a Python process, put the shim's Python integration on
     /// `PYTHONPATH` (it adjusts what PyTorch cannot do on the `cudaMallocAsync` route).
     pub python: bool,
+    /// `unwinder:auto|system`: how native stacks are unwound — `auto` is a caching DWARF
+    /// unwinder on x86-64 Linux (the system unwinder elsewhere); `system` always uses the
+    /// system unwinder (a diagnostic).
+    pub system_unwinder: bool,
     /// `driver_doors:on|off`: serve the driver's allocation functions too (reached through
     /// libcuda's symbols, `dlsym` and `cuGetProcAddress`); off, only the runtime's `cudaMalloc*`
     /// symbols lead to the pools and every driver call passes through.
@@ -162,6 +166,7 @@ impl Default for Config {
             oom_checkpoint: true,
             python: true,
             driver_doors: true,
+            system_unwinder: false,
             log: LogLevel::Info,
         }
     }
@@ -218,6 +223,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("oom_checkpoint", "on or off"),
     ("python", "on or off"),
     ("driver_doors", "on or off"),
+    ("unwinder", "auto or system"),
     ("log", "quiet, info or debug"),
 ];
 
@@ -362,6 +368,9 @@ impl Config {
             "oom_checkpoint" => self.oom_checkpoint = parse_bool(key, value)?,
             "python" => self.python = parse_bool(key, value)?,
             "driver_doors" => self.driver_doors = parse_bool(key, value)?,
+            "unwinder" => {
+                self.system_unwinder = choose(key, value, &[("auto", false), ("system", true)])?;
+            }
             "log" => {
                 self.log = choose(
                     key,

@@ -185,7 +185,7 @@ impl Stacks {
     /// Stacks as `mode` asks, up to `depth` frames of each kind; `None` when that means none
     /// (`stacks:none`, or `auto` in a process that is not CPython). A Python stack that was
     /// asked for but cannot be had is reported once.
-    pub fn new(mode: StackMode, depth: usize) -> Option<Stacks> {
+    pub fn new(mode: StackMode, depth: usize, system_unwinder: bool) -> Option<Stacks> {
         let (native, python) = match mode {
             StackMode::None => (false, false),
             StackMode::Auto | StackMode::Python => (false, true),
@@ -211,7 +211,7 @@ impl Stacks {
         }
         Some(Stacks {
             depth: depth.clamp(1, MAX_DEPTH),
-            native: native.then(NativeStacks::new),
+            native: native.then(|| NativeStacks::new(system_unwinder)),
             python,
             interner: Mutex::default(),
             backward: AtomicU32::new(0),

@@ -22,7 +22,7 @@
 //! * The **rule cache** is per thread (no lock on the hot path but a read lock on the module
 //!   list).
 //!
-//! Elsewhere (other architectures), and when `CACHEALLOC_UNWINDER=system` is set (a diagnostic
+//! Elsewhere (other architectures), and with `unwinder:system` in the configuration (a diagnostic
 //! switch, used by a test that compares both), the system unwinder is used.
 
 use std::ops::Range;
@@ -38,14 +38,14 @@ pub struct NativeStacks {
 
 impl Default for NativeStacks {
     fn default() -> NativeStacks {
-        NativeStacks::new()
+        NativeStacks::new(false)
     }
 }
 
 impl NativeStacks {
-    /// Set up: find this library's code, and (on x86-64 Linux) the loaded modules.
-    pub fn new() -> NativeStacks {
-        let use_system = std::env::var("CACHEALLOC_UNWINDER").is_ok_and(|v| v == "system");
+    /// Set up: find this library's code, and (on x86-64 Linux, unless `use_system`: the
+    /// configuration's `unwinder:system`) the loaded modules.
+    pub fn new(use_system: bool) -> NativeStacks {
         NativeStacks {
             own_code: own_code_range(),
             #[cfg(all(target_arch = "x86_64", target_os = "linux"))]

@@ -2,7 +2,7 @@
 //!
 //! These are `offsetof`s of internal structures (`PyThreadState`, the interpreter frame,
 //! `PyCodeObject`, compact unicode objects), which change between minor versions but not within
-//! one. They were taken from each version's headers by `tests/programs/python_offsets.c`, and the
+//! one. They were taken from each version's headers by `offsets.c` (beside this file), and the
 //! test `python_layouts_match_headers` (in `tests/`) compiles that program against every
 //! installed CPython and compares its output with this table.
 
@@ -148,8 +148,8 @@ pub fn for_version(major: u32, minor: u32) -> Option<Layout> {
 }
 
 impl Layout {
-    /// The table as `name offset` lines, in the format `tests/programs/python_offsets.c`
-    /// prints, so the test can compare the two.
+    /// The table as `name offset` lines, in the format `offsets.c` (beside this file) prints,
+    /// so the test can compare the two.
     pub fn describe(&self) -> String {
         let mut lines = vec![];
         let mut put = |name: &str, value: usize| lines.push(format!("{name} {value}"));
