@@ -280,7 +280,7 @@ fn run_worker<C: Clock>(
         );
         if ok && dropped != last_dropped {
             last_dropped = dropped;
-            let t = crate::monotonic_ns();
+            let t = writer.now_ns();
             let record = Record::Dropped(Dropped {
                 t,
                 stacks_shed: dropped.0,
@@ -292,7 +292,7 @@ fn run_worker<C: Clock>(
             }
         }
         since_sample += handled;
-        let now = crate::monotonic_ns();
+        let now = writer.now_ns();
         if ok && since_sample > 0 && (stop || now.saturating_sub(last_sample) >= SAMPLE_INTERVAL_NS)
         {
             last_sample = now;

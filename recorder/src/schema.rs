@@ -15,6 +15,17 @@ use serde::{Deserialize, Serialize};
 
 /// First bytes of every trace file.
 pub const MAGIC: &[u8; 8] = b"CATRACE\0";
+/// The pool byte of segment and block records: PyTorch's small pool (blocks of at most 1 MiB,
+/// in 2 MiB segments).
+pub const POOL_SMALL: u8 = 0;
+/// The pool byte of the large pool.
+pub const POOL_LARGE: u8 = 1;
+
+/// The name of a pool byte, as PyTorch's snapshots spell segment types: `small` or `large`.
+pub fn pool_name(pool: u8) -> &'static str {
+    if pool == POOL_SMALL { "small" } else { "large" }
+}
+
 /// Format version written after the magic. A reader refuses files of a newer major version.
 pub const FORMAT_VERSION: u32 = 1;
 
@@ -138,7 +149,7 @@ pub struct SegmentEvent {
     pub address: u64,
     /// Size.
     pub size: u64,
-    /// Pool: 0 small, 1 large.
+    /// Pool: [`POOL_SMALL`] or [`POOL_LARGE`].
     pub pool: u8,
     /// Stack id.
     pub stack: u32,
@@ -270,7 +281,7 @@ pub struct SegmentState {
     pub address: u64,
     /// Size.
     pub size: u64,
-    /// Pool: 0 small, 1 large.
+    /// Pool: [`POOL_SMALL`] or [`POOL_LARGE`].
     pub pool: u8,
     /// Stack id of its allocation.
     pub stack: u32,
@@ -396,6 +407,46 @@ records! {
     /// A free that was reusable at once (free requested and completed together: no fence was
     /// needed). One record instead of two on the hottest path.
     23 => Free(FreeRequested) as FREE,
+}
+
+impl Record {
+    /// When the event happened (ns since the trace's monotonic base), for kinds that carry a
+    /// time (not the header, checkpoint state or definitions).
+    pub fn time(&self) -> Option<u64> {
+        Some(match self {
+            Record::Alloc(a) => a.t,
+            Record::FreeRequested(f) | Record::Free(f) => f.t,
+            Record::FreeCompleted(f) => f.t,
+            Record::SegmentAlloc(s)
+            | Record::SegmentFree(s)
+            | Record::SegmentMap(s)
+            | Record::SegmentUnmap(s) => s.t,
+            Record::Oom(o) => o.t,
+            Record::StreamCreated(s) | Record::StreamDestroyed(s) => s.t,
+            Record::Annotation(a) => a.t,
+            Record::StatsSample(s) => s.t,
+            Record::Dropped(d) => d.t,
+            Record::CheckpointEnd(c) => c.t,
+            _ => return None,
+        })
+    }
+
+    /// The device the event concerns, for kinds that have one.
+    pub fn device(&self) -> Option<u32> {
+        Some(match self {
+            Record::Alloc(a) => a.device,
+            Record::FreeRequested(f) | Record::Free(f) => f.device,
+            Record::FreeCompleted(f) => f.device,
+            Record::SegmentAlloc(s)
+            | Record::SegmentFree(s)
+            | Record::SegmentMap(s)
+            | Record::SegmentUnmap(s) => s.device,
+            Record::Oom(o) => o.device,
+            Record::StreamCreated(s) | Record::StreamDestroyed(s) => s.device,
+            Record::StatsSample(s) => s.device,
+            _ => return None,
+        })
+    }
 }
 
 /// Append `value` as unsigned LEB128.

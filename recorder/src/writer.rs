@@ -86,6 +86,11 @@ pub struct TraceWriter<C: Clock = MonotonicClock> {
 }
 
 impl<C: Clock> TraceWriter<C> {
+    /// Now, by the writer's clock (the one its flushes, rotations and checkpoints use).
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
     /// Create the directory and the first file. `header.file_index` is set per file.
     pub fn create(config: WriterConfig, header: Header, clock: C) -> io::Result<Self> {
         fs::create_dir_all(&config.dir)?;

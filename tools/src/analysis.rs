@@ -8,7 +8,7 @@ use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{Annotation, Header, Oom};
 
 use crate::progress::Progress;
-use crate::replay::{Replay, device_of, time_of};
+use crate::replay::Replay;
 
 /// A maximum and when it was reached.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -95,11 +95,11 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
         if step.in_checkpoint {
             continue;
         }
-        if let Some(t) = time_of(&step.record) {
+        if let Some(t) = step.record.time() {
             out.span.0 = out.span.0.min(t);
             out.span.1 = out.span.1.max(t);
         }
-        let Some(device) = device_of(&step.record) else {
+        let Some(device) = step.record.device() else {
             match step.record {
                 Record::Annotation(a) => out.annotations.push(*a),
                 Record::Dropped(d) => {

@@ -86,7 +86,7 @@ impl Replay {
             }
             Record::CheckpointEnd(_) => self.in_checkpoint = false,
             r => {
-                if let Some(t) = time_of(r) {
+                if let Some(t) = r.time() {
                     self.t = self.t.max(t);
                 }
             }
@@ -120,49 +120,12 @@ pub fn last_index_at(dir: &Path, t: u64) -> Result<u64, String> {
     let mut last = None;
     while let Some(step) = scan.step() {
         let step = step?;
-        if !step.in_checkpoint && time_of(&step.record).is_some_and(|rt| rt > t) {
+        if !step.in_checkpoint && step.record.time().is_some_and(|rt| rt > t) {
             break;
         }
         last = Some(step.index);
     }
     last.ok_or_else(|| format!("{}: the trace has no records", dir.display()))
-}
-
-/// The time of a record, for kinds that have one.
-pub fn time_of(record: &Record) -> Option<u64> {
-    Some(match record {
-        Record::Alloc(a) => a.t,
-        Record::FreeRequested(f) | Record::Free(f) => f.t,
-        Record::FreeCompleted(f) => f.t,
-        Record::SegmentAlloc(s)
-        | Record::SegmentFree(s)
-        | Record::SegmentMap(s)
-        | Record::SegmentUnmap(s) => s.t,
-        Record::Oom(o) => o.t,
-        Record::StreamCreated(s) | Record::StreamDestroyed(s) => s.t,
-        Record::Annotation(a) => a.t,
-        Record::StatsSample(s) => s.t,
-        Record::Dropped(d) => d.t,
-        Record::CheckpointEnd(c) => c.t,
-        _ => return None,
-    })
-}
-
-/// The device a record concerns, for kinds that have one.
-pub fn device_of(record: &Record) -> Option<u32> {
-    Some(match record {
-        Record::Alloc(a) => a.device,
-        Record::FreeRequested(f) | Record::Free(f) => f.device,
-        Record::FreeCompleted(f) => f.device,
-        Record::SegmentAlloc(s)
-        | Record::SegmentFree(s)
-        | Record::SegmentMap(s)
-        | Record::SegmentUnmap(s) => s.device,
-        Record::Oom(o) => o.device,
-        Record::StreamCreated(s) | Record::StreamDestroyed(s) => s.device,
-        Record::StatsSample(s) => s.device,
-        _ => return None,
-    })
 }
 
 /// A frame as one line: `name (file:line)` for Python, the symbol (or address) for native.

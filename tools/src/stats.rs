@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use cachealloc_recorder::Record;
+use cachealloc_recorder::{Record, schema};
 
 use cachealloc_core::stats::Stat;
 
@@ -117,7 +117,7 @@ impl DeviceStats {
     }
 
     fn segment(&mut self, address: u64, size: u64, pool: u8) {
-        let pool = if pool == 0 { 1 } else { 2 };
+        let pool = if pool == schema::POOL_SMALL { 1 } else { 2 };
         self.segments.insert(address, (size, pool));
         self.bump(5, pool, size as i64);
         self.bump(6, pool, 1);
@@ -222,8 +222,10 @@ impl StatsTracker {
                     if first {
                         d.segment(s.address, s.size, s.pool);
                     } else {
-                        d.segments
-                            .insert(s.address, (s.size, if s.pool == 0 { 1 } else { 2 }));
+                        d.segments.insert(
+                            s.address,
+                            (s.size, if s.pool == schema::POOL_SMALL { 1 } else { 2 }),
+                        );
                     }
                 }
                 Record::CheckpointBlock(b) => {

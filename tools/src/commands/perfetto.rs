@@ -15,7 +15,7 @@ use serde_json::json;
 
 use crate::format::bytes;
 use crate::progress::Progress;
-use crate::replay::{Replay, device_of, time_of};
+use crate::replay::Replay;
 use crate::{Error, one_trace};
 
 /// A counter point: time, and allocated, active and reserved bytes.
@@ -72,7 +72,7 @@ pub fn run(trace: &Path, output: &Path, out: &mut dyn Write) -> Result<(), Error
         if step.in_checkpoint {
             continue;
         }
-        let Some(t) = time_of(&step.record) else {
+        let Some(t) = step.record.time() else {
             continue;
         };
         match &step.record {
@@ -103,7 +103,7 @@ pub fn run(trace: &Path, output: &Path, out: &mut dyn Write) -> Result<(), Error
             )?,
             _ => {}
         }
-        let Some(device) = device_of(&step.record) else {
+        let Some(device) = step.record.device() else {
             continue;
         };
         let totals = replay.state.device_totals(device);

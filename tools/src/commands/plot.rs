@@ -21,7 +21,7 @@ use crate::analysis::scan;
 use crate::commands::summary::sites_live;
 use crate::format::bytes;
 use crate::progress::Progress;
-use crate::replay::{Replay, device_of, site, time_of};
+use crate::replay::{Replay, site};
 use crate::{Error, trace_dirs};
 
 /// Sites shown by name; the rest are "other".
@@ -249,7 +249,7 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
         if step.in_checkpoint {
             continue;
         }
-        let (Some(device), Some(t)) = (device_of(&step.record), time_of(&step.record)) else {
+        let (Some(device), Some(t)) = (step.record.device(), step.record.time()) else {
             continue;
         };
         let Some(b) = builders.get_mut(&device) else {

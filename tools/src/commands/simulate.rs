@@ -103,7 +103,7 @@ fn record(dir: &Path) -> Result<Recording, Error> {
                 .push((s.size, s.address));
             continue;
         }
-        let fresh = crate::replay::device_of(&step.record).and_then(|d| fresh_segment.remove(&d));
+        let fresh = step.record.device().and_then(|d| fresh_segment.remove(&d));
         ops.push(match step.record {
             Record::Alloc(a) => Op::Alloc {
                 device: a.device,

@@ -229,7 +229,7 @@ fn segments<'a>(state: &LiveState, frames: &'a HashMap<u32, Vec<Frame>>) -> Vec<
             active_size: active,
             requested_size: requested,
             stream: 0,
-            segment_type: if seg.pool == 0 { "small" } else { "large" },
+            segment_type: cachealloc_recorder::schema::pool_name(seg.pool),
             segment_pool_id: (0, 0),
             is_expandable: false,
             frames: frames_of(seg.stack),

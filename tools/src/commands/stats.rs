@@ -191,7 +191,7 @@ pub fn segment_map(state: &LiveState, device: u32, out: &mut dyn Write) -> Resul
             "  {:#014x} {:>10} {} [{}] {} free",
             seg.address,
             bytes(seg.size),
-            if seg.pool == 0 { "small" } else { "large" },
+            cachealloc_recorder::schema::pool_name(seg.pool),
             String::from_utf8_lossy(&bar),
             bytes(seg.size - seg_allocated)
         )?;

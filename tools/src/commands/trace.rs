@@ -7,7 +7,7 @@ use std::path::Path;
 use cachealloc_recorder::Record;
 
 use crate::format::bytes;
-use crate::replay::{Replay, device_of, frame_label, site, stack_frames, time_of};
+use crate::replay::{Replay, frame_label, site, stack_frames};
 use crate::{Error, one_trace};
 
 /// One event as a line (`None` for records that are not events: definitions, checkpoints).
@@ -42,13 +42,13 @@ pub fn describe(record: &Record) -> Option<String> {
             "segment_alloc  {:#014x} {:>10} {} pool",
             s.address,
             bytes(s.size),
-            if s.pool == 0 { "small" } else { "large" }
+            cachealloc_recorder::schema::pool_name(s.pool)
         ),
         Record::SegmentFree(s) => format!(
             "segment_free   {:#014x} {:>10} {} pool",
             s.address,
             bytes(s.size),
-            if s.pool == 0 { "small" } else { "large" }
+            cachealloc_recorder::schema::pool_name(s.pool)
         ),
         Record::SegmentMap(s) => {
             format!("segment_map    {:#014x} {:>10}", s.address, bytes(s.size))
@@ -97,7 +97,7 @@ pub fn run(
         if step.in_checkpoint {
             continue;
         }
-        let Some(t) = time_of(&step.record) else {
+        let Some(t) = step.record.time() else {
             continue;
         };
         if from.is_some_and(|f| t < f) {
@@ -106,7 +106,7 @@ pub fn run(
         if to.is_some_and(|to| t > to) {
             break;
         }
-        let dev = device_of(&step.record);
+        let dev = step.record.device();
         if device.is_some() && dev.is_some() && dev != device {
             continue;
         }
