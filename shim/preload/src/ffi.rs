@@ -413,6 +413,36 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(
     }
 }
 
+// ----- the process's life: load, fork, first use, exit ----------------------------------------
+
+/// Constructor: read the settings, find libc's `dlsym`, register the fork handler and what runs
+/// at the shim's first CUDA use. Nothing CUDA.
+#[ctor::ctor(unsafe)]
+fn on_load() {
+    // No panic may escape a constructor.
+    let _ = std::panic::catch_unwind(|| {
+        crate::settings::on_load();
+        crate::doors::prepare();
+        extern "C" fn child() {
+            process::after_fork_in_child();
+        }
+        // SAFETY: registers a plain `extern "C" fn()` that only stores to an atomic.
+        unsafe { libc::pthread_atfork(None, None, Some(child)) };
+        process::at_start(register_exit_summary);
+    });
+}
+
+/// Register the exit summary. Called at the shim's first CUDA use: an `atexit` registered in the
+/// constructor would run after the destructors of libraries loaded later, CUDA's among them.
+fn register_exit_summary() {
+    extern "C" fn at_exit() {
+        // No panic may cross this C callback.
+        let _ = catch_unwind(crate::report::exit_summary);
+    }
+    // SAFETY: registers a plain `extern "C" fn()` that never unwinds.
+    unsafe { libc::atexit(at_exit) };
+}
+
 // ----- the C API ---------------------------------------------------------------------------
 
 /// The library's version, a static NUL-terminated string.

@@ -10,11 +10,11 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`ffi`] | every exported symbol: the interposed CUDA calls and the C API (the only module the C ABI touches); `ffi::driver`: the driver functions; `ffi::entry_points`: `dlsym` and the entry-point resolvers |
+//! | [`ffi`] | every exported symbol: the interposed CUDA calls and the C API, and the constructor, fork and exit callbacks (the only module the C ABI touches); `ffi::driver`: the driver functions; `ffi::entry_points`: `dlsym` and the entry-point resolvers |
 //! | [`doors`] | the four ways into CUDA's allocation functions (runtime, driver symbols, `dlsym`, `cuGetProcAddress`) and how lookups are substituted |
 //! | [`hooks`] | what each interposed call does: pool or pass through; `hooks::driver` for the driver's |
 //! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators; `process::stream_api`: stream keys, graph captures, the default memory pool, backward stacks |
-//! | [`report`] | the exit summary, annotations, the stats JSON |
+//! | [`report`] | the exit summary (from the plain facts `process` gathers), annotations, the stats JSON |
 //! | [`settings`] | the configuration, read once by the constructor; how PyTorch's tensors reach the pools |
 //! | [`python_integration`] | in a Python process, `shim/python/` first on `PYTHONPATH` |
 //! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait |
@@ -73,19 +73,4 @@ macro_rules! cstr_of {
             }
         }
     };
-}
-
-/// Constructor: read the settings and register the fork handler. Nothing CUDA.
-#[ctor::ctor(unsafe)]
-fn on_load() {
-    // No panic may escape a constructor.
-    let _ = std::panic::catch_unwind(|| {
-        settings::on_load();
-        doors::prepare();
-        extern "C" fn child() {
-            process::after_fork_in_child();
-        }
-        // SAFETY: registers a plain `extern "C" fn()` that only stores to an atomic.
-        unsafe { libc::pthread_atfork(None, None, Some(child)) };
-    });
 }

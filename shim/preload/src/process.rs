@@ -92,11 +92,27 @@ impl PooledBlock {
     const BUFFER_ID_BASE: u64 = 1 << 62;
 }
 
+/// What the exit summary says, gathered once the trace is shut down: a plain value for the
+/// reporter ([`crate::report::exit_summary`]).
+#[derive(Debug)]
+pub struct ExitFacts {
+    /// Where the trace is (or why there is none), and whether its end was written.
+    pub trace_note: String,
+    /// No pool was ever in use: `pool:off`, or no driver.
+    pub unpooled: bool,
+    /// Each pooled device's stats.
+    pub stats: Vec<(usize, Stats)>,
+    /// Allocations that passed through (`pool:off`, or after an internal failure).
+    pub passthrough_mallocs: u64,
+    /// Driver-level allocations in contexts other than the primary ones (not pooled).
+    pub unpooled_context_mallocs: u64,
+}
+
 /// The pooling state of the process.
 #[derive(Debug)]
 pub struct Shim {
     /// The driver, for fences; `None` only in `pool:off` (trace only).
-    pub(crate) driver: Option<Driver>,
+    driver: Option<Driver>,
     reuse: ReusePolicy,
     report_cached_as_free: bool,
     streams: Arc<StreamRegistry>,
@@ -106,20 +122,29 @@ pub struct Shim {
     devices: Vec<OnceLock<Pool>>,
     /// Whether new allocations are pooled: false with `pool:off`, and after an internal failure.
     healthy: AtomicBool,
-    pub(crate) passthrough_mallocs: AtomicU64,
+    passthrough_mallocs: AtomicU64,
     /// Driver-level allocations in a context that is not a device's primary one (not pooled).
-    pub(crate) unpooled_context_mallocs: AtomicU64,
+    unpooled_context_mallocs: AtomicU64,
     /// Traced allocations that passed through (`pool:off`, or degraded): address → (size,
     /// device), to trace their frees.
     passthrough: std::sync::Mutex<std::collections::HashMap<u64, (u64, u32)>>,
     /// When the shim started (the first CUDA call), for annotation times.
-    pub(crate) started: std::time::Instant,
+    started: std::time::Instant,
     /// The trace, or why there is none.
-    pub(crate) trace: Result<Arc<Trace>, String>,
+    trace: Result<Arc<Trace>, String>,
     /// Stack capture, when the trace is on and `stacks` asks for (and can have) frames.
     stacks: Option<Stacks>,
     /// Default memory pools seen (`cudaDeviceGetDefaultMemPool`): `(pool, device)`.
     default_pools: std::sync::Mutex<Vec<(usize, i32)>>,
+}
+
+/// What runs at the shim's first CUDA use, set by the constructor ([`at_start`]).
+static ON_START: OnceLock<fn()> = OnceLock::new();
+
+/// Run `f` when the shim starts, at the first CUDA call (the constructor registers the exit
+/// summary this way, so that this module need not know the reporter).
+pub fn at_start(f: fn()) {
+    let _ = ON_START.set(f);
 }
 
 /// Called in the child after `fork` (registered with `pthread_atfork` by the constructor).
@@ -150,7 +175,9 @@ fn start() -> Option<Shim> {
         return None; // the constructor already said why
     }
     let config = &settings.config;
-    crate::report::register_exit_summary();
+    if let Some(on_start) = ON_START.get() {
+        on_start();
+    }
     if !config.pool && !config.trace {
         log::debug!("pool:off, trace:off: passing everything through");
         return None;
@@ -232,6 +259,35 @@ pub fn degrade(what: &str) {
 }
 
 impl Shim {
+    /// At exit: flush and stop the trace, and say what the summary needs.
+    pub fn finish(&self) -> ExitFacts {
+        let trace_note = match &self.trace {
+            Ok(trace) if trace.shutdown() => format!("trace in {}", trace.dir.display()),
+            Ok(trace) => format!(
+                "trace in {} (its end may be missing: the writer did not finish in time)",
+                trace.dir.display()
+            ),
+            Err(why) => format!("no trace ({why})"),
+        };
+        let stats = self.stats();
+        ExitFacts {
+            trace_note,
+            unpooled: self.driver.is_none() || (stats.is_empty() && !self.pooling()),
+            stats,
+            passthrough_mallocs: self.passthrough_mallocs.load(Ordering::Relaxed),
+            unpooled_context_mallocs: self.unpooled_context_mallocs.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Record an annotation (`cachealloc_annotate`) in the trace; returns the seconds since the
+    /// shim started.
+    pub fn annotation(&self, name: &str) -> f64 {
+        if let Ok(trace) = &self.trace {
+            trace.annotation(name);
+        }
+        self.started.elapsed().as_secs_f64()
+    }
+
     /// Whether new allocations are pooled.
     pub fn pooling(&self) -> bool {
         self.healthy.load(Ordering::Acquire)

@@ -1,25 +1,10 @@
 //! What the shim reports about itself: the exit summary, annotations (`cachealloc_annotate`)
 //! and the stats JSON (`cachealloc_stats_json`).
 
-use std::sync::atomic::Ordering;
-
 use cachealloc_core::format_bytes;
-use cachealloc_recorder::Record;
-use cachealloc_recorder::schema::Annotation;
 
 use crate::log;
 use crate::process::{shim, started_shim};
-
-/// Register the exit summary (at first CUDA use: an `atexit` registered in the constructor would
-/// run after the destructors of libraries loaded later, CUDA's among them).
-pub fn register_exit_summary() {
-    extern "C" fn at_exit() {
-        // No panic may cross this C callback.
-        let _ = std::panic::catch_unwind(exit_summary);
-    }
-    // SAFETY: registers a plain `extern "C" fn()` that never unwinds.
-    unsafe { libc::atexit(at_exit) };
-}
 
 /// At exit: flush and stop the trace, then print one summary line per device unless
 /// `log:quiet`.
@@ -27,35 +12,28 @@ pub fn exit_summary() {
     let Some(shim) = started_shim() else {
         return;
     };
-    let trace_note = match &shim.trace {
-        Ok(trace) if trace.shutdown() => format!("trace in {}", trace.dir.display()),
-        Ok(trace) => format!(
-            "trace in {} (its end may be missing: the writer did not finish in time)",
-            trace.dir.display()
-        ),
-        Err(why) => format!("no trace ({why})"),
-    };
+    let facts = shim.finish();
     if !log::enabled(cachealloc_core::config::LogLevel::Info) {
         return;
     }
     let pid = std::process::id();
-    let stats = shim.stats();
-    if shim.driver.is_none() || (stats.is_empty() && !shim.pooling()) {
-        let passed = shim.passthrough_mallocs.load(Ordering::Relaxed);
+    let trace_note = &facts.trace_note;
+    if facts.unpooled {
+        let passed = facts.passthrough_mallocs;
         log::info!("pid {pid}: pool:off: {passed} allocations passed through; {trace_note}");
         if let Some(doors) = doors_line() {
             log::info!("pid {pid}: allocations by door: {doors}");
         }
         return;
     }
-    if stats.is_empty() {
+    if facts.stats.is_empty() {
         log::info!("pid {pid}: no allocation reached the pool");
         if let Some(doors) = doors_line() {
             log::info!("pid {pid}: allocations by door: {doors}");
         }
         return;
     }
-    for (device, s) in stats {
+    for (device, s) in &facts.stats {
         let requests = s.num_cache_hits + s.num_device_alloc;
         log::info!(
             "pid {pid} device {device}: peak allocated {}, peak reserved {}; {} of {} allocations served from the \
@@ -70,7 +48,7 @@ pub fn exit_summary() {
             s.num_fence_waits,
         );
     }
-    let passed = shim.passthrough_mallocs.load(Ordering::Relaxed);
+    let passed = facts.passthrough_mallocs;
     if passed > 0 {
         log::info!(
             "pid {pid}: {passed} allocations passed through unpooled after an internal failure"
@@ -79,7 +57,7 @@ pub fn exit_summary() {
     if let Some(doors) = doors_line() {
         log::info!("pid {pid}: allocations by door: {doors}");
     }
-    let other_contexts = shim.unpooled_context_mallocs.load(Ordering::Relaxed);
+    let other_contexts = facts.unpooled_context_mallocs;
     if other_contexts > 0 {
         log::info!(
             "pid {pid}: {other_contexts} allocations in contexts made with cuCtxCreate passed through unpooled"
@@ -105,15 +83,7 @@ pub fn annotate(name: &str) {
         log::info!("annotation '{name}' (passthrough: no pool)");
         return;
     };
-    if let Ok(trace) = &shim.trace {
-        let t = crate::trace::now();
-        trace.send(Record::Annotation(Box::new(Annotation {
-            t,
-            name: name.to_string(),
-            thread: crate::trace::thread_number(),
-        })));
-    }
-    let at = shim.started.elapsed().as_secs_f64();
+    let at = shim.annotation(name);
     let mut line = format!("annotation '{name}' at +{at:.3} s:");
     for (device, s) in shim.stats() {
         line.push_str(&format!(

@@ -125,6 +125,15 @@ impl Trace {
         }));
     }
 
+    /// A named marker of the application's (`cachealloc_annotate`).
+    pub fn annotation(&self, name: &str) {
+        self.send(Record::Annotation(Box::new(schema::Annotation {
+            t: now(),
+            name: name.to_string(),
+            thread: thread_number(),
+        })));
+    }
+
     /// The application created `stream` on `device`.
     pub fn stream_created(&self, device: u32, stream: u64, flags: u32) {
         self.send(Record::StreamCreated(schema::StreamEvent {
