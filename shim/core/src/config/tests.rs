@@ -1,0 +1,146 @@
+//! The configuration parser's tests.
+use super::*;
+
+#[test]
+fn defaults_when_empty() {
+    assert_eq!(Config::parse("", "t").unwrap(), Config::default());
+    assert_eq!(Config::parse(" , ,", "t").unwrap(), Config::default());
+}
+
+#[test]
+fn parses_every_kind_of_value() {
+    let c = Config::parse(
+        "max_split_size_mb:256, garbage_collection_threshold:0.6,expandable_segments:True,\
+         reuse:fenced,pool:off,stacks:python,stack_depth:30,trace_dir:/tmp/x,log:quiet,\
+         per_process_memory_fraction:0.5,trace_files:3,compress:off,torch_caching:keep",
+        "t",
+    )
+    .unwrap();
+    assert_eq!(c.allocator.max_split_size, 256 << 20);
+    assert_eq!(c.allocator.garbage_collection_threshold, 0.6);
+    assert!(c.allocator.expandable_segments);
+    assert_eq!(c.allocator.reuse, ReusePolicy::Fenced);
+    assert_eq!(c.allocator.per_process_memory_fraction, 0.5);
+    assert!(!c.pool && !c.compress);
+    assert_eq!(c.stacks, StackMode::Python);
+    assert_eq!(c.stack_depth, 30);
+    assert_eq!(c.trace_files, 3);
+    assert_eq!(c.trace_dir, PathBuf::from("/tmp/x"));
+    assert_eq!(c.log, LogLevel::Quiet);
+    assert_eq!(c.torch_caching, TorchCaching::Keep);
+}
+
+#[test]
+fn roundup_list_form_follows_pytorch() {
+    let c = Config::parse("roundup_power2_divisions:[256:1,512:2,>:8]", "t").unwrap();
+    let Roundup::PerInterval(table) = &c.allocator.roundup else {
+        panic!("list form")
+    };
+    assert_eq!(table.len(), ROUNDUP_INTERVALS);
+    assert!(
+        table[..=8].iter().all(|&d| d == 1),
+        "first entry covers smaller sizes"
+    );
+    assert_eq!(table[9], 2);
+    assert!(table[10..].iter().all(|&d| d == 8), "'>' covers the rest");
+    let c = Config::parse("roundup_power2_divisions:4", "t").unwrap();
+    assert_eq!(c.allocator.roundup, Roundup::Uniform(4));
+}
+
+#[test]
+fn errors_name_the_key_and_the_choices() {
+    let e = Config::parse("reuse:sometimes", "CACHEALLOC_CONF").unwrap_err();
+    let text = e.to_string();
+    assert!(text.starts_with("CACHEALLOC_CONF: "), "{text}");
+    assert!(
+        text.contains("'reuse'") && text.contains("'sometimes'"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("; expected auto, fenced or immediate"),
+        "{text}"
+    );
+
+    let e = Config::parse("max_split_mb:100", "t")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown key 'max_split_mb'") && e.contains("max_split_size_mb"),
+        "{e}"
+    );
+
+    for bad in [
+        "max_split_size_mb:20",
+        "max_split_size_mb:lots",
+        "garbage_collection_threshold:1.0",
+        "garbage_collection_threshold:0",
+        "per_process_memory_fraction:1.5",
+        "roundup_power2_divisions:3",
+        "roundup_power2_divisions:[300:2]",
+        "roundup_power2_divisions:[512:2,256:4]",
+        "stack_depth:0",
+        "trace:maybe",
+        "novalue",
+        "stacks:[python",
+        "stacks:python]",
+    ] {
+        let e = Config::parse(bad, "t").unwrap_err().to_string();
+        let key = bad.split([':', '[']).next().unwrap();
+        assert!(e.contains(key) && e.starts_with("t: "), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn every_keys_bad_value_names_the_key_the_value_and_the_valid_values() {
+    for &(key, valid) in KEYS {
+        let value = if key == "trace_dir" { "" } else { "%bad%" };
+        let e = Config::parse(&format!("{key}:{value}"), "t")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!("t: bad value '{value}' for key '{key}'"))
+                && e.ends_with(&format!("; expected {valid}")),
+            "{key}: {e}"
+        );
+    }
+    // Each example value in the table's own descriptions parses.
+    for good in [
+        "max_split_size_mb:unlimited",
+        "roundup_power2_divisions:[256:1,512:2,>:8]",
+        "reuse:fenced",
+        "torch_caching:keep",
+        "stacks:all",
+        "log:debug",
+        "driver_doors:off",
+        "expandable_segments:True",
+        "report_cached_as_free:false",
+    ] {
+        Config::parse(good, "t").unwrap_or_else(|e| panic!("{good}: {e}"));
+    }
+}
+
+#[test]
+fn pytorch_conf_is_honoured_and_cachealloc_wins() {
+    let r = Config::from_sources(
+        Some("max_split_size_mb:128"),
+        Some("max_split_size_mb:64,backend:native,garbage_collection_threshold:0.7,future_key:1"),
+    )
+    .unwrap();
+    assert_eq!(r.config.allocator.max_split_size, 128 << 20);
+    assert_eq!(r.config.allocator.garbage_collection_threshold, 0.7);
+    assert_eq!(r.ignored.len(), 2);
+    assert!(r.ignored[0].contains("'backend'") && r.ignored[0].contains("PyTorch only"));
+    assert!(r.ignored[1].contains("'future_key'"));
+    // Our own keys are not taken from PyTorch's variable.
+    let r = Config::from_sources(None, Some("pool:off")).unwrap();
+    assert!(r.config.pool);
+    assert_eq!(r.ignored.len(), 1);
+}
+
+#[test]
+fn conf_string_round_trips() {
+    let text = "max_split_size_mb:512,roundup_power2_divisions:[1:1,2:1,4:2,8:4,16:4,32:4,64:4,128:4,256:4,512:4,1024:4,2048:4,4096:4,8192:4,16384:4,32768:4],garbage_collection_threshold:0.5,reuse:immediate";
+    let c = Config::parse(text, "t").unwrap();
+    let again = Config::parse(&c.allocator.to_conf_string(), "t").unwrap();
+    assert_eq!(c.allocator, again.allocator);
+}
