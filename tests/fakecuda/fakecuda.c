@@ -175,7 +175,7 @@ static fc_stream *g_legacy[MAX_DEVICES];
 static fc_ctx g_primary[MAX_DEVICES];
 static fc_ctx *g_contexts[MAX_CONTEXTS];
 static int g_ncontexts;
-static unsigned long g_report_allocs, g_report_frees;
+static unsigned long g_report_allocs, g_report_frees, g_report_refused;
 static __thread fc_ctx *t_ctx;
 static __thread int t_capture_mode; /* MODE_GLOBAL by default, as in CUDA */
 
@@ -201,9 +201,10 @@ static void count(unsigned long *counter) { __atomic_fetch_add(counter, 1, __ATO
 __attribute__((destructor)) static void report_at_exit(void) {
     const char *report = getenv("FAKECUDA_REPORT");
     if (!report || strcmp(report, "1") != 0) return;
-    fprintf(stderr, "fakecuda: %lu device allocations, %lu device frees\n",
+    fprintf(stderr, "fakecuda: %lu device allocations, %lu device frees, %lu refused by FAKECUDA_FAULT\n",
             __atomic_load_n(&g_report_allocs, __ATOMIC_RELAXED),
-            __atomic_load_n(&g_report_frees, __ATOMIC_RELAXED));
+            __atomic_load_n(&g_report_frees, __ATOMIC_RELAXED),
+            __atomic_load_n(&g_report_refused, __ATOMIC_RELAXED));
 }
 
 static void after_fork_child(void) {
@@ -678,7 +679,10 @@ static CUresult d_mem_alloc(CUdeviceptr *dptr, size_t size) {
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
     lock();
     CUresult r = unsafe_call_locked();
-    if (r == CUDA_SUCCESS && fault_oom_now_locked()) r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (r == CUDA_SUCCESS && fault_oom_now_locked()) {
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+        count(&g_report_refused);
+    }
     char *p = r == CUDA_SUCCESS ? overlap_locked(size) : NULL;
     if (r == CUDA_SUCCESS && !p) {
         r = alloc_locked(t_ctx, size, &p);

@@ -182,13 +182,27 @@ fn signals_during_allocation_change_nothing() {
 #[test]
 fn a_device_that_refuses_now_and_then_is_retried_by_the_ladder() {
     // Every third device allocation fails although the memory is there: the ladder releases
-    // the cache and retries, and the program never sees an error.
-    let out = Run::c("threads", &["4", "300"])
+    // the cache and retries, and the program never sees an error. One thread, so that the
+    // retry is never itself a third attempt (with several, two refusals in a row are a real
+    // out-of-memory to the ladder, as to PyTorch's).
+    let out = Run::c("threads", &["1", "600"])
         .env("FAKECUDA_FAULT", "oom_every:3")
+        .env("FAKECUDA_REPORT", "1")
         .output();
     out.assert_pooled("threads");
+    // (The report may come twice: from each copy of fakecuda's driver the process loaded.)
+    let refused: u64 = out
+        .stderr
+        .lines()
+        .filter_map(|l| {
+            let (_, tail) = l.strip_prefix("fakecuda:")?.split_once("frees, ")?;
+            tail.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .max()
+        .unwrap_or_else(|| panic!("no fakecuda report: {}", out.stderr));
+    assert!(refused >= 1, "the fault never struck: {}", out.stderr);
     // Control: without the shim, the same device fails the program.
-    let native = Run::c("threads", &["4", "300"])
+    let native = Run::c("threads", &["1", "600"])
         .env("FAKECUDA_FAULT", "oom_every:3")
         .without_shim()
         .output();
