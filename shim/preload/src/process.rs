@@ -33,7 +33,10 @@ use crate::stacks::Stacks;
 use crate::streams::StreamRegistry;
 use crate::trace::{DeviceObserver, Trace};
 
+mod pointers;
 mod stream_api;
+
+pub use pointers::PooledBlock;
 
 /// Most devices a process can have (CUDA's own limit is lower in practice).
 const MAX_DEVICES: usize = 64;
@@ -73,23 +76,6 @@ impl Pool {
         address >= self.lowest.load(Ordering::Acquire)
             && address < self.highest.load(Ordering::Acquire)
     }
-}
-
-/// A live pooled allocation, as the driver's pointer queries describe an allocation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PooledBlock {
-    /// Its base address (what the program got).
-    pub base: u64,
-    /// Its size (the request, rounded up).
-    pub size: u64,
-    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: unique per allocation in the process, never reused —
-    /// a block handed out again at the same address is a new buffer.
-    pub buffer_id: u64,
-}
-
-impl PooledBlock {
-    /// Our buffer ids stay clear of the driver's, which count up from 1.
-    const BUFFER_ID_BASE: u64 = 1 << 62;
 }
 
 /// What the exit summary says, gathered once the trace is shut down: a plain value for the
@@ -533,24 +519,6 @@ impl Shim {
         }
     }
 
-    /// The live allocation containing `address`, if it is one of ours. `Err(())` for an address
-    /// inside our segments that is not live (a freed block): the program has no allocation
-    /// there.
-    pub fn pooled_block(&self, address: u64) -> Option<Result<PooledBlock, ()>> {
-        self.devices.iter().enumerate().find_map(|(device, slot)| {
-            let info = slot.get()?.alloc.lookup(address)?;
-            Some(if info.state == cachealloc_core::BlockState::Active {
-                Ok(PooledBlock {
-                    base: info.block_address,
-                    size: info.block_size,
-                    buffer_id: PooledBlock::BUFFER_ID_BASE | (device as u64) << 48 | info.serial,
-                })
-            } else {
-                Err(())
-            })
-        })
-    }
-
     /// The application created a stream on the current device.
     pub fn stream_created(&self, stream: usize, flags: u32) {
         self.stream_created_on(self.current_device().unwrap_or(0), stream, flags);
@@ -576,32 +544,6 @@ impl Shim {
         if let Ok(trace) = &self.trace {
             trace.stream_destroyed(stream as u64);
         }
-    }
-
-    /// Whether `address` may be given an IPC handle: `Ok(true)` if it is a pooled segment's
-    /// base (the handle maps exactly it), `Ok(false)` if not ours, `Err(why)` if it lies inside
-    /// a pooled segment (the handle would map the segment's base: wrong bytes).
-    pub fn ipc_check(&self, address: u64) -> Result<bool, String> {
-        for alloc in self.allocators() {
-            if let Some(info) = alloc.lookup(address) {
-                if info.block_address == address
-                    && info.segment_address == address
-                    && info.state == cachealloc_core::BlockState::Active
-                {
-                    return Ok(true);
-                }
-                return Err(format!(
-                    "cudaIpcGetMemHandle({address:#x}) refused: the pointer lies {} bytes into a pooled \
-                     segment of {} at {:#x}, and an IPC handle always maps a whole segment from its base, \
-                     so the other process would see the wrong bytes. Run processes that share memory by \
-                     IPC with CACHEALLOC_CONF=pool:off",
-                    address - info.segment_address,
-                    format_bytes(info.segment_size),
-                    info.segment_address
-                ));
-            }
-        }
-        Ok(false)
     }
 
     /// Release every cached free segment on every device.

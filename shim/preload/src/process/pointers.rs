@@ -1,0 +1,69 @@
+//! What the shim says about a pointer the application holds: the pooled block behind it (for
+//! the driver's pointer queries) and whether it may be given an IPC handle.
+
+use cachealloc_core::format_bytes;
+
+use super::Shim;
+
+/// A live pooled allocation, as the driver's pointer queries describe an allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PooledBlock {
+    /// Its base address (what the program got).
+    pub base: u64,
+    /// Its size (the request, rounded up).
+    pub size: u64,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: unique per allocation in the process, never reused —
+    /// a block handed out again at the same address is a new buffer.
+    pub buffer_id: u64,
+}
+
+impl PooledBlock {
+    /// Our buffer ids stay clear of the driver's, which count up from 1.
+    const BUFFER_ID_BASE: u64 = 1 << 62;
+}
+
+impl Shim {
+    /// The live allocation containing `address`, if it is one of ours. `Err(())` for an address
+    /// inside our segments that is not live (a freed block): the program has no allocation
+    /// there.
+    pub fn pooled_block(&self, address: u64) -> Option<Result<PooledBlock, ()>> {
+        self.devices.iter().enumerate().find_map(|(device, slot)| {
+            let info = slot.get()?.alloc.lookup(address)?;
+            Some(if info.state == cachealloc_core::BlockState::Active {
+                Ok(PooledBlock {
+                    base: info.block_address,
+                    size: info.block_size,
+                    buffer_id: PooledBlock::BUFFER_ID_BASE | (device as u64) << 48 | info.serial,
+                })
+            } else {
+                Err(())
+            })
+        })
+    }
+
+    /// Whether `address` may be given an IPC handle: `Ok(true)` if it is a pooled segment's
+    /// base (the handle maps exactly it), `Ok(false)` if not ours, `Err(why)` if it lies inside
+    /// a pooled segment (the handle would map the segment's base: wrong bytes).
+    pub fn ipc_check(&self, address: u64) -> Result<bool, String> {
+        for alloc in self.allocators() {
+            if let Some(info) = alloc.lookup(address) {
+                if info.block_address == address
+                    && info.segment_address == address
+                    && info.state == cachealloc_core::BlockState::Active
+                {
+                    return Ok(true);
+                }
+                return Err(format!(
+                    "cudaIpcGetMemHandle({address:#x}) refused: the pointer lies {} bytes into a pooled \
+                     segment of {} at {:#x}, and an IPC handle always maps a whole segment from its base, \
+                     so the other process would see the wrong bytes. Run processes that share memory by \
+                     IPC with CACHEALLOC_CONF=pool:off",
+                    address - info.segment_address,
+                    format_bytes(info.segment_size),
+                    info.segment_address
+                ));
+            }
+        }
+        Ok(false)
+    }
+}
