@@ -85,9 +85,20 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     status: *mut c_int,
 ) -> CuResult {
     let code = call_driver!(cuGetProcAddress_v2(symbol, pfn, version, flags, status));
-    // SAFETY: `status` is null or valid for a read after the call (CUDA's contract).
+    // SAFETY: the caller's pointers, which the real call accepted.
+    unsafe { after_lookup(code, pfn, status) }
+}
+
+/// After a `cuGetProcAddress_v2*` lookup: substitute the function found if the lookup
+/// succeeded, and return its code.
+///
+/// # Safety
+/// `pfn` must be null or valid for reads and writes of a pointer, `status` null or valid for a
+/// read.
+unsafe fn after_lookup(code: CuResult, pfn: *mut *mut c_void, status: *mut c_int) -> CuResult {
+    // SAFETY: `status` is null or valid for a read (the caller's contract).
     if code == SUCCESS && (status.is_null() || unsafe { status.read() } == 0) {
-        // SAFETY: `pfn` was valid for the real call.
+        // SAFETY: the caller's contract.
         unsafe { substitute_found(pfn) };
     }
     code
@@ -108,12 +119,8 @@ pub unsafe extern "C" fn cuGetProcAddress_v2_ptsz(
     let code = call_driver!(cuGetProcAddress_v2_ptsz(
         symbol, pfn, version, flags, status
     ));
-    // SAFETY: as in cuGetProcAddress_v2.
-    if code == SUCCESS && (status.is_null() || unsafe { status.read() } == 0) {
-        // SAFETY: `pfn` was valid for the real call.
-        unsafe { substitute_found(pfn) };
-    }
-    code
+    // SAFETY: the caller's pointers, which the real call accepted.
+    unsafe { after_lookup(code, pfn, status) }
 }
 
 /// `cuGetProcAddress` (CUDA 11's, without a status).
