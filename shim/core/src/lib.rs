@@ -26,7 +26,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`sizes`] | rounding, pool choice, segment size, split rules — and the note on their waste |
-//! | [`pools`] | segments, blocks, split and merge, stats bookkeeping; its submodules: `free_list`, `fences` (fence batches), `cross_stream`, `release` (segments out for release), `queries` (lookup, snapshots), `invariants` (`check_invariants`) |
+//! | [`pools`] | segments, blocks, split and merge, stats bookkeeping; its submodules: `free` (freeing, merging, the free lists), `free_list`, `fences` (fence batches), `cross_stream`, `release` (segments out for release), `queries` (lookup, snapshots), `invariants` (`check_invariants`) |
 //! | [`allocator`] | the lock and the out-of-memory ladder around [`pools::Pools`] |
 //! | [`events`] | the [`Event`]s an [`Observer`] (the recorder) hears, in order |
 //! | [`oom`] | [`OomReport`]: what is known about a request that failed |
