@@ -42,11 +42,15 @@ use spin::relax::Yield;
 
 use crate::config::AllocatorConfig;
 use crate::device::{Device, DeviceError};
+use crate::pools::expandable::Geometry;
 use crate::pools::{
     AddressInfo, Allocation, FreeError, Freed, NO_STREAM, Pools, ReleasedSegment, SegmentSnapshot,
 };
 use crate::sizes::{self, PoolKind};
 use crate::stats::Stats;
+
+mod expandable;
+use expandable::mapped_runs;
 
 pub use crate::events::{Event, Observer};
 pub use crate::oom::{OomReport, format_bytes};
@@ -75,6 +79,12 @@ pub struct SegmentChanges {
     /// Freed blocks whose fence completed, now reusable: (address, size) (PyTorch's
     /// `free_completed`).
     pub completed_frees: Vec<(u64, u64)>,
+    /// Memory mapped into expandable segments: (address, size).
+    pub mapped: Vec<(u64, u64)>,
+    /// Memory of expandable segments unmapped: (address, size).
+    pub unmapped: Vec<(u64, u64)>,
+    /// Unmaps the device refused (the memory stays in the pools): (address, size), error.
+    pub unmap_errors: Vec<((u64, u64), DeviceError)>,
 }
 
 /// A request on its way down the ladder.
@@ -146,8 +156,14 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     pub fn with_observer(device: D, config: AllocatorConfig, observer: O) -> Self {
         let total = device.mem_info().total;
         let limit = (total as f64 * config.per_process_memory_fraction) as u64;
+        let mut pools = Pools::new(&config);
+        if config.expandable_segments
+            && let Some(granularity) = device.map_granularity()
+        {
+            pools.enable_expandable(Geometry::for_device(granularity, total));
+        }
         Allocator {
-            pools: Lock::new(Pools::new(&config)),
+            pools: Lock::new(pools),
             device,
             observer,
             config,
@@ -233,6 +249,9 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         Result<Option<Allocation>, DeviceError>,
         Locked<'a, D::Fence>,
     ) {
+        if pools.expandable().is_some() {
+            return self.map_and_serve(pools, request, changes, is_retry);
+        }
         let (grown, mut pools) = self.grow(pools, request.segment_size, is_retry);
         let served =
             grown.map(|address| address.map(|a| self.new_segment(&mut pools, changes, a, request)));
@@ -252,6 +271,11 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// Bytes this process may reserve.
     pub fn limit(&self) -> u64 {
         self.limit
+    }
+
+    /// Whether the allocator grows expandable segments (asked for, and the device can map).
+    pub fn expandable(&self) -> bool {
+        self.pools.lock().expandable().is_some()
     }
 
     /// Allocate `size` bytes for the synchronous API ([`NO_STREAM`]). `tag` is kept with the
@@ -412,6 +436,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         // 7. Empty the cache, then try once more.
         let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
         pools = self.release_unlocked(pools, all, changes);
+        pools = self.unmap_unlocked(pools, changes);
         let (served, relocked) = self.grow_and_serve(pools, request, changes, true);
         pools = relocked;
         if let Some(a) = served? {
@@ -420,6 +445,10 @@ impl<D: Device, O: Observer> Allocator<D, O> {
 
         // 8. Out of memory.
         pools.stats.num_ooms += 1;
+        // With expandable segments, what the device could not give is the request's granules.
+        let segment_size = pools.expandable().map_or(segment_size, |geometry| {
+            sizes::round_up(rounded, geometry.granularity)
+        });
         let report = self.oom_report(&pools, size, rounded, segment_size, tag);
         self.observer.on_event(Event::Oom(&report));
         Err(AllocError::OutOfMemory(Box::new(report)))
@@ -555,7 +584,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             self.collect_completed(&mut pools, &mut changes);
         }
         let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
-        drop(self.release_unlocked(pools, all, &mut changes));
+        let pools = self.release_unlocked(pools, all, &mut changes);
+        drop(self.unmap_unlocked(pools, &mut changes));
         Ok(changes)
     }
 
@@ -582,19 +612,31 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     }
 
     /// Forget every segment without releasing it (the device context was reset). The observer
-    /// hears every live block end and every segment go.
+    /// hears every live block end and every segment go (the mapped parts of expandable ones
+    /// unmapped).
     pub fn forget_all(&self) {
         let mut pools = self.pools.lock();
         for segment in pools.snapshot() {
-            for block in segment
-                .blocks
-                .iter()
-                .filter(|b| b.state != crate::BlockState::Free)
-            {
+            for block in segment.blocks.iter().filter(|b| {
+                matches!(
+                    b.state,
+                    crate::BlockState::Active | crate::BlockState::PendingFree
+                )
+            }) {
                 self.observer.on_event(Event::FreeCompleted {
                     address: block.address,
                     size: block.size,
                 });
+            }
+            if segment.expandable {
+                for (address, size) in mapped_runs(&segment) {
+                    self.observer.on_event(Event::SegmentUnmap {
+                        address,
+                        size,
+                        pool: segment.pool,
+                    });
+                }
+                continue;
             }
             let released = ReleasedSegment {
                 address: segment.address,

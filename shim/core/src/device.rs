@@ -6,6 +6,11 @@
 //! Methods take `&self`: the allocator calls segment allocation and release *without* holding its
 //! own lock (a real `cudaFree` synchronizes the whole device and may take milliseconds), so an
 //! implementation must be usable from several threads at once.
+//!
+//! A device may also offer *virtual memory* (CUDA's `cuMemAddressReserve`, `cuMemCreate`,
+//! `cuMemMap`): [`Device::map_granularity`] says so, and the allocator then grows
+//! *expandable segments* instead of allocating new ones (see
+//! [Note [Expandable segments]](crate::pools::expandable#note-expandable-segments)).
 
 use std::fmt;
 
@@ -80,5 +85,54 @@ pub trait Device: Send + Sync {
     fn stream_wait(&self, stream: u64, fence: &Self::Fence) -> Result<(), DeviceError> {
         let _ = stream;
         self.wait_fence(fence)
+    }
+
+    // ----- virtual memory (expandable segments) ----------------------------------------------
+
+    /// The unit in which [`Device::map`] and [`Device::unmap`] work (CUDA's allocation
+    /// granularity, 2 MiB on current GPUs), or `None` when the device cannot map memory into
+    /// reserved address ranges. The default: `None`.
+    fn map_granularity(&self) -> Option<u64> {
+        None
+    }
+
+    /// Reserve `size` bytes of address space (a multiple of the granularity) with no memory
+    /// behind it; returns its start, aligned to the granularity.
+    fn reserve_range(&self, size: u64) -> Result<u64, DeviceError> {
+        let _ = size;
+        Err(DeviceError::unsupported("reserve_range"))
+    }
+
+    /// Give back a range from [`Device::reserve_range`]; nothing in it is mapped.
+    fn free_range(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let _ = (address, size);
+        Err(DeviceError::unsupported("free_range"))
+    }
+
+    /// Back `[address, address + size)` (granularity-aligned, inside a reserved range, not
+    /// mapped) with new device memory, readable and writable by this device. Fails with
+    /// [`DeviceError::OutOfMemory`] when the memory is not there, leaving nothing mapped.
+    fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let _ = (address, size);
+        Err(DeviceError::unsupported("map"))
+    }
+
+    /// Give back the memory behind `[address, address + size)`, which [`Device::map`] calls
+    /// mapped (whole granules, possibly several maps' worth). No work on the device may still
+    /// use it: the caller took it out of the pools, and the implementation waits for the device
+    /// first (an unmap, unlike `cudaFree`, does not).
+    fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let _ = (address, size);
+        Err(DeviceError::unsupported("unmap"))
+    }
+}
+
+impl DeviceError {
+    /// The device does not implement `what`.
+    pub fn unsupported(what: &str) -> Self {
+        DeviceError::Other {
+            code: 801,
+            message: format!("{what} is not supported by this device"),
+        }
     }
 }

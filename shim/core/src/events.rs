@@ -34,6 +34,26 @@ pub enum Event<'a> {
     },
     /// A segment left the pools, to be released on the device.
     SegmentFree(&'a ReleasedSegment),
+    /// Memory was mapped into an expandable segment.
+    SegmentMap {
+        /// Where.
+        address: u64,
+        /// How many bytes.
+        size: u64,
+        /// The segment's pool.
+        pool: PoolKind,
+        /// The tag of the request that caused it.
+        tag: u64,
+    },
+    /// Memory of an expandable segment left the pools, to be unmapped on the device.
+    SegmentUnmap {
+        /// Where.
+        address: u64,
+        /// How many bytes.
+        size: u64,
+        /// The segment's pool.
+        pool: PoolKind,
+    },
     /// A request failed.
     Oom(&'a OomReport),
 }

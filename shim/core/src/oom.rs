@@ -15,7 +15,8 @@ pub struct OomReport {
     pub rounded: u64,
     /// The pool it would come from.
     pub pool: PoolKind,
-    /// Size of the segment that was asked of the device.
+    /// Size of the segment that was asked of the device (with expandable segments: the
+    /// request's size in whole granules, the most a map for it needs).
     pub segment_size: u64,
     /// Bytes handed to the application.
     pub allocated: u64,

@@ -103,6 +103,9 @@ pub enum BlockState {
     PendingFree,
     /// In a free list, reusable.
     Free,
+    /// Address space of an expandable segment with no memory behind it; see
+    /// [Note [Expandable segments]](expandable#note-expandable-segments).
+    Unmapped,
 }
 
 #[derive(Clone, Debug)]
@@ -125,6 +128,9 @@ struct Block {
     /// Which allocation of the pools this active block is (1, 2, … in the order they were
     /// handed out): tells two allocations at one address apart.
     serial: u64,
+    /// An [`BlockState::Unmapped`] block being mapped or unmapped outside the lock: in no list,
+    /// merged with nothing.
+    busy: bool,
 }
 
 impl Block {
@@ -143,6 +149,10 @@ struct Segment {
     tag: u64,
     /// The stream whose requests the segment serves, or [`NO_STREAM`].
     stream: u64,
+    /// An expandable segment: a reserved address range, mapped in parts.
+    expandable: bool,
+    /// Its unmapped blocks (not busy) by address.
+    unmapped: BTreeMap<u64, BlockId>,
 }
 
 /// The free lists of one stream, one per pool.
@@ -301,6 +311,11 @@ pub struct Pools<F> {
     allocations_handed_out: u64,
     /// Bytes of device allocations in progress outside the lock (counted against the limit).
     growing: u64,
+    /// With expandable segments: the mapping granularity and the size of each segment's
+    /// address range; see [Note [Expandable segments]](expandable#note-expandable-segments).
+    expandable: Option<expandable::Geometry>,
+    /// The expandable segment of each stream and pool.
+    ranges: Vec<(u64, PoolKind, SegmentId)>,
     /// The statistics.
     pub stats: Stats,
 }
@@ -328,6 +343,8 @@ impl<F: Clone> Pools<F> {
             lookups: 0,
             allocations_handed_out: 0,
             growing: 0,
+            expandable: None,
+            ranges: Vec::new(),
             stats: Stats {
                 max_split_size: config.max_split_size,
                 ..Stats::default()
@@ -353,7 +370,7 @@ impl<F: Clone> Pools<F> {
         self.settle();
         let pool = sizes::pool_for(rounded);
         let (size, address, id) = self.lists(stream)?.list(pool).best_fit(rounded)?;
-        if !sizes::fits(size, rounded, self.max_split_size) {
+        if self.expandable.is_none() && !sizes::fits(size, rounded, self.max_split_size) {
             return None;
         }
         self.remove_free(id);
@@ -388,6 +405,7 @@ impl<F: Clone> Pools<F> {
             tag,
             stream,
             serial: 0,
+            busy: false,
         });
         self.segments[segment as usize] = Some(Segment {
             address,
@@ -396,6 +414,8 @@ impl<F: Clone> Pools<F> {
             first: id,
             tag,
             stream,
+            expandable: false,
+            unmapped: BTreeMap::new(),
         });
         self.segment_index.insert(address, segment);
         self.stats.segment.increase(pool, 1);
@@ -414,7 +434,11 @@ impl<F: Clone> Pools<F> {
             let b = &self.blocks[id as usize];
             (b.pool, b.size)
         };
-        if sizes::should_split(pool, size, rounded, self.max_split_size) {
+        let split = match self.expandable {
+            Some(_) => size - rounded >= sizes::MIN_BLOCK_SIZE,
+            None => sizes::should_split(pool, size, rounded, self.max_split_size),
+        };
+        if split {
             let b = &self.blocks[id as usize];
             let rest = Block {
                 address: b.address + rounded,
@@ -429,6 +453,7 @@ impl<F: Clone> Pools<F> {
                 tag: 0,
                 stream: b.stream,
                 serial: 0,
+                busy: false,
             };
             let rest_id = self.new_block(rest);
             let old_next = self.blocks[id as usize].next;
@@ -518,6 +543,7 @@ impl<F: Clone> Pools<F> {
 }
 
 mod cross_stream;
+pub mod expandable;
 mod fences;
 mod free;
 mod free_list;
@@ -525,4 +551,5 @@ mod invariants;
 mod queries;
 mod release;
 
+pub use expandable::{MapOutcome, MapPlan, Unmapping};
 pub use queries::{AddressInfo, BlockSnapshot, SegmentSnapshot};

@@ -2,9 +2,12 @@
 //!
 //! It has a fixed capacity, hands out increasing addresses that are never reused (so a stale
 //! pointer can never alias a new segment by accident), and completes fences either at once or
-//! when the test says so. Failures can be injected.
+//! when the test says so. Failures can be injected. With [`SimDevice::with_map_granularity`] it
+//! also offers virtual memory (reserve, map, unmap) and refuses every misuse the CUDA driver
+//! refuses: mapping outside a reserved range, mapping twice, unmapping what is not mapped —
+//! so the tests catch an allocator that gets its expandable segments wrong.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use parking_lot::Mutex;
 
@@ -14,6 +17,8 @@ use crate::device::{Device, DeviceError, MemInfo};
 const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
 /// Alignment of segment addresses (the CUDA driver aligns large allocations to 2 MiB).
 const SEGMENT_ALIGNMENT: u64 = 2 << 20;
+/// First address of reserved (virtual) ranges: far from the segments.
+const RANGE_BASE_ADDRESS: u64 = 0x5000_0000_0000;
 
 /// When fences complete.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -44,6 +49,10 @@ pub struct SimCounters {
     pub waits: u64,
     /// Stream waits on a fence (device-side dependencies: nothing blocks).
     pub stream_waits: u64,
+    /// Successful [`Device::map`] calls.
+    pub maps: u64,
+    /// [`Device::unmap`] calls.
+    pub unmaps: u64,
 }
 
 #[derive(Debug)]
@@ -60,6 +69,13 @@ struct SimState {
     counters: SimCounters,
     /// Addresses to hand out next, with the sizes they are for ([`SimDevice::plan_addresses`]).
     planned: std::collections::VecDeque<(u64, u64)>,
+    /// Virtual memory: the granularity, if offered.
+    granularity: Option<u64>,
+    next_range: u64,
+    /// Reserved ranges: address → size.
+    ranges: BTreeMap<u64, u64>,
+    /// Mapped granules, by address.
+    mapped: BTreeSet<u64>,
 }
 
 /// A capacity-limited simulated device. Cheap to share between threads.
@@ -88,8 +104,43 @@ impl SimDevice {
                 fail_next_allocs: 0,
                 counters: SimCounters::default(),
                 planned: std::collections::VecDeque::new(),
+                granularity: None,
+                next_range: RANGE_BASE_ADDRESS,
+                ranges: BTreeMap::new(),
+                mapped: BTreeSet::new(),
             }),
         }
+    }
+
+    /// Offer virtual memory in units of `granularity` bytes (a positive multiple of 512).
+    pub fn with_map_granularity(self, granularity: u64) -> Self {
+        assert!(granularity > 0 && granularity.is_multiple_of(512));
+        self.state.lock().granularity = Some(granularity);
+        self
+    }
+
+    /// Whether every byte of `[address, address + size)` is backed by memory: inside a live
+    /// segment, or in mapped granules.
+    pub fn is_backed(&self, address: u64, size: u64) -> bool {
+        let s = self.state.lock();
+        if let Some((&start, &len)) = s.segments.range(..=address).next_back()
+            && address + size <= start + len
+        {
+            return true;
+        }
+        let Some(g) = s.granularity else {
+            return false;
+        };
+        let first = address / g * g;
+        (first..address + size)
+            .step_by(g as usize)
+            .all(|granule| s.mapped.contains(&granule))
+    }
+
+    /// Bytes of mapped granules.
+    pub fn mapped_bytes(&self) -> u64 {
+        let s = self.state.lock();
+        s.mapped.len() as u64 * s.granularity.unwrap_or(0)
     }
 
     /// Mark every fence recorded so far as complete (the GPU caught up).
@@ -240,6 +291,110 @@ impl Device for SimDevice {
         s.completed_through = s.completed_through.max(fence.0);
         Ok(())
     }
+
+    fn map_granularity(&self) -> Option<u64> {
+        self.state.lock().granularity
+    }
+
+    fn reserve_range(&self, size: u64) -> Result<u64, DeviceError> {
+        let mut s = self.state.lock();
+        let g = s
+            .granularity
+            .ok_or(DeviceError::unsupported("reserve_range"))?;
+        if size == 0 || !size.is_multiple_of(g) {
+            return Err(misuse(format!(
+                "reserve of {size} bytes: not a multiple of {g}"
+            )));
+        }
+        let address = crate::sizes::round_up(s.next_range, g);
+        s.next_range = address + size;
+        s.ranges.insert(address, size);
+        Ok(address)
+    }
+
+    fn free_range(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        if s.ranges.get(&address) != Some(&size) {
+            return Err(misuse(format!(
+                "{address:#x}+{size} is not a reserved range"
+            )));
+        }
+        if s.mapped.range(address..address + size).next().is_some() {
+            return Err(misuse(format!(
+                "range {address:#x} still has mapped memory"
+            )));
+        }
+        s.ranges.remove(&address);
+        Ok(())
+    }
+
+    fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        let granules = s.granules(address, size)?;
+        if let Some(g) = granules.clone().find(|g| s.mapped.contains(g)) {
+            return Err(misuse(format!("granule {g:#x} is mapped already")));
+        }
+        if s.fail_next_allocs > 0 {
+            s.fail_next_allocs -= 1;
+            s.counters.failed_allocs += 1;
+            return Err(DeviceError::OutOfMemory);
+        }
+        if size > s.capacity - s.used {
+            s.counters.failed_allocs += 1;
+            return Err(DeviceError::OutOfMemory);
+        }
+        s.mapped.extend(granules);
+        s.used += size;
+        s.counters.maps += 1;
+        Ok(())
+    }
+
+    fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        let granules = s.granules(address, size)?;
+        if let Some(g) = granules.clone().find(|g| !s.mapped.contains(g)) {
+            return Err(misuse(format!("granule {g:#x} is not mapped")));
+        }
+        for g in granules {
+            s.mapped.remove(&g);
+        }
+        s.used -= size;
+        s.counters.unmaps += 1;
+        Ok(())
+    }
+}
+
+impl SimState {
+    /// The granules of `[address, address + size)`, which must be whole granules inside one
+    /// reserved range.
+    fn granules(
+        &self,
+        address: u64,
+        size: u64,
+    ) -> Result<std::iter::StepBy<std::ops::Range<u64>>, DeviceError> {
+        let g = self.granularity.ok_or(DeviceError::unsupported("map"))?;
+        if size == 0 || !size.is_multiple_of(g) || !address.is_multiple_of(g) {
+            return Err(misuse(format!(
+                "{address:#x}+{size} is not whole granules of {g}"
+            )));
+        }
+        let inside = self
+            .ranges
+            .range(..=address)
+            .next_back()
+            .is_some_and(|(&start, &len)| address + size <= start + len);
+        if !inside {
+            return Err(misuse(format!(
+                "{address:#x}+{size} is outside every reserved range"
+            )));
+        }
+        Ok((address..address + size).step_by(g as usize))
+    }
+}
+
+/// A call the CUDA driver would refuse (`CUDA_ERROR_INVALID_VALUE`).
+fn misuse(message: String) -> DeviceError {
+    DeviceError::Other { code: 1, message }
 }
 
 #[cfg(test)]

@@ -280,6 +280,31 @@ impl Observer for DeviceObserver {
                 pool: pool_byte(s.pool),
                 stack: 0,
             }),
+            Event::SegmentMap {
+                address,
+                size,
+                pool,
+                tag,
+            } => Record::SegmentMap(schema::SegmentEvent {
+                t,
+                device,
+                address,
+                size,
+                pool: pool_byte(pool),
+                stack: tag as u32,
+            }),
+            Event::SegmentUnmap {
+                address,
+                size,
+                pool,
+            } => Record::SegmentUnmap(schema::SegmentEvent {
+                t,
+                device,
+                address,
+                size,
+                pool: pool_byte(pool),
+                stack: 0,
+            }),
             Event::Oom(r) => Record::Oom(Box::new(schema::Oom {
                 t,
                 device,

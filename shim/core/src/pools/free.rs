@@ -51,6 +51,9 @@ impl<F: Clone> Pools<F> {
     pub(super) fn explain_bad_free(&self, address: u64) -> FreeError {
         match self.find_block(address) {
             None => FreeError::NotOurs(address),
+            Some(id) if self.blocks[id as usize].state == BlockState::Unmapped => {
+                FreeError::NotOurs(address)
+            }
             Some(id) => {
                 let b = &self.blocks[id as usize];
                 if b.address == address {
@@ -100,6 +103,11 @@ impl<F: Clone> Pools<F> {
     /// Absorb the free neighbour `other` into `id`.
     pub(super) fn merge_into(&mut self, id: BlockId, other: BlockId) {
         self.remove_free(other);
+        self.absorb(id, other);
+    }
+
+    /// Absorb the neighbour `other` (already out of every list) into `id`.
+    pub(super) fn absorb(&mut self, id: BlockId, other: BlockId) {
         let o = self.blocks[other as usize].clone();
         let b = &mut self.blocks[id as usize];
         if o.next == id {

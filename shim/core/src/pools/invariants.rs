@@ -11,7 +11,11 @@ impl<F: Clone> Pools<F> {
     /// Check that the bookkeeping is consistent:
     ///
     /// * the blocks of each segment tile it exactly, in address order, with consistent links;
-    /// * no two adjacent blocks of a segment are both free (they would have been merged);
+    /// * no two adjacent blocks of a segment are both free (they would have been merged), nor
+    ///   both unmapped and idle;
+    /// * unmapped blocks lie only in expandable segments, cover whole granules, and are in their
+    ///   segment's unmapped index exactly when not busy; each stream and pool has at most one
+    ///   expandable segment, and `reserved_bytes` counts their mapped blocks;
     /// * every block belongs to its segment's stream;
     /// * the free lists (plus the unlisted rest) hold exactly the free blocks, each in its
     ///   stream's list of its pool;
@@ -36,11 +40,29 @@ impl<F: Clone> Pools<F> {
                     seg.address
                 ));
             }
-            recount.segment.increase(seg.pool, 1);
-            recount.reserved_bytes.increase(seg.pool, seg.size);
-            if sizes::is_oversize(seg.size, self.max_split_size) {
-                recount.oversize_segments.increase(1);
+            if seg.expandable {
+                let listed = self
+                    .ranges
+                    .iter()
+                    .filter(|&&(stream, pool, id)| {
+                        stream == seg.stream && pool == seg.pool && id == segment_id as u32
+                    })
+                    .count();
+                if listed != 1 || self.expandable.is_none() {
+                    return Err(format!(
+                        "expandable segment {:#x} is listed {listed} times as its stream's range",
+                        seg.address
+                    ));
+                }
+            } else {
+                recount.segment.increase(seg.pool, 1);
+                recount.reserved_bytes.increase(seg.pool, seg.size);
+                if sizes::is_oversize(seg.size, self.max_split_size) {
+                    recount.oversize_segments.increase(1);
+                }
             }
+            let mut indexed_unmapped = 0;
+            let mut previous_unmapped_idle = false;
             let mut expected_address = seg.address;
             let mut prev = NIL;
             let mut id = seg.first;
@@ -71,7 +93,40 @@ impl<F: Clone> Pools<F> {
                     return Err(format!("{here}: two adjacent free blocks were not merged"));
                 }
                 previous_free = free;
+                let unmapped_idle = b.state == BlockState::Unmapped && !b.busy;
+                if unmapped_idle && previous_unmapped_idle {
+                    return Err(format!(
+                        "{here}: two adjacent unmapped blocks were not merged"
+                    ));
+                }
+                previous_unmapped_idle = unmapped_idle;
+                if b.busy && b.state != BlockState::Unmapped {
+                    return Err(format!("{here}: busy but {:?}", b.state));
+                }
+                if seg.expandable && b.state != BlockState::Unmapped {
+                    recount.reserved_bytes.increase(b.pool, b.size);
+                }
                 match b.state {
+                    BlockState::Unmapped => {
+                        let g = self.expandable.map_or(0, |e| e.granularity);
+                        if !seg.expandable
+                            || g == 0
+                            || !b.address.is_multiple_of(g)
+                            || !b.size.is_multiple_of(g)
+                        {
+                            return Err(format!(
+                                "{here}: unmapped, but not whole granules of an expandable segment"
+                            ));
+                        }
+                        if seg.unmapped.get(&b.address) == Some(&id) {
+                            indexed_unmapped += 1;
+                            if b.busy {
+                                return Err(format!("{here}: busy, yet in the unmapped index"));
+                            }
+                        } else if !b.busy {
+                            return Err(format!("{here}: idle, yet not in the unmapped index"));
+                        }
+                    }
                     BlockState::Free => {
                         free_seen.insert((b.stream, b.pool, b.size, b.address, id));
                         if b.is_split() {
@@ -104,6 +159,13 @@ impl<F: Clone> Pools<F> {
                 expected_address += b.size;
                 prev = id;
                 id = b.next;
+            }
+            if seg.unmapped.len() != indexed_unmapped {
+                return Err(format!(
+                    "segment {:#x}: the unmapped index has {} entries for {indexed_unmapped} blocks",
+                    seg.address,
+                    seg.unmapped.len()
+                ));
             }
             if expected_address != seg.address + seg.size {
                 return Err(format!(

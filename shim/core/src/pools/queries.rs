@@ -57,6 +57,9 @@ pub struct SegmentSnapshot {
     pub tag: u64,
     /// The stream the segment serves, or [`NO_STREAM`](crate::NO_STREAM).
     pub stream: u64,
+    /// An expandable segment: `total_size` is its address range, and its
+    /// [`BlockState::Unmapped`] blocks have no memory behind them.
+    pub expandable: bool,
     /// The blocks, tiling the segment.
     pub blocks: Vec<BlockSnapshot>,
 }
@@ -95,10 +98,14 @@ impl<F: Clone> Pools<F> {
             .fold(rest, u64::max)
     }
 
-    /// Where `address` lies in our memory, if anywhere.
+    /// Where `address` lies in our memory, if anywhere (an unmapped part of an expandable
+    /// segment is nowhere).
     pub fn lookup(&self, address: u64) -> Option<AddressInfo> {
         let id = self.find_block(address)?;
         let b = &self.blocks[id as usize];
+        if b.state == BlockState::Unmapped {
+            return None;
+        }
         let seg = self.segment(b.segment);
         Some(AddressInfo {
             block_address: b.address,
@@ -145,6 +152,7 @@ impl<F: Clone> Pools<F> {
                     requested_size: 0,
                     tag: seg.tag,
                     stream: seg.stream,
+                    expandable: seg.expandable,
                     blocks: Vec::new(),
                 };
                 let mut id = seg.first;
@@ -153,7 +161,7 @@ impl<F: Clone> Pools<F> {
                     if b.state == BlockState::Active {
                         snap.allocated_size += b.size;
                     }
-                    if b.state != BlockState::Free {
+                    if matches!(b.state, BlockState::Active | BlockState::PendingFree) {
                         snap.active_size += b.size;
                         snap.requested_size += b.requested;
                     }

@@ -19,7 +19,7 @@ impl<F: Clone> Pools<F> {
                         .list(pool)
                         .iter()
                         .map(|(_, _, id)| id)
-                        .filter(|&id| !self.blocks[id as usize].is_split()),
+                        .filter(|&id| self.is_whole_segment(id)),
                 );
             }
         }
@@ -44,7 +44,7 @@ impl<F: Clone> Pools<F> {
         let candidates: Vec<(u64, BlockId)> = lists
             .large
             .iter_from(self.max_split_size)
-            .filter(|&(_, _, id)| !self.blocks[id as usize].is_split())
+            .filter(|&(_, _, id)| self.is_whole_segment(id))
             .map(|(size, _, id)| (size, id))
             .collect();
         let chosen: Vec<BlockId> =
@@ -82,7 +82,7 @@ impl<F: Clone> Pools<F> {
             .iter()
             .flat_map(|lists| lists.large.iter())
             .map(|(_, _, id)| id)
-            .filter(|&id| !self.blocks[id as usize].is_split())
+            .filter(|&id| self.is_whole_segment(id))
             .map(|id| {
                 let b = &self.blocks[id as usize];
                 (id, b.size, self.lookups - b.free_since)
@@ -110,6 +110,13 @@ impl<F: Clone> Pools<F> {
             }
         }
         out
+    }
+
+    /// Whether the free block `id` is a whole fixed segment, which can be released (the blocks
+    /// of expandable segments are unmapped instead; see [`Pools::take_unmappable`]).
+    fn is_whole_segment(&self, id: BlockId) -> bool {
+        let b = &self.blocks[id as usize];
+        !b.is_split() && !self.segment(b.segment).expandable
     }
 
     /// Remove the segment whose only block is the free block `id`.
@@ -146,7 +153,7 @@ impl<F: Clone> Pools<F> {
             ..AllocatorConfig::default()
         };
         let mut stats = std::mem::take(&mut self.stats);
-        for seg in self.segments.iter().flatten() {
+        for seg in self.segments.iter().flatten().filter(|seg| !seg.expandable) {
             stats.segment.decrease(seg.pool, 1);
             stats.reserved_bytes.decrease(seg.pool, seg.size);
             if sizes::is_oversize(seg.size, self.max_split_size) {
@@ -154,7 +161,11 @@ impl<F: Clone> Pools<F> {
             }
         }
         for b in self.live_blocks() {
+            if b.state != BlockState::Unmapped && self.segment(b.segment).expandable {
+                stats.reserved_bytes.decrease(b.pool, b.size);
+            }
             match b.state {
+                BlockState::Unmapped => continue,
                 BlockState::Active => {
                     stats.allocation.decrease(b.pool, 1);
                     stats.allocated_bytes.decrease(b.pool, b.size);
@@ -175,9 +186,10 @@ impl<F: Clone> Pools<F> {
             stats.active_bytes.decrease(b.pool, b.size);
             stats.requested_bytes.decrease(b.pool, b.requested);
         }
-        let fencing = self.fencing;
+        let (fencing, expandable) = (self.fencing, self.expandable);
         *self = Pools::new(&config);
         self.fencing = fencing;
+        self.expandable = expandable;
         self.stats = stats;
     }
 }

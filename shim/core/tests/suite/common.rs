@@ -59,6 +59,24 @@ pub(crate) fn presets() -> Vec<(&'static str, AllocatorConfig)> {
             },
         ),
         (
+            "expandable",
+            AllocatorConfig {
+                expandable_segments: true,
+                ..base.clone()
+            },
+        ),
+        (
+            "expandable_all",
+            AllocatorConfig {
+                expandable_segments: true,
+                max_split_size: 64 * MIB,
+                roundup: Roundup::Uniform(2),
+                garbage_collection_threshold: 0.8,
+                per_process_memory_fraction: 0.75,
+                reuse: ReusePolicy::Fenced,
+            },
+        ),
+        (
             "all",
             AllocatorConfig {
                 max_split_size: 64 * MIB,
@@ -72,12 +90,60 @@ pub(crate) fn presets() -> Vec<(&'static str, AllocatorConfig)> {
     ]
 }
 
-/// The state as told by the allocator's events alone: live blocks `address → (size, pending)`
-/// and segments `address → size`. It must always equal the allocator's own snapshot — the
-/// events are complete and in order (what the recorder relies on).
+/// The mapping granularity of the simulated devices of these suites.
+pub(crate) const GRANULARITY: u64 = 2 * MIB;
+
+/// The state as told by the allocator's events alone: live blocks `address → (size, pending)`,
+/// segments `address → size` and the mapped memory of expandable segments. It must always
+/// equal the allocator's own snapshot — the events are complete and in order (what the
+/// recorder relies on).
 #[derive(Default)]
 pub(crate) struct Mirror {
-    state: Mutex<(LiveBlocks, Segments)>,
+    state: Mutex<(LiveBlocks, Segments, Intervals)>,
+}
+
+/// Disjoint, non-adjacent byte intervals `start → end`.
+#[derive(Default, Debug, PartialEq, Eq)]
+pub(crate) struct Intervals(BTreeMap<u64, u64>);
+
+impl Intervals {
+    /// Add `[start, end)`, which must not overlap what is there.
+    fn add(&mut self, start: u64, end: u64) {
+        let overlaps = self
+            .0
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &e)| e > start);
+        assert!(!overlaps, "map of {start:#x}..{end:#x} over mapped memory");
+        let (mut start, mut end) = (start, end);
+        if let Some((&s, &e)) = self.0.range(..=start).next_back()
+            && e == start
+        {
+            self.0.remove(&s);
+            start = s;
+        }
+        if let Some(e) = self.0.remove(&end) {
+            end = e;
+        }
+        self.0.insert(start, end);
+    }
+
+    /// Remove `[start, end)`, which must be inside one interval.
+    fn remove(&mut self, start: u64, end: u64) {
+        let (&s, &e) = self
+            .0
+            .range(..=start)
+            .next_back()
+            .filter(|&(_, &e)| e >= end)
+            .unwrap_or_else(|| panic!("unmap of {start:#x}..{end:#x}, which is not mapped"));
+        self.0.remove(&s);
+        if s < start {
+            self.0.insert(s, start);
+        }
+        if end < e {
+            self.0.insert(end, e);
+        }
+    }
 }
 
 /// `address → (size, pending)`.
@@ -88,7 +154,7 @@ type Segments = BTreeMap<u64, u64>;
 impl Observer for Mirror {
     fn on_event(&self, event: Event<'_>) {
         let mut state = self.state.lock().unwrap();
-        let (blocks, segments) = &mut *state;
+        let (blocks, segments, mapped) = &mut *state;
         match event {
             Event::Alloc(a) => assert!(
                 blocks.insert(a.address, (a.size, false)).is_none(),
@@ -116,6 +182,8 @@ impl Observer for Mirror {
                 segments.remove(&s.address).is_some(),
                 "release of an unknown segment"
             ),
+            Event::SegmentMap { address, size, .. } => mapped.add(address, address + size),
+            Event::SegmentUnmap { address, size, .. } => mapped.remove(address, address + size),
             Event::Oom(_) => {}
         }
     }
@@ -130,14 +198,19 @@ pub(crate) struct Checked {
 impl Checked {
     pub(crate) fn new(capacity: u64, config: AllocatorConfig) -> Self {
         Checked {
-            alloc: Allocator::with_observer(SimDevice::new(capacity), config, Mirror::default()),
+            alloc: Allocator::with_observer(
+                SimDevice::new(capacity).with_map_granularity(GRANULARITY),
+                config,
+                Mirror::default(),
+            ),
         }
     }
 
     pub(crate) fn manual(capacity: u64, config: AllocatorConfig) -> Self {
         Checked {
             alloc: Allocator::with_observer(
-                SimDevice::with_fence_mode(capacity, FenceMode::Manual),
+                SimDevice::with_fence_mode(capacity, FenceMode::Manual)
+                    .with_map_granularity(GRANULARITY),
                 config,
                 Mirror::default(),
             ),
@@ -150,15 +223,37 @@ impl Checked {
         }
         let mut blocks = BTreeMap::new();
         let mut segments = BTreeMap::new();
+        let mut mapped = Intervals::default();
         for seg in self.alloc.snapshot() {
-            segments.insert(seg.address, seg.total_size);
-            for b in seg.blocks.iter().filter(|b| b.state != BlockState::Free) {
+            if seg.expandable {
+                for b in seg
+                    .blocks
+                    .iter()
+                    .filter(|b| b.state != BlockState::Unmapped)
+                {
+                    mapped.add(b.address, b.address + b.size);
+                }
+            } else {
+                segments.insert(seg.address, seg.total_size);
+            }
+            for b in seg
+                .blocks
+                .iter()
+                .filter(|b| matches!(b.state, BlockState::Active | BlockState::PendingFree))
+            {
                 blocks.insert(b.address, (b.size, b.state == BlockState::PendingFree));
+                assert!(
+                    self.device().is_backed(b.address, b.size),
+                    "live block {:#x}+{} has no memory behind it",
+                    b.address,
+                    b.size
+                );
             }
         }
         let mirror = self.alloc.observer().state.lock().unwrap();
         assert_eq!(mirror.0, blocks, "the events do not tell the live blocks");
         assert_eq!(mirror.1, segments, "the events do not tell the segments");
+        assert_eq!(mirror.2, mapped, "the events do not tell the mapped memory");
     }
 
     pub(crate) fn malloc(&self, size: u64) -> Allocation {

@@ -7,10 +7,12 @@
 //! * `oom`         — the out-of-memory ladder and the report's figures;
 //! * `conformance` — one scenario suite instantiated for every preset;
 //! * `streams`     — stream-ordered reuse: blocks per stream, fences only where needed;
+//! * `expandable`  — expandable segments: mapping, unmapping, ranges per stream;
 //! * `properties`  — proptest: random sequences against a naive model.
 
 mod common;
 mod conformance;
+mod expandable;
 mod fences;
 mod oom;
 mod properties;

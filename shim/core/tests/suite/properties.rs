@@ -7,11 +7,12 @@
 //! own stream (`reuse:auto`) may be handed out at once to a request on that stream, and never
 //! to another stream's. Requests come on [`NO_STREAM`] and on two streams.
 
+use cachealloc_core::sizes::PoolKind;
 use cachealloc_core::sizes::Roundup;
-use cachealloc_core::{AllocError, AllocatorConfig, NO_STREAM, ReusePolicy};
+use cachealloc_core::{AllocError, AllocatorConfig, BlockState, NO_STREAM, ReusePolicy};
 use proptest::prelude::*;
 
-use crate::common::{Checked, MIB};
+use crate::common::{Checked, GRANULARITY, MIB};
 
 /// The streams requests and frees come on.
 const STREAMS: [u64; 3] = [NO_STREAM, 0x11, 0x22];
@@ -81,14 +82,15 @@ fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {
             Just(ReusePolicy::Fenced),
             Just(ReusePolicy::Immediate)
         ],
+        any::<bool>(),
     )
         .prop_map(
-            |(max_split_size, roundup, gc, fraction, reuse)| AllocatorConfig {
+            |(max_split_size, roundup, gc, fraction, reuse, expandable_segments)| AllocatorConfig {
                 max_split_size,
                 roundup,
                 garbage_collection_threshold: gc,
                 per_process_memory_fraction: fraction,
-                expandable_segments: false,
+                expandable_segments,
                 reuse,
             },
         )
@@ -117,7 +119,33 @@ fn overlaps(a: u64, a_size: u64, b: u64, b_size: u64) -> bool {
     a < b + b_size && b < a + a_size
 }
 
+/// The least memory a request must map in the expandable segments of its stream and pool:
+/// the granules it needs beyond the free block before an unmapped one.
+fn least_to_map(c: &Checked, rounded: u64, pool: PoolKind, stream: u64) -> u64 {
+    let mut least = rounded.div_ceil(GRANULARITY).max(1) * GRANULARITY;
+    for seg in c.alloc.snapshot() {
+        if !seg.expandable || seg.pool != pool || seg.stream != stream {
+            continue;
+        }
+        for (i, b) in seg.blocks.iter().enumerate() {
+            if b.state != BlockState::Unmapped {
+                continue;
+            }
+            let before = match i.checked_sub(1).map(|j| &seg.blocks[j]) {
+                Some(prev) if prev.state == BlockState::Free => prev.size,
+                _ => 0,
+            };
+            let need = rounded.saturating_sub(before).div_ceil(GRANULARITY).max(1) * GRANULARITY;
+            if need <= b.size {
+                least = least.min(need);
+            }
+        }
+    }
+    least
+}
+
 fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let config_for_oom = config.clone();
     let fenced_from_start = config.reuse == ReusePolicy::Fenced;
     let auto = config.reuse == ReusePolicy::Auto;
     let immediate = config.reuse == ReusePolicy::Immediate;
@@ -166,9 +194,19 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                 }
                 Err(AllocError::OutOfMemory(report)) => {
                     // Fails only if the request cannot fit: even with every free segment
-                    // released, the device or the limit has no room for the new segment.
-                    let over_limit = report.reserved + report.segment_size > report.limit;
-                    let device_full = report.device_free < report.segment_size;
+                    // released, the device or the limit has no room for the new segment —
+                    // with expandable segments, for the granules the request still needs
+                    // beyond the free memory before the best unmapped place.
+                    let needed = if config_for_oom.expandable_segments {
+                        let stream = STREAMS[s % STREAMS.len()];
+                        let needed = least_to_map(&c, report.rounded, report.pool, stream);
+                        prop_assert!(needed <= report.segment_size);
+                        needed
+                    } else {
+                        report.segment_size
+                    };
+                    let over_limit = report.reserved + needed > report.limit;
+                    let device_full = report.device_free < needed;
                     prop_assert!(over_limit || device_full, "spurious OOM: {}", report);
                 }
                 Err(e) => return Err(TestCaseError::fail(format!("device error {e}"))),

@@ -1,0 +1,156 @@
+//! The allocator's side of expandable segments: reserving a stream's address range, mapping
+//! memory for a request and unmapping cached memory, each with the lock released, as segment
+//! allocation and release are. See
+//! [Note [Expandable segments]](crate::pools::expandable#note-expandable-segments).
+
+use super::{Allocator, Locked, Request, SegmentChanges};
+use crate::device::{Device, DeviceError};
+use crate::events::{Event, Observer};
+use crate::pools::expandable::MapOutcome;
+use crate::pools::{Allocation, BlockState, SegmentSnapshot};
+use crate::sizes::PoolKind;
+
+/// How many times a request maps memory before it gives up on this rung: a map is repeated
+/// only when another thread took the free memory the first map was meant to join. (A new
+/// range is reserved only when the stream's ranges have no room, which a reserved range then
+/// has: that loop ends too.)
+const MAP_ATTEMPTS: usize = 4;
+
+impl<D: Device, O: Observer> Allocator<D, O> {
+    /// Rungs 5–7 with expandable segments: map the memory a request still needs into its
+    /// stream's range (reserving the range first if need be) and serve the request from it.
+    /// `Ok(None)` means out of memory (by the limit or the device).
+    pub(super) fn map_and_serve<'a>(
+        &'a self,
+        mut pools: Locked<'a, D::Fence>,
+        request: &Request,
+        changes: &mut SegmentChanges,
+        is_retry: bool,
+    ) -> (
+        Result<Option<Allocation>, DeviceError>,
+        Locked<'a, D::Fence>,
+    ) {
+        if is_retry {
+            pools.stats.num_alloc_retries += 1;
+        }
+        let &Request {
+            size,
+            rounded,
+            tag,
+            stream,
+            ..
+        } = request;
+        let mut attempts = 0;
+        let mut reserved_one = false;
+        while attempts < MAP_ATTEMPTS {
+            let plan = match pools.plan_map(rounded, stream, self.limit) {
+                MapOutcome::Planned(plan) => plan,
+                MapOutcome::OverLimit => break,
+                MapOutcome::NeedsRange => {
+                    // A fresh range holds any request that fits in a device: one is enough.
+                    let Some(geometry) = pools.expandable().filter(|_| !reserved_one) else {
+                        break;
+                    };
+                    reserved_one = true;
+                    let (reserved, relocked) =
+                        self.unlocked(pools, || self.device.reserve_range(geometry.range_size));
+                    pools = relocked;
+                    match reserved {
+                        Ok(address) => pools.add_range(address, rounded, stream, tag),
+                        Err(e) => return (Err(e), pools),
+                    }
+                    continue;
+                }
+            };
+            attempts += 1;
+            let (address, map_size, pool) = (plan.address, plan.size, plan.pool);
+            let (mapped, relocked) = self.unlocked(pools, || self.device.map(address, map_size));
+            pools = relocked;
+            match mapped {
+                Ok(()) => {
+                    changes.mapped.push((address, map_size));
+                    self.observer.on_event(Event::SegmentMap {
+                        address,
+                        size: map_size,
+                        pool,
+                        tag,
+                    });
+                    if let Some(allocation) = pools.map_done(plan, rounded, size, tag) {
+                        return (Ok(Some(self.served(allocation))), pools);
+                    }
+                }
+                Err(DeviceError::OutOfMemory) => {
+                    pools.map_failed(plan);
+                    break;
+                }
+                Err(e) => {
+                    pools.map_failed(plan);
+                    return (Err(e), pools);
+                }
+            }
+        }
+        (Ok(None), pools)
+    }
+
+    /// Unmap the whole granules of free memory in every expandable segment, with the lock
+    /// released.
+    pub(super) fn unmap_unlocked<'a>(
+        &'a self,
+        mut pools: Locked<'a, D::Fence>,
+        changes: &mut SegmentChanges,
+    ) -> Locked<'a, D::Fence> {
+        let taken = pools.take_unmappable(&[PoolKind::Large, PoolKind::Small]);
+        if taken.is_empty() {
+            return pools;
+        }
+        for u in &taken {
+            self.observer.on_event(Event::SegmentUnmap {
+                address: u.address,
+                size: u.size,
+                pool: u.pool,
+            });
+        }
+        let (results, mut pools) = self.unlocked(pools, || {
+            taken
+                .iter()
+                .map(|u| self.device.unmap(u.address, u.size))
+                .collect::<Vec<_>>()
+        });
+        for (u, result) in taken.into_iter().zip(results) {
+            match result {
+                Ok(()) => {
+                    changes.unmapped.push((u.address, u.size));
+                    pools.unmap_done(u);
+                }
+                Err(e) => {
+                    // The memory is still there and back in the pools: say so in the trace.
+                    self.observer.on_event(Event::SegmentMap {
+                        address: u.address,
+                        size: u.size,
+                        pool: u.pool,
+                        tag: 0,
+                    });
+                    changes.unmap_errors.push(((u.address, u.size), e));
+                    pools.unmap_failed(u);
+                }
+            }
+        }
+        pools
+    }
+}
+
+/// The maximal runs of mapped blocks of an expandable segment: (address, size).
+pub(super) fn mapped_runs(segment: &SegmentSnapshot) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for b in segment
+        .blocks
+        .iter()
+        .filter(|b| b.state != BlockState::Unmapped)
+    {
+        match runs.last_mut() {
+            Some((start, size)) if *start + *size == b.address => *size += b.size,
+            _ => runs.push((b.address, b.size)),
+        }
+    }
+    runs
+}

@@ -1,0 +1,425 @@
+//! Expandable segments: one reserved address range per stream and pool, backed by device memory
+//! only where blocks need it.
+//!
+//! # Note [Expandable segments]
+//!
+//! A fixed segment is one `cudaMalloc`: its size is decided by the request that caused it, and
+//! it goes back to the device only whole, when none of its bytes are in use. A workload whose
+//! tensor sizes change from step to step (variable batch or sequence lengths) leaves segments
+//! that fit no later request, and the cache grows with memory nobody can use (fragmentation).
+//!
+//! With `expandable_segments:True`, on a device that offers virtual memory
+//! ([`Device::map_granularity`](crate::Device::map_granularity): CUDA's `cuMemAddressReserve`,
+//! `cuMemCreate`, `cuMemMap`), each stream gets one **range** per pool: address space the size
+//! of the device and then some (so that memory released in the middle can be mapped again at the
+//! end), reserved once, with memory behind it only where it is *mapped*. Its blocks tile the
+//! whole range; a block is either mapped (active, pending free or free, as in any segment) or
+//! [`BlockState::Unmapped`]. Then:
+//!
+//! * **Growing** maps memory instead of allocating a segment: the unmapped block that, with
+//!   the free mapped block just before it, can hold the request for the fewest new granules is
+//!   mapped for as many granules as the request still needs ([`Pools::plan_map`]; when live blocks have cut a
+//!   stream's ranges into holes too small, the stream gets another range); the new memory merges with its
+//!   free neighbours and the request is carved from it ([`Pools::map_done`]). A request thus
+//!   uses the free end of the mapped memory and maps only the difference, so reserved memory
+//!   exceeds allocated memory by less than a granule per range, plus what frees leave behind.
+//! * **Blocks split and merge freely** inside a range: the `max_split_size` rules (which keep
+//!   big fixed segments from being eaten by small requests) do not apply, since no memory is
+//!   stuck in a segment for good; a split needs only a rest of at least 512 bytes.
+//! * **Releasing** (`empty_cache`, the out-of-memory ladder) unmaps the whole granules inside
+//!   free blocks ([`Pools::take_unmappable`]), leaving the partial granules at their ends free
+//!   and mapped. The range stays reserved.
+//! * **Stats** follow PyTorch's expandable segments: `reserved_bytes` counts mapped bytes,
+//!   `num_device_alloc`/`num_device_free` count maps and unmaps, and a range is not counted in
+//!   `segment` (nor in `oversize_segments`).
+//!
+//! Like segment allocation, mapping and unmapping run outside the allocator's lock. The block
+//! being mapped or unmapped is *busy* meanwhile: [`BlockState::Unmapped`], in no list, merged
+//! with nothing, its bytes counted in [`Pools::reserved`] while they are being mapped and out of
+//! it as soon as they are taken for unmapping. Whatever another thread did in between is read
+//! again after relocking: if the free block before the mapped memory was taken meanwhile, the
+//! new memory joins the free lists and the allocator maps again.
+//!
+//! While fencing has just started ([`Pools::start_fencing`]'s gate), no block that was free
+//! before the gate may be handed out on [`NO_STREAM`]; new memory is then carved on its own,
+//! before it merges with anything.
+
+use std::collections::BTreeMap;
+
+use super::{Block, BlockId, BlockState, NIL, Pools, Segment};
+use crate::pools::{Allocation, NO_STREAM};
+use crate::sizes::{self, PoolKind};
+
+/// The shape of expandable segments on a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// The unit of mapping (the driver's allocation granularity).
+    pub granularity: u64,
+    /// The size of each stream's and pool's address range.
+    pub range_size: u64,
+}
+
+impl Geometry {
+    /// The geometry for a device of `total` bytes mapping in units of `granularity`: ranges of
+    /// 9/8 of the device (as PyTorch reserves), so that memory unmapped early in a range can be
+    /// mapped again at its end.
+    pub fn for_device(granularity: u64, total: u64) -> Self {
+        let range_size = sizes::round_up(total.saturating_add(total / 8).max(1), granularity);
+        Geometry {
+            granularity,
+            range_size,
+        }
+    }
+}
+
+/// Memory to map outside the lock, then report with [`Pools::map_done`] or
+/// [`Pools::map_failed`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct MapPlan {
+    /// Where to map.
+    pub address: u64,
+    /// How many bytes (whole granules).
+    pub size: u64,
+    /// The pool of the range.
+    pub pool: PoolKind,
+    block: BlockId,
+}
+
+/// What [`Pools::plan_map`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum MapOutcome {
+    /// Map this.
+    Planned(MapPlan),
+    /// No range of the stream has room for the request: reserve another
+    /// ([`Pools::add_range`]).
+    NeedsRange,
+    /// Mapping would take the pools over the limit.
+    OverLimit,
+}
+
+/// Memory taken out of the pools, to unmap outside the lock and report with
+/// [`Pools::unmap_done`] or [`Pools::unmap_failed`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct Unmapping {
+    /// Where to unmap.
+    pub address: u64,
+    /// How many bytes (whole granules).
+    pub size: u64,
+    /// The pool of the range.
+    pub pool: PoolKind,
+    block: BlockId,
+}
+
+impl<F: Clone> Pools<F> {
+    /// Grow by mapping memory into expandable segments of this geometry from now on.
+    pub fn enable_expandable(&mut self, geometry: Geometry) {
+        self.expandable = Some(geometry);
+    }
+
+    /// The geometry of expandable segments, when they are on.
+    pub fn expandable(&self) -> Option<Geometry> {
+        self.expandable
+    }
+
+    /// A reserved range at `address` becomes a range of `stream` for requests like `rounded`;
+    /// the first request's `tag` is kept as the segment's.
+    pub fn add_range(&mut self, address: u64, rounded: u64, stream: u64, tag: u64) {
+        let geometry = self.expandable.expect("expandable segments are on");
+        let pool = sizes::pool_for(rounded);
+        let segment = self.new_segment_slot();
+        let id = self.new_block(Block {
+            address,
+            size: geometry.range_size,
+            requested: 0,
+            segment,
+            prev: NIL,
+            next: NIL,
+            state: BlockState::Unmapped,
+            pool,
+            free_since: self.lookups,
+            tag: 0,
+            stream,
+            serial: 0,
+            busy: false,
+        });
+        self.segments[segment as usize] = Some(Segment {
+            address,
+            size: geometry.range_size,
+            pool,
+            first: id,
+            tag,
+            stream,
+            expandable: true,
+            unmapped: BTreeMap::from([(address, id)]),
+        });
+        self.segment_index.insert(address, segment);
+        self.ranges.push((stream, pool, segment));
+    }
+
+    /// Where to map memory for a request of `rounded` bytes on `stream`: in the stream's ranges,
+    /// the unmapped block that can hold the request together with the free block before it
+    /// with the fewest granules still missing (the lowest such block on a tie; PyTorch takes the
+    /// lowest of all, which can map more than needed or fail where this fits). The bytes count as
+    /// [`Pools::reserved`] until the map is reported.
+    pub fn plan_map(&mut self, rounded: u64, stream: u64, limit: u64) -> MapOutcome {
+        let Some(Geometry { granularity: g, .. }) = self.expandable else {
+            return MapOutcome::NeedsRange;
+        };
+        let pool = sizes::pool_for(rounded);
+        // Under the gate, the free block before the unmapped one may not be used.
+        let gated = self.gated && stream == NO_STREAM;
+        let found = self
+            .ranges
+            .iter()
+            .filter(|&&(s, p, _)| s == stream && p == pool)
+            .flat_map(|&(_, _, segment)| {
+                self.segment(segment)
+                    .unmapped
+                    .values()
+                    .map(move |&id| (segment, id))
+            })
+            .filter_map(|(segment, id)| {
+                let b = &self.blocks[id as usize];
+                let before = match b.prev {
+                    NIL => 0,
+                    prev if !gated && self.blocks[prev as usize].state == BlockState::Free => {
+                        self.blocks[prev as usize].size
+                    }
+                    _ => 0,
+                };
+                let size = sizes::round_up(rounded.saturating_sub(before), g).max(g);
+                (size <= b.size).then_some((segment, id, size))
+            })
+            .min_by_key(|&(_, _, size)| size);
+        let Some((segment, id, size)) = found else {
+            return MapOutcome::NeedsRange;
+        };
+        if self.reserved().saturating_add(size) > limit {
+            return MapOutcome::OverLimit;
+        }
+        let address = self.blocks[id as usize].address;
+        self.segment_mut(segment).unmapped.remove(&address);
+        let b = &self.blocks[id as usize];
+        if size < b.size {
+            let rest = Block {
+                address: b.address + size,
+                size: b.size - size,
+                prev: id,
+                ..b.clone()
+            };
+            let rest = self.new_block(rest);
+            self.link_after(id, rest);
+            let address = self.blocks[rest as usize].address;
+            self.segment_mut(segment).unmapped.insert(address, rest);
+            self.blocks[id as usize].size = size;
+        }
+        let b = &mut self.blocks[id as usize];
+        b.busy = true;
+        self.growing += size;
+        MapOutcome::Planned(MapPlan {
+            address: b.address,
+            size,
+            pool,
+            block: id,
+        })
+    }
+
+    /// The memory of `plan` is mapped: it becomes free, merges with its free neighbours, and a
+    /// request of `rounded` bytes (`requested` by the application) is carved from it if it is
+    /// big enough now — `None` when the free block before it was taken meanwhile (the new
+    /// memory is then in the free lists, and the caller maps again).
+    pub fn map_done(
+        &mut self,
+        plan: MapPlan,
+        rounded: u64,
+        requested: u64,
+        tag: u64,
+    ) -> Option<Allocation> {
+        let MapPlan {
+            size,
+            pool,
+            block: id,
+            ..
+        } = plan;
+        self.growing -= size;
+        self.stats.reserved_bytes.increase(pool, size);
+        self.stats.num_device_alloc += 1;
+        let b = &mut self.blocks[id as usize];
+        b.busy = false;
+        b.state = BlockState::Free;
+        b.free_since = self.lookups;
+        let gated = self.gated && b.stream == NO_STREAM;
+        if gated {
+            // Carve from the new memory alone; only what is left merges.
+            debug_assert!(size >= rounded);
+            let allocation = self.carve(id, rounded, requested, tag);
+            let rest = self.blocks[id as usize].next;
+            if rest != NIL && rest == self.unlisted_rest {
+                self.remove_free(rest);
+                self.make_free(rest);
+            }
+            return Some(allocation);
+        }
+        self.merge_free_neighbours(id);
+        if self.blocks[id as usize].size >= rounded {
+            Some(self.carve(id, rounded, requested, tag))
+        } else {
+            self.add_free(id);
+            None
+        }
+    }
+
+    /// Mapping the memory of `plan` failed: it is unmapped address space again.
+    pub fn map_failed(&mut self, plan: MapPlan) {
+        self.growing -= plan.size;
+        self.make_unmapped(plan.block);
+    }
+
+    /// Take the whole granules inside every free block of the expandable segments of `pools`
+    /// out of the pools, for unmapping. The partial granules at a block's ends stay free.
+    pub fn take_unmappable(&mut self, pools: &[PoolKind]) -> Vec<Unmapping> {
+        let Some(Geometry { granularity: g, .. }) = self.expandable else {
+            return Vec::new();
+        };
+        self.settle();
+        let mut found = Vec::new();
+        for &(_, pool, segment) in &self.ranges {
+            if !pools.contains(&pool) {
+                continue;
+            }
+            let mut id = self.segment(segment).first;
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                if b.state == BlockState::Free {
+                    let low = sizes::round_up(b.address, g);
+                    let high = (b.address + b.size) / g * g;
+                    if high > low {
+                        found.push((id, low, high));
+                    }
+                }
+                id = b.next;
+            }
+        }
+        found
+            .into_iter()
+            .map(|(id, low, high)| self.take_granules(id, low, high))
+            .collect()
+    }
+
+    /// The memory of `unmapping` is unmapped: it is address space again.
+    pub fn unmap_done(&mut self, unmapping: Unmapping) {
+        self.stats.num_device_free += 1;
+        self.make_unmapped(unmapping.block);
+    }
+
+    /// Unmapping failed: the memory is still there, free again.
+    pub fn unmap_failed(&mut self, unmapping: Unmapping) {
+        self.stats
+            .reserved_bytes
+            .increase(unmapping.pool, unmapping.size);
+        let b = &mut self.blocks[unmapping.block as usize];
+        b.busy = false;
+        b.state = BlockState::Free;
+        b.free_since = self.lookups;
+        self.make_free(unmapping.block);
+    }
+
+    // ----- helpers ----------------------------------------------------------------------------
+
+    /// Split `[low, high)` (whole granules) out of the free block `id` as a busy unmapped
+    /// block; the ends stay free.
+    fn take_granules(&mut self, id: BlockId, low: u64, high: u64) -> Unmapping {
+        self.remove_free(id);
+        let b = self.blocks[id as usize].clone();
+        if low > b.address {
+            let head = self.new_block(Block {
+                size: low - b.address,
+                next: id,
+                ..b.clone()
+            });
+            self.link_before(id, head);
+            self.add_free(head);
+        }
+        if high < b.address + b.size {
+            let tail = self.new_block(Block {
+                address: high,
+                size: b.address + b.size - high,
+                prev: id,
+                ..b.clone()
+            });
+            self.link_after(id, tail);
+            self.add_free(tail);
+        }
+        let b = &mut self.blocks[id as usize];
+        b.address = low;
+        b.size = high - low;
+        b.state = BlockState::Unmapped;
+        b.busy = true;
+        self.stats.reserved_bytes.decrease(b.pool, high - low);
+        Unmapping {
+            address: low,
+            size: high - low,
+            pool: b.pool,
+            block: id,
+        }
+    }
+
+    /// Link the new block `new` (whose own links are set) in after `id`.
+    fn link_after(&mut self, id: BlockId, new: BlockId) {
+        let next = self.blocks[id as usize].next;
+        if next != NIL {
+            self.blocks[next as usize].prev = new;
+        }
+        self.blocks[id as usize].next = new;
+    }
+
+    /// Link the new block `new` (whose own links are set) in before `id`.
+    fn link_before(&mut self, id: BlockId, new: BlockId) {
+        let prev = self.blocks[id as usize].prev;
+        if prev != NIL {
+            self.blocks[prev as usize].next = new;
+        } else {
+            let segment = self.blocks[id as usize].segment;
+            self.segment_mut(segment).first = new;
+        }
+        self.blocks[id as usize].prev = new;
+    }
+
+    /// The (unlisted, uncounted) free block `id` merges with its free neighbours.
+    fn merge_free_neighbours(&mut self, id: BlockId) {
+        for neighbour in [self.blocks[id as usize].prev, self.blocks[id as usize].next] {
+            if neighbour != NIL && self.blocks[neighbour as usize].state == BlockState::Free {
+                self.merge_into(id, neighbour);
+            }
+        }
+    }
+
+    /// The (unlisted, uncounted) free block `id` merges with its free neighbours and joins its
+    /// free list.
+    fn make_free(&mut self, id: BlockId) {
+        self.merge_free_neighbours(id);
+        self.add_free(id);
+    }
+
+    /// The busy block `id` becomes unmapped address space, merged with its unmapped
+    /// neighbours.
+    fn make_unmapped(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id as usize];
+        b.busy = false;
+        b.state = BlockState::Unmapped;
+        let segment = b.segment;
+        for neighbour in [b.prev, b.next] {
+            if neighbour == NIL {
+                continue;
+            }
+            let n = &self.blocks[neighbour as usize];
+            if n.state == BlockState::Unmapped && !n.busy {
+                let address = n.address;
+                self.segment_mut(segment).unmapped.remove(&address);
+                self.absorb(id, neighbour);
+            }
+        }
+        let address = self.blocks[id as usize].address;
+        self.segment_mut(segment).unmapped.insert(address, id);
+    }
+}

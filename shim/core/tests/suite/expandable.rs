@@ -1,0 +1,261 @@
+//! Expandable segments: growth by mapping only what a request still needs, free splitting and
+//! merging, unmapping on `empty_cache` and in the out-of-memory ladder, ranges per stream, and
+//! the fallback on a device without virtual memory. (The conformance suite runs its scenarios
+//! over expandable presets too, and the property test over random sequences.)
+
+use cachealloc_core::{
+    AllocError, Allocator, AllocatorConfig, BlockState, NO_STREAM, ReusePolicy, SimDevice,
+};
+
+use crate::common::{Checked, GRANULARITY, MIB};
+
+fn expandable() -> AllocatorConfig {
+    AllocatorConfig {
+        expandable_segments: true,
+        ..AllocatorConfig::default()
+    }
+}
+
+fn reserved(c: &Checked) -> u64 {
+    c.stats().reserved_bytes.all.current as u64
+}
+
+#[test]
+fn growth_maps_only_the_granules_a_request_still_needs() {
+    let c = Checked::new(1 << 30, expandable());
+    let a = c.malloc(3 * MIB);
+    assert_eq!(reserved(&c), 4 * MIB, "two granules for 3 MiB");
+    // The next request starts in the free MiB at the end and maps one more granule.
+    let b = c.malloc(3 * MIB);
+    assert_eq!(b.address, a.address + a.size, "blocks are contiguous");
+    assert_eq!(reserved(&c), 6 * MIB);
+    assert_eq!(c.device().counters().maps, 2);
+    assert_eq!(c.device().counters().allocs, 0, "no fixed segment");
+    assert_eq!(
+        c.stats().num_device_alloc,
+        2,
+        "maps count as device allocations"
+    );
+    assert_eq!(c.stats().segment.all.current, 0, "a range is not a segment");
+    assert_eq!(c.device().mapped_bytes(), 6 * MIB);
+}
+
+#[test]
+fn a_variable_workload_reserves_less_than_with_fixed_segments() {
+    // Batches of growing, then shrinking, then growing sizes: fixed segments keep the early
+    // ones cached; an expandable range reuses their bytes for the later ones.
+    let run = |config: AllocatorConfig| {
+        let c = Checked::new(1 << 32, config);
+        let mut peak_reserved = 0u64;
+        let mut peak_allocated = 0u64;
+        for step in 0..40u64 {
+            let batch = 1 + (step * 7) % 13;
+            let live: Vec<_> = (0..4)
+                .map(|i| c.malloc(batch * (3 * MIB + i * 100_000)).address)
+                .collect();
+            let s = c.stats();
+            peak_reserved = peak_reserved.max(s.reserved_bytes.all.current as u64);
+            peak_allocated = peak_allocated.max(s.allocated_bytes.all.current as u64);
+            for a in live {
+                c.free(a);
+            }
+        }
+        (peak_reserved, peak_allocated)
+    };
+    let (fixed, _) = run(AllocatorConfig::default());
+    let (expandable, allocated) = run(expandable());
+    assert!(
+        expandable < fixed,
+        "expandable {expandable} vs fixed {fixed} bytes"
+    );
+    assert!(
+        expandable <= allocated + 2 * GRANULARITY,
+        "expandable reserves {expandable} for {allocated} allocated"
+    );
+}
+
+#[test]
+fn max_split_size_does_not_apply_inside_a_range() {
+    let c = Checked::new(
+        1 << 30,
+        AllocatorConfig {
+            max_split_size: 20 * MIB,
+            ..expandable()
+        },
+    );
+    let big = c.malloc(100 * MIB);
+    c.free(big.address);
+    let small = c.malloc(4 * MIB);
+    assert_eq!(small.address, big.address, "carved from the big free block");
+    assert_eq!(reserved(&c), 100 * MIB);
+}
+
+#[test]
+fn empty_cache_unmaps_whole_free_granules_and_keeps_live_memory() {
+    let c = Checked::new(1 << 30, expandable());
+    let a = c.malloc(3 * MIB);
+    let b = c.malloc(5 * MIB);
+    let d = c.malloc(3 * MIB);
+    assert_eq!(reserved(&c), 12 * MIB);
+    c.free(b.address);
+    c.empty_cache();
+    // b covered [3, 8) MiB: the granules [4, 8) go; [3, 4) shares a granule with a.
+    assert_eq!(reserved(&c), 8 * MIB);
+    assert_eq!(c.device().mapped_bytes(), 8 * MIB);
+    assert!(c.device().is_backed(a.address, a.size) && c.device().is_backed(d.address, d.size));
+    assert_eq!(c.stats().num_device_free, 1);
+    // Freed memory comes back by mapping the hole again: the next 4 MiB request maps it.
+    let e = c.malloc(4 * MIB);
+    assert_eq!(e.address, a.address + a.size, "the hole is reused");
+    assert_eq!(reserved(&c), 12 * MIB);
+    for x in [a, d, e] {
+        c.free(x.address);
+    }
+    c.empty_cache();
+    assert_eq!(reserved(&c), 0);
+    assert_eq!(c.device().used(), 0, "everything unmapped");
+}
+
+#[test]
+fn the_oom_ladder_unmaps_free_memory_before_it_fails() {
+    // 64 MiB device: a free 2 MiB granule in the small pool, and 30 MiB free before a live
+    // 30 MiB block in the large pool. A 32 MiB request fits only once both are unmapped.
+    let c = Checked::new(64 * MIB, expandable());
+    let small = c.malloc(4096);
+    let first = c.malloc(30 * MIB);
+    let _second = c.malloc(30 * MIB);
+    c.free(small.address);
+    c.free(first.address);
+    let held = c.malloc(32 * MIB);
+    assert_eq!(
+        c.stats().num_alloc_retries,
+        1,
+        "the ladder released memory first"
+    );
+    assert_eq!(c.stats().num_device_free, 2, "two unmaps");
+    assert_eq!(reserved(&c), 62 * MIB);
+    // Now it truly cannot fit.
+    match c.try_malloc(4 * MIB) {
+        Err(AllocError::OutOfMemory(report)) => {
+            assert_eq!(report.segment_size, 4 * MIB);
+            assert_eq!(report.device_free, 2 * MIB);
+        }
+        other => panic!("expected OOM, got {other:?}"),
+    }
+    c.free(held.address);
+    c.malloc(4 * MIB);
+}
+
+#[test]
+fn a_failed_map_leaves_the_range_unmapped_and_the_request_fails_cleanly() {
+    let c = Checked::new(1 << 30, expandable());
+    c.device().fail_next_allocs(3);
+    assert!(matches!(
+        c.try_malloc(8 * MIB),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    assert_eq!(reserved(&c), 0);
+    assert_eq!(c.device().mapped_bytes(), 0);
+    c.malloc(8 * MIB);
+}
+
+#[test]
+fn each_stream_and_pool_has_its_own_range() {
+    let c = Checked::new(1 << 30, expandable());
+    let on_a = c.malloc_on(3 * MIB, 0x11);
+    let on_b = c.malloc_on(3 * MIB, 0x22);
+    let sync = c.malloc(3 * MIB);
+    let small = c.malloc_on(4096, 0x11);
+    let ranges: Vec<_> = c
+        .alloc
+        .snapshot()
+        .into_iter()
+        .filter(|s| s.expandable)
+        .map(|s| (s.stream, s.pool, s.address))
+        .collect();
+    assert_eq!(ranges.len(), 4, "{ranges:x?}");
+    for a in [on_a, on_b, sync, small] {
+        assert!(
+            ranges
+                .iter()
+                .any(|&(stream, pool, address)| stream == a.stream
+                    && pool == a.pool
+                    && address == a.segment_address)
+        );
+    }
+    // A stream's free memory never serves another stream.
+    c.free_on(on_a.address, 0x11);
+    let again = c.malloc_on(3 * MIB, 0x22);
+    assert_ne!(again.segment_address, on_a.segment_address);
+    assert_eq!(NO_STREAM, sync.stream);
+}
+
+#[test]
+fn the_gate_keeps_memory_freed_before_the_first_stream_from_new_requests() {
+    let c = Checked::manual(
+        1 << 30,
+        AllocatorConfig {
+            reuse: ReusePolicy::Auto,
+            ..expandable()
+        },
+    );
+    let a = c.malloc(3 * MIB);
+    c.free(a.address);
+    // The first stream appears: the free 4 MiB (maybe still used by queued work) are gated. A
+    // 5 MiB request would start there and map one granule more; under the gate it must not.
+    // (`malloc` would wait for the gate before growing; growing at once is what a thread does
+    // when another one took the lock meanwhile, and what `simulate` replays.)
+    c.alloc.start_fencing().unwrap();
+    let b = c
+        .alloc
+        .malloc_from_new_segment(5 * MIB, NO_STREAM, 0)
+        .unwrap();
+    c.check();
+    assert!(
+        b.address >= a.address + 4 * MIB,
+        "gated memory was handed out again: {:#x} after {:#x}, counters {:?}",
+        b.address - a.address,
+        a.size,
+        c.device().counters()
+    );
+    assert_eq!(c.device().counters().waits, 0);
+    c.device().complete_fences();
+    c.check();
+}
+
+#[test]
+fn a_device_without_virtual_memory_gets_fixed_segments() {
+    let alloc = Allocator::new(SimDevice::new(1 << 30), expandable());
+    assert!(!alloc.expandable());
+    let a = alloc.malloc(3 * MIB, 0).unwrap();
+    assert_eq!(alloc.device().counters().allocs, 1);
+    assert_eq!(alloc.stats().segment.all.current, 1);
+    alloc.free(a.address).unwrap();
+    alloc.check_invariants().unwrap();
+    let with_vmm = Allocator::new(
+        SimDevice::new(1 << 30).with_map_granularity(GRANULARITY),
+        expandable(),
+    );
+    assert!(with_vmm.expandable());
+}
+
+#[test]
+fn unmapped_address_space_is_nobodys() {
+    let c = Checked::new(1 << 30, expandable());
+    let a = c.malloc(3 * MIB);
+    let beyond = a.segment_address + 64 * MIB;
+    assert!(c.alloc.lookup(beyond).is_none());
+    assert!(matches!(
+        c.alloc.free(beyond),
+        Err(cachealloc_core::FreeError::NotOurs(_))
+    ));
+    let states: Vec<_> = c.alloc.snapshot()[0]
+        .blocks
+        .iter()
+        .map(|b| b.state)
+        .collect();
+    assert_eq!(
+        states,
+        [BlockState::Active, BlockState::Free, BlockState::Unmapped]
+    );
+}
