@@ -54,6 +54,7 @@ pub mod chunk;
 pub mod reader;
 pub mod recorder;
 pub mod schema;
+pub mod spans;
 pub mod state;
 pub mod writer;
 

@@ -1,5 +1,6 @@
-//! [`LiveState`]: the writer's mirror of what is live — segments, blocks and the stack and
-//! frame definitions they use — kept by applying every record written. Each new trace file
+//! [`LiveState`]: the writer's mirror of what is live — segments (an expandable segment's
+//! mapped memory as one segment per contiguous run, see [`crate::spans`]), blocks and the stack
+//! and frame definitions they use — kept by applying every record written. Each new trace file
 //! begins with it as a checkpoint, so any file can be read alone.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -7,6 +8,26 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::schema::{
     BlockState, CheckpointEnd, FrameDef, FreeCompleted, Record, SegmentState, StackDef,
 };
+use crate::spans::{self, Span};
+
+impl Span for SegmentState {
+    fn address(&self) -> u64 {
+        self.address
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn pool(&self) -> u8 {
+        self.pool
+    }
+    fn with(self, address: u64, size: u64) -> Self {
+        SegmentState {
+            address,
+            size,
+            ..self
+        }
+    }
+}
 
 /// Byte totals of one device, as PyTorch's stats define them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -73,6 +94,27 @@ impl LiveState {
             Record::SegmentFree(s) => {
                 if let Some(old) = self.segments.remove(&(s.device, s.address)) {
                     self.totals.entry(old.device).or_default().reserved -= old.size;
+                }
+            }
+            Record::SegmentMap(s) => {
+                let device = s.device;
+                spans::map(
+                    &mut self.segments,
+                    |a| (device, a),
+                    SegmentState {
+                        device,
+                        address: s.address,
+                        size: s.size,
+                        pool: s.pool,
+                        stack: s.stack,
+                    },
+                );
+                self.totals.entry(device).or_default().reserved += s.size;
+            }
+            Record::SegmentUnmap(s) => {
+                let device = s.device;
+                if spans::unmap(&mut self.segments, |a| (device, a), s.address, s.size).is_some() {
+                    self.totals.entry(device).or_default().reserved -= s.size;
                 }
             }
             Record::CheckpointSegment(s) => self.put_segment(*s),

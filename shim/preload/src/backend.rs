@@ -11,6 +11,11 @@
 //! While a stream captures a CUDA graph (see [`crate::streams`]), every call here runs in the
 //! relaxed capture mode ([`driver::relaxed`]), and segment releases are deferred to the end of
 //! the last capture: `cudaFree` synchronizes the device, which a capture cannot allow.
+//!
+//! With `expandable_segments:True`, the device offers CUDA's virtual memory ([`vmm::Vmm`]) when
+//! the driver and the GPU have it; the allocator then maps memory into expandable segments. An
+//! unmap synchronizes the context first, like a release, and is refused while a capture is
+//! under way (the memory then stays cached and mapped; the allocator takes it back).
 
 use std::sync::Arc;
 
@@ -21,23 +26,46 @@ use crate::driver::{self, Driver, Fence, Fences, Stream};
 use crate::real_driver;
 use crate::streams::StreamRegistry;
 
+mod vmm;
+
 /// One GPU as the allocator core sees it.
 #[derive(Debug)]
 pub struct CudaDevice {
     ordinal: i32,
     fences: Fences,
     streams: Arc<StreamRegistry>,
+    /// Virtual memory, when expandable segments were asked for and the device has it.
+    vmm: Option<vmm::Vmm>,
     /// Segments released while a capture was under way, to free when it ends.
     deferred_releases: std::sync::Mutex<Vec<u64>>,
 }
 
 impl CudaDevice {
-    /// The device `ordinal`.
-    pub fn new(driver: Driver, ordinal: i32, streams: Arc<StreamRegistry>) -> Self {
+    /// The device `ordinal`; with virtual memory if `expandable` and the device has it (else
+    /// says why not, once).
+    pub fn new(
+        driver: Driver,
+        ordinal: i32,
+        streams: Arc<StreamRegistry>,
+        expandable: bool,
+    ) -> Self {
+        let vmm = expandable
+            .then(|| vmm::Vmm::probe(ordinal))
+            .and_then(|probed| {
+                probed
+                    .map_err(|why| {
+                        crate::log::info!(
+                            "expandable_segments:True ignored on device {ordinal}: {why}; \
+                             using fixed segments"
+                        )
+                    })
+                    .ok()
+            });
         CudaDevice {
             ordinal,
             fences: Fences::new(driver, ordinal),
             streams,
+            vmm,
             deferred_releases: std::sync::Mutex::new(Vec::new()),
         }
     }
@@ -180,5 +208,49 @@ impl Device for CudaDevice {
 
     fn release_fence(&self, fence: Fence) {
         self.fences.release(fence);
+    }
+
+    fn map_granularity(&self) -> Option<u64> {
+        self.vmm.as_ref().map(vmm::Vmm::granularity)
+    }
+
+    fn reserve_range(&self, size: u64) -> Result<u64, DeviceError> {
+        let vmm = self.vmm()?;
+        self.capture_safe(|| self.fences.on_own_context(|| vmm.reserve(size)))?
+    }
+
+    fn free_range(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let vmm = self.vmm()?;
+        self.capture_safe(|| self.fences.on_own_context(|| vmm.free_range(address, size)))?
+    }
+
+    fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let vmm = self.vmm()?;
+        self.capture_safe(|| self.fences.on_own_context(|| vmm.map(address, size)))?
+    }
+
+    fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let vmm = self.vmm()?;
+        if self.streams.captures_active() {
+            return Err(DeviceError::Other {
+                code: cuda::ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                message: "unmapping waits for the end of the graph capture".to_string(),
+            });
+        }
+        let sync = real_driver::cuCtxSynchronize().ok_or_else(|| missing("cuCtxSynchronize"))?;
+        self.fences.on_own_context(|| {
+            // SAFETY: no arguments; this device's context is current. The memory to unmap is
+            // out of the pools: once the device is idle, nothing uses it.
+            unsafe { sync() };
+            vmm.unmap(address, size)
+        })?
+    }
+}
+
+impl CudaDevice {
+    fn vmm(&self) -> Result<&vmm::Vmm, DeviceError> {
+        self.vmm
+            .as_ref()
+            .ok_or_else(|| DeviceError::unsupported("virtual memory"))
     }
 }

@@ -20,6 +20,8 @@ pub const ERROR_INITIALIZATION: CudaError = 3;
 pub const ERROR_CUDART_UNLOADING: CudaError = 4;
 /// `cudaErrorNotSupported`.
 pub const ERROR_NOT_SUPPORTED: CudaError = 801;
+/// `cudaErrorStreamCaptureUnsupported` (and the driver's `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`).
+pub const ERROR_STREAM_CAPTURE_UNSUPPORTED: CudaError = 900;
 
 /// `cudaStreamNonBlocking`: the stream does not synchronize with the legacy default stream.
 pub const STREAM_NON_BLOCKING: u32 = 0x1;

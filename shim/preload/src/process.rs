@@ -333,7 +333,12 @@ impl Shim {
                 oom_checkpoint: settings::get().config.oom_checkpoint,
             };
             let alloc = Allocator::with_observer(
-                CudaDevice::new(driver, device, self.streams.clone()),
+                CudaDevice::new(
+                    driver,
+                    device,
+                    self.streams.clone(),
+                    config.expandable_segments,
+                ),
                 config,
                 observer,
             );
@@ -402,7 +407,7 @@ impl Shim {
         let result = pool
             .alloc
             .malloc_on_stream(size, stream, u64::from(stack), &mut changes);
-        for &(address, size) in &changes.allocated {
+        for &(address, size) in changes.allocated.iter().chain(&changes.mapped) {
             pool.cover(address, size);
         }
         for (segment, e) in &changes.release_errors {
@@ -410,6 +415,13 @@ impl Shim {
                 "device {device}: releasing segment {:#x}: {e}",
                 segment.address
             );
+        }
+        for ((address, _), e) in &changes.unmap_errors {
+            if !matches!(e, cachealloc_core::DeviceError::Other { code, .. }
+                if *code == cuda::ERROR_STREAM_CAPTURE_UNSUPPORTED)
+            {
+                log::error!("device {device}: unmapping {address:#x}: {e}");
+            }
         }
         match result {
             Ok(a) => Ok(a.address),

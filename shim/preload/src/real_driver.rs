@@ -12,6 +12,8 @@
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
+use cudarc::driver::sys;
+
 /// `CUresult`.
 pub type CuResult = c_int;
 /// `CUdeviceptr`.
@@ -29,6 +31,8 @@ pub const ERROR_NOT_INITIALIZED: CuResult = 3;
 pub const ERROR_DEINITIALIZED: CuResult = 4;
 /// `CUDA_ERROR_NOT_FOUND`: what a hook answers when the real function does not exist.
 pub const ERROR_NOT_FOUND: CuResult = 500;
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+pub const ERROR_OUT_OF_MEMORY: CuResult = 2;
 
 /// `CU_POINTER_ATTRIBUTE_BUFFER_ID` (an `unsigned long long`, unique per allocation).
 pub const POINTER_ATTRIBUTE_BUFFER_ID: c_int = 7;
@@ -133,6 +137,15 @@ real_driver_functions! {
     cuGetProcAddress: fn(*const c_char, *mut *mut c_void, c_int, u64);
     cuGetProcAddress_v2: fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
     cuGetProcAddress_v2_ptsz: fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
+    cuDeviceGetAttribute: fn(*mut c_int, c_int, c_int);
+    cuMemGetAllocationGranularity: fn(*mut usize, *const sys::CUmemAllocationProp, c_uint);
+    cuMemAddressReserve: fn(*mut DevicePtr, usize, usize, DevicePtr, u64);
+    cuMemAddressFree: fn(DevicePtr, usize);
+    cuMemCreate: fn(*mut sys::CUmemGenericAllocationHandle, usize, *const sys::CUmemAllocationProp, u64);
+    cuMemRelease: fn(sys::CUmemGenericAllocationHandle);
+    cuMemMap: fn(DevicePtr, usize, usize, sys::CUmemGenericAllocationHandle, u64);
+    cuMemUnmap: fn(DevicePtr, usize);
+    cuMemSetAccess: fn(DevicePtr, usize, *const sys::CUmemAccessDesc, usize);
 }
 
 /// Call a real driver function, or answer `CUDA_ERROR_NOT_FOUND` when libcuda lacks it.

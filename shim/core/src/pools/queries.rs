@@ -21,6 +21,8 @@ pub struct AddressInfo {
     /// Which allocation of the pools an active block is (1, 2, …): tells two allocations at
     /// one address apart (0 for a free block).
     pub serial: u64,
+    /// Whether the segment is expandable (mapped memory, which CUDA's legacy IPC cannot share).
+    pub expandable: bool,
 }
 
 /// One block of a [`SegmentSnapshot`].
@@ -114,6 +116,7 @@ impl<F: Clone> Pools<F> {
             segment_address: seg.address,
             segment_size: seg.size,
             serial: b.serial,
+            expandable: seg.expandable,
         })
     }
 

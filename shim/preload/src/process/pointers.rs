@@ -43,10 +43,19 @@ impl Shim {
 
     /// Whether `address` may be given an IPC handle: `Ok(true)` if it is a pooled segment's
     /// base (the handle maps exactly it), `Ok(false)` if not ours, `Err(why)` if it lies inside
-    /// a pooled segment (the handle would map the segment's base: wrong bytes).
+    /// a pooled segment (the handle would map the segment's base: wrong bytes) or in an
+    /// expandable segment (mapped memory has no legacy IPC handle).
     pub fn ipc_check(&self, address: u64) -> Result<bool, String> {
         for alloc in self.allocators() {
             if let Some(info) = alloc.lookup(address) {
+                if info.expandable {
+                    return Err(format!(
+                        "cudaIpcGetMemHandle({address:#x}) refused: the pointer lies in an expandable \
+                         segment (memory mapped through CUDA's virtual memory API), which CUDA's IPC \
+                         handles cannot share. Run processes that share memory by IPC with \
+                         CACHEALLOC_CONF=expandable_segments:False (or pool:off)"
+                    ));
+                }
                 if info.block_address == address
                     && info.segment_address == address
                     && info.state == cachealloc_core::BlockState::Active

@@ -1,0 +1,196 @@
+//! [`Vmm`]: CUDA's virtual memory API behind expandable segments — `cuMemAddressReserve` for a
+//! range, `cuMemCreate` + `cuMemMap` + `cuMemSetAccess` to back granules of it with memory,
+//! `cuMemUnmap` to give them back (see
+//! [Note [Expandable segments]](cachealloc_core::pools::expandable#note-expandable-segments)).
+//!
+//! Every granule is its own physical allocation, mapped on its own: the driver unmaps only
+//! whole mappings, and the allocator unmaps any granules of a free block. The allocation's
+//! handle is released right after it is mapped; the driver keeps the memory while it is mapped
+//! and frees it at the unmap, so no handle needs keeping. Only the owning device gets access:
+//! the memory of a pool is not readable by peer GPUs (documented in the README).
+//!
+//! The caller runs every method with the device's primary context current, and synchronizes
+//! the context before an unmap (unlike `cudaFree`, `cuMemUnmap` does not wait for kernels).
+
+use std::ptr;
+
+use cachealloc_core::DeviceError;
+use cudarc::driver::sys;
+
+use crate::real_driver::{self, CuResult, SUCCESS, call_driver};
+
+/// CUDA's virtual memory on one device.
+#[derive(Debug)]
+pub struct Vmm {
+    ordinal: i32,
+    granularity: u64,
+}
+
+impl Vmm {
+    /// The device's virtual memory, or why it has none (an old driver or a device without
+    /// virtual address management).
+    pub fn probe(ordinal: i32) -> Result<Vmm, String> {
+        let mut supported = 0;
+        // SAFETY: valid out-pointer; attribute 102 is
+        // CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED, an int.
+        let code = call_driver!(cuDeviceGetAttribute(
+            &mut supported,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED
+                as i32,
+            ordinal
+        ));
+        if code != SUCCESS || supported == 0 {
+            return Err(format!(
+                "device {ordinal} has no virtual memory management (cuDeviceGetAttribute: {code}, \
+                 supported: {supported})"
+            ));
+        }
+        let mut granularity = 0usize;
+        let prop = allocation_prop(ordinal);
+        // SAFETY: valid out-pointer and property struct (cuda.h's layout, from cudarc); 0 is
+        // CU_MEM_ALLOC_GRANULARITY_MINIMUM.
+        let code = call_driver!(cuMemGetAllocationGranularity(&mut granularity, &prop, 0));
+        if code != SUCCESS || granularity == 0 || !granularity.is_multiple_of(512) {
+            return Err(format!(
+                "cuMemGetAllocationGranularity on device {ordinal}: error {code}, granularity \
+                 {granularity}"
+            ));
+        }
+        Ok(Vmm {
+            ordinal,
+            granularity: granularity as u64,
+        })
+    }
+
+    /// The driver's allocation granularity on this device.
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    /// Reserve `size` bytes of address space.
+    pub fn reserve(&self, size: u64) -> Result<u64, DeviceError> {
+        let mut address = 0;
+        // SAFETY: valid out-pointer; size and alignment are multiples of the granularity (the
+        // allocator's geometry); no fixed address, no flags.
+        let code = call_driver!(cuMemAddressReserve(
+            &mut address,
+            size as usize,
+            self.granularity as usize,
+            0,
+            0
+        ));
+        match code {
+            SUCCESS => Ok(address),
+            real_driver::ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
+            other => Err(error(other, "cuMemAddressReserve")),
+        }
+    }
+
+    /// Give back a reserved range with nothing mapped in it.
+    pub fn free_range(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        // SAFETY: a range `reserve` returned, with nothing mapped in it (the allocator's
+        // contract).
+        check(
+            call_driver!(cuMemAddressFree(address, size as usize)),
+            "cuMemAddressFree",
+        )
+    }
+
+    /// Back `[address, address + size)` (whole granules of a reserved range, not mapped) with
+    /// new memory of this device, readable and writable by it. On failure nothing stays mapped.
+    pub fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let g = self.granularity;
+        let prop = allocation_prop(self.ordinal);
+        let mut mapped = 0;
+        let result = (|| {
+            while mapped < size {
+                let mut handle: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: valid out-pointer and property struct; the size is one granule.
+                let code = call_driver!(cuMemCreate(&mut handle, g as usize, &prop, 0));
+                match code {
+                    SUCCESS => {}
+                    real_driver::ERROR_OUT_OF_MEMORY => return Err(DeviceError::OutOfMemory),
+                    other => return Err(error(other, "cuMemCreate")),
+                }
+                // SAFETY: one unmapped granule of a reserved range, and a live handle of one
+                // granule; offset and flags 0.
+                let code = call_driver!(cuMemMap(address + mapped, g as usize, 0, handle, 0));
+                // SAFETY: the handle is ours; once mapped, the driver keeps the memory until
+                // the unmap, so the handle is no longer needed either way.
+                release_handle(handle);
+                check(code, "cuMemMap")?;
+                mapped += g;
+            }
+            let access = sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: self.ordinal,
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the range is mapped (just above); one valid descriptor.
+            check(
+                call_driver!(cuMemSetAccess(address, size as usize, &access, 1)),
+                "cuMemSetAccess",
+            )
+        })();
+        if result.is_err() {
+            let _ = self.unmap(address, mapped);
+        }
+        result
+    }
+
+    /// Give back the memory of `[address, address + size)` (whole mapped granules). The caller
+    /// synchronized the context: no kernel uses it any more.
+    pub fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let g = self.granularity;
+        let mut first_error = Ok(());
+        for offset in (0..size).step_by(g as usize) {
+            // SAFETY: each granule was mapped on its own by `map`, so it is a whole mapping.
+            let code = call_driver!(cuMemUnmap(address + offset, g as usize));
+            if first_error.is_ok() {
+                first_error = check(code, "cuMemUnmap");
+            }
+        }
+        first_error
+    }
+}
+
+/// Release an allocation handle (a failure leaks at most one granule, and is not actionable).
+fn release_handle(handle: sys::CUmemGenericAllocationHandle) {
+    // SAFETY: `handle` came from cuMemCreate and is released once.
+    let _ = call_driver!(cuMemRelease(handle));
+}
+
+/// Pinned device memory on `ordinal`, with no exportable handle.
+fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType_enum(0),
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        },
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+fn check(code: CuResult, what: &str) -> Result<(), DeviceError> {
+    match code {
+        SUCCESS => Ok(()),
+        other => Err(error(other, what)),
+    }
+}
+
+fn error(code: CuResult, what: &str) -> DeviceError {
+    DeviceError::Other {
+        code,
+        message: format!("{what} returned CUDA error {code}"),
+    }
+}
