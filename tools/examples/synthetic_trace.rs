@@ -85,6 +85,31 @@ impl Observer for Recording {
                 pool: pool(s.pool),
                 stack: 0,
             }),
+            Event::SegmentMap {
+                address,
+                size,
+                pool: p,
+                tag,
+            } => Record::SegmentMap(SegmentEvent {
+                t,
+                device: 0,
+                address,
+                size,
+                pool: pool(p),
+                stack: tag as u32,
+            }),
+            Event::SegmentUnmap {
+                address,
+                size,
+                pool: p,
+            } => Record::SegmentUnmap(SegmentEvent {
+                t,
+                device: 0,
+                address,
+                size,
+                pool: pool(p),
+                stack: 0,
+            }),
             Event::Oom(_) => return,
         };
         self.0.lock().unwrap().push(record);

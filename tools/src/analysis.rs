@@ -120,8 +120,10 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
                 d.requested_bytes += a.requested;
             }
             Record::FreeRequested(_) | Record::Free(_) => d.frees += 1,
-            Record::SegmentAlloc(_) => d.segment_allocs += 1,
-            Record::SegmentFree(_) => d.segment_frees += 1,
+            // A map into an expandable segment is a device allocation too (PyTorch counts it
+            // in `num_device_alloc`), an unmap a release.
+            Record::SegmentAlloc(_) | Record::SegmentMap(_) => d.segment_allocs += 1,
+            Record::SegmentFree(_) | Record::SegmentUnmap(_) => d.segment_frees += 1,
             Record::Oom(o) => out.ooms.push(**o),
             _ => {}
         }

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use cachealloc_recorder::{Record, schema};
+use cachealloc_recorder::{Record, schema, spans};
 
 use cachealloc_core::stats::Stat;
 
@@ -53,8 +53,47 @@ pub struct DeviceStats {
     pub num_device_alloc: u64,
     /// `num_device_free`.
     pub num_device_free: u64,
-    segments: BTreeMap<u64, (u64, usize)>,
+    segments: BTreeMap<u64, Segment>,
     blocks: HashMap<u64, Block>,
+}
+
+/// A live segment (or mapped run of an expandable segment), by its address.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    address: u64,
+    size: u64,
+    /// The pool byte.
+    pool: u8,
+}
+
+impl Segment {
+    /// Its pool's index in the stats arrays (1 small, 2 large).
+    fn pool_index(&self) -> usize {
+        if self.pool == schema::POOL_SMALL {
+            1
+        } else {
+            2
+        }
+    }
+}
+
+impl spans::Span for Segment {
+    fn address(&self) -> u64 {
+        self.address
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn pool(&self) -> u8 {
+        self.pool
+    }
+    fn with(self, address: u64, size: u64) -> Self {
+        Segment {
+            address,
+            size,
+            ..self
+        }
+    }
 }
 
 impl DeviceStats {
@@ -62,8 +101,8 @@ impl DeviceStats {
         self.segments
             .range(..=address)
             .next_back()
-            .filter(|(start, (size, _))| address < *start + size)
-            .map_or(2, |(_, (_, pool))| *pool)
+            .filter(|(start, seg)| address < *start + seg.size)
+            .map_or(2, |(_, seg)| seg.pool_index())
     }
 
     fn bump(&mut self, metric: usize, pool: usize, n: i64) {
@@ -117,16 +156,38 @@ impl DeviceStats {
     }
 
     fn segment(&mut self, address: u64, size: u64, pool: u8) {
-        let pool = if pool == schema::POOL_SMALL { 1 } else { 2 };
-        self.segments.insert(address, (size, pool));
-        self.bump(5, pool, size as i64);
-        self.bump(6, pool, 1);
+        let seg = Segment {
+            address,
+            size,
+            pool,
+        };
+        self.segments.insert(address, seg);
+        self.bump(5, seg.pool_index(), size as i64);
+        self.bump(6, seg.pool_index(), 1);
     }
 
     fn segment_free(&mut self, address: u64) {
-        if let Some((size, pool)) = self.segments.remove(&address) {
-            self.bump(5, pool, -(size as i64));
-            self.bump(6, pool, -1);
+        if let Some(seg) = self.segments.remove(&address) {
+            self.bump(5, seg.pool_index(), -(seg.size as i64));
+            self.bump(6, seg.pool_index(), -1);
+        }
+    }
+
+    /// Memory mapped into an expandable segment: reserved, but not a segment of its own (as
+    /// PyTorch counts expandable segments).
+    fn segment_map(&mut self, address: u64, size: u64, pool: u8) {
+        let seg = Segment {
+            address,
+            size,
+            pool,
+        };
+        spans::map(&mut self.segments, |a| a, seg);
+        self.bump(5, seg.pool_index(), size as i64);
+    }
+
+    fn segment_unmap(&mut self, address: u64, size: u64) {
+        if let Some(run) = spans::unmap(&mut self.segments, |a| a, address, size) {
+            self.bump(5, run.pool_index(), -(size as i64));
         }
     }
 
@@ -140,10 +201,10 @@ impl DeviceStats {
         }
         let mut out = [0u64; 3];
         for (start, used) in used {
-            let (size, pool) = self.segments[&start];
-            let free = size.saturating_sub(used);
+            let seg = self.segments[&start];
+            let free = seg.size.saturating_sub(used);
             out[0] += free;
-            out[pool] += free;
+            out[seg.pool_index()] += free;
         }
         out
     }
@@ -224,7 +285,11 @@ impl StatsTracker {
                     } else {
                         d.segments.insert(
                             s.address,
-                            (s.size, if s.pool == schema::POOL_SMALL { 1 } else { 2 }),
+                            Segment {
+                                address: s.address,
+                                size: s.size,
+                                pool: s.pool,
+                            },
                         );
                     }
                 }
@@ -282,6 +347,16 @@ impl StatsTracker {
                 let d = self.devices.entry(s.device).or_default();
                 d.num_device_free += 1;
                 d.segment_free(s.address);
+            }
+            Record::SegmentMap(s) => {
+                let d = self.devices.entry(s.device).or_default();
+                d.num_device_alloc += 1;
+                d.segment_map(s.address, s.size, s.pool);
+            }
+            Record::SegmentUnmap(s) => {
+                let d = self.devices.entry(s.device).or_default();
+                d.num_device_free += 1;
+                d.segment_unmap(s.address, s.size);
             }
             Record::Oom(o) => self.devices.entry(o.device).or_default().num_ooms += 1,
             _ => {}

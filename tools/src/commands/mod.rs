@@ -173,19 +173,7 @@ pub enum Command {
     },
     /// Replay the trace's requests through the allocator with another config: peak reserved,
     /// fragmentation, device calls, and the first request that would fail.
-    Simulate {
-        /// Trace directory.
-        trace: PathBuf,
-        /// Allocator settings to try (default: the recorded ones), e.g. max_split_size_mb:128.
-        #[arg(long)]
-        conf: Option<String>,
-        /// Device memory to assume, in bytes (default: the recorded device's total).
-        #[arg(long)]
-        capacity: Option<u64>,
-        /// Try a grid of configs and rank them by peak reserved.
-        #[arg(long)]
-        sweep: bool,
-    },
+    Simulate(simulate::SimulateArgs),
 }
 
 /// Run `command`, writing its report to `out`.
@@ -233,12 +221,7 @@ pub fn run(command: Command, out: &mut dyn Write) -> Result<ExitCode, Error> {
         Command::Perfetto { trace, output } => perfetto::run(&trace, &output, out)?,
         Command::Leaks { trace, top } => groups::leaks(&trace, top, out)?,
         Command::Peak { trace, top } => groups::peak(&trace, top, out)?,
-        Command::Simulate {
-            trace,
-            conf,
-            capacity,
-            sweep,
-        } => simulate::run(&trace, conf.as_deref(), capacity, sweep, out)?,
+        Command::Simulate(args) => simulate::run(&args, out)?,
     }
     Ok(ExitCode::SUCCESS)
 }

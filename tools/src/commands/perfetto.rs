@@ -76,11 +76,15 @@ pub fn run(trace: &Path, output: &Path, out: &mut dyn Write) -> Result<(), Error
             continue;
         };
         match &step.record {
-            Record::SegmentAlloc(s) | Record::SegmentFree(s) => {
-                let what = if matches!(step.record, Record::SegmentAlloc(_)) {
-                    "segment_alloc"
-                } else {
-                    "segment_free"
+            Record::SegmentAlloc(s)
+            | Record::SegmentFree(s)
+            | Record::SegmentMap(s)
+            | Record::SegmentUnmap(s) => {
+                let what = match step.record {
+                    Record::SegmentAlloc(_) => "segment_alloc",
+                    Record::SegmentFree(_) => "segment_free",
+                    Record::SegmentMap(_) => "segment_map",
+                    _ => "segment_unmap",
                 };
                 emit(
                     &mut w,

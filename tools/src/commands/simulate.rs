@@ -1,5 +1,5 @@
-//! `cachealloc simulate TRACE [--conf K:V,...] [--capacity BYTES] [--sweep]`: what another
-//! allocator config would have done with the same requests.
+//! `cachealloc simulate TRACE [--conf K:V,...] [--capacity BYTES] [--granularity BYTES]
+//! [--sweep]`: what another allocator config would have done with the same requests.
 //!
 //! The trace's allocations and frees, in their recorded order — with the requests the run could
 //! not serve (its OOMs), to see whether they would be served — are replayed through
@@ -10,10 +10,15 @@
 //! peak reserved is the recorded one (a test checks this on traces made by the shim): where
 //! threads raced (one freed a block while another was growing), the recorded growth is followed.
 //! With another config the simulation decides everything itself, one request at a time.
+//!
+//! The simulated device offers virtual memory in `--granularity` units (2 MiB, CUDA's on
+//! current GPUs), so `expandable_segments:True` is simulated as the shim runs it: a recorded run
+//! with fixed segments can be asked whether expandable segments would have avoided its OOM, and
+//! at how many device calls (maps and unmaps count as device allocations and releases).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use cachealloc_core::config::{AllocatorConfig, Config};
 use cachealloc_core::sim::{FenceMode, SimDevice};
@@ -25,6 +30,38 @@ use crate::format::{bytes, percent, seconds};
 use crate::progress::Progress;
 use crate::replay::{Replay, site};
 use crate::{Error, one_trace};
+
+/// `cachealloc simulate`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct SimulateArgs {
+    /// Trace directory.
+    pub trace: PathBuf,
+    /// Allocator settings to try (default: the recorded ones), e.g. max_split_size_mb:128 or
+    /// expandable_segments:True.
+    #[arg(long)]
+    pub conf: Option<String>,
+    /// Device memory to assume, in bytes (default: the recorded device's total).
+    #[arg(long)]
+    pub capacity: Option<u64>,
+    /// The device's mapping granularity for expandable segments, in bytes (a multiple of 512).
+    #[arg(long, default_value_t = DEFAULT_GRANULARITY, value_parser = parse_granularity)]
+    pub granularity: u64,
+    /// Try a grid of configs and rank them by peak reserved.
+    #[arg(long)]
+    pub sweep: bool,
+}
+
+/// CUDA's allocation granularity on current GPUs.
+const DEFAULT_GRANULARITY: u64 = 2 << 20;
+
+fn parse_granularity(text: &str) -> Result<u64, String> {
+    match text.parse::<u64>() {
+        Ok(g) if g > 0 && g.is_multiple_of(512) => Ok(g),
+        _ => Err(format!(
+            "'{text}' is not a granularity: expected a positive multiple of 512 bytes, e.g. 2097152"
+        )),
+    }
+}
 
 /// A request, as the trace recorded it.
 #[derive(Debug, Clone, Copy)]
@@ -82,6 +119,8 @@ fn record(dir: &Path) -> Result<Recording, Error> {
     let mut ops = vec![];
     // The segment the last allocator event of each device allocated, if it was one.
     let mut fresh_segment: HashMap<u32, u64> = HashMap::new();
+    // Devices whose last allocator event mapped memory (the next allocation grew).
+    let mut fresh_map: HashSet<u32> = HashSet::new();
     let mut segments: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
     let mut live_at_start = None;
     while let Some(step) = replay.step() {
@@ -103,6 +142,11 @@ fn record(dir: &Path) -> Result<Recording, Error> {
                 .push((s.size, s.address));
             continue;
         }
+        if let Record::SegmentMap(s) = &step.record {
+            fresh_map.insert(s.device);
+            continue;
+        }
+        let mapped = step.record.device().is_some_and(|d| fresh_map.remove(&d));
         let fresh = step.record.device().and_then(|d| fresh_segment.remove(&d));
         ops.push(match step.record {
             Record::Alloc(a) => Op::Alloc {
@@ -111,7 +155,7 @@ fn record(dir: &Path) -> Result<Recording, Error> {
                 requested: a.requested,
                 stack: a.stack,
                 t: a.t,
-                grew: fresh == Some(a.address),
+                grew: fresh == Some(a.address) || mapped,
                 size: a.size,
                 stream: a.stream,
             },
@@ -216,6 +260,15 @@ impl Outcome {
     }
 }
 
+/// The device a simulation runs on.
+#[derive(Clone, Copy, Debug)]
+struct SimulatedDevice {
+    /// Its memory (default: the recorded device's).
+    capacity: Option<u64>,
+    /// Its mapping granularity.
+    granularity: u64,
+}
+
 /// Replay `rec` through `config`. With `follow_growth` (the recorded config), an allocation the
 /// run served from a new segment is served from a new segment here too (see
 /// `Allocator::malloc_from_new_segment`), and segments get the run's addresses, so that even
@@ -223,9 +276,13 @@ impl Outcome {
 fn simulate(
     rec: &Recording,
     config: &AllocatorConfig,
-    capacity: Option<u64>,
+    device: &SimulatedDevice,
     follow_growth: bool,
 ) -> Outcome {
+    let SimulatedDevice {
+        capacity,
+        granularity,
+    } = *device;
     let mut allocators: BTreeMap<u32, Allocator<SimDevice>> = BTreeMap::new();
     let mut addresses: HashMap<(u32, u64), u64> = HashMap::new();
     // Freed blocks waiting on a fence: the run's address → the simulation's.
@@ -236,7 +293,8 @@ fn simulate(
         let cap = capacity
             .or_else(|| rec.capacity.get(&device).copied())
             .unwrap_or(u64::MAX / 4);
-        let sim = SimDevice::with_fence_mode(cap, FenceMode::Manual);
+        let sim =
+            SimDevice::with_fence_mode(cap, FenceMode::Manual).with_map_granularity(granularity);
         if follow_growth {
             // The run's addresses: best fit breaks ties between equal blocks by address.
             sim.plan_addresses(rec.segments.get(&device).into_iter().flatten().copied());
@@ -371,7 +429,8 @@ fn simulate(
     out
 }
 
-/// Simulate the trace in `dir` with its recorded config, amended by `conf`.
+/// Simulate the trace in `dir` with its recorded config, amended by `conf`, on a device of the
+/// default granularity.
 pub fn simulate_dir(
     dir: &Path,
     conf: Option<&str>,
@@ -379,7 +438,11 @@ pub fn simulate_dir(
 ) -> Result<Outcome, Error> {
     let rec = record(dir)?;
     let config = config_from(&rec.config, conf)?;
-    Ok(simulate(&rec, &config.allocator, capacity, conf.is_none()))
+    let device = SimulatedDevice {
+        capacity,
+        granularity: DEFAULT_GRANULARITY,
+    };
+    Ok(simulate(&rec, &config.allocator, &device, conf.is_none()))
 }
 
 fn config_from(recorded: &str, conf: Option<&str>) -> Result<Config, Error> {
@@ -445,8 +508,11 @@ fn describe(o: &Outcome, out: &mut dyn Write) -> Result<(), Error> {
 }
 
 /// The configs `--sweep` tries, on top of the recorded one.
-const SWEEP: [&str; 9] = [
+const SWEEP: [&str; 12] = [
     "",
+    "expandable_segments:True",
+    "expandable_segments:False",
+    "expandable_segments:True,roundup_power2_divisions:4",
     "max_split_size_mb:64",
     "max_split_size_mb:256",
     "roundup_power2_divisions:4",
@@ -458,14 +524,14 @@ const SWEEP: [&str; 9] = [
 ];
 
 /// Run the command.
-pub fn run(
-    trace: &Path,
-    conf: Option<&str>,
-    capacity: Option<u64>,
-    sweep: bool,
-    out: &mut dyn Write,
-) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
+pub fn run(args: &SimulateArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let conf = args.conf.as_deref();
+    let (capacity, sweep) = (args.capacity, args.sweep);
+    let device = SimulatedDevice {
+        capacity,
+        granularity: args.granularity,
+    };
+    let dir = one_trace(&args.trace)?;
     let recorded = scan(&dir, &Progress::new("scanning"))?;
     let rec = record(&dir)?;
     writeln!(out, "recorded run ({} requests):", rec.ops.len())?;
@@ -497,7 +563,7 @@ pub fn run(
                 .collect::<Vec<_>>()
                 .join(",");
             let config = config_from(&rec.config, Some(&merged))?;
-            let o = simulate(&rec, &config.allocator, capacity, merged.is_empty());
+            let o = simulate(&rec, &config.allocator, &device, merged.is_empty());
             results.push((
                 if merged.is_empty() {
                     "(recorded)".into()
@@ -529,7 +595,7 @@ pub fn run(
         return Ok(());
     }
     let config = config_from(&rec.config, conf)?;
-    let o = simulate(&rec, &config.allocator, capacity, conf.is_none());
+    let o = simulate(&rec, &config.allocator, &device, conf.is_none());
     writeln!(out)?;
     writeln!(
         out,

@@ -161,6 +161,12 @@ fn entries<'a>(
         Record::SegmentFree(s) => {
             vec![(s.device, entry("segment_free", s.address, s.size, 0, s.t))]
         }
+        Record::SegmentMap(s) => {
+            vec![(s.device, entry("segment_map", s.address, s.size, 0, s.t))]
+        }
+        Record::SegmentUnmap(s) => {
+            vec![(s.device, entry("segment_unmap", s.address, s.size, 0, s.t))]
+        }
         Record::Oom(o) => vec![(
             o.device,
             Entry {
@@ -178,7 +184,13 @@ fn entries<'a>(
 }
 
 /// `segments`: each live segment with its blocks tiling it, gaps as `inactive` blocks.
-fn segments<'a>(state: &LiveState, frames: &'a HashMap<u32, Vec<Frame>>) -> Vec<Segment<'a>> {
+/// The live segments with their blocks; with `expandable`, each is a contiguous mapped run of
+/// an expandable segment (as PyTorch reports them).
+fn segments<'a>(
+    state: &LiveState,
+    frames: &'a HashMap<u32, Vec<Frame>>,
+    expandable: bool,
+) -> Vec<Segment<'a>> {
     let frames_of = |stack: u32| frames.get(&stack).map_or(NO_FRAMES, Vec::as_slice);
     let inactive = |address, size| Block {
         address,
@@ -231,7 +243,7 @@ fn segments<'a>(state: &LiveState, frames: &'a HashMap<u32, Vec<Frame>>) -> Vec<
             stream: 0,
             segment_type: cachealloc_recorder::schema::pool_name(seg.pool),
             segment_pool_id: (0, 0),
-            is_expandable: false,
+            is_expandable: expandable,
             frames: frames_of(seg.stack),
             blocks,
         });
@@ -298,7 +310,10 @@ fn replay_with_window(
             Record::FreeCompleted(f) => {
                 Some(allocated_at.remove(&(f.device, f.address)).unwrap_or(0))
             }
-            Record::SegmentAlloc(s) | Record::SegmentFree(s) => Some(s.stack),
+            Record::SegmentAlloc(s)
+            | Record::SegmentFree(s)
+            | Record::SegmentMap(s)
+            | Record::SegmentUnmap(s) => Some(s.stack),
             Record::Oom(o) => Some(o.stack),
             _ => None,
         };
@@ -351,10 +366,11 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Rep
             }
         }
     }
+    let allocator_settings = settings(header.as_ref().map_or("", |h| h.config.as_str()));
     let snapshot = Snapshot {
-        segments: segments(state, &frames),
+        segments: segments(state, &frames, allocator_settings.expandable_segments),
         device_traces: traces.into_iter().map(Vec::from).collect(),
-        allocator_settings: settings(header.as_ref().map_or("", |h| h.config.as_str())),
+        allocator_settings,
     };
     let file = std::fs::File::create(output)
         .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
