@@ -5,6 +5,7 @@ pub mod flamegraph;
 pub mod groups;
 pub mod perfetto;
 pub mod plot;
+pub mod replay;
 pub mod run;
 pub mod simulate;
 pub mod snapshot;
@@ -186,6 +187,10 @@ pub enum Command {
         #[arg(long)]
         sweep: bool,
     },
+    /// On a GPU: replay the trace's requests, with their threads and streams, through real
+    /// allocators (raw cudaMalloc, cudaMallocAsync, cachealloc) and compare their latency
+    /// (p50/p99/p99.9), time, peak device memory and driver calls.
+    Replay(replay::ReplayArgs),
 }
 
 /// Run `command`, writing its report to `out`.
@@ -239,6 +244,7 @@ pub fn run(command: Command, out: &mut dyn Write) -> Result<ExitCode, Error> {
             capacity,
             sweep,
         } => simulate::run(&trace, conf.as_deref(), capacity, sweep, out)?,
+        Command::Replay(args) => replay::run(&args, out)?,
     }
     Ok(ExitCode::SUCCESS)
 }
