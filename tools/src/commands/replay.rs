@@ -447,12 +447,18 @@ fn table(r: &Report, out: &mut dyn Write) -> Result<(), Error> {
         }
     )?;
     let s = &first.skipped;
-    if s.unpaired_frees + s.ooms + s.other_devices + s.tears > 0 {
-        writeln!(
-            out,
-            "left out: {} free(s) of blocks allocated before the trace began, {} request(s) the run could not serve (OOM), {} request(s) of other devices, {} torn file tail(s)",
-            s.unpaired_frees, s.ooms, s.other_devices, s.tears
-        )?;
+    let left_out: Vec<String> = [
+        (s.unpaired_frees, "free(s) of blocks allocated before the trace began"),
+        (s.ooms, "request(s) the run could not serve (OOM)"),
+        (s.other_devices, "request(s) of other devices"),
+        (s.tears, "torn file tail(s), read up to the tear"),
+    ]
+    .iter()
+    .filter(|(n, _)| *n > 0)
+    .map(|(n, what)| format!("{n} {what}"))
+    .collect();
+    if !left_out.is_empty() {
+        writeln!(out, "left out: {}", left_out.join(", "))?;
     }
     if let Some(conf) = &r.conf {
         writeln!(out, "cachealloc config: {conf}")?;
