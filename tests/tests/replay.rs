@@ -179,6 +179,13 @@ fn stream_ordered_requests_replay_on_one_stream_per_recorded_stream() {
             run["skipped"]["ooms"], ooms,
             "requests the run could not serve are left out"
         );
+        if run["backend"] == "async" {
+            assert_eq!(
+                run["streams"],
+                streams.len() as u64,
+                "one stream created per recorded stream: {run:#}"
+            );
+        }
     }
 }
 

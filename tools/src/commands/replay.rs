@@ -46,9 +46,12 @@
 //! deadlocks.
 //!
 //! **Streams.** One stream is created per distinct nonzero recorded stream handle (blocking or
-//! not as recorded when the trace saw its creation, else non-blocking), and every request on
-//! that handle uses it; the special handles `0x1` and `0x2` (legacy, per-thread) are passed as
-//! they are.
+//! not as recorded when the trace saw its creation, else non-blocking), on the first request
+//! that needs it (untimed), and every request on that handle uses it; the special handles `0x1`
+//! and `0x2` (legacy, per-thread) are passed as they are. Creating streams late matters to
+//! `cachealloc`: under `reuse:auto` its synchronous frees are reused at once until the process
+//! creates its first stream, as in the recorded run. `raw` calls need no stream (`--touch`
+//! writes on the request's stream all the same).
 //!
 //! # What is measured
 //!
@@ -241,15 +244,14 @@ pub fn run(args: &ReplayArgs, out: &mut dyn Write) -> Result<(), Error> {
         }
         medians.push(median(backend, &mine));
     }
-    let first = &runs[0];
     let report = Report {
         trace: args.trace.display().to_string(),
         device: workload.device,
         requests: workload.requests(),
         allocs: workload.allocs.len() as u64,
         frees: workload.frees,
-        threads: first.threads,
-        streams: first.streams,
+        threads: workload.threads.len() as u64,
+        streams: workload.streams.len() as u64,
         rounds: args.repeat,
         touch: options.touch,
         verify: options.verify,
@@ -425,7 +427,7 @@ fn table(r: &Report, out: &mut dyn Write) -> Result<(), Error> {
     let first = &r.runs[0];
     writeln!(
         out,
-        "replay of {} (device {}): {} requests ({} allocations, {} frees) on {} thread(s), {} stream(s){}{}",
+        "replay of {} (device {}): {} requests ({} allocations, {} frees) on {} thread(s), {} recorded stream(s){}{}",
         r.trace,
         r.device,
         r.requests,
@@ -448,7 +450,10 @@ fn table(r: &Report, out: &mut dyn Write) -> Result<(), Error> {
     )?;
     let s = &first.skipped;
     let left_out: Vec<String> = [
-        (s.unpaired_frees, "free(s) of blocks allocated before the trace began"),
+        (
+            s.unpaired_frees,
+            "free(s) of blocks allocated before the trace began",
+        ),
         (s.ooms, "request(s) the run could not serve (OOM)"),
         (s.other_devices, "request(s) of other devices"),
         (s.tears, "torn file tail(s), read up to the tear"),

@@ -2,8 +2,8 @@
 //! the measurements. The command runs it in a child process per backend (see the parent module).
 
 use std::collections::HashMap;
-use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Barrier, OnceLock};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -141,7 +141,9 @@ struct Shared<'a> {
     options: Options,
     ctx: &'a Context,
     workload: &'a Workload,
-    streams: &'a HashMap<u64, Stream>,
+    /// Per recorded stream handle, its replay stream, created on first use (so that, as in
+    /// the run, the process has no stream before its first stream-ordered request).
+    streams: &'a HashMap<u64, OnceLock<Result<Stream, String>>>,
     /// Per allocation: its pointer once issued (0 before, [`FAILED`] if refused).
     slots: Vec<AtomicU64>,
     /// Most device memory in use seen.
@@ -152,25 +154,32 @@ struct Shared<'a> {
 }
 
 impl Shared<'_> {
-    fn stream(&self, handle: u64) -> &Stream {
-        &self.streams[&handle]
+    /// The replay stream of recorded stream `handle`, created on first use (untimed).
+    fn stream(&self, handle: u64) -> Result<&Stream, String> {
+        let cell = &self.streams[&handle];
+        cell.get_or_init(|| {
+            if handle == 0 {
+                return Ok(Stream::null());
+            }
+            match Stream::special(handle) {
+                Some(s) => Ok(s),
+                None => {
+                    let flags = self.workload.streams.get(&handle).copied().unwrap_or(1);
+                    Stream::create(self.ctx, flags).map_err(|e| e.to_string())
+                }
+            }
+        })
+        .as_ref()
+        .map_err(|e| format!("creating the stream of recorded stream {handle:#x}: {e}"))
     }
 
-    fn alloc(&self, size: u64, stream: u64) -> Result<u64, CudaError> {
+    /// The stream a request's call is ordered on (`None`: the synchronous call): `raw` never
+    /// uses one, `cachealloc` for nonzero streams, `async` always.
+    fn call_stream(&self, handle: u64) -> Result<Option<&Stream>, String> {
         match self.backend {
-            Backend::Raw => cuda::alloc(size),
-            Backend::Async => self.stream(stream).alloc_async(size),
-            Backend::Cachealloc if stream == 0 => cuda::alloc(size),
-            Backend::Cachealloc => self.stream(stream).alloc_async(size),
-        }
-    }
-
-    fn free(&self, ptr: u64, stream: u64) -> Result<(), CudaError> {
-        match self.backend {
-            Backend::Raw => cuda::free(ptr),
-            Backend::Async => self.stream(stream).free_async(ptr),
-            Backend::Cachealloc if stream == 0 => cuda::free(ptr),
-            Backend::Cachealloc => self.stream(stream).free_async(ptr),
+            Backend::Raw => Ok(None),
+            Backend::Cachealloc if handle == 0 => Ok(None),
+            Backend::Async | Backend::Cachealloc => self.stream(handle).map(Some),
         }
     }
 
@@ -195,14 +204,30 @@ impl Shared<'_> {
         for op in ops {
             match *op {
                 Op::Alloc { slot, size, stream } => {
+                    let on = match self.call_stream(stream) {
+                        Ok(on) => on,
+                        Err(e) => {
+                            r.failed_allocs += 1;
+                            r.failure(e);
+                            self.slots[slot as usize].store(FAILED, Ordering::Release);
+                            continue;
+                        }
+                    };
                     let start = Instant::now();
-                    let result = self.alloc(size, stream);
+                    let result = match on {
+                        None => cuda::alloc(size),
+                        Some(s) => s.alloc_async(size),
+                    };
                     let ns = start.elapsed().as_nanos() as u64;
                     match result {
                         Ok(ptr) => {
                             r.alloc_ns.push(ns);
                             if self.options.touch {
-                                match self.stream(stream).memset(ptr, pattern(slot), size) {
+                                let touched = self.stream(stream).and_then(|s| {
+                                    s.memset(ptr, pattern(slot), size)
+                                        .map_err(|e| e.to_string())
+                                });
+                                match touched {
                                     Ok(()) => r.touched += 1,
                                     Err(e) => r.failure(format!("touching allocation {slot}: {e}")),
                                 }
@@ -240,13 +265,26 @@ impl Shared<'_> {
                         // synchronization ensured for its kernels.
                         let alloc_stream = self.workload.allocs[slot as usize].stream;
                         if alloc_stream != stream
-                            && let Err(e) = self.stream(alloc_stream).synchronize()
+                            && let Err(e) = self
+                                .stream(alloc_stream)
+                                .and_then(|s| s.synchronize().map_err(|e| e.to_string()))
                         {
                             r.failure(format!("waiting for allocation {slot}'s stream: {e}"));
                         }
                     }
+                    let on = match self.call_stream(stream) {
+                        Ok(on) => on,
+                        Err(e) => {
+                            r.failed_frees += 1;
+                            r.failure(e);
+                            continue;
+                        }
+                    };
                     let start = Instant::now();
-                    let result = self.free(ptr, stream);
+                    let result = match on {
+                        None => cuda::free(ptr),
+                        Some(s) => s.free_async(ptr),
+                    };
                     let ns = start.elapsed().as_nanos() as u64;
                     match result {
                         Ok(()) => r.free_ns.push(ns),
@@ -264,10 +302,11 @@ impl Shared<'_> {
     /// Check that the first and last byte of allocation `slot` still hold its pattern.
     fn verify(&self, slot: u32, ptr: u64, r: &mut ThreadResult) {
         let info = self.workload.allocs[slot as usize];
-        let check = || -> Result<Option<(u64, u8)>, CudaError> {
-            self.stream(info.stream).synchronize()?;
+        let check = || -> Result<Option<(u64, u8)>, String> {
+            let err = |e: CudaError| e.to_string();
+            self.stream(info.stream)?.synchronize().map_err(err)?;
             for offset in [0, info.size - 1] {
-                let byte = cuda::read_byte(ptr + offset)?;
+                let byte = cuda::read_byte(ptr + offset).map_err(err)?;
                 if byte != pattern(slot) {
                     return Ok(Some((offset, byte)));
                 }
@@ -331,15 +370,10 @@ pub fn replay(workload: &Workload, backend: Backend, options: Options) -> Result
     if backend == Backend::Async {
         ctx.keep_default_pool_memory().map_err(|e| e.to_string())?;
     }
-    let mut streams: HashMap<u64, Stream> = HashMap::new();
-    streams.insert(0, Stream::null());
-    for (&handle, &flags) in &workload.streams {
-        let stream = match Stream::special(handle) {
-            Some(s) => s,
-            None => Stream::create(&ctx, flags).map_err(|e| e.to_string())?,
-        };
-        streams.insert(handle, stream);
-    }
+    let streams: HashMap<u64, OnceLock<Result<Stream, String>>> = std::iter::once(0)
+        .chain(workload.streams.keys().copied())
+        .map(|handle| (handle, OnceLock::new()))
+        .collect();
     ctx.synchronize().map_err(|e| e.to_string())?;
     let (free, total) = ctx.mem_info().map_err(|e| e.to_string())?;
     let baseline = total.saturating_sub(free);
@@ -422,7 +456,13 @@ pub fn replay(workload: &Workload, backend: Backend, options: Options) -> Result
         driver_calls,
         pooled_allocs,
         threads: workload.threads.len() as u64,
-        streams: streams.values().filter(|s| !s.is_null()).count() as u64,
+        streams: streams
+            .values()
+            .filter(|s| {
+                s.get()
+                    .is_some_and(|s| s.as_ref().is_ok_and(|s| !s.is_null()))
+            })
+            .count() as u64,
         touched: sum(|r| r.touched),
         verified: sum(|r| r.verified),
         overwritten: sum(|r| r.overwritten),
