@@ -74,7 +74,7 @@ pub mod cuda;
 pub mod worker;
 pub mod workload;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
@@ -222,7 +222,7 @@ pub fn run(args: &ReplayArgs, out: &mut dyn Write) -> Result<(), Error> {
     let mut runs: Vec<Measured> = vec![];
     for round in 0..args.repeat {
         for &backend in &args.backend {
-            if !args.json {
+            if !args.json && std::io::stderr().is_terminal() {
                 eprintln!(
                     "cachealloc replay: {} (round {} of {})",
                     backend.name(),
@@ -353,7 +353,8 @@ fn child(args: &ReplayArgs, backend: Backend, lib: Option<&Path>) -> Result<Meas
         .map_err(|e| format!("cannot run the replay: {e}"))?;
     if !output.status.success() {
         return Err(Error::Message(format!(
-            "--backend {}: the replay failed ({}; its message is above)",
+            "{}: --backend {}: the replay failed ({}; its message is above)",
+            args.trace.display(),
             backend.name(),
             output.status
         )));
