@@ -285,7 +285,11 @@ pub fn run(args: &ReplayArgs, out: &mut dyn Write) -> Result<(), Error> {
         .iter()
         .any(|m| m.overwritten > 0 || m.failed_frees > 0)
     {
-        return Err(Error::Message(failed.join("\n")));
+        return Err(Error::Message(format!(
+            "{}: {}",
+            report.trace,
+            failed.join("\n")
+        )));
     }
     for f in failed {
         eprintln!("cachealloc replay: {f}");
