@@ -1,7 +1,7 @@
 //! A trace's requests as a workload to replay: per recorded thread, its allocations and frees
 //! in recorded order, each free paired with the allocation it frees.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use cachealloc_recorder::Record;
@@ -84,146 +84,167 @@ impl Workload {
 }
 
 /// Read `path` (a trace directory, a directory holding exactly one, or one `trace-NNNNNN.cat`
-/// file) into the workload of recorded device `device` (default: the trace's only device).
-/// Refuses, naming what is missing, a trace without allocations, one of several devices without
-/// `device`, and one whose first files were rotated away (unless `partial`).
+/// file) into the workload of recorded device `device` (default: the trace's only device),
+/// streaming its records. Refuses, naming what is missing, a trace without allocations, one of
+/// several devices without `device`, and one whose first files were rotated away (unless
+/// `partial`).
 pub fn read(path: &Path, device: Option<u32>, partial: bool) -> Result<Workload, Error> {
-    let mut records: Vec<(usize, Record)> = vec![];
-    let mut tears = 0;
-    if path.is_file() {
-        let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let (read, tear) = read_file(path, &bytes).map_err(|e| e.to_string())?;
-        tears += u64::from(tear.is_some());
-        records.extend(read.into_iter().map(|r| (0, r)));
+    let name = path.display().to_string();
+    let workload = if path.is_file() {
+        let bytes = std::fs::read(path).map_err(|e| format!("{name}: {e}"))?;
+        let (records, tear) = read_file(path, &bytes).map_err(|e| e.to_string())?;
+        let mut w = build(
+            records.into_iter().map(|r| Ok((0, r))),
+            device,
+            partial,
+            &name,
+        )?;
+        w.skipped.tears = u64::from(tear.is_some());
+        w
     } else {
         let dir = one_trace(path)?;
         let mut reader = TraceReader::open(&dir).map_err(|e| e.to_string())?;
-        for item in reader.by_ref() {
-            let item = item.map_err(|e| e.to_string())?;
-            records.push((item.file, item.record));
+        let items = reader.by_ref().map(|item| {
+            item.map(|i| (i.file, i.record))
+                .map_err(|e| Error::Message(e.to_string()))
+        });
+        let mut w = build(items, device, partial, &name)?;
+        w.skipped.tears = reader.tears().len() as u64;
+        w
+    };
+    Ok(workload)
+}
+
+/// One device's workload while it is being read.
+#[derive(Default)]
+struct Builder {
+    w: Workload,
+    /// The live allocation of each recorded address: its slot.
+    live: HashMap<u64, u32>,
+}
+
+/// The workload of `records` (each with the index of the file it came from).
+fn build(
+    records: impl Iterator<Item = Result<(usize, Record), Error>>,
+    device: Option<u32>,
+    partial: bool,
+    name: &str,
+) -> Result<Workload, Error> {
+    let mut devices: BTreeMap<u32, Builder> = BTreeMap::new();
+    let mut header_seen = false;
+    let mut in_checkpoint = false;
+    for item in records {
+        let (file, record) = item?;
+        match record {
+            Record::Header(h) => {
+                in_checkpoint = true;
+                if !header_seen && h.file_index > 0 && !partial {
+                    return Err(Error::Message(format!(
+                        "{name}: the trace's first {n} file(s) were rotated away (its oldest \
+                         file is number {n}): the requests before it are missing, so a replay \
+                         would not be the run's workload. Raise trace_files/trace_file_mb when \
+                         recording, or pass --partial to replay what is left",
+                        n = h.file_index
+                    )));
+                }
+                header_seen = true;
+            }
+            Record::CheckpointEnd(_) => in_checkpoint = false,
+            Record::CheckpointBlock(b) if in_checkpoint && file == 0 => {
+                devices.entry(b.device).or_default().w.skipped.live_at_start += 1;
+            }
+            Record::StreamCreated(s) if s.stream != 0 => {
+                devices
+                    .entry(s.device)
+                    .or_default()
+                    .w
+                    .streams
+                    .insert(s.stream, s.flags);
+            }
+            Record::Alloc(a) => {
+                let b = devices.entry(a.device).or_default();
+                let slot = u32::try_from(b.w.allocs.len())
+                    .map_err(|_| format!("{name}: more than 2^32 allocations"))?;
+                let size = a.requested.max(1);
+                b.w.allocs.push(AllocInfo {
+                    size,
+                    stream: a.stream,
+                    thread: a.thread,
+                });
+                if a.stream != 0 {
+                    b.w.streams.entry(a.stream).or_insert(1);
+                }
+                b.live.insert(a.address, slot);
+                b.w.threads.entry(a.thread).or_default().push(Op::Alloc {
+                    slot,
+                    size,
+                    stream: a.stream,
+                });
+            }
+            Record::Free(f) | Record::FreeRequested(f) => {
+                let b = devices.entry(f.device).or_default();
+                let Some(slot) = b.live.remove(&f.address) else {
+                    b.w.skipped.unpaired_frees += 1;
+                    continue;
+                };
+                if f.stream != 0 {
+                    b.w.streams.entry(f.stream).or_insert(1);
+                }
+                b.w.frees += 1;
+                b.w.threads.entry(f.thread).or_default().push(Op::Free {
+                    slot,
+                    stream: f.stream,
+                });
+            }
+            Record::Oom(o) => devices.entry(o.device).or_default().w.skipped.ooms += 1,
+            _ => {}
         }
-        tears += reader.tears().len() as u64;
     }
-    let name = path.display();
-    let first_header = records.iter().find_map(|(_, r)| match r {
-        Record::Header(h) => Some(h.clone()),
-        _ => None,
-    });
-    let Some(header) = first_header else {
+    if !header_seen {
         return Err(Error::Message(format!(
             "{name}: not a replayable trace: it holds no file header (an empty or unreadable \
              trace file)"
         )));
-    };
-    if header.file_index > 0 && !partial {
-        return Err(Error::Message(format!(
-            "{name}: the trace's first {} file(s) were rotated away (its oldest file is number \
-             {}): the requests before it are missing, so a replay would not be the run's \
-             workload. Raise trace_files/trace_file_mb when recording, or pass --partial to \
-             replay what is left",
-            header.file_index, header.file_index
-        )));
     }
-    build(records, device, tears, &name.to_string())
-}
-
-/// The workload of `records` (with the index of the file each came from).
-fn build(
-    records: Vec<(usize, Record)>,
-    device: Option<u32>,
-    tears: u64,
-    name: &str,
-) -> Result<Workload, Error> {
     // Devices that allocated, to choose and to name.
-    let devices: BTreeSet<u32> = records
-        .iter()
-        .filter_map(|(_, r)| match r {
-            Record::Alloc(a) => Some(a.device),
-            _ => None,
-        })
-        .collect();
-    let list = |d: &BTreeSet<u32>| d.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
-    let device = match (device, devices.len()) {
+    devices.retain(|_, b| !b.w.allocs.is_empty());
+    let list = || {
+        devices
+            .keys()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let chosen = match (device, devices.len()) {
         (_, 0) => {
             return Err(Error::Message(format!(
                 "{name}: nothing to replay: the trace has no allocation records (the program \
                  made no CUDA allocation while it was traced)"
             )));
         }
-        (Some(d), _) if !devices.contains(&d) => {
+        (Some(d), _) if !devices.contains_key(&d) => {
             return Err(Error::Message(format!(
                 "{name}: the trace has no allocations on device {d} (it allocated on device(s) {})",
-                list(&devices)
+                list()
             )));
         }
         (Some(d), _) => d,
-        (None, 1) => *devices.iter().next().expect("one device"),
+        (None, 1) => *devices.keys().next().expect("one device"),
         (None, _) => {
             return Err(Error::Message(format!(
                 "{name}: the trace allocated on devices {}: choose one with --device",
-                list(&devices)
+                list()
             )));
         }
     };
-    let mut w = Workload {
-        device,
-        ..Workload::default()
-    };
-    w.skipped.tears = tears;
-    // The live allocation of each recorded address: its slot.
-    let mut live: HashMap<u64, u32> = HashMap::new();
-    let mut in_checkpoint = false;
-    for (f, record) in records {
-        match record {
-            Record::Header(_) => in_checkpoint = true,
-            Record::CheckpointEnd(_) => in_checkpoint = false,
-            Record::CheckpointBlock(b) if in_checkpoint && f == 0 && b.device == device => {
-                w.skipped.live_at_start += 1;
-            }
-            Record::StreamCreated(s) if s.device == device && s.stream != 0 => {
-                w.streams.insert(s.stream, s.flags);
-            }
-            Record::Alloc(a) if a.device != device => w.skipped.other_devices += 1,
-            Record::Alloc(a) => {
-                let slot = u32::try_from(w.allocs.len())
-                    .map_err(|_| format!("{name}: more than 2^32 allocations"))?;
-                w.allocs.push(AllocInfo {
-                    size: a.requested.max(1),
-                    stream: a.stream,
-                    thread: a.thread,
-                });
-                if a.stream != 0 {
-                    w.streams.entry(a.stream).or_insert(1);
-                }
-                live.insert(a.address, slot);
-                w.threads.entry(a.thread).or_default().push(Op::Alloc {
-                    slot,
-                    size: a.requested.max(1),
-                    stream: a.stream,
-                });
-            }
-            Record::Free(fr) | Record::FreeRequested(fr) => {
-                if fr.device != device {
-                    w.skipped.other_devices += 1;
-                    continue;
-                }
-                let Some(slot) = live.remove(&fr.address) else {
-                    w.skipped.unpaired_frees += 1;
-                    continue;
-                };
-                if fr.stream != 0 {
-                    w.streams.entry(fr.stream).or_insert(1);
-                }
-                w.frees += 1;
-                w.threads.entry(fr.thread).or_default().push(Op::Free {
-                    slot,
-                    stream: fr.stream,
-                });
-            }
-            Record::Oom(o) if o.device == device => w.skipped.ooms += 1,
-            _ => {}
-        }
-    }
+    let other_devices: u64 = devices
+        .iter()
+        .filter(|(d, _)| **d != chosen)
+        .map(|(_, b)| b.w.requests())
+        .sum();
+    let mut w = devices.remove(&chosen).expect("chosen among them").w;
+    w.device = chosen;
+    w.skipped.other_devices = other_devices;
     Ok(w)
 }
 
@@ -275,13 +296,10 @@ mod tests {
         })
     }
 
-    fn records(list: Vec<Record>) -> Vec<(usize, Record)> {
-        let mut all = vec![
-            (0, header(0)),
-            (0, Record::CheckpointEnd(CheckpointEnd { t: 0 })),
-        ];
-        all.extend(list.into_iter().map(|r| (0, r)));
-        all
+    fn records(list: Vec<Record>) -> impl Iterator<Item = Result<(usize, Record), Error>> {
+        let mut all = vec![header(0), Record::CheckpointEnd(CheckpointEnd { t: 0 })];
+        all.extend(list);
+        all.into_iter().map(|r| Ok((0, r)))
     }
 
     #[test]
@@ -297,7 +315,7 @@ mod tests {
                 free(0, 0x100, 1),
             ]),
             None,
-            0,
+            false,
             "t",
         )
         .unwrap();
@@ -334,14 +352,25 @@ mod tests {
             Err(Error::Message(m)) => m,
             other => panic!("expected a refusal, got {other:?}"),
         };
-        let m = err(build(records(vec![free(0, 1, 1)]), None, 0, "t"));
+        let m = err(build(records(vec![free(0, 1, 1)]), None, false, "t"));
         assert!(m.contains("no allocation records"), "{m}");
         let two = || records(vec![alloc(0, 1, 1, 1), alloc(1, 1, 1, 1)]);
-        let m = err(build(two(), None, 0, "t"));
+        let m = err(build(two(), None, false, "t"));
         assert!(m.contains("devices 0, 1") && m.contains("--device"), "{m}");
-        let m = err(build(two(), Some(3), 0, "t"));
+        let m = err(build(two(), Some(3), false, "t"));
         assert!(m.contains("no allocations on device 3"), "{m}");
-        let w = build(two(), Some(1), 0, "t").unwrap();
+        let w = build(two(), Some(1), false, "t").unwrap();
         assert_eq!((w.allocs.len(), w.skipped.other_devices), (1, 1));
+        // The oldest file left is number 2: files 0 and 1 were rotated away.
+        let rotated = || {
+            vec![header(2), alloc(0, 1, 1, 1)]
+                .into_iter()
+                .map(|r| Ok((0, r)))
+        };
+        let m = err(build(rotated(), None, false, "t"));
+        assert!(m.contains("rotated away") && m.contains("--partial"), "{m}");
+        assert_eq!(build(rotated(), None, true, "t").unwrap().allocs.len(), 1);
+        let m = err(build(std::iter::empty(), None, false, "t"));
+        assert!(m.contains("no file header"), "{m}");
     }
 }
