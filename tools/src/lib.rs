@@ -6,6 +6,7 @@
 //! cachealloc summary cachealloc-trace/host-1234
 //! cachealloc snapshot TRACE --at-peak -o snap.pickle   # for PyTorch's memory viewer
 //! cachealloc simulate TRACE --conf max_split_size_mb:128
+//! cachealloc replay TRACE --backend raw,async,cachealloc   # on a GPU: real allocators compared
 //! ```
 //!
 //! # Where things are
@@ -15,7 +16,7 @@
 //! | [`replay`] | records in order with the live state after each: every command starts here |
 //! | [`analysis`] | one pass: peaks and when, counts, OOMs, drops, annotations |
 //! | [`stats`] | PyTorch `memory_stats` keys over a replay |
-//! | [`commands`] | one module per subcommand |
+//! | [`commands`] | one module per subcommand ([`commands::replay`]: the only one that calls CUDA) |
 //! | [`format`](mod@format), [`progress`] | numbers for people, spinners on long passes |
 //!
 //! A `TRACE` argument is a per-process trace directory (`<host>-<pid>[-rank<R>]`) or a directory

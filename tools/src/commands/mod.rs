@@ -5,6 +5,7 @@ pub mod flamegraph;
 pub mod groups;
 pub mod perfetto;
 pub mod plot;
+pub mod replay;
 pub mod run;
 pub mod simulate;
 pub mod snapshot;
@@ -174,6 +175,10 @@ pub enum Command {
     /// Replay the trace's requests through the allocator with another config: peak reserved,
     /// fragmentation, device calls, and the first request that would fail.
     Simulate(simulate::SimulateArgs),
+    /// On a GPU: replay the trace's requests, with their threads and streams, through real
+    /// allocators (raw cudaMalloc, cudaMallocAsync, cachealloc) and compare their latency
+    /// (p50/p99/p99.9), time, peak device memory and driver calls.
+    Replay(replay::ReplayArgs),
 }
 
 /// Run `command`, writing its report to `out`.
@@ -222,6 +227,7 @@ pub fn run(command: Command, out: &mut dyn Write) -> Result<ExitCode, Error> {
         Command::Leaks { trace, top } => groups::leaks(&trace, top, out)?,
         Command::Peak { trace, top } => groups::peak(&trace, top, out)?,
         Command::Simulate(args) => simulate::run(&args, out)?,
+        Command::Replay(args) => replay::run(&args, out)?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -9,7 +9,7 @@ use crate::Error;
 
 /// Where `libcachealloc.so` is: `--lib`, else next to this binary (`bin/../lib/` or the same
 /// directory, as `cargo build` leaves it).
-fn library(lib: Option<PathBuf>) -> Result<PathBuf, Error> {
+pub(crate) fn library(lib: Option<PathBuf>) -> Result<PathBuf, Error> {
     if let Some(lib) = lib {
         return Ok(lib);
     }
