@@ -6,7 +6,9 @@
 # mlp_train.py and gpt2_train.py. Builds the C test programs of tests/programs with
 # `nvcc -cudart shared` (the runtime's door; scripts/gpu/doors.sh covers nvcc's static default
 # and the driver's doors), runs them under the shim,
-# then runs the training workloads with and without it and checks that the losses agree to 1e-6.
+# again with expandable_segments:True (CUDA virtual memory), then runs the training workloads
+# (and infer_varbatch.py) natively and under the shim, with fixed and with expandable segments,
+# and checks that the losses agree to 1e-6.
 # Prints one PASS/FAIL line per check and exits non-zero if any failed.
 set -uo pipefail
 LIB="$(realpath "$1")/libcachealloc.so"
@@ -59,6 +61,20 @@ run entry_point X=1 --
 run load X=1 -- 4 300 1
 run exit_paths X=1 -- thread
 run exit_paths X=1 -- signals
+# Expandable segments (CUDA's virtual memory): the same programs, pooled by mapping.
+EXP=CACHEALLOC_CONF=expandable_segments:True
+run basic "$EXP" --
+run race "$EXP" -- nonblocking
+run threads "$EXP" -- 8 300
+run load "$EXP" -- 4 300 1
+run stream_ordered "$EXP" --
+run graph_capture "$EXP" --
+run multi_gpu "$EXP" --
+run device_reset "$EXP" --
+run fork "$EXP" --
+run oom CACHEALLOC_CONF=expandable_segments:True,per_process_memory_fraction:0.001 --
+out=$(CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" "$BIN/threads" 4 100 2>&1)
+if echo "$out" | grep -q "maps into expandable segments"; then pass "expandable segments engaged"; else fail "expandable segments engaged"; echo "$out" | tail -3; fi
 
 # Control: without fences the race must be caught.
 out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
@@ -118,18 +134,22 @@ out=$(LD_PRELOAD="$LIB" timeout 300 python3 "$WORK/torch_memory_api.py" 2>&1)
 echo "$out" | grep -E '^(api|cachealloc:)' | tail -14
 if echo "$out" | grep -q '^api result=PASS'; then pass "torch_memory_api.py"; else fail "torch_memory_api.py"; fi
 
-# Training: losses with and without the shim agree.
-for w in mlp_train gpt2_train multistream; do
+# Training: losses with and without the shim agree, with fixed and with expandable segments.
+for w in mlp_train gpt2_train multistream infer_varbatch; do
     script="$WORK/$w.py"; [ -f "$script" ] || script="scripts/gpu/$w.py"
     native=$(python3 "$script" 2>&1 | grep '^workload=')
-    shim=$(LD_PRELOAD="$LIB" python3 "$script" 2>&1 | grep -E '^(workload=|cachealloc:)')
-    echo "native: $native"; echo "shim:   $shim"
-    a=$(echo "$native" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p'); b=$(echo "$shim" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p')
-    if [ -n "$a" ] && [ -n "$b" ] && python3 -c "import sys; sys.exit(0 if abs($a - $b) <= 1e-6 else 1)"; then
-        pass "$w loss $a == $b"
-    else
-        fail "$w loss native=$a shim=$b"
-    fi
+    a=$(echo "$native" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p')
+    echo "native: $native"
+    for conf in "" expandable_segments:True; do
+        shim=$(CACHEALLOC_CONF="$conf" LD_PRELOAD="$LIB" python3 "$script" 2>&1 | grep -E '^(workload=|cachealloc:)')
+        echo "shim $conf: $shim"
+        b=$(echo "$shim" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p')
+        if [ -n "$a" ] && [ -n "$b" ] && python3 -c "import sys; sys.exit(0 if abs($a - $b) <= 1e-6 else 1)"; then
+            pass "$w $conf loss $a == $b"
+        else
+            fail "$w $conf loss native=$a shim=$b"
+        fi
+    done
 done
 [ "$FAILED" = 0 ] && echo "ALL PASSED" || echo "SOME FAILED"
 exit "$FAILED"

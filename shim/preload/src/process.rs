@@ -88,6 +88,8 @@ pub struct ExitFacts {
     pub unpooled: bool,
     /// Each pooled device's stats.
     pub stats: Vec<(usize, Stats)>,
+    /// The pooled devices that grow expandable segments.
+    pub expandable: Vec<usize>,
     /// Allocations that passed through (`pool:off`, or after an internal failure).
     pub passthrough_mallocs: u64,
     /// Driver-level allocations in contexts other than the primary ones (not pooled).
@@ -256,10 +258,15 @@ impl Shim {
             Err(why) => format!("no trace ({why})"),
         };
         let stats = self.stats();
+        let expandable = (self.devices.iter().enumerate())
+            .filter(|(_, slot)| slot.get().is_some_and(|p| p.alloc.expandable()))
+            .map(|(d, _)| d)
+            .collect();
         ExitFacts {
             trace_note,
             unpooled: self.driver.is_none() || (stats.is_empty() && !self.pooling()),
             stats,
+            expandable,
             passthrough_mallocs: self.passthrough_mallocs.load(Ordering::Relaxed),
             unpooled_context_mallocs: self.unpooled_context_mallocs.load(Ordering::Relaxed),
         }

@@ -35,9 +35,14 @@ pub fn exit_summary() {
     }
     for (device, s) in &facts.stats {
         let requests = s.num_cache_hits + s.num_device_alloc;
+        let (allocs, frees) = if facts.expandable.contains(device) {
+            ("maps into expandable segments", "unmaps")
+        } else {
+            ("device allocations", "device frees")
+        };
         log::info!(
             "pid {pid} device {device}: peak allocated {}, peak reserved {}; {} of {} allocations served from the \
-             cache, {} device allocations, {} device frees, {} OOMs, {} fence waits; {trace_note}",
+             cache, {} {allocs}, {} {frees}, {} OOMs, {} fence waits; {trace_note}",
             format_bytes(s.allocated_bytes.all.peak as u64),
             format_bytes(s.reserved_bytes.all.peak as u64),
             s.num_cache_hits,

@@ -1,0 +1,85 @@
+// What mapping costs: CUDA's virtual memory calls for 2 MiB and 20 MiB, the way cachealloc's
+// expandable segments make them (one cuMemCreate + cuMemMap per 2 MiB granule, one
+// cuMemSetAccess per map; per granule cuMemUnmap), against one handle for the whole size and
+// against cudaMalloc/cudaFree of the same size. Medians of REPS rounds, in microseconds.
+//   nvcc -O2 -o map_cost scripts/gpu/map_cost.cu -lcuda && ./map_cost [REPS]
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x) do { CUresult r = (x); if (r != CUDA_SUCCESS) { printf("%s: %d\n", #x, r); exit(1); } } while (0)
+
+static double now_us() {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+
+int main(int argc, char **argv) {
+    int reps = argc > 1 ? atoi(argv[1]) : 200;
+    cudaFree(0);
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    size_t g = 0;
+    CHECK(cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    CUmemAccessDesc access = {};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUdeviceptr range;
+    size_t range_size = 64 * g;
+    CHECK(cuMemAddressReserve(&range, range_size, g, 0, 0));
+    printf("granularity %zu bytes\n", g);
+    for (size_t size : {2ul << 20, 20ul << 20}) {
+        size_t n = size / g;
+        std::vector<double> map_per_granule, unmap_per_granule, map_one, unmap_one, cmalloc, cfree;
+        for (int r = 0; r < reps; r++) {
+            // cachealloc's way: a handle per granule, released once mapped.
+            double t0 = now_us();
+            for (size_t i = 0; i < n; i++) {
+                CUmemGenericAllocationHandle h;
+                CHECK(cuMemCreate(&h, g, &prop, 0));
+                CHECK(cuMemMap(range + i * g, g, 0, h, 0));
+                CHECK(cuMemRelease(h));
+            }
+            CHECK(cuMemSetAccess(range, size, &access, 1));
+            double t1 = now_us();
+            CHECK(cuCtxSynchronize());
+            for (size_t i = 0; i < n; i++) CHECK(cuMemUnmap(range + i * g, g));
+            double t2 = now_us();
+            map_per_granule.push_back(t1 - t0);
+            unmap_per_granule.push_back(t2 - t1);
+            // One handle for the whole size.
+            t0 = now_us();
+            CUmemGenericAllocationHandle h;
+            CHECK(cuMemCreate(&h, size, &prop, 0));
+            CHECK(cuMemMap(range, size, 0, h, 0));
+            CHECK(cuMemRelease(h));
+            CHECK(cuMemSetAccess(range, size, &access, 1));
+            t1 = now_us();
+            CHECK(cuCtxSynchronize());
+            CHECK(cuMemUnmap(range, size));
+            t2 = now_us();
+            map_one.push_back(t1 - t0);
+            unmap_one.push_back(t2 - t1);
+            // cudaMalloc / cudaFree.
+            void *p;
+            t0 = now_us();
+            cudaMalloc(&p, size);
+            t1 = now_us();
+            cudaFree(p);
+            t2 = now_us();
+            cmalloc.push_back(t1 - t0);
+            cfree.push_back(t2 - t1);
+        }
+        printf("map_cost size_MiB=%zu granule_handles_map_us=%.1f granule_handles_unmap_us=%.1f "
+               "one_handle_map_us=%.1f one_handle_unmap_us=%.1f cudaMalloc_us=%.1f cudaFree_us=%.1f\n",
+               size >> 20, median(map_per_granule), median(unmap_per_granule), median(map_one),
+               median(unmap_one), median(cmalloc), median(cfree));
+    }
+    return 0;
+}
