@@ -56,29 +56,37 @@
  *    a blocking stream captures fails with 906 and invalidates it too. cuStreamEndCapture then
  *    fails with 901.
  *  - One default memory pool per device, whose attributes report the device's used memory.
- *  - Virtual memory management (CUDA 10.2's VMM API, which expandable segments and XLA use):
+ *  - Virtual memory management (CUDA 10.2's VMM API, which expandable segments and XLA use),
+ *    with the semantics and error codes of CUDA 13.0 (driver 580) as measured on an H100
+ *    (tests/programs/vmm.c passes on both). The calls need cuInit, not a current context.
  *    cuMemGetAllocationGranularity answers 2 MiB (minimum and recommended), or
  *    FAKECUDA_VMM_GRANULARITY_KB (a power of two of pages), for pinned memory of one of our
- *    devices (else CUDA_ERROR_INVALID_VALUE; Windows or fabric handles and compression:
- *    CUDA_ERROR_NOT_SUPPORTED). Sizes, addresses and offsets must be multiples of it.
+ *    devices; else CUDA_ERROR_INVALID_VALUE (stricter than CUDA, which answers whatever the
+ *    type, location or device); Windows or fabric handles and compression:
+ *    CUDA_ERROR_NOT_SUPPORTED. Sizes and addresses must be multiples of it.
  *    cuMemAddressReserve reserves a PROT_NONE, MAP_NORESERVE range (free of cost however large;
  *    aligned to the granularity or to a larger power-of-two alignment; the address is a hint);
  *    cuMemAddressFree takes a whole reservation back, and refuses while anything is mapped in
- *    it. cuMemCreate makes physical memory, a memfd filled with garbage, counted against the
- *    device's capacity like cuMemAlloc_v2 (cuMemGetInfo, CUDA_ERROR_OUT_OF_MEMORY,
- *    FAKECUDA_FAULT=oom_every:N); it returns to the capacity once its handles are all released
- *    (cuMemRelease; cuMemRetainAllocationHandle adds one) and no mapping of it remains.
- *    cuMemMap maps part of it (MAP_SHARED|MAP_FIXED) inside one reservation, over nothing
- *    mapped, with no access: touching it faults, as on a GPU, and copies and memsets refuse it,
- *    until cuMemSetAccess grants access (READ: readable, READWRITE: writable too, for the
- *    devices together). cuMemSetAccess and cuMemUnmap take whole mappings only, adjacent ones
- *    together (CUDA cannot unmap part of a mapping); an unmapped range is reserved and
- *    PROT_NONE again. Like CUDA's, cuMemUnmap and cuMemRelease do not wait for queued work on
- *    the memory: such work then faults (SIGSEGV). Copies and memsets accept device ranges that
- *    run across adjacent mappings; cuMemGetAddressRange_v2 and cuPointerGetAttribute answer a
- *    mapping's range (no context: NULL; CU_POINTER_ATTRIBUTE_MAPPED: 1; a buffer id per
- *    mapping). VMM memory belongs to no context (a context reset leaves it alone). These calls
- *    need cuInit, not a current context. cuMemGetAccess and
+ *    it. cuMemCreate makes physical memory (an unknown device: CUDA_ERROR_INVALID_DEVICE), a
+ *    memfd filled with garbage, counted against the device's capacity like cuMemAlloc_v2
+ *    (cuMemGetInfo, CUDA_ERROR_OUT_OF_MEMORY, FAKECUDA_FAULT=oom_every:N); it returns to the
+ *    capacity once its handles are all released (cuMemRelease; cuMemRetainAllocationHandle
+ *    adds one) and no mapping of it remains; a handle released while mapped still maps it.
+ *    cuMemMap maps all of the memory (an offset, or a size other than the memory's:
+ *    CUDA_ERROR_NOT_SUPPORTED), granule-aligned, inside one reservation (CUDA lets a mapping
+ *    run past a reservation's end, into its own slack: fakecuda refuses), over nothing mapped,
+ *    with no access: touching it faults, as on a GPU, and copies and memsets refuse it, until
+ *    cuMemSetAccess grants access (READ: readable, READWRITE: writable too, for the devices
+ *    together) over adjacent whole mappings, no part of one and no gap. cuMemUnmap unmaps the
+ *    mappings inside a range of one reservation, which must cut none (CUDA cannot unmap part of
+ *    a mapping); unmapped stretches in it are fine, so a range with nothing mapped succeeds; an
+ *    unmapped range is reserved and PROT_NONE again. Like CUDA's, cuMemUnmap and cuMemRelease
+ *    do not wait for queued work on the memory: such work then faults (SIGSEGV). Copies and
+ *    memsets accept device ranges that run across adjacent mappings; cuMemGetAddressRange_v2
+ *    and cuPointerGetAttribute answer a mapping's range (no context: NULL;
+ *    CU_POINTER_ATTRIBUTE_MAPPED: 1; a buffer id per mapping), and an unmapped address of a
+ *    reservation is CUDA_ERROR_NOT_FOUND for cuMemGetAddressRange_v2. VMM memory belongs to no
+ *    context (a context reset leaves it alone). cuMemGetAccess and
  *    cuMemGetAllocationPropertiesFromHandle answer; shareable handles
  *    (cuMemExportToShareableHandle, cuMemImportFromShareableHandle) are not supported.
  *  - FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 or cuMemCreate (one count) fails with
@@ -492,6 +500,13 @@ static fc_mapping *find_mapping_locked(const char *p) {
     return NULL;
 }
 
+/* The reservation holding all of [p, p+n), or NULL. */
+static fc_reservation *reservation_of_locked(char *p, size_t n) {
+    for (fc_reservation *r = g_reservations; r; r = r->next)
+        if (p >= r->base && p < r->base + r->size && n <= (size_t)(r->base + r->size - p)) return r;
+    return NULL;
+}
+
 /* The access every device has to a mapping, together (device memory is host memory here). */
 static unsigned mapping_access(const fc_mapping *m) {
     unsigned a = 0;
@@ -873,7 +888,12 @@ static CUresult d_mem_get_address_range(CUdeviceptr *base, size_t *size, CUdevic
     lock();
     fc_alloc *a = find_alloc_locked(ptr_of(ptr), 1);
     fc_mapping *m = a ? NULL : find_mapping_locked(ptr_of(ptr));
-    if (!a && !m) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    if (!a && !m) {
+        /* An unmapped address of a reservation is not found (CUDA 13.0, measured). */
+        CUresult r = reservation_of_locked(ptr_of(ptr), 1) ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
+        unlock();
+        return r;
+    }
     if (base) *base = dptr_of(a ? a->ptr : m->ptr);
     if (size) *size = a ? a->size : m->size;
     unlock();
@@ -1063,12 +1083,12 @@ static size_t vmm_granularity(void) {
     return g;
 }
 
-/* Pinned device memory of a device of ours; POSIX file descriptor handles may be asked for
- * (never exported here), the other kinds and compression are not supported. */
-static CUresult check_alloc_prop(const CUmemAllocationProp *prop) {
-    if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
-        !valid_device(prop->location.id))
+/* Pinned device memory of a device of ours (else `bad_device`); POSIX file descriptor handles
+ * may be asked for (never exported here), the other kinds and compression are not supported. */
+static CUresult check_alloc_prop(const CUmemAllocationProp *prop, CUresult bad_device) {
+    if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(prop->location.id)) return bad_device;
     switch (prop->requestedHandleTypes) {
     case CU_MEM_HANDLE_TYPE_NONE: case CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: break;
     case CU_MEM_HANDLE_TYPE_WIN32: case CU_MEM_HANDLE_TYPE_WIN32_KMT: case CU_MEM_HANDLE_TYPE_FABRIC:
@@ -1087,7 +1107,8 @@ static CUresult d_mem_get_granularity(size_t *granularity, const CUmemAllocation
     if (!granularity) return CUDA_ERROR_INVALID_VALUE;
     if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
         return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = check_alloc_prop(prop);
+    /* (Stricter than CUDA 13.0's, which answers whatever the type, location or device.) */
+    CUresult r = check_alloc_prop(prop, CUDA_ERROR_INVALID_VALUE);
     if (r != CUDA_SUCCESS) return r;
     *granularity = vmm_granularity();
     return CUDA_SUCCESS;
@@ -1169,7 +1190,7 @@ static CUresult d_mem_create(CUmemGenericAllocationHandle *handle, size_t size, 
                              unsigned long long flags) {
     NEED_INIT();
     if (!handle || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = check_alloc_prop(prop);
+    CUresult r = check_alloc_prop(prop, CUDA_ERROR_INVALID_DEVICE);
     if (r != CUDA_SUCCESS) return r;
     if (!vmm_aligned(size)) return CUDA_ERROR_INVALID_VALUE;
     int dev = prop->location.id;
@@ -1221,24 +1242,22 @@ static CUresult d_mem_release(CUmemGenericAllocationHandle handle) {
 }
 
 /* Granule-aligned, inside one reservation, over nothing mapped; no access until
- * cuMemSetAccess. */
+ * cuMemSetAccess. As CUDA 13.0 does (measured), a mapping maps all of its memory: an offset or
+ * a size other than the memory's is CUDA_ERROR_NOT_SUPPORTED (checked before the overlap). A
+ * handle released while its memory is still mapped elsewhere may be mapped again. */
 static CUresult d_mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                           unsigned long long flags) {
     NEED_INIT();
-    if (size == 0 || flags != 0 || !vmm_aligned(ptr) || !vmm_aligned(size) || !vmm_aligned(offset))
-        return CUDA_ERROR_INVALID_VALUE;
+    if (size == 0 || flags != 0 || !vmm_aligned(ptr) || !vmm_aligned(size)) return CUDA_ERROR_INVALID_VALUE;
     char *p = ptr_of(ptr);
     lock();
     fc_physical *ph = find_physical_locked(handle);
     CUresult r = CUDA_SUCCESS;
-    if (!ph || ph->handles == 0 || offset > ph->size || size > ph->size - offset) r = CUDA_ERROR_INVALID_VALUE;
-    fc_reservation *res = g_reservations;
-    while (res && !(p >= res->base && p < res->base + res->size && size <= (size_t)(res->base + res->size - p)))
-        res = res->next;
-    if (!res) r = CUDA_ERROR_INVALID_VALUE;
+    if (!ph || !reservation_of_locked(p, size)) r = CUDA_ERROR_INVALID_VALUE;
+    else if (offset != 0 || size != ph->size) r = CUDA_ERROR_NOT_SUPPORTED;
     for (fc_mapping *m = g_mappings; r == CUDA_SUCCESS && m; m = m->next)
         if (m->ptr < p + size && p < m->ptr + m->size) r = CUDA_ERROR_INVALID_VALUE;
-    if (r == CUDA_SUCCESS && mmap(p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd, (off_t)offset) == MAP_FAILED)
+    if (r == CUDA_SUCCESS && mmap(p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd, 0) == MAP_FAILED)
         r = CUDA_ERROR_OUT_OF_MEMORY;
     if (r != CUDA_SUCCESS) { unlock(); return r; }
     fc_mapping *m = calloc(1, sizeof *m);
@@ -1253,19 +1272,25 @@ static CUresult d_mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGene
     return CUDA_SUCCESS;
 }
 
-/* Whole mappings only (CUDA cannot unmap part of one), adjacent ones together; the range is
- * reserved and PROT_NONE again. Work still queued on it is not waited for (nor is it by CUDA):
- * it faults. */
+/* Every mapping inside the range, which must lie in one reservation and cut no mapping (CUDA
+ * cannot unmap part of one); unmapped stretches in it are fine, as with CUDA 13.0 (measured),
+ * so a range with nothing mapped succeeds. An unmapped range is reserved and PROT_NONE again.
+ * Work still queued on it is not waited for (nor is it by CUDA): it faults. */
 static CUresult d_mem_unmap(CUdeviceptr ptr, size_t size) {
     NEED_INIT();
     char *p = ptr_of(ptr);
     lock();
-    if (size == 0 || !mappings_cover_locked(p, size, 1, 0)) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
-    mmap(p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    int ok = size != 0 && reservation_of_locked(p, size) != NULL;
+    for (fc_mapping *m = g_mappings; ok && m; m = m->next) {
+        int overlaps = m->ptr < p + size && p < m->ptr + m->size;
+        if (overlaps && (m->ptr < p || m->ptr + m->size > p + size)) ok = 0;
+    }
+    if (!ok) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
     for (fc_mapping **pp = &g_mappings; *pp;) {
         fc_mapping *m = *pp;
         if (m->ptr < p || m->ptr >= p + size) { pp = &m->next; continue; }
         *pp = m->next;
+        mmap(m->ptr, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
         m->phys->mappings--;
         physical_maybe_free_locked(m->phys);
         free(m);
@@ -1283,8 +1308,8 @@ static int prot_of(unsigned access) {
          : access == CU_MEM_ACCESS_FLAGS_PROT_READ ? PROT_READ : PROT_NONE;
 }
 
-/* Over whole mappings, as for cuMemUnmap. The host protection is what the devices together
- * may do. */
+/* Over adjacent whole mappings only, no part of one and no gap (as CUDA 13.0 requires,
+ * measured). The host protection is what the devices together may do. */
 static CUresult d_mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
     NEED_INIT();
     if (!desc || count == 0 || size == 0) return CUDA_ERROR_INVALID_VALUE;
