@@ -34,7 +34,8 @@
  *    belong to the context current at allocation, and are released by its reset or destruction.
  *    cuMemGetAddressRange_v2 and cuPointerGetAttribute find the allocation containing any
  *    pointer inside it; each allocation has its own buffer id. Copies and memsets check that the
- *    device range lies inside one live allocation (CUDA_ERROR_INVALID_VALUE otherwise).
+ *    device range lies inside one live allocation, or inside VMM mappings with access (below)
+ *    (CUDA_ERROR_INVALID_VALUE otherwise).
  *  - Streams run *asynchronously*: every stream (and each device's legacy default stream) has a
  *    worker thread that executes its queued operations in order. Legacy semantics: an operation
  *    on the legacy stream waits for all earlier work of the device's blocking streams, and an
@@ -55,12 +56,48 @@
  *    a blocking stream captures fails with 906 and invalidates it too. cuStreamEndCapture then
  *    fails with 901.
  *  - One default memory pool per device, whose attributes report the device's used memory.
- *  - FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 fails with out-of-memory.
+ *  - Virtual memory management (CUDA 10.2's VMM API, which expandable segments and XLA use),
+ *    with the semantics and error codes of CUDA 13.0 (driver 580) as measured on an H100
+ *    (tests/programs/vmm.c passes on both). The calls need cuInit, not a current context.
+ *    cuMemGetAllocationGranularity answers 2 MiB (minimum and recommended), or
+ *    FAKECUDA_VMM_GRANULARITY_KB (a power of two of pages), for pinned memory of one of our
+ *    devices; else CUDA_ERROR_INVALID_VALUE (stricter than CUDA, which answers whatever the
+ *    type, location or device); Windows or fabric handles and compression:
+ *    CUDA_ERROR_NOT_SUPPORTED. Sizes and addresses must be multiples of it.
+ *    cuMemAddressReserve reserves a PROT_NONE, MAP_NORESERVE range (free of cost however large;
+ *    aligned to the granularity or to a larger power-of-two alignment; the address is a hint);
+ *    cuMemAddressFree takes a whole reservation back, and refuses while anything is mapped in
+ *    it. cuMemCreate makes physical memory (an unknown device: CUDA_ERROR_INVALID_DEVICE), a
+ *    memfd filled with garbage, counted against the device's capacity like cuMemAlloc_v2
+ *    (cuMemGetInfo, CUDA_ERROR_OUT_OF_MEMORY, FAKECUDA_FAULT=oom_every:N); it returns to the
+ *    capacity once its handles are all released (cuMemRelease; cuMemRetainAllocationHandle
+ *    adds one) and no mapping of it remains; a handle released while mapped still maps it.
+ *    cuMemMap maps all of the memory (an offset, or a size other than the memory's:
+ *    CUDA_ERROR_NOT_SUPPORTED), granule-aligned, inside one reservation (CUDA lets a mapping
+ *    run past a reservation's end, into its own slack: fakecuda refuses), over nothing mapped,
+ *    with no access: touching it faults, as on a GPU, and copies and memsets refuse it, until
+ *    cuMemSetAccess grants access (READ: readable, READWRITE: writable too, for the devices
+ *    together) over adjacent whole mappings, no part of one and no gap. cuMemUnmap unmaps the
+ *    mappings inside a range of one reservation, which must cut none (CUDA cannot unmap part of
+ *    a mapping); unmapped stretches in it are fine, so a range with nothing mapped succeeds; an
+ *    unmapped range is reserved and PROT_NONE again. Like CUDA's, cuMemUnmap and cuMemRelease
+ *    do not wait for queued work on the memory: such work then faults (SIGSEGV). Copies and
+ *    memsets accept device ranges that run across adjacent mappings; cuMemGetAddressRange_v2
+ *    and cuPointerGetAttribute answer a mapping's range (no context: NULL;
+ *    CU_POINTER_ATTRIBUTE_MAPPED: 1; a buffer id per mapping), and an unmapped address of a
+ *    reservation is CUDA_ERROR_NOT_FOUND for cuMemGetAddressRange_v2. VMM memory belongs to no
+ *    context (a context reset leaves it alone). cuMemGetAccess and
+ *    cuMemGetAllocationPropertiesFromHandle answer; shareable handles
+ *    (cuMemExportToShareableHandle, cuMemImportFromShareableHandle) are not supported.
+ *  - FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 or cuMemCreate (one count) fails with
+ *    out-of-memory.
  *  - FAKECUDA_FAULT=overlap: a broken allocator that hands a live allocation out twice (see
  *    overlap_locked), for the controls of tests that must catch one.
  *  - FAKECUDA_REPORT=1: at exit, one line on stderr, "fakecuda: <n> device allocations, <m>
- *    device frees" (cuMemAlloc_v2 and cuMemAllocAsync* outside captures; cuMemFree_v2 and
- *    cuMemFreeAsync* outside captures), so that a test can tell a pool served requests.
+ *    device frees, <r> refused by FAKECUDA_FAULT, <c> physical creates, <p> physical releases"
+ *    (cuMemAlloc_v2 and cuMemAllocAsync* outside captures; cuMemFree_v2 and cuMemFreeAsync*
+ *    outside captures; cuMemAlloc_v2 and cuMemCreate refused by the fault; successful
+ *    cuMemCreate and cuMemRelease calls), so that a test can tell a pool served requests.
  *
  * One global mutex guards everything (speed is irrelevant here); workers wait on one condition
  * variable that is broadcast on every completion.
@@ -73,6 +110,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "cuda.h"
@@ -161,6 +199,36 @@ typedef struct fc_alloc {
     struct fc_alloc *next;
 } fc_alloc;
 
+/* Virtual memory management. Physical memory (cuMemCreate) is a memfd, counted against its
+ * device's capacity until it is both released and unmapped; a reservation
+ * (cuMemAddressReserve) is a PROT_NONE anonymous mapping; a mapping (cuMemMap) maps a range of
+ * the memfd over part of a reservation, PROT_NONE until cuMemSetAccess. */
+typedef struct fc_physical {
+    CUmemGenericAllocationHandle handle; /* never reused */
+    int fd;
+    size_t size;
+    int device;
+    CUmemAllocationHandleType handle_types;
+    int handles;  /* cuMemCreate and cuMemRetainAllocationHandle, less cuMemRelease */
+    int mappings; /* live cuMemMap ranges of it */
+    struct fc_physical *next;
+} fc_physical;
+
+typedef struct fc_reservation {
+    char *base;
+    size_t size;
+    struct fc_reservation *next;
+} fc_reservation;
+
+typedef struct fc_mapping {
+    char *ptr;
+    size_t size;
+    fc_physical *phys;
+    unsigned char access[MAX_DEVICES]; /* CUmemAccess_flags of each device */
+    unsigned long long buffer_id;
+    struct fc_mapping *next;
+} fc_mapping;
+
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;
 static int g_initialized;
@@ -168,6 +236,10 @@ static int g_devices = 1;
 static size_t g_capacity = (size_t)1024 << 20;
 static size_t g_used[MAX_DEVICES];
 static fc_alloc *g_allocs;
+static fc_physical *g_physical;
+static fc_reservation *g_reservations;
+static fc_mapping *g_mappings;
+static CUmemGenericAllocationHandle g_next_handle = 0x100001;
 static unsigned long long g_next_buffer_id = 1;
 static fc_stream *g_streams[MAX_STREAMS];
 static int g_nstreams;
@@ -176,6 +248,7 @@ static fc_ctx g_primary[MAX_DEVICES];
 static fc_ctx *g_contexts[MAX_CONTEXTS];
 static int g_ncontexts;
 static unsigned long g_report_allocs, g_report_frees, g_report_refused;
+static unsigned long g_report_creates, g_report_releases;
 static __thread fc_ctx *t_ctx;
 static __thread int t_capture_mode; /* MODE_GLOBAL by default, as in CUDA */
 
@@ -201,10 +274,14 @@ static void count(unsigned long *counter) { __atomic_fetch_add(counter, 1, __ATO
 __attribute__((destructor)) static void report_at_exit(void) {
     const char *report = getenv("FAKECUDA_REPORT");
     if (!report || strcmp(report, "1") != 0) return;
-    fprintf(stderr, "fakecuda: %lu device allocations, %lu device frees, %lu refused by FAKECUDA_FAULT\n",
+    fprintf(stderr,
+            "fakecuda: %lu device allocations, %lu device frees, %lu refused by FAKECUDA_FAULT, "
+            "%lu physical creates, %lu physical releases\n",
             __atomic_load_n(&g_report_allocs, __ATOMIC_RELAXED),
             __atomic_load_n(&g_report_frees, __ATOMIC_RELAXED),
-            __atomic_load_n(&g_report_refused, __ATOMIC_RELAXED));
+            __atomic_load_n(&g_report_refused, __ATOMIC_RELAXED),
+            __atomic_load_n(&g_report_creates, __ATOMIC_RELAXED),
+            __atomic_load_n(&g_report_releases, __ATOMIC_RELAXED));
 }
 
 static void after_fork_child(void) {
@@ -416,10 +493,46 @@ static fc_alloc *find_alloc_locked(const char *p, int containing) {
 static char *ptr_of(CUdeviceptr p) { return (char *)(uintptr_t)p; }
 static CUdeviceptr dptr_of(const void *p) { return (CUdeviceptr)(uintptr_t)p; }
 
-/* Whether [p, p+n) lies inside one live allocation. */
-static int device_range_locked(CUdeviceptr p, size_t n) {
+/* The VMM mapping containing p, or NULL. */
+static fc_mapping *find_mapping_locked(const char *p) {
+    for (fc_mapping *m = g_mappings; m; m = m->next)
+        if (p >= m->ptr && p < m->ptr + m->size) return m;
+    return NULL;
+}
+
+/* The reservation holding all of [p, p+n), or NULL. */
+static fc_reservation *reservation_of_locked(char *p, size_t n) {
+    for (fc_reservation *r = g_reservations; r; r = r->next)
+        if (p >= r->base && p < r->base + r->size && n <= (size_t)(r->base + r->size - p)) return r;
+    return NULL;
+}
+
+/* The access every device has to a mapping, together (device memory is host memory here). */
+static unsigned mapping_access(const fc_mapping *m) {
+    unsigned a = 0;
+    for (int i = 0; i < MAX_DEVICES; i++) a |= m->access[i];
+    return a;
+}
+
+/* Whether [p, p+n) is covered by adjacent VMM mappings, each with at least the access `need`
+ * (CUmemAccess_flags); with `whole`, by whole mappings only (no mapping cut at either end). */
+static int mappings_cover_locked(char *p, size_t n, int whole, unsigned need) {
+    if ((uintptr_t)p + n < (uintptr_t)p) return 0;
+    char *cursor = p;
+    do {
+        fc_mapping *m = find_mapping_locked(cursor);
+        if (!m || (whole && m->ptr != cursor) || (mapping_access(m) & need) != need) return 0;
+        cursor = m->ptr + m->size;
+    } while (cursor < p + n);
+    return !whole || cursor == p + n;
+}
+
+/* Whether [p, p+n) lies inside one live allocation, or inside VMM mappings that the devices may
+ * access as `need` asks (CU_MEM_ACCESS_FLAGS_PROT_READ to read, ..._READWRITE to write). */
+static int device_range_locked(CUdeviceptr p, size_t n, unsigned need) {
     fc_alloc *a = find_alloc_locked(ptr_of(p), 1);
-    return a && ptr_of(p) + n <= a->ptr + a->size;
+    if (a) return n <= (size_t)(a->ptr + a->size - ptr_of(p));
+    return mappings_cover_locked(ptr_of(p), n, 0, need);
 }
 
 static CUresult alloc_locked(fc_ctx *ctx, size_t size, char **out) {
@@ -662,8 +775,9 @@ static int forget_duplicate_locked(char *p) {
     return 0;
 }
 
-/* FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 fails with CUDA_ERROR_OUT_OF_MEMORY
- * although the memory is there (a device shared with other processes, fragmentation). */
+/* FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 or cuMemCreate (one count) fails with
+ * CUDA_ERROR_OUT_OF_MEMORY although the memory is there (a device shared with other processes,
+ * fragmentation). */
 static int fault_oom_now_locked(void) {
     static long every = -1;
     static unsigned long attempts;
@@ -768,13 +882,20 @@ static CUresult d_mem_get_info(size_t *free_bytes, size_t *total) {
     return CUDA_SUCCESS;
 }
 
+/* An allocation's range; inside a VMM mapping, the mapping's (as CUDA answers). */
 static CUresult d_mem_get_address_range(CUdeviceptr *base, size_t *size, CUdeviceptr ptr) {
     NEED_CONTEXT();
     lock();
     fc_alloc *a = find_alloc_locked(ptr_of(ptr), 1);
-    if (!a) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
-    if (base) *base = dptr_of(a->ptr);
-    if (size) *size = a->size;
+    fc_mapping *m = a ? NULL : find_mapping_locked(ptr_of(ptr));
+    if (!a && !m) {
+        /* An unmapped address of a reservation is not found (CUDA 13.0, measured). */
+        CUresult r = reservation_of_locked(ptr_of(ptr), 1) ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
+        unlock();
+        return r;
+    }
+    if (base) *base = dptr_of(a ? a->ptr : m->ptr);
+    if (size) *size = a ? a->size : m->size;
     unlock();
     return CUDA_SUCCESS;
 }
@@ -785,7 +906,20 @@ static CUresult d_pointer_get_attribute(void *data, CUpointer_attribute attr, CU
     lock();
     fc_alloc *a = find_alloc_locked(ptr_of(ptr), 1);
     CUresult r = CUDA_SUCCESS;
-    if (!a) r = CUDA_ERROR_INVALID_VALUE;
+    fc_mapping *m = a ? NULL : find_mapping_locked(ptr_of(ptr));
+    if (m) switch (attr) {
+    /* VMM memory belongs to no context. */
+    case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = NULL; break;
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *(unsigned int *)data = CU_MEMORYTYPE_DEVICE; break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *(CUdeviceptr *)data = ptr; break;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID: *(unsigned long long *)data = m->buffer_id; break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *(int *)data = m->phys->device; break;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = dptr_of(m->ptr); break;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = m->size; break;
+    case CU_POINTER_ATTRIBUTE_MAPPED: *(int *)data = 1; break;
+    default: r = CUDA_ERROR_INVALID_VALUE; break;
+    }
+    else if (!a) r = CUDA_ERROR_INVALID_VALUE;
     else switch (attr) {
     case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = (CUcontext)a->ctx; break;
     case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *(unsigned int *)data = CU_MEMORYTYPE_DEVICE; break;
@@ -819,7 +953,8 @@ static CUresult d_copy_async(CUdeviceptr dst, int dst_device, CUdeviceptr src, i
                              CUstream handle) {
     NEED_INIT();
     lock();
-    if ((src_device && !device_range_locked(src, n)) || (dst_device && !device_range_locked(dst, n))) {
+    if ((src_device && !device_range_locked(src, n, CU_MEM_ACCESS_FLAGS_PROT_READ)) ||
+        (dst_device && !device_range_locked(dst, n, CU_MEM_ACCESS_FLAGS_PROT_READWRITE))) {
         unlock();
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -832,7 +967,7 @@ static CUresult d_copy_async(CUdeviceptr dst, int dst_device, CUdeviceptr src, i
 static CUresult d_memset_async(CUdeviceptr dst, unsigned char value, size_t n, CUstream handle) {
     NEED_INIT();
     lock();
-    int ok = device_range_locked(dst, n);
+    int ok = device_range_locked(dst, n, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
     unlock();
     if (!ok) return CUDA_ERROR_INVALID_VALUE;
     fc_op *op = new_op(OP_MEMSET);
@@ -924,6 +1059,317 @@ static CUresult d_mem_pool_trim_to(CUmemoryPool pool, size_t keep) {
     (void)keep;
     NEED_INIT();
     return pool_device(pool) < 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+/* ----- virtual memory management (cuMemCreate, cuMemAddressReserve, cuMemMap, ...) ----- */
+
+/* The granularity of physical memory, mappings and reservations: 2 MiB, as on NVIDIA GPUs, or
+ * FAKECUDA_VMM_GRANULARITY_KB (a power of two, and a multiple of the page size; a value that is
+ * not is refused with a warning and the default kept). */
+static size_t vmm_granularity(void) {
+    static size_t granularity;
+    size_t g = __atomic_load_n(&granularity, __ATOMIC_RELAXED);
+    if (g) return g;
+    g = (size_t)2 << 20;
+    const char *e = getenv("FAKECUDA_VMM_GRANULARITY_KB");
+    if (e) {
+        long kb = atol(e);
+        size_t bytes = kb > 0 ? (size_t)kb << 10 : 0;
+        size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        if (bytes && (bytes & (bytes - 1)) == 0 && bytes % page == 0) g = bytes;
+        else fprintf(stderr, "fakecuda: FAKECUDA_VMM_GRANULARITY_KB=%s ignored (not a power of two of pages)\n", e);
+    }
+    __atomic_store_n(&granularity, g, __ATOMIC_RELAXED);
+    return g;
+}
+
+/* Pinned device memory of a device of ours (else `bad_device`); POSIX file descriptor handles
+ * may be asked for (never exported here), the other kinds and compression are not supported. */
+static CUresult check_alloc_prop(const CUmemAllocationProp *prop, CUresult bad_device) {
+    if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(prop->location.id)) return bad_device;
+    switch (prop->requestedHandleTypes) {
+    case CU_MEM_HANDLE_TYPE_NONE: case CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: break;
+    case CU_MEM_HANDLE_TYPE_WIN32: case CU_MEM_HANDLE_TYPE_WIN32_KMT: case CU_MEM_HANDLE_TYPE_FABRIC:
+        return CUDA_ERROR_NOT_SUPPORTED;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (prop->allocFlags.compressionType != CU_MEM_ALLOCATION_COMP_NONE) return CUDA_ERROR_NOT_SUPPORTED;
+    return CUDA_SUCCESS;
+}
+
+static int vmm_aligned(uintptr_t v) { return v % vmm_granularity() == 0; }
+
+static CUresult d_mem_get_granularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                      CUmemAllocationGranularity_flags option) {
+    NEED_INIT();
+    if (!granularity) return CUDA_ERROR_INVALID_VALUE;
+    if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* (Stricter than CUDA 13.0's, which answers whatever the type, location or device.) */
+    CUresult r = check_alloc_prop(prop, CUDA_ERROR_INVALID_VALUE);
+    if (r != CUDA_SUCCESS) return r;
+    *granularity = vmm_granularity();
+    return CUDA_SUCCESS;
+}
+
+/* A PROT_NONE, MAP_NORESERVE range: free of cost however large. `addr` is a hint, taken when
+ * that range is free and aligned. */
+static CUresult d_address_reserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                  unsigned long long flags) {
+    NEED_INIT();
+    if (!ptr || size == 0 || flags != 0 || !vmm_aligned(size) || (alignment & (alignment - 1)) != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t align = alignment > vmm_granularity() ? alignment : vmm_granularity();
+    const int mflags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    char *p = NULL;
+    if (addr && addr % align == 0) {
+        void *hint = mmap(ptr_of(addr), size, PROT_NONE, mflags | MAP_FIXED_NOREPLACE, -1, 0);
+        if (hint != MAP_FAILED && hint != ptr_of(addr)) munmap(hint, size); /* an old kernel's hint */
+        else if (hint != MAP_FAILED) p = hint;
+    }
+    if (!p) {
+        if (size > SIZE_MAX - align) return CUDA_ERROR_OUT_OF_MEMORY;
+        size_t total = size + align;
+        char *raw = mmap(NULL, total, PROT_NONE, mflags, -1, 0);
+        if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+        p = (char *)(((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1));
+        if (p > raw) munmap(raw, (size_t)(p - raw));
+        if (raw + total > p + size) munmap(p + size, (size_t)(raw + total - (p + size)));
+    }
+    fc_reservation *r = malloc(sizeof *r);
+    r->base = p;
+    r->size = size;
+    lock();
+    r->next = g_reservations;
+    g_reservations = r;
+    unlock();
+    *ptr = dptr_of(p);
+    return CUDA_SUCCESS;
+}
+
+/* A whole reservation, with nothing mapped in it any more. */
+static CUresult d_address_free(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    lock();
+    fc_reservation **pp = &g_reservations;
+    while (*pp && !((*pp)->base == ptr_of(ptr) && (*pp)->size == size)) pp = &(*pp)->next;
+    fc_reservation *r = *pp;
+    int mapped = 0;
+    for (fc_mapping *m = g_mappings; r && m; m = m->next)
+        if (m->ptr >= r->base && m->ptr < r->base + r->size) mapped = 1;
+    if (!r || mapped) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    *pp = r->next;
+    munmap(r->base, r->size);
+    unlock();
+    free(r);
+    return CUDA_SUCCESS;
+}
+
+static fc_physical *find_physical_locked(CUmemGenericAllocationHandle handle) {
+    for (fc_physical *ph = g_physical; ph; ph = ph->next)
+        if (ph->handle == handle) return ph;
+    return NULL;
+}
+
+/* Physical memory is gone once no handle and no mapping of it remain. */
+static void physical_maybe_free_locked(fc_physical *ph) {
+    if (ph->handles > 0 || ph->mappings > 0) return;
+    for (fc_physical **pp = &g_physical; *pp; pp = &(*pp)->next) {
+        if (*pp == ph) { *pp = ph->next; break; }
+    }
+    g_used[ph->device] -= ph->size;
+    close(ph->fd);
+    free(ph);
+}
+
+/* Physical memory: counted against the device's capacity like cuMemAlloc_v2, and refused by
+ * FAKECUDA_FAULT=oom_every:N in the same count. */
+static CUresult d_mem_create(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                             unsigned long long flags) {
+    NEED_INIT();
+    if (!handle || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = check_alloc_prop(prop, CUDA_ERROR_INVALID_DEVICE);
+    if (r != CUDA_SUCCESS) return r;
+    if (!vmm_aligned(size)) return CUDA_ERROR_INVALID_VALUE;
+    int dev = prop->location.id;
+    lock();
+    if (fault_oom_now_locked()) {
+        unlock();
+        count(&g_report_refused);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (size > g_capacity - g_used[dev]) { unlock(); return CUDA_ERROR_OUT_OF_MEMORY; }
+    int fd = memfd_create("fakecuda-vmm", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        if (fd >= 0) close(fd);
+        unlock();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    /* Fresh device memory holds garbage, not zeros. */
+    void *fill = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (fill == MAP_FAILED) { close(fd); unlock(); return CUDA_ERROR_OUT_OF_MEMORY; }
+    memset(fill, 0xA5, size);
+    munmap(fill, size);
+    fc_physical *ph = calloc(1, sizeof *ph);
+    ph->handle = g_next_handle++;
+    ph->fd = fd;
+    ph->size = size;
+    ph->device = dev;
+    ph->handle_types = prop->requestedHandleTypes;
+    ph->handles = 1;
+    ph->next = g_physical;
+    g_physical = ph;
+    g_used[dev] += size;
+    *handle = ph->handle;
+    unlock();
+    count(&g_report_creates);
+    return CUDA_SUCCESS;
+}
+
+/* The memory itself lives on while mapped. */
+static CUresult d_mem_release(CUmemGenericAllocationHandle handle) {
+    NEED_INIT();
+    lock();
+    fc_physical *ph = find_physical_locked(handle);
+    if (!ph || ph->handles == 0) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    ph->handles--;
+    physical_maybe_free_locked(ph);
+    unlock();
+    count(&g_report_releases);
+    return CUDA_SUCCESS;
+}
+
+/* Granule-aligned, inside one reservation, over nothing mapped; no access until
+ * cuMemSetAccess. As CUDA 13.0 does (measured), a mapping maps all of its memory: an offset or
+ * a size other than the memory's is CUDA_ERROR_NOT_SUPPORTED (checked before the overlap). A
+ * handle released while its memory is still mapped elsewhere may be mapped again. */
+static CUresult d_mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                          unsigned long long flags) {
+    NEED_INIT();
+    if (size == 0 || flags != 0 || !vmm_aligned(ptr) || !vmm_aligned(size)) return CUDA_ERROR_INVALID_VALUE;
+    char *p = ptr_of(ptr);
+    lock();
+    fc_physical *ph = find_physical_locked(handle);
+    CUresult r = CUDA_SUCCESS;
+    if (!ph || !reservation_of_locked(p, size)) r = CUDA_ERROR_INVALID_VALUE;
+    else if (offset != 0 || size != ph->size) r = CUDA_ERROR_NOT_SUPPORTED;
+    for (fc_mapping *m = g_mappings; r == CUDA_SUCCESS && m; m = m->next)
+        if (m->ptr < p + size && p < m->ptr + m->size) r = CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS && mmap(p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd, 0) == MAP_FAILED)
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    if (r != CUDA_SUCCESS) { unlock(); return r; }
+    fc_mapping *m = calloc(1, sizeof *m);
+    m->ptr = p;
+    m->size = size;
+    m->phys = ph;
+    m->buffer_id = g_next_buffer_id++;
+    m->next = g_mappings;
+    g_mappings = m;
+    ph->mappings++;
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+/* Every mapping inside the range, which must lie in one reservation and cut no mapping (CUDA
+ * cannot unmap part of one); unmapped stretches in it are fine, as with CUDA 13.0 (measured),
+ * so a range with nothing mapped succeeds. An unmapped range is reserved and PROT_NONE again.
+ * Work still queued on it is not waited for (nor is it by CUDA): it faults. */
+static CUresult d_mem_unmap(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    char *p = ptr_of(ptr);
+    lock();
+    int ok = size != 0 && reservation_of_locked(p, size) != NULL;
+    for (fc_mapping *m = g_mappings; ok && m; m = m->next) {
+        int overlaps = m->ptr < p + size && p < m->ptr + m->size;
+        if (overlaps && (m->ptr < p || m->ptr + m->size > p + size)) ok = 0;
+    }
+    if (!ok) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    for (fc_mapping **pp = &g_mappings; *pp;) {
+        fc_mapping *m = *pp;
+        if (m->ptr < p || m->ptr >= p + size) { pp = &m->next; continue; }
+        *pp = m->next;
+        mmap(m->ptr, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+        m->phys->mappings--;
+        physical_maybe_free_locked(m->phys);
+        free(m);
+    }
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+static int valid_location(const CUmemLocation *loc) {
+    return loc && loc->type == CU_MEM_LOCATION_TYPE_DEVICE && valid_device(loc->id);
+}
+
+static int prot_of(unsigned access) {
+    return access == CU_MEM_ACCESS_FLAGS_PROT_READWRITE ? PROT_READ | PROT_WRITE
+         : access == CU_MEM_ACCESS_FLAGS_PROT_READ ? PROT_READ : PROT_NONE;
+}
+
+/* Over adjacent whole mappings only, no part of one and no gap (as CUDA 13.0 requires,
+ * measured). The host protection is what the devices together may do. */
+static CUresult d_mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    NEED_INIT();
+    if (!desc || count == 0 || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < count; i++) {
+        CUmemAccess_flags f = desc[i].flags;
+        if (!valid_location(&desc[i].location) ||
+            (f != CU_MEM_ACCESS_FLAGS_PROT_NONE && f != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+             f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    char *p = ptr_of(ptr);
+    lock();
+    if (!mappings_cover_locked(p, size, 1, 0)) { unlock(); return CUDA_ERROR_INVALID_VALUE; }
+    for (fc_mapping *m = g_mappings; m; m = m->next) {
+        if (m->ptr < p || m->ptr >= p + size) continue;
+        for (size_t i = 0; i < count; i++) m->access[desc[i].location.id] = (unsigned char)desc[i].flags;
+        mprotect(m->ptr, m->size, prot_of(mapping_access(m)));
+    }
+    unlock();
+    return CUDA_SUCCESS;
+}
+
+static CUresult d_mem_get_access(unsigned long long *flags, const CUmemLocation *location, CUdeviceptr ptr) {
+    NEED_INIT();
+    if (!flags || !valid_location(location)) return CUDA_ERROR_INVALID_VALUE;
+    lock();
+    fc_mapping *m = find_mapping_locked(ptr_of(ptr));
+    if (m) *flags = m->access[location->id];
+    unlock();
+    return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* The handle of the memory mapped at any address of a mapping; one more cuMemRelease owed. */
+static CUresult d_retain_allocation_handle(CUmemGenericAllocationHandle *handle, void *addr) {
+    NEED_INIT();
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    lock();
+    fc_mapping *m = find_mapping_locked(addr);
+    if (m) {
+        m->phys->handles++;
+        *handle = m->phys->handle;
+    }
+    unlock();
+    return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult d_allocation_properties(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle) {
+    NEED_INIT();
+    if (!prop) return CUDA_ERROR_INVALID_VALUE;
+    lock();
+    fc_physical *ph = find_physical_locked(handle);
+    if (ph && ph->handles > 0) {
+        memset(prop, 0, sizeof *prop);
+        prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop->requestedHandleTypes = ph->handle_types;
+        prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop->location.id = ph->device;
+    }
+    unlock();
+    return ph && ph->handles > 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* ----- streams ----- */
@@ -1350,6 +1796,49 @@ FC_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute 
 }
 FC_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) { return d_mem_pool_trim_to(pool, keep); }
 
+FC_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                                 CUmemAllocationGranularity_flags option) {
+    return d_mem_get_granularity(granularity, prop, option);
+}
+FC_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                       unsigned long long flags) {
+    return d_address_reserve(ptr, size, alignment, addr, flags);
+}
+FC_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) { return d_address_free(ptr, size); }
+FC_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                               unsigned long long flags) {
+    return d_mem_create(handle, size, prop, flags);
+}
+FC_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) { return d_mem_release(handle); }
+FC_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                            unsigned long long flags) {
+    return d_mem_map(ptr, size, offset, handle, flags);
+}
+FC_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) { return d_mem_unmap(ptr, size); }
+FC_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    return d_mem_set_access(ptr, size, desc, count);
+}
+FC_EXPORT CUresult cuMemGetAccess(unsigned long long *flags, const CUmemLocation *location, CUdeviceptr ptr) {
+    return d_mem_get_access(flags, location, ptr);
+}
+FC_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    return d_retain_allocation_handle(handle, addr);
+}
+FC_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle) {
+    return d_allocation_properties(prop, handle);
+}
+/* Shareable handles (IPC of VMM memory): not supported. */
+FC_EXPORT CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle,
+                                                CUmemAllocationHandleType type, unsigned long long flags) {
+    (void)shareable; (void)handle; (void)type; (void)flags;
+    return initialized() ? CUDA_ERROR_NOT_SUPPORTED : CUDA_ERROR_NOT_INITIALIZED;
+}
+FC_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle,
+                                                  CUmemAllocationHandleType type) {
+    (void)handle; (void)os_handle; (void)type;
+    return initialized() ? CUDA_ERROR_NOT_SUPPORTED : CUDA_ERROR_NOT_INITIALIZED;
+}
+
 FC_EXPORT CUresult cuStreamCreate(CUstream *s, unsigned int flags) { return d_stream_create(s, flags); }
 FC_EXPORT CUresult cuStreamCreateWithPriority(CUstream *s, unsigned int flags, int priority) {
     (void)priority;
@@ -1495,6 +1984,19 @@ static const proc_entry g_procs[] = {
     PROC("cuMemPoolGetAttribute", 11020, cuMemPoolGetAttribute),
     PROC("cuMemPoolSetAttribute", 11020, cuMemPoolSetAttribute),
     PROC("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo),
+    PROC("cuMemGetAllocationGranularity", 10020, cuMemGetAllocationGranularity),
+    PROC("cuMemAddressReserve", 10020, cuMemAddressReserve),
+    PROC("cuMemAddressFree", 10020, cuMemAddressFree),
+    PROC("cuMemCreate", 10020, cuMemCreate),
+    PROC("cuMemRelease", 10020, cuMemRelease),
+    PROC("cuMemMap", 10020, cuMemMap),
+    PROC("cuMemUnmap", 10020, cuMemUnmap),
+    PROC("cuMemSetAccess", 10020, cuMemSetAccess),
+    PROC("cuMemGetAccess", 10020, cuMemGetAccess),
+    PROC("cuMemRetainAllocationHandle", 11000, cuMemRetainAllocationHandle),
+    PROC("cuMemGetAllocationPropertiesFromHandle", 10020, cuMemGetAllocationPropertiesFromHandle),
+    PROC("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle),
+    PROC("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle),
 
     PROC("cuStreamCreate", 2000, cuStreamCreate),
     PROC("cuStreamCreateWithPriority", 5050, cuStreamCreateWithPriority),
