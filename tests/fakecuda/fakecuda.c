@@ -59,6 +59,8 @@
  *  - Virtual memory management (CUDA 10.2's VMM API, which expandable segments and XLA use),
  *    with the semantics and error codes of CUDA 13.0 (driver 580) as measured on an H100
  *    (tests/programs/vmm.c passes on both). The calls need cuInit, not a current context.
+ *    cuDeviceGetAttribute answers CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (102)
+ *    with 1, or 0 under FAKECUDA_NO_VMM=1 (a device without it); no other attribute.
  *    cuMemGetAllocationGranularity answers 2 MiB (minimum and recommended), or
  *    FAKECUDA_VMM_GRANULARITY_KB (a power of two of pages), for pinned memory of one of our
  *    devices; else CUDA_ERROR_INVALID_VALUE (stricter than CUDA, which answers whatever the
@@ -614,6 +616,18 @@ static CUresult d_device_get_name(char *name, int len, CUdevice d) {
     NEED_INIT();
     if (!name || len <= 0 || !valid_device(d)) return CUDA_ERROR_INVALID_VALUE;
     snprintf(name, (size_t)len, "fakecuda device %d", d);
+    return CUDA_SUCCESS;
+}
+
+/* cuDeviceGetAttribute: only CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (102), which
+ * is 1 unless FAKECUDA_NO_VMM=1 (a GPU or driver without it); other attributes are
+ * CUDA_ERROR_INVALID_VALUE. */
+static CUresult d_device_get_attribute(int *value, int attribute, CUdevice d) {
+    NEED_INIT();
+    if (!value || !valid_device(d)) return CUDA_ERROR_INVALID_VALUE;
+    if (attribute != 102) return CUDA_ERROR_INVALID_VALUE;
+    const char *off = getenv("FAKECUDA_NO_VMM");
+    *value = off && *off == '1' ? 0 : 1;
     return CUDA_SUCCESS;
 }
 
@@ -1680,6 +1694,9 @@ FC_EXPORT CUresult cuGetErrorName(CUresult r, const char **s) { return d_error_s
 FC_EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) { return d_device_get(d, ordinal); }
 FC_EXPORT CUresult cuDeviceGetCount(int *n) { return d_device_get_count(n); }
 FC_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice d) { return d_device_get_name(name, len, d); }
+FC_EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice d) {
+    return d_device_get_attribute(value, attribute, d);
+}
 FC_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) { return d_device_total_mem(bytes, d); }
 
 FC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) { return d_primary_retain(ctx, d); }
@@ -1928,6 +1945,7 @@ static const proc_entry g_procs[] = {
     PROC("cuDeviceGet", 2000, cuDeviceGet),
     PROC("cuDeviceGetCount", 2000, cuDeviceGetCount),
     PROC("cuDeviceGetName", 2000, cuDeviceGetName),
+    PROC("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute),
     PROC("cuDeviceTotalMem", 2000, cuDeviceTotalMem),
     PROC("cuDeviceTotalMem", 3020, cuDeviceTotalMem_v2),
 

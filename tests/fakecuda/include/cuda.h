@@ -309,6 +309,7 @@ CUresult CUDAAPI cuGetErrorName(CUresult error, const char **pStr);
 CUresult CUDAAPI cuDeviceGet(CUdevice *device, int ordinal);
 CUresult CUDAAPI cuDeviceGetCount(int *count);
 CUresult CUDAAPI cuDeviceGetName(char *name, int len, CUdevice dev);
+CUresult CUDAAPI cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev);
 
 /* ----- contexts ----- */
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);

@@ -16,7 +16,7 @@
 //! with fixed segments can be asked whether expandable segments would have avoided its OOM, and
 //! at how many device calls (maps and unmaps count as device allocations and releases).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -74,6 +74,9 @@ enum Op {
         t: u64,
         /// The run served it from a segment allocated for it.
         grew: bool,
+        /// The run mapped memory for it: by how many bytes reserved memory changed (maps,
+        /// less the unmaps of recycling).
+        mapped: Option<i64>,
         /// The size of the block the run gave it.
         size: u64,
         /// The stream it was for (`NO_STREAM` for `cudaMalloc`).
@@ -119,8 +122,9 @@ fn record(dir: &Path) -> Result<Recording, Error> {
     let mut ops = vec![];
     // The segment the last allocator event of each device allocated, if it was one.
     let mut fresh_segment: HashMap<u32, u64> = HashMap::new();
-    // Devices whose last allocator event mapped memory (the next allocation grew).
-    let mut fresh_map: HashSet<u32> = HashSet::new();
+    // Per device, the change of mapped memory since its last other allocator event, once a map
+    // came (the next allocation grew).
+    let mut map_change: HashMap<u32, (bool, i64)> = HashMap::new();
     let mut segments: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
     let mut live_at_start = None;
     while let Some(step) = replay.step() {
@@ -142,11 +146,20 @@ fn record(dir: &Path) -> Result<Recording, Error> {
                 .push((s.size, s.address));
             continue;
         }
-        if let Record::SegmentMap(s) = &step.record {
-            fresh_map.insert(s.device);
+        if let Record::SegmentMap(s) | Record::SegmentUnmap(s) = &step.record {
+            let change = map_change.entry(s.device).or_default();
+            if matches!(step.record, Record::SegmentMap(_)) {
+                *change = (true, change.1 + s.size as i64);
+            } else {
+                change.1 -= s.size as i64;
+            }
             continue;
         }
-        let mapped = step.record.device().is_some_and(|d| fresh_map.remove(&d));
+        let mapped = step
+            .record
+            .device()
+            .and_then(|d| map_change.remove(&d))
+            .and_then(|(any_map, change)| any_map.then_some(change));
         let fresh = step.record.device().and_then(|d| fresh_segment.remove(&d));
         ops.push(match step.record {
             Record::Alloc(a) => Op::Alloc {
@@ -155,7 +168,8 @@ fn record(dir: &Path) -> Result<Recording, Error> {
                 requested: a.requested,
                 stack: a.stack,
                 t: a.t,
-                grew: fresh == Some(a.address) || mapped,
+                grew: fresh == Some(a.address) || mapped.is_some(),
+                mapped,
                 size: a.size,
                 stream: a.stream,
             },
@@ -217,6 +231,9 @@ pub struct DeviceOutcome {
     pub device_frees: u64,
     /// Waits on reuse fences.
     pub fence_waits: u64,
+    /// When the last request that made device calls (allocations, releases, maps, unmaps) was
+    /// served: after it, the run was served from the cache alone.
+    pub last_device_call: Option<u64>,
 }
 
 /// A failed request: time, size, device and allocation site.
@@ -238,6 +255,10 @@ pub struct Outcome {
     /// With the recorded config: the first request that got a block of another size than in
     /// the run (time, requested, recorded size, simulated size), if any.
     pub diverged_at: Option<(u64, u64, u64, u64)>,
+    /// With the recorded config: the first request for which the simulation mapped another
+    /// amount of memory than the run (time, recorded change of reserved bytes, simulated), if
+    /// any — threads that raced around a map.
+    pub mapped_differently_at: Option<(u64, i64, i64)>,
 }
 
 impl Outcome {
@@ -314,12 +335,15 @@ fn simulate(
                 stack,
                 t,
                 grew,
+                mapped,
                 size,
                 stream,
             } => {
                 let a = allocators
                     .entry(device)
                     .or_insert_with(|| get(device, fencing));
+                let reserved_before = (follow_growth && mapped.is_some())
+                    .then(|| a.stats().reserved_bytes.all.current);
                 let result = if grew && follow_growth {
                     a.malloc_from_new_segment(requested, stream, u64::from(stack))
                 } else {
@@ -333,8 +357,20 @@ fn simulate(
                         addresses.insert((device, address), got.address);
                         let s = a.stats();
                         let reserved = s.reserved_bytes.all.current as u64;
+                        if let (Some(before), Some(recorded)) = (reserved_before, mapped) {
+                            let simulated = reserved as i64 - before;
+                            if simulated != recorded && out.mapped_differently_at.is_none() {
+                                out.mapped_differently_at = Some((t, recorded, simulated));
+                            }
+                        }
                         let allocated = s.allocated_bytes.all.current as u64;
                         let d = out.devices.entry(device).or_default();
+                        let calls = s.num_device_alloc + s.num_device_free;
+                        if calls != d.device_allocs + d.device_frees {
+                            (d.device_allocs, d.device_frees) =
+                                (s.num_device_alloc, s.num_device_free);
+                            d.last_device_call = Some(t);
+                        }
                         if reserved > d.peak_reserved {
                             d.peak_reserved = reserved;
                             d.allocated_at_peak_reserved = allocated;
@@ -473,8 +509,21 @@ fn describe(o: &Outcome, out: &mut dyn Write) -> Result<(), Error> {
         writeln!(out, "    peak allocated  {}", bytes(d.peak_allocated))?;
         writeln!(
             out,
-            "    device calls    {} allocations, {} releases; {} fence waits",
-            d.device_allocs, d.device_frees, d.fence_waits
+            "    device calls    {} allocations, {} releases; {} fence waits{}",
+            d.device_allocs,
+            d.device_frees,
+            d.fence_waits,
+            d.last_device_call
+                .map_or(String::new(), |t| format!("; the last at {}", seconds(t)))
+        )?;
+    }
+    if let Some((t, recorded, simulated)) = o.mapped_differently_at {
+        writeln!(
+            out,
+            "  note            the replay mapped differently from the run at {}: reserved memory changed by {} B in the run, {} B here (threads raced around a map); figures after that are the simulation's own",
+            seconds(t),
+            recorded,
+            simulated
         )?;
     }
     if let Some((t, requested, recorded, simulated)) = o.diverged_at {

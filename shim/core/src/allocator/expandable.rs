@@ -6,7 +6,7 @@
 use super::{Allocator, Locked, Request, SegmentChanges};
 use crate::device::{Device, DeviceError};
 use crate::events::{Event, Observer};
-use crate::pools::expandable::MapOutcome;
+use crate::pools::expandable::{MapOutcome, Unmapping};
 use crate::pools::{Allocation, BlockState, SegmentSnapshot};
 use crate::sizes::PoolKind;
 
@@ -63,6 +63,14 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                 }
             };
             attempts += 1;
+            let beyond_peak = pools
+                .reserved()
+                .saturating_sub(pools.stats.reserved_bytes.all.peak as u64);
+            if beyond_peak > 0 {
+                // A new high-water mark: give back free granules first (see the Note).
+                let holes = pools.take_to_recycle(&plan, beyond_peak);
+                pools = self.unmap_taken(pools, holes, changes);
+            }
             let (address, map_size, pool) = (plan.address, plan.size, plan.pool);
             let (mapped, relocked) = self.unlocked(pools, || self.device.map(address, map_size));
             pools = relocked;
@@ -100,6 +108,16 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         changes: &mut SegmentChanges,
     ) -> Locked<'a, D::Fence> {
         let taken = pools.take_unmappable(&[PoolKind::Large, PoolKind::Small]);
+        self.unmap_taken(pools, taken, changes)
+    }
+
+    /// Unmap memory taken out of the pools, with the lock released.
+    fn unmap_taken<'a>(
+        &'a self,
+        pools: Locked<'a, D::Fence>,
+        taken: Vec<Unmapping>,
+        changes: &mut SegmentChanges,
+    ) -> Locked<'a, D::Fence> {
         if taken.is_empty() {
             return pools;
         }

@@ -1,0 +1,133 @@
+//! End-to-end tests of expandable segments (`expandable_segments:True`) over fakecuda's
+//! virtual memory API: programs are pooled by mapping memory (fakecuda counts physical
+//! allocations, and no `cuMemAlloc`), the trace tells the maps and unmaps, the out-of-memory
+//! ladder unmaps before it fails, IPC is refused, and a device without virtual memory falls
+//! back to fixed segments with one message (the control: there, nothing is mapped).
+
+use cachealloc_recorder::schema::kinds;
+use cachealloc_tests::{Output, Run, read_trace, trace_dirs};
+
+const EXPANDABLE: &str = "expandable_segments:True";
+
+/// fakecuda's report (`FAKECUDA_REPORT=1`) of the program, the last process to exit: device
+/// allocations (`cuMemAlloc*`) and physical allocations (`cuMemCreate`).
+fn report(out: &Output) -> (u64, u64) {
+    let line = out
+        .stderr
+        .lines()
+        .rfind(|l| l.starts_with("fakecuda:"))
+        .unwrap_or_else(|| panic!("no fakecuda report: {}", out.stderr));
+    let number_before = |what: &str| -> u64 {
+        let at = line
+            .find(what)
+            .unwrap_or_else(|| panic!("no '{what}' in {line}"));
+        line[..at]
+            .split_whitespace()
+            .last()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("cannot read '{what}' in {line}"))
+    };
+    (
+        number_before("device allocations"),
+        number_before("physical creates"),
+    )
+}
+
+fn run(name: &str, args: &[&str], conf: &str) -> Output {
+    Run::c(name, args)
+        .env("CACHEALLOC_CONF", conf)
+        .env("FAKECUDA_REPORT", "1")
+        .output()
+}
+
+#[test]
+fn programs_are_pooled_by_mapping_memory() {
+    for (name, args) in [
+        ("basic", &[][..]),
+        ("basic_static", &[]),
+        ("threads", &["8", "200"]),
+        ("load", &["4", "200", "1"]),
+        ("stream_ordered", &[]),
+        ("race", &["nonblocking"]),
+        ("churn", &["20000"]),
+    ] {
+        let out = run(name, args, EXPANDABLE);
+        let program = name.trim_end_matches("_static");
+        out.assert_pooled(program);
+        assert!(
+            out.stderr.contains("maps into expandable segments"),
+            "{name}: {}",
+            out.stderr
+        );
+        let (device_allocations, physical) = report(&out);
+        assert_eq!(device_allocations, 0, "{name}: {}", out.stderr);
+        assert!(physical > 0, "{name}: {}", out.stderr);
+    }
+}
+
+#[test]
+fn a_device_without_virtual_memory_gets_fixed_segments() {
+    let out = Run::c("threads", &["4", "100"])
+        .env("CACHEALLOC_CONF", EXPANDABLE)
+        .env("FAKECUDA_REPORT", "1")
+        .env("FAKECUDA_NO_VMM", "1")
+        .output();
+    out.assert_pooled("threads");
+    assert_eq!(
+        out.stderr
+            .matches("expandable_segments:True ignored")
+            .count(),
+        1,
+        "{}",
+        out.stderr
+    );
+    assert!(
+        !out.stderr.contains("maps into expandable segments"),
+        "{}",
+        out.stderr
+    );
+    let (device_allocations, physical) = report(&out);
+    assert!(device_allocations > 0 && physical == 0, "{}", out.stderr);
+}
+
+#[test]
+fn the_trace_tells_every_map_and_unmap() {
+    // oom fills a 64 MiB device, frees everything and asks for more than any cached block:
+    // the ladder unmaps, then maps again.
+    let out = Run::c("oom", &[])
+        .env("CACHEALLOC_CONF", EXPANDABLE)
+        .env("FAKECUDA_CAPACITY_MB", "64")
+        .output();
+    out.assert_pooled("oom");
+    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+    let (records, tears) = read_trace(&dirs[0]);
+    assert!(tears.is_empty());
+    let count = |kind| records.iter().filter(|r| r.kind() == kind).count();
+    let (maps, unmaps) = (count(kinds::SEGMENT_MAP), count(kinds::SEGMENT_UNMAP));
+    assert!(maps > 0 && unmaps > 0, "{maps} maps, {unmaps} unmaps");
+    assert_eq!(count(kinds::SEGMENT_ALLOC), 0, "no fixed segment");
+    // The mapped bytes the trace tells never exceed the device.
+    let mut mapped: i64 = 0;
+    for r in &records {
+        match r {
+            cachealloc_recorder::Record::SegmentMap(s) => mapped += s.size as i64,
+            cachealloc_recorder::Record::SegmentUnmap(s) => mapped -= s.size as i64,
+            _ => {}
+        }
+        assert!((0..=64 << 20).contains(&mapped), "{mapped} bytes mapped");
+    }
+}
+
+#[test]
+fn ipc_on_expandable_memory_is_refused_with_a_message() {
+    let out = run("ipc", &[], EXPANDABLE);
+    // The program expects a whole segment's base to get a handle; in an expandable segment
+    // nothing does.
+    assert_ne!(out.code, Some(0), "{}", out.stdout);
+    assert!(
+        out.stderr.contains("lies in an expandable segment"),
+        "{}",
+        out.stderr
+    );
+    run("ipc", &[], "").assert_ok("ipc");
+}
