@@ -38,7 +38,7 @@ run() {
     local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
     local out
     out=$(env "${envs[@]}" LD_PRELOAD="$LIB" timeout 120 "$BIN/$name" "$@" 2>&1)
-    if echo "$out" | grep -q "^OK $name"; then pass "$name $*"; else fail "$name $*"; echo "$out" | tail -5; fi
+    if grep -q "^OK $name" <<< "$out"; then pass "$name $*"; else fail "$name $*"; echo "$out" | tail -5; fi
     echo "$out" | grep "^cachealloc:" | tail -2
 }
 
@@ -74,17 +74,17 @@ run device_reset "$EXP" --
 run fork "$EXP" --
 run oom CACHEALLOC_CONF=expandable_segments:True,per_process_memory_fraction:0.001 --
 out=$(CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" "$BIN/threads" 4 100 2>&1)
-if echo "$out" | grep -q "maps into expandable segments"; then pass "expandable segments engaged"; else fail "expandable segments engaged"; echo "$out" | tail -3; fi
+if grep -q "maps into expandable segments" <<< "$out"; then pass "expandable segments engaged"; else fail "expandable segments engaged"; echo "$out" | tail -3; fi
 
 # Control: without fences the race must be caught.
 out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
-if echo "$out" | grep -q "overwritten by the old work"; then pass "race control (reuse:immediate is caught)"; else fail "race control"; echo "$out" | tail -3; fi
+if grep -q "overwritten by the old work" <<< "$out"; then pass "race control (reuse:immediate is caught)"; else fail "race control"; echo "$out" | tail -3; fi
 
 # Python through ctypes: the runtime PyTorch ships.
 CUDART=$(python3 -c 'import glob, os, site; print(next(iter(sorted(glob.glob(os.path.join(site.getsitepackages()[0], "nvidia", "**", "libcudart.so.13"), recursive=True))), ""))')
 if [ -n "$CUDART" ]; then
     out=$(LD_LIBRARY_PATH="$(dirname "$CUDART")" LD_PRELOAD="$LIB" timeout 120 python3 tests/programs/ctypes_test.py 2>&1)
-    if echo "$out" | grep -q "^OK ctypes"; then pass "ctypes"; else fail "ctypes"; echo "$out" | tail -5; fi
+    if grep -q "^OK ctypes" <<< "$out"; then pass "ctypes"; else fail "ctypes"; echo "$out" | tail -5; fi
 else
     fail "ctypes (libcudart.so.13 not found in site-packages)"
 fi
@@ -96,7 +96,7 @@ if [ -n "$CUDART" ] && [ -x "$CA" ]; then
     PS=$(mktemp -d)
     out=$(cd "$PS" && LD_LIBRARY_PATH="$(dirname "$CUDART")" CACHEALLOC_CONF=log:quiet,trace_dir:"$PS/trace" \
         LD_PRELOAD="$LIB" timeout 120 python3 "$OLDPWD/tests/programs/python_stacks.py" "$PS/expected.json" 2>&1)
-    if echo "$out" | grep -q "^OK python_stacks" && "$CA" snapshot "$PS/trace" --at-peak -o "$PS/snap.pickle" >/dev/null \
+    if grep -q "^OK python_stacks" <<< "$out" && "$CA" snapshot "$PS/trace" --at-peak -o "$PS/snap.pickle" >/dev/null \
         && python3 scripts/gpu/check_python_stacks.py "$PS/expected.json" "$PS/snap.pickle"; then
         pass "python stacks ($(python3 -c 'import sys; print(sys.version.split()[0])'))"
     else
@@ -132,7 +132,7 @@ echo "$out" | grep -E '^(graphs|cachealloc:)'
 if [ "$(echo "$out" | grep -c 'ok=True')" = 3 ]; then pass "graphs.py 3/3"; else fail "graphs.py"; echo "$out" | tail -5; fi
 out=$(LD_PRELOAD="$LIB" timeout 300 python3 "$WORK/torch_memory_api.py" 2>&1)
 echo "$out" | grep -E '^(api|cachealloc:)' | tail -14
-if echo "$out" | grep -q '^api result=PASS'; then pass "torch_memory_api.py"; else fail "torch_memory_api.py"; fi
+if grep -q '^api result=PASS' <<< "$out"; then pass "torch_memory_api.py"; else fail "torch_memory_api.py"; fi
 
 # Training: losses with and without the shim agree, with fixed and with expandable segments.
 for w in mlp_train gpt2_train multistream infer_varbatch; do

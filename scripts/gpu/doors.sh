@@ -17,7 +17,7 @@ TABLE=$(mktemp)
 pass() { echo "PASS $*"; }
 fail() { echo "FAIL $*"; FAILED=1; }
 doors() { echo "$1" | sed -n 's/.*allocations by door: //p' | tail -1; }
-pooled() { echo "$1" | grep -q "allocations served from the cache" && echo yes || echo no; }
+pooled() { grep -q "allocations served from the cache" <<< "$1" && echo yes || echo no; }
 row() { echo "| $1 | $2 | $3 | $4 |" >> "$TABLE"; }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -33,10 +33,10 @@ if ldd "$BIN/basic_static" | grep -q cudart; then fail "basic_static links a sha
 run_static() {
     local name=$1; shift
     local out; out=$(LD_PRELOAD="$LIB" timeout 120 "$BIN/${name}_static" "$@" 2>&1)
-    local ok=no; echo "$out" | grep -q "^OK $name" && ok=yes
+    local ok=no; grep -q "^OK $name" <<< "$out" && ok=yes
     local d; d=$(doors "$out")
     row "nvcc default (static cudart): $name $*" "${d:-none}" "$(pooled "$out")" "$ok"
-    if [ "$ok" = yes ] && echo "$d" | grep -q "driver entry points"; then pass "static $name $*"; else fail "static $name $*"; echo "$out" | tail -4; fi
+    if [ "$ok" = yes ] && grep -q "driver entry points" <<< "$d"; then pass "static $name $*"; else fail "static $name $*"; echo "$out" | tail -4; fi
 }
 run_static basic
 run_static race nonblocking
@@ -49,17 +49,17 @@ run_static graph_capture
 run_static meminfo
 run_static badfree
 out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race_static" nonblocking 2>&1)
-if echo "$out" | grep -q "overwritten by the old work"; then pass "static race control (reuse:immediate is caught)"; else fail "static race control"; fi
+if grep -q "overwritten by the old work" <<< "$out"; then pass "static race control (reuse:immediate is caught)"; else fail "static race control"; fi
 
 # --- the driver API: linked with libcuda, and looked up with dlsym ----------------------------
 nvcc -O2 -o "$BIN/driver_doors" scripts/gpu/driver_doors.cu -lcuda -ldl || fail "build driver_doors"
 for mode in symbols dlsym entry; do
     out=$(LD_PRELOAD="$LIB" timeout 120 "$BIN/driver_doors" "$mode" 2>&1)
-    ok=no; echo "$out" | grep -q "^OK driver_doors" && ok=yes
+    ok=no; grep -q "^OK driver_doors" <<< "$out" && ok=yes
     d=$(doors "$out")
     row "driver API ($mode)" "${d:-none}" "$(pooled "$out")" "$ok"
     case "$mode" in symbols) want="driver symbols";; dlsym) want="dlsym";; *) want="driver entry points";; esac
-    if [ "$ok" = yes ] && echo "$d" | grep -q "$want"; then pass "driver_doors $mode"; else fail "driver_doors $mode"; echo "$out" | tail -4; fi
+    if [ "$ok" = yes ] && grep -q "$want" <<< "$d"; then pass "driver_doors $mode"; else fail "driver_doors $mode"; echo "$out" | tail -4; fi
 done
 
 # --- Python libraries: same checksum or loss with and without the shim -----------------------

@@ -7,9 +7,11 @@
 #   torch_exp   PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #   shim        libcachealloc.so with its default configuration
 #   shim_exp    libcachealloc.so with CACHEALLOC_CONF=expandable_segments:True
-# Prints each run's line, then per workload and label the medians of step time, peak reserved
-# and peak allocated (PyTorch's own counters for native runs, the pool's for the shim's: every
-# allocation of the process), reserved/allocated, and step time against native.
+# Prints each run's line (also appended to $LOG when set: rounds run in separate commands add up,
+# and scripts/gpu/expandable_summary.py LOG... summarizes them), then per workload and label the
+# medians of step time, peak reserved and peak allocated (PyTorch's own counters for native
+# runs, the pool's for the shim's: every allocation of the process), reserved/allocated, and
+# step time against native.
 set -uo pipefail
 LIB="$(realpath "$1")/libcachealloc.so"; WORK="$(realpath "$2")"; REPEATS=${3:-3}
 shift 3 2>/dev/null || shift $#
@@ -17,7 +19,7 @@ WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -gt 0 ] || WORKLOADS=(gpt2_train infer_varb
 HERE="$(dirname "$(realpath "$0")")"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__)'
-LOG=$(mktemp)
+LOG=${LOG:-$(mktemp)}
 for r in $(seq "$REPEATS"); do
     for w in "${WORKLOADS[@]}"; do
         script="$WORK/$w.py"; [ -f "$script" ] || script="$HERE/$w.py"
@@ -30,23 +32,4 @@ for r in $(seq "$REPEATS"); do
             python3 "$HERE/with_stats.py" "$script" 2>&1 | paste -sd' ' | tee -a "$LOG"
     done
 done
-python3 - "$LOG" <<'PY'
-import re, statistics, sys
-rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in open(sys.argv[1])]
-def med(w, label, key):
-    vals = [float(r[key]) for r in rows if r.get("workload") == w and r.get("label") == label and key in r]
-    return statistics.median(vals) if vals else float("nan")
-for w in dict.fromkeys(r.get("workload") for r in rows if r.get("workload")):
-    native_step = med(w, "native", "step_ms")
-    for label in ("native", "torch_exp", "shim", "shim_exp"):
-        shim = label.startswith("shim")
-        reserved = med(w, label, "cachealloc_peak_reserved_MB" if shim else "torch_max_reserved_MB")
-        allocated = med(w, label, "cachealloc_peak_alloc_MB" if shim else "torch_max_alloc_MB")
-        step = med(w, label, "step_ms")
-        losses = sorted({r.get("loss") for r in rows if r.get("workload") == w and r.get("label") == label})
-        print(f"summary workload={w} label={label} step_ms={step:.3f} vs_native={step / native_step:.3f} "
-              f"peak_reserved_MB={reserved:.1f} peak_allocated_MB={allocated:.1f} "
-              f"reserved_over_allocated={reserved / allocated:.3f} "
-              f"torch_reserved_MB={med(w, label, 'torch_max_reserved_MB'):.1f} "
-              f"device_used_at_exit_MB={med(w, label, 'device_used_at_exit_MB'):.1f} losses={','.join(losses)}")
-PY
+python3 "$HERE/expandable_summary.py" "$LOG"

@@ -37,6 +37,7 @@ int main(int argc, char **argv) {
     for (size_t size : {2ul << 20, 20ul << 20}) {
         size_t n = size / g;
         std::vector<double> map_per_granule, unmap_per_granule, map_one, unmap_one, cmalloc, cfree;
+        std::vector<double> remap_move, create_only, release_only;
         for (int r = 0; r < reps; r++) {
             // cachealloc's way: a handle per granule, released once mapped.
             double t0 = now_us();
@@ -53,6 +54,27 @@ int main(int argc, char **argv) {
             double t2 = now_us();
             map_per_granule.push_back(t1 - t0);
             unmap_per_granule.push_back(t2 - t1);
+            // Moving memory: handles kept, unmapped at one place and mapped at another (no
+            // cuMemCreate or cuMemRelease).
+            std::vector<CUmemGenericAllocationHandle> hs(n);
+            t0 = now_us();
+            for (size_t i = 0; i < n; i++) CHECK(cuMemCreate(&hs[i], g, &prop, 0));
+            t1 = now_us();
+            create_only.push_back(t1 - t0);
+            for (size_t i = 0; i < n; i++) CHECK(cuMemMap(range + i * g, g, 0, hs[i], 0));
+            CHECK(cuMemSetAccess(range, size, &access, 1));
+            CHECK(cuCtxSynchronize());
+            t0 = now_us();
+            for (size_t i = 0; i < n; i++) CHECK(cuMemUnmap(range + i * g, g));
+            for (size_t i = 0; i < n; i++) CHECK(cuMemMap(range + (32 + i) * g, g, 0, hs[i], 0));
+            CHECK(cuMemSetAccess(range + 32 * g, size, &access, 1));
+            t1 = now_us();
+            remap_move.push_back(t1 - t0);
+            for (size_t i = 0; i < n; i++) CHECK(cuMemUnmap(range + (32 + i) * g, g));
+            t0 = now_us();
+            for (size_t i = 0; i < n; i++) CHECK(cuMemRelease(hs[i]));
+            t1 = now_us();
+            release_only.push_back(t1 - t0);
             // One handle for the whole size.
             t0 = now_us();
             CUmemGenericAllocationHandle h;
@@ -77,9 +99,11 @@ int main(int argc, char **argv) {
             cfree.push_back(t2 - t1);
         }
         printf("map_cost size_MiB=%zu granule_handles_map_us=%.1f granule_handles_unmap_us=%.1f "
-               "one_handle_map_us=%.1f one_handle_unmap_us=%.1f cudaMalloc_us=%.1f cudaFree_us=%.1f\n",
+               "one_handle_map_us=%.1f one_handle_unmap_us=%.1f cudaMalloc_us=%.1f cudaFree_us=%.1f "
+               "create_only_us=%.1f release_only_us=%.1f move_kept_handles_us=%.1f\n",
                size >> 20, median(map_per_granule), median(unmap_per_granule), median(map_one),
-               median(unmap_one), median(cmalloc), median(cfree));
+               median(unmap_one), median(cmalloc), median(cfree), median(create_only),
+               median(release_only), median(remap_move));
     }
     return 0;
 }
