@@ -110,17 +110,18 @@ pub trait Device: Send + Sync {
     }
 
     /// Back `[address, address + size)` (granularity-aligned, inside a reserved range, not
-    /// mapped) with new device memory, readable and writable by this device. Fails with
-    /// [`DeviceError::OutOfMemory`] when the memory is not there, leaving nothing mapped.
+    /// mapped) with new device memory, readable and writable by this device: one *mapping*.
+    /// Fails with [`DeviceError::OutOfMemory`] when the memory is not there, leaving nothing
+    /// mapped.
     fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let _ = (address, size);
         Err(DeviceError::unsupported("map"))
     }
 
-    /// Give back the memory behind `[address, address + size)`, which [`Device::map`] calls
-    /// mapped (whole granules, possibly several maps' worth). No work on the device may still
-    /// use it: the caller took it out of the pools, and the implementation waits for the device
-    /// first (an unmap, unlike `cudaFree`, does not).
+    /// Give back the memory of one whole mapping, `[address, address + size)` exactly as a
+    /// [`Device::map`] call made it (the driver unmaps nothing less). No work on the device may
+    /// still use it: the caller took it out of the pools, and the implementation waits for the
+    /// device first (an unmap, unlike `cudaFree`, does not).
     fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let _ = (address, size);
         Err(DeviceError::unsupported("unmap"))

@@ -314,8 +314,10 @@ pub struct Pools<F> {
     /// With expandable segments: the mapping granularity and the size of each segment's
     /// address range; see [Note [Expandable segments]](expandable#note-expandable-segments).
     expandable: Option<expandable::Geometry>,
-    /// The expandable segment of each stream and pool.
+    /// The expandable segments: stream, pool, segment.
     ranges: Vec<(u64, PoolKind, SegmentId)>,
+    /// The live mappings of expandable segments, by address: one per map, unmapped whole.
+    mappings: BTreeMap<u64, u64>,
     /// The statistics.
     pub stats: Stats,
 }
@@ -345,6 +347,7 @@ impl<F: Clone> Pools<F> {
             growing: 0,
             expandable: None,
             ranges: Vec::new(),
+            mappings: BTreeMap::new(),
             stats: Stats {
                 max_split_size: config.max_split_size,
                 ..Stats::default()

@@ -4,7 +4,8 @@
 //! pointer can never alias a new segment by accident), and completes fences either at once or
 //! when the test says so. Failures can be injected. With [`SimDevice::with_map_granularity`] it
 //! also offers virtual memory (reserve, map, unmap) and refuses every misuse the CUDA driver
-//! refuses: mapping outside a reserved range, mapping twice, unmapping what is not mapped —
+//! refuses: mapping outside a reserved range, mapping twice, unmapping anything but one whole
+//! earlier mapping —
 //! so the tests catch an allocator that gets its expandable segments wrong.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -76,6 +77,8 @@ struct SimState {
     ranges: BTreeMap<u64, u64>,
     /// Mapped granules, by address.
     mapped: BTreeSet<u64>,
+    /// Live mappings: address → size (an unmap must name one whole).
+    mappings: BTreeMap<u64, u64>,
 }
 
 /// A capacity-limited simulated device. Cheap to share between threads.
@@ -108,6 +111,7 @@ impl SimDevice {
                 next_range: RANGE_BASE_ADDRESS,
                 ranges: BTreeMap::new(),
                 mapped: BTreeSet::new(),
+                mappings: BTreeMap::new(),
             }),
         }
     }
@@ -344,6 +348,7 @@ impl Device for SimDevice {
             return Err(DeviceError::OutOfMemory);
         }
         s.mapped.extend(granules);
+        s.mappings.insert(address, size);
         s.used += size;
         s.counters.maps += 1;
         Ok(())
@@ -352,9 +357,12 @@ impl Device for SimDevice {
     fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let mut s = self.state.lock();
         let granules = s.granules(address, size)?;
-        if let Some(g) = granules.clone().find(|g| !s.mapped.contains(g)) {
-            return Err(misuse(format!("granule {g:#x} is not mapped")));
+        if s.mappings.get(&address) != Some(&size) {
+            return Err(misuse(format!(
+                "{address:#x}+{size} is not one whole mapping (the driver unmaps only those)"
+            )));
         }
+        s.mappings.remove(&address);
         for g in granules {
             s.mapped.remove(&g);
         }

@@ -6,7 +6,7 @@
 use super::{Allocator, Locked, Request, SegmentChanges};
 use crate::device::{Device, DeviceError};
 use crate::events::{Event, Observer};
-use crate::pools::expandable::{MapOutcome, Unmapping};
+use crate::pools::expandable::{MapOutcome, MapPlan, Unmapping};
 use crate::pools::{Allocation, BlockState, SegmentSnapshot};
 use crate::sizes::PoolKind;
 
@@ -72,7 +72,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                 pools = self.unmap_taken(pools, holes, changes);
             }
             let (address, map_size, pool) = (plan.address, plan.size, plan.pool);
-            let (mapped, relocked) = self.unlocked(pools, || self.device.map(address, map_size));
+            let granularity = pools.expandable().map_or(map_size, |g| g.granularity);
+            let (mapped, relocked) = self.unlocked(pools, || self.map_all(&plan, granularity));
             pools = relocked;
             match mapped {
                 Ok(()) => {
@@ -154,6 +155,23 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             }
         }
         pools
+    }
+}
+
+impl<D: Device, O: Observer> Allocator<D, O> {
+    /// Make the mappings of `plan`; on a failure, undo those made.
+    fn map_all(&self, plan: &MapPlan, granularity: u64) -> Result<(), DeviceError> {
+        let mut made: Vec<(u64, u64)> = Vec::new();
+        for (address, size) in plan.mappings(granularity) {
+            if let Err(e) = self.device.map(address, size) {
+                for (address, size) in made {
+                    let _ = self.device.unmap(address, size);
+                }
+                return Err(e);
+            }
+            made.push((address, size));
+        }
+        Ok(())
     }
 }
 

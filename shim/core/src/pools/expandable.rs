@@ -26,17 +26,27 @@
 //! * **Blocks split and merge freely** inside a range: the `max_split_size` rules (which keep
 //!   big fixed segments from being eaten by small requests) do not apply, since no memory is
 //!   stuck in a segment for good; a split needs only a rest of at least 512 bytes.
-//! * **Releasing** (`empty_cache`, the out-of-memory ladder) unmaps the whole granules inside
-//!   free blocks ([`Pools::take_unmappable`]), leaving the partial granules at their ends free
-//!   and mapped. The range stays reserved.
+//! * **A map is one mapping, unmapped whole.** Each map backs its granules with one physical
+//!   allocation (`cuMemCreate` of the map's size): the driver's calls cost about the same for
+//!   2 MiB as for 1 GiB (measured on an H100: 40–60 µs per call, BENCHMARKS.md), so mapping
+//!   granule by granule, as PyTorch does, makes a 1 GiB map take tens of milliseconds. The
+//!   driver unmaps only whole mappings, so the pools keep every live mapping and unmap those
+//!   that lie wholly inside free blocks. A map is made of [`MAPPINGS_PER_MAP`] mappings, so
+//!   that its cost stays bounded while what a live block can keep mapped beside it stays
+//!   proportionate (a sixteenth of the map it came with). Measured on recorded runs
+//!   (`cachealloc simulate`), granule-sized mappings waste least memory but make a 1 GiB map
+//!   cost 30 ms; one mapping per map is cheapest but leaves most memory stuck.
+//! * **Releasing** (`empty_cache`, the out-of-memory ladder) unmaps the mappings that lie wholly
+//!   inside free blocks ([`Pools::take_unmappable`]); what shares a mapping with a live block
+//!   stays free and mapped. The range stays reserved.
 //! * **Recycling at a new high-water mark.** Free memory in a range can still be the wrong
 //!   shape: holes between live blocks that the next request does not fit. Fixed segments, and
 //!   PyTorch's expandable segments, keep such holes and reserve more; that is their waste (on a
 //!   GPT-2 training run with variable sequence lengths, 3.8 % of the peak). So when a map would
-//!   take reserved memory above its peak so far, the allocator first unmaps as many whole free
-//!   granules elsewhere in the same range ([`Pools::take_to_recycle`]: those free the longest,
-//!   never the block the new memory joins; other ranges keep theirs, or two pools would take
-//!   memory from each other at every turn): reserved memory then stays at its peak, and the peak grows only when
+//!   take reserved memory above its peak so far, the allocator first unmaps as much free memory
+//!   elsewhere in the same range ([`Pools::take_to_recycle`]: the mappings inside the blocks
+//!   free the longest, never the block the new memory joins; other ranges keep theirs, or two
+//!   pools would take memory from each other at every turn): reserved memory then stays at its peak, and the peak grows only when
 //!   the live blocks need it. Below the peak nothing is unmapped, so a run whose shapes have all
 //!   been seen makes no device calls; a new peak costs an unmap, which waits for the device.
 //! * **Stats** follow PyTorch's expandable segments: `reserved_bytes` counts mapped bytes,
@@ -93,6 +103,24 @@ pub struct MapPlan {
     /// The pool of the range.
     pub pool: PoolKind,
     block: BlockId,
+}
+
+/// How many mappings a map is made of (at most one more, for the rest): a mapping costs the
+/// driver about the same whatever its size, but it is unmapped only whole, so free memory next
+/// to a live block stays mapped up to one mapping's size. Sixteenths keep a map's cost bounded
+/// (17 calls) and what can stay stuck proportionate to it.
+pub const MAPPINGS_PER_MAP: u64 = 16;
+
+impl MapPlan {
+    /// The mappings that make the plan's memory, in address order: sixteenths of it, in whole
+    /// granules of `granularity` (see [`MAPPINGS_PER_MAP`]).
+    pub fn mappings(&self, granularity: u64) -> impl Iterator<Item = (u64, u64)> + use<> {
+        let piece = (self.size / MAPPINGS_PER_MAP / granularity).max(1) * granularity;
+        let (start, end) = (self.address, self.address + self.size);
+        (start..end)
+            .step_by(piece as usize)
+            .map(move |address| (address, piece.min(end - address)))
+    }
 }
 
 /// What [`Pools::plan_map`] found.
@@ -254,6 +282,11 @@ impl<F: Clone> Pools<F> {
         self.growing -= size;
         self.stats.reserved_bytes.increase(pool, size);
         self.stats.num_device_alloc += 1;
+        let granularity = self
+            .expandable
+            .expect("expandable segments are on")
+            .granularity;
+        self.mappings.extend(plan.mappings(granularity));
         let b = &mut self.blocks[id as usize];
         b.busy = false;
         b.state = BlockState::Free;
@@ -285,64 +318,71 @@ impl<F: Clone> Pools<F> {
         self.make_unmapped(plan.block);
     }
 
-    /// Take the whole granules inside every free block of the expandable segments of `pools`
-    /// out of the pools, for unmapping. The partial granules at a block's ends stay free.
+    /// Take the mappings that lie wholly inside free blocks of the expandable segments of
+    /// `pools` out of the pools, for unmapping. What shares a mapping with a live block stays.
     pub fn take_unmappable(&mut self, pools: &[PoolKind]) -> Vec<Unmapping> {
         let ranges: Vec<SegmentId> = (self.ranges.iter())
             .filter(|&&(_, pool, _)| pools.contains(&pool))
             .map(|&(_, _, segment)| segment)
             .collect();
-        self.take_granules_of_free_blocks(&ranges, NIL, u64::MAX)
+        self.take_free_mappings(&ranges, NIL, u64::MAX)
     }
 
-    /// Take up to `budget` bytes of whole free granules of the range `planned` memory is in
-    /// out of the pools for unmapping, from the blocks that have been free the longest (their
-    /// last granules first) — except the free block the new memory is to join. Mapping
-    /// `planned` then leaves reserved memory where it was; see
+    /// Take at least `budget` bytes (when there are) of mappings wholly inside free blocks of
+    /// the range `planned` memory is in out of the pools for unmapping: from the blocks that
+    /// have been free the longest, their last mappings first — never from the free block the
+    /// new memory is to join. Mapping `planned` then leaves reserved memory where it was; see
     /// [Note [Expandable segments]](self#note-expandable-segments).
     pub fn take_to_recycle(&mut self, planned: &MapPlan, budget: u64) -> Vec<Unmapping> {
         let b = &self.blocks[planned.block as usize];
         let (segment, joined) = (b.segment, b.prev);
-        self.take_granules_of_free_blocks(&[segment], joined, budget)
+        self.take_free_mappings(&[segment], joined, budget)
     }
 
-    fn take_granules_of_free_blocks(
+    fn take_free_mappings(
         &mut self,
         ranges: &[SegmentId],
         except: BlockId,
         budget: u64,
     ) -> Vec<Unmapping> {
-        let Some(Geometry { granularity: g, .. }) = self.expandable else {
-            return Vec::new();
-        };
         self.settle();
-        let mut found = Vec::new();
+        // Per free block: its age, id, and the mappings wholly inside it (they are contiguous:
+        // a free block is mapped throughout).
+        let mut found: Vec<(u64, BlockId, Vec<(u64, u64)>)> = Vec::new();
         for &segment in ranges {
             let mut id = self.segment(segment).first;
             while id != NIL {
                 let b = &self.blocks[id as usize];
                 if b.state == BlockState::Free && id != except {
-                    let low = sizes::round_up(b.address, g);
-                    let high = (b.address + b.size) / g * g;
-                    if high > low {
-                        found.push((b.free_since, id, low, high));
+                    let end = b.address + b.size;
+                    let inside: Vec<(u64, u64)> = (self.mappings.range(b.address..end))
+                        .map(|(&address, &size)| (address, size))
+                        .take_while(|&(address, size)| address + size <= end)
+                        .collect();
+                    if !inside.is_empty() {
+                        found.push((b.free_since, id, inside));
                     }
                 }
                 id = b.next;
             }
         }
         if budget != u64::MAX {
-            found.sort_unstable();
+            found.sort_unstable_by_key(|&(age, id, _)| (age, id));
         }
         let mut left = budget;
         let mut taken = Vec::new();
-        for (_, id, low, high) in found {
+        for (_, id, mut inside) in found {
             if left == 0 {
                 break;
             }
-            let low = low.max(high.saturating_sub(sizes::round_up(left, g)));
-            left = left.saturating_sub(high - low);
-            taken.push(self.take_granules(id, low, high));
+            // The last mappings of the block, as many as the budget needs.
+            let mut keep = inside.len();
+            while keep > 0 && left > 0 {
+                keep -= 1;
+                left = left.saturating_sub(inside[keep].1);
+            }
+            let inside = inside.split_off(keep);
+            taken.extend(self.take_mappings(id, &inside));
         }
         taken
     }
@@ -350,6 +390,7 @@ impl<F: Clone> Pools<F> {
     /// The memory of `unmapping` is unmapped: it is address space again.
     pub fn unmap_done(&mut self, unmapping: Unmapping) {
         self.stats.num_device_free += 1;
+        self.mappings.remove(&unmapping.address);
         self.make_unmapped(unmapping.block);
     }
 
@@ -367,9 +408,50 @@ impl<F: Clone> Pools<F> {
 
     // ----- helpers ----------------------------------------------------------------------------
 
-    /// Split `[low, high)` (whole granules) out of the free block `id` as a busy unmapped
-    /// block; the ends stay free.
-    fn take_granules(&mut self, id: BlockId, low: u64, high: u64) -> Unmapping {
+    /// Take the contiguous `mappings` (wholly inside the free block `id`) out of it as busy
+    /// unmapped blocks, one per mapping; the block's ends stay free.
+    fn take_mappings(&mut self, id: BlockId, mappings: &[(u64, u64)]) -> Vec<Unmapping> {
+        let (Some(&(low, _)), Some(&(last, last_size))) = (mappings.first(), mappings.last())
+        else {
+            return Vec::new();
+        };
+        let mut block = self.take_range(id, low, last + last_size);
+        let pool = self.blocks[block as usize].pool;
+        let mut out = Vec::with_capacity(mappings.len());
+        for (i, &(address, size)) in mappings.iter().enumerate() {
+            if i + 1 < mappings.len() {
+                let b = &self.blocks[block as usize];
+                let rest = Block {
+                    address: address + size,
+                    size: b.address + b.size - address - size,
+                    prev: block,
+                    ..b.clone()
+                };
+                let rest = self.new_block(rest);
+                self.link_after(block, rest);
+                self.blocks[block as usize].size = size;
+                out.push(Unmapping {
+                    address,
+                    size,
+                    pool,
+                    block,
+                });
+                block = rest;
+            } else {
+                out.push(Unmapping {
+                    address,
+                    size,
+                    pool,
+                    block,
+                });
+            }
+        }
+        out
+    }
+
+    /// Split `[low, high)` out of the free block `id` as a busy unmapped block (returned); the
+    /// ends stay free.
+    fn take_range(&mut self, id: BlockId, low: u64, high: u64) -> BlockId {
         self.remove_free(id);
         let b = self.blocks[id as usize].clone();
         if low > b.address {
@@ -397,12 +479,7 @@ impl<F: Clone> Pools<F> {
         b.state = BlockState::Unmapped;
         b.busy = true;
         self.stats.reserved_bytes.decrease(b.pool, high - low);
-        Unmapping {
-            address: low,
-            size: high - low,
-            pool: b.pool,
-            block: id,
-        }
+        id
     }
 
     /// Link the new block `new` (whose own links are set) in after `id`.

@@ -177,6 +177,48 @@ impl<F: Clone> Pools<F> {
             }
         }
 
+        // Mappings: disjoint, inside expandable segments, and every mapped block inside them.
+        let mut previous_end = 0;
+        for (&address, &size) in &self.mappings {
+            if address < previous_end || size == 0 {
+                return Err(format!("mapping {address:#x}+{size} overlaps another"));
+            }
+            previous_end = address + size;
+            let inside = self
+                .segment_index
+                .range(..=address)
+                .next_back()
+                .map(|(_, &id)| self.segment(id))
+                .is_some_and(|seg| seg.expandable && address + size <= seg.address + seg.size);
+            if !inside {
+                return Err(format!("mapping {address:#x}+{size} outside every range"));
+            }
+        }
+        for seg in self.segments.iter().flatten().filter(|seg| seg.expandable) {
+            let mut id = seg.first;
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                if b.state != BlockState::Unmapped {
+                    let covered = self
+                        .mappings
+                        .range(..b.address + b.size)
+                        .rev()
+                        .take_while(|&(&address, &size)| address + size > b.address)
+                        .map(|(&address, &size)| {
+                            (address + size).min(b.address + b.size) - address.max(b.address)
+                        })
+                        .sum::<u64>();
+                    if covered != b.size {
+                        return Err(format!(
+                            "block {:#x}+{} is {:?} but only {covered} bytes of it are mapped",
+                            b.address, b.size, b.state
+                        ));
+                    }
+                }
+                id = b.next;
+            }
+        }
+
         if self.segment_index.len() != segments_seen {
             return Err(format!(
                 "address index has {} segments, table {segments_seen}",

@@ -3,11 +3,12 @@
 //! `cuMemUnmap` to give them back (see
 //! [Note [Expandable segments]](cachealloc_core::pools::expandable#note-expandable-segments)).
 //!
-//! Every granule is its own physical allocation, mapped on its own: the driver unmaps only
-//! whole mappings, and the allocator unmaps any granules of a free block. The allocation's
-//! handle is released right after it is mapped; the driver keeps the memory while it is mapped
-//! and frees it at the unmap, so no handle needs keeping. Only the owning device gets access:
-//! the memory of a pool is not readable by peer GPUs (documented in the README).
+//! Each map is one physical allocation of its size and one mapping; the allocator unmaps only
+//! whole mappings (the driver allows nothing less). The calls cost about the same for 2 MiB as
+//! for 1 GiB, so one mapping per granule, as PyTorch makes, would make big maps slow. The
+//! allocation's handle is released right after it is mapped; the driver keeps the memory while
+//! it is mapped and frees it at the unmap, so no handle needs keeping. Only the owning device
+//! gets access: the memory of a pool is not readable by peer GPUs (documented in the README).
 //!
 //! The caller runs every method with the device's primary context current, and synchronizes
 //! the context before an unmap (unlike `cudaFree`, `cuMemUnmap` does not wait for kernels).
@@ -97,62 +98,48 @@ impl Vmm {
     }
 
     /// Back `[address, address + size)` (whole granules of a reserved range, not mapped) with
-    /// new memory of this device, readable and writable by it. On failure nothing stays mapped.
+    /// new memory of this device, readable and writable by it: one physical allocation, one
+    /// mapping. On failure nothing stays mapped.
     pub fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
-        let g = self.granularity;
         let prop = allocation_prop(self.ordinal);
-        let mut mapped = 0;
-        let result = (|| {
-            while mapped < size {
-                let mut handle: sys::CUmemGenericAllocationHandle = 0;
-                // SAFETY: valid out-pointer and property struct; the size is one granule.
-                let code = call_driver!(cuMemCreate(&mut handle, g as usize, &prop, 0));
-                match code {
-                    SUCCESS => {}
-                    real_driver::ERROR_OUT_OF_MEMORY => return Err(DeviceError::OutOfMemory),
-                    other => return Err(error(other, "cuMemCreate")),
-                }
-                // SAFETY: one unmapped granule of a reserved range, and a live handle of one
-                // granule; offset and flags 0.
-                let code = call_driver!(cuMemMap(address + mapped, g as usize, 0, handle, 0));
-                // SAFETY: the handle is ours; once mapped, the driver keeps the memory until
-                // the unmap, so the handle is no longer needed either way.
-                release_handle(handle);
-                check(code, "cuMemMap")?;
-                mapped += g;
-            }
-            let access = sys::CUmemAccessDesc {
-                location: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: self.ordinal,
-                },
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: the range is mapped (just above); one valid descriptor.
-            check(
-                call_driver!(cuMemSetAccess(address, size as usize, &access, 1)),
-                "cuMemSetAccess",
-            )
-        })();
-        if result.is_err() {
-            let _ = self.unmap(address, mapped);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer and property struct; the size is whole granules.
+        let code = call_driver!(cuMemCreate(&mut handle, size as usize, &prop, 0));
+        match code {
+            SUCCESS => {}
+            real_driver::ERROR_OUT_OF_MEMORY => return Err(DeviceError::OutOfMemory),
+            other => return Err(error(other, "cuMemCreate")),
         }
-        result
+        // SAFETY: unmapped whole granules of a reserved range, and a live handle of that size;
+        // offset and flags 0.
+        let code = call_driver!(cuMemMap(address, size as usize, 0, handle, 0));
+        // The driver keeps the memory while it is mapped: the handle is not needed either way.
+        release_handle(handle);
+        check(code, "cuMemMap")?;
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.ordinal,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range is mapped (just above); one valid descriptor.
+        let code = call_driver!(cuMemSetAccess(address, size as usize, &access, 1));
+        if let Err(e) = check(code, "cuMemSetAccess") {
+            let _ = self.unmap(address, size);
+            return Err(e);
+        }
+        Ok(())
     }
 
-    /// Give back the memory of `[address, address + size)` (whole mapped granules). The caller
-    /// synchronized the context: no kernel uses it any more.
+    /// Give back the memory of one whole mapping `map` made. The caller synchronized the
+    /// context: no kernel uses it any more.
     pub fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
-        let g = self.granularity;
-        let mut first_error = Ok(());
-        for offset in (0..size).step_by(g as usize) {
-            // SAFETY: each granule was mapped on its own by `map`, so it is a whole mapping.
-            let code = call_driver!(cuMemUnmap(address + offset, g as usize));
-            if first_error.is_ok() {
-                first_error = check(code, "cuMemUnmap");
-            }
-        }
-        first_error
+        // SAFETY: `[address, address + size)` is exactly one mapping `map` made.
+        check(
+            call_driver!(cuMemUnmap(address, size as usize)),
+            "cuMemUnmap",
+        )
     }
 }
 
