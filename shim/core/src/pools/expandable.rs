@@ -123,6 +123,9 @@ impl MapPlan {
     }
 }
 
+/// A mapping: address and size.
+type Mapping = (u64, u64);
+
 /// What [`Pools::plan_map`] found.
 #[derive(Debug, PartialEq, Eq)]
 pub enum MapOutcome {
@@ -348,7 +351,7 @@ impl<F: Clone> Pools<F> {
         self.settle();
         // Per free block: its age, id, and the mappings wholly inside it (they are contiguous:
         // a free block is mapped throughout).
-        let mut found: Vec<(u64, BlockId, Vec<(u64, u64)>)> = Vec::new();
+        let mut found: Vec<(u64, BlockId, Vec<Mapping>)> = Vec::new();
         for &segment in ranges {
             let mut id = self.segment(segment).first;
             while id != NIL {
