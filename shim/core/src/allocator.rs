@@ -50,7 +50,7 @@ use crate::sizes::{self, PoolKind};
 use crate::stats::Stats;
 
 mod expandable;
-use expandable::mapped_runs;
+mod maintenance;
 
 pub use crate::events::{Event, Observer};
 pub use crate::oom::{OomReport, format_bytes};
@@ -89,17 +89,17 @@ pub struct SegmentChanges {
 
 /// A request on its way down the ladder.
 #[derive(Clone, Copy, Debug)]
-struct Request {
+pub(crate) struct Request {
     /// The application's size.
-    size: u64,
+    pub(crate) size: u64,
     /// Its rounded size.
-    rounded: u64,
+    pub(crate) rounded: u64,
     /// The size of a new segment for it.
-    segment_size: u64,
+    pub(crate) segment_size: u64,
     /// The caller's tag.
-    tag: u64,
+    pub(crate) tag: u64,
     /// The stream it is for, or [`NO_STREAM`].
-    stream: u64,
+    pub(crate) stream: u64,
 }
 
 impl Request {
@@ -449,7 +449,11 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         let segment_size = pools.expandable().map_or(segment_size, |geometry| {
             sizes::round_up(rounded, geometry.granularity)
         });
-        let report = self.oom_report(&pools, size, rounded, segment_size, tag);
+        let request = Request {
+            segment_size,
+            ..*request
+        };
+        let report = OomReport::of(&pools, &request, self.device.mem_info(), self.limit);
         self.observer.on_event(Event::Oom(&report));
         Err(AllocError::OutOfMemory(Box::new(report)))
     }
@@ -517,38 +521,6 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         }
     }
 
-    fn oom_report(
-        &self,
-        pools: &Pools<D::Fence>,
-        requested: u64,
-        rounded: u64,
-        segment_size: u64,
-        tag: u64,
-    ) -> OomReport {
-        let info = self.device.mem_info();
-        let cached_free = pools.cached_free_bytes();
-        let largest = pools.largest_free_block();
-        OomReport {
-            requested,
-            rounded,
-            pool: sizes::pool_for(rounded),
-            segment_size,
-            allocated: pools.stats.allocated_bytes.all.current as u64,
-            reserved: pools.stats.reserved_bytes.all.current as u64,
-            cached_free,
-            largest_free_block: largest,
-            fragmentation: if cached_free == 0 {
-                0.0
-            } else {
-                1.0 - largest as f64 / cached_free as f64
-            },
-            device_free: info.free,
-            device_total: info.total,
-            limit: self.limit,
-            tag,
-        }
-    }
-
     /// Free a block synchronously (`cudaFree`). A pointer that is not ours, a double free and an
     /// interior pointer are refused with nothing changed.
     #[inline]
@@ -565,87 +537,6 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         let freed = pools.free(address, stream)?;
         self.observer.on_event(Event::FreeRequested(&freed));
         Ok(freed)
-    }
-
-    /// Release every cached free segment to the device (`torch.cuda.empty_cache`), after waiting
-    /// for all pending fences.
-    pub fn empty_cache(&self) -> Result<SegmentChanges, DeviceError> {
-        let mut changes = SegmentChanges::default();
-        let mut pools = self.pools.lock();
-        pools.close_open_batches(&self.device)?;
-        while let Some(fence) = pools
-            .oldest_pending_fence()
-            .or_else(|| pools.any_cross_fence())
-        {
-            pools.stats.num_fence_waits += 1;
-            let (waited, relocked) = self.unlocked(pools, || self.device.wait_fence(&fence));
-            pools = relocked;
-            waited?;
-            self.collect_completed(&mut pools, &mut changes);
-        }
-        let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
-        let pools = self.release_unlocked(pools, all, &mut changes);
-        drop(self.unmap_unlocked(pools, &mut changes));
-        Ok(changes)
-    }
-
-    /// Close the open fence batch now (for example before a long pause, or at a stream
-    /// synchronization the caller saw), and collect completed ones.
-    pub fn flush_fences(&self) -> Result<SegmentChanges, DeviceError> {
-        let mut changes = SegmentChanges::default();
-        let mut pools = self.pools.lock();
-        pools.close_open_batches(&self.device)?;
-        self.collect_completed(&mut pools, &mut changes);
-        Ok(changes)
-    }
-
-    /// Put every block freed from now on behind a fence recorded now (see
-    /// [`Pools::close_batch_as_barrier`]).
-    pub fn fence_barrier(&self) -> Result<(), DeviceError> {
-        self.pools.lock().close_batch_as_barrier(&self.device)
-    }
-
-    /// Switch to fenced reuse (see [`Pools::start_fencing`]); a no-op unless the policy is
-    /// `auto` and fencing has not started.
-    pub fn start_fencing(&self) -> Result<(), DeviceError> {
-        self.pools.lock().start_fencing(&self.device)
-    }
-
-    /// Forget every segment without releasing it (the device context was reset). The observer
-    /// hears every live block end and every segment go (the mapped parts of expandable ones
-    /// unmapped).
-    pub fn forget_all(&self) {
-        let mut pools = self.pools.lock();
-        for segment in pools.snapshot() {
-            for block in segment.blocks.iter().filter(|b| {
-                matches!(
-                    b.state,
-                    crate::BlockState::Active | crate::BlockState::PendingFree
-                )
-            }) {
-                self.observer.on_event(Event::FreeCompleted {
-                    address: block.address,
-                    size: block.size,
-                });
-            }
-            if segment.expandable {
-                for (address, size) in mapped_runs(&segment) {
-                    self.observer.on_event(Event::SegmentUnmap {
-                        address,
-                        size,
-                        pool: segment.pool,
-                    });
-                }
-                continue;
-            }
-            let released = ReleasedSegment {
-                address: segment.address,
-                size: segment.total_size,
-                pool: segment.pool,
-            };
-            self.observer.on_event(Event::SegmentFree(&released));
-        }
-        pools.forget_all();
     }
 
     /// A copy of the stats.

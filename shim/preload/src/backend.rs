@@ -12,7 +12,7 @@
 //! relaxed capture mode ([`driver::relaxed`]), and segment releases are deferred to the end of
 //! the last capture: `cudaFree` synchronizes the device, which a capture cannot allow.
 //!
-//! With `expandable_segments:True`, the device offers CUDA's virtual memory ([`vmm::Vmm`]) when
+//! With `expandable_segments:True`, the device offers CUDA's virtual memory (`backend/vmm.rs`) when
 //! the driver and the GPU have it; the allocator then maps memory into expandable segments. An
 //! unmap synchronizes the context first, like a release, and is refused while a capture is
 //! under way (the memory then stays cached and mapped; the allocator takes it back).
