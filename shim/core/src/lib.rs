@@ -26,8 +26,8 @@
 //! | module | what |
 //! |---|---|
 //! | [`sizes`] | rounding, pool choice, segment size, split rules — and the note on their waste |
-//! | [`pools`] | segments, blocks, split and merge, stats bookkeeping; its submodules: `free` (freeing, merging, the free lists), `free_list`, `fences` (fence batches), `cross_stream`, `release` (segments out for release), `queries` (lookup, snapshots), `invariants` (`check_invariants`) |
-//! | [`allocator`] | the lock and the out-of-memory ladder around [`pools::Pools`] |
+//! | [`pools`] | segments, blocks, split and merge, stats bookkeeping; its submodules: `free` (freeing, merging, the free lists), `free_list`, `fences` (fence batches), `cross_stream`, `release` (segments out for release), `expandable` (ranges, maps, unmaps, recycling), `queries` (lookup, snapshots), `invariants` (`check_invariants`) |
+//! | [`allocator`] | the lock and the out-of-memory ladder around [`pools::Pools`]; its submodules: `expandable` (mapping and unmapping outside the lock), `maintenance` (empty cache, fences, device reset) |
 //! | [`events`] | the [`Event`]s an [`Observer`] (the recorder) hears, in order |
 //! | [`oom`] | [`OomReport`]: what is known about a request that failed |
 //! | [`device`] | the [`Device`] trait: the only source of memory and fences |
@@ -47,6 +47,10 @@
 //! * **Size class** — the rounded size of a request (512 B steps, or power-of-two divisions),
 //!   which decides the pool and the segment size; see [`sizes`].
 //! * **Oversize block** — a block of at least `max_split_size`; never split.
+//! * **Expandable segment** (range) — with `expandable_segments:True`: a reserved address range
+//!   per stream and pool whose blocks tile it, *mapped* (backed by device memory, in
+//!   *mappings* made by maps and unmapped whole) or *unmapped*; see
+//!   [Note [Expandable segments]](pools::expandable#note-expandable-segments).
 //! * **Fence** — a device-side marker after all work enqueued so far on every stream that may
 //!   touch our memory (CUDA events). A freed block is reused only after a fence recorded after
 //!   its free has completed; see [Note [Reuse fences]](pools#note-reuse-fences).
