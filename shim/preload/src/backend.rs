@@ -178,8 +178,8 @@ impl Device for CudaDevice {
 
     fn record_fence(&self) -> Result<Fence, DeviceError> {
         self.capture_safe(|| {
-            self.fences
-                .record(&self.streams.fence_targets(self.ordinal))
+            self.streams
+                .with_fence_targets(self.ordinal, |targets| self.fences.record(targets))
         })
     }
 

@@ -385,7 +385,7 @@ impl Fences {
     }
 
     /// Record a fence: one event on each of `streams` (see
-    /// [`crate::streams::StreamRegistry::fence_targets`]) that has unfinished work. A stream
+    /// [`crate::streams::StreamRegistry::with_fence_targets`]) that has unfinished work. A stream
     /// that is idle now has finished all work enqueued before the fence: it needs no event. (The
     /// legacy stream always gets one: its event also orders after the blocking streams' work,
     /// which its own idleness says nothing about.)

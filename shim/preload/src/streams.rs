@@ -15,11 +15,19 @@
 //! Whether any stream was ever created decides `reuse:auto`: until the first one, all work is
 //! ordered on the legacy stream and freed blocks may be reused at once.
 //!
+//! **Destroyed streams.** A fence records events on other threads' streams, and a thread may
+//! destroy its stream meanwhile; an event recorded on a destroyed stream is undefined behaviour
+//! in the driver (on an H100: a segmentation fault, or `CUDA_ERROR_CONTEXT_IS_DESTROYED` on a
+//! later call). So the registry is a read-write lock: a fence records while holding a read
+//! guard on the streams it chose ([`StreamRegistry::with_fence_targets`]), and
+//! [`StreamRegistry::destroyed`], called before the real destroy, takes the write lock, so it
+//! waits for every fence that may be using the stream, and no later fence chooses it.
+//!
 //! Not seen: streams created, and captures begun, through the driver API (`cuStreamCreate`,
 //! `cuStreamBeginCapture`) by libraries that bypass the runtime; see the README's limitations.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::cuda;
 use crate::driver::Stream;
@@ -35,21 +43,25 @@ struct Entry {
 /// Live streams, per device, and the captures under way.
 #[derive(Debug, Default)]
 pub struct StreamRegistry {
-    live: Mutex<Vec<Entry>>,
+    live: RwLock<Vec<Entry>>,
     any_created: AtomicBool,
     /// Captures under way (the fast path of [`StreamRegistry::is_capturing`]).
     captures: AtomicUsize,
 }
 
 impl StreamRegistry {
-    fn live(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    fn live(&self) -> RwLockReadGuard<'_, Vec<Entry>> {
+        self.live.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn live_mut(&self) -> RwLockWriteGuard<'_, Vec<Entry>> {
+        self.live.write().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The application created `stream` on `device`. Returns whether it is the first stream of
     /// the process.
     pub fn created(&self, stream: Stream, device: i32, non_blocking: bool) -> bool {
-        let mut live = self.live();
+        let mut live = self.live_mut();
         live.retain(|e| e.stream != stream); // a handle value reused after a destroy we missed
         live.push(Entry {
             stream,
@@ -60,9 +72,10 @@ impl StreamRegistry {
         !self.any_created.swap(true, Ordering::AcqRel)
     }
 
-    /// The application destroyed `stream`.
+    /// The application is destroying `stream` (called before the real destroy): waits for any
+    /// fence recording on it, and no later fence chooses it.
     pub fn destroyed(&self, stream: Stream) {
-        let mut live = self.live();
+        let mut live = self.live_mut();
         if live.iter().any(|e| e.stream == stream && e.capturing) {
             self.captures.fetch_sub(1, Ordering::AcqRel);
         }
@@ -77,7 +90,7 @@ impl StreamRegistry {
     /// `stream` of `device` began capturing a graph. A stream we did not see created (made
     /// through the driver, say) is taken to be blocking, the cautious guess for fences.
     pub fn capture_began(&self, stream: Stream, device: i32) {
-        let mut live = self.live();
+        let mut live = self.live_mut();
         match live.iter_mut().find(|e| e.stream == stream) {
             Some(e) if e.capturing => return,
             Some(e) => e.capturing = true,
@@ -94,7 +107,7 @@ impl StreamRegistry {
     /// `stream`'s capture ended (successfully or not). Returns whether no capture is under way
     /// any more.
     pub fn capture_ended(&self, stream: Stream) -> bool {
-        let mut live = self.live();
+        let mut live = self.live_mut();
         if let Some(e) = live.iter_mut().find(|e| e.stream == stream && e.capturing) {
             e.capturing = false;
             self.captures.fetch_sub(1, Ordering::AcqRel);
@@ -118,12 +131,23 @@ impl StreamRegistry {
                 .any(|e| e.stream == stream && e.capturing)
     }
 
-    /// The streams a fence for `device` records on; see the module docs.
-    pub fn fence_targets(&self, device: i32) -> Vec<Stream> {
+    /// Run `record` on the streams a fence for `device` records on, none of which can be
+    /// destroyed before it returns; see the module docs.
+    pub fn with_fence_targets<T>(&self, device: i32, record: impl FnOnce(&[Stream]) -> T) -> T {
         let live = self.live();
+        record(&Self::targets(&live, device, self.captures_active()))
+    }
+
+    /// The streams a fence for `device` records on; see the module docs.
+    #[cfg(test)]
+    fn fence_targets(&self, device: i32) -> Vec<Stream> {
+        Self::targets(&self.live(), device, self.captures_active())
+    }
+
+    fn targets(live: &[Entry], device: i32, captures_active: bool) -> Vec<Stream> {
         let on_device = || live.iter().filter(|e| e.device == device && !e.capturing);
         let legacy = Stream(cuda::STREAM_LEGACY);
-        if !self.captures_active() {
+        if !captures_active {
             return std::iter::once(legacy)
                 .chain(on_device().filter(|e| e.non_blocking).map(|e| e.stream))
                 .collect();
@@ -152,6 +176,41 @@ mod tests {
     use super::*;
 
     const LEGACY: Stream = Stream(cuda::STREAM_LEGACY);
+
+    /// Regression (found by `load` on an H100, where a thread's fence recorded an event on a
+    /// stream another thread had just destroyed: a segmentation fault): destroying a stream
+    /// waits for a fence that chose it to finish recording, and later fences do not choose it.
+    #[test]
+    fn destroying_a_stream_waits_for_fences_recording_on_it() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::{Arc, mpsc};
+        use std::time::Duration;
+
+        let r = Arc::new(StreamRegistry::default());
+        r.created(Stream(0x10), 0, true);
+        let recording = Arc::new(AtomicBool::new(false));
+        let (started, wait_started) = mpsc::channel();
+        let fence = {
+            let (r, recording) = (r.clone(), recording.clone());
+            std::thread::spawn(move || {
+                r.with_fence_targets(0, |targets| {
+                    recording.store(true, Ordering::SeqCst);
+                    started.send(()).unwrap();
+                    std::thread::sleep(Duration::from_millis(200));
+                    recording.store(false, Ordering::SeqCst);
+                    targets.to_vec()
+                })
+            })
+        };
+        wait_started.recv().unwrap();
+        r.destroyed(Stream(0x10));
+        assert!(
+            !recording.load(Ordering::SeqCst),
+            "the stream was destroyed while a fence recorded on it"
+        );
+        assert_eq!(fence.join().unwrap(), vec![LEGACY, Stream(0x10)]);
+        assert_eq!(r.fence_targets(0), vec![LEGACY]);
+    }
 
     #[test]
     fn fences_cover_the_legacy_stream_and_non_blocking_streams_per_device() {
