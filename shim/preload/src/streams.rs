@@ -2,7 +2,7 @@
 //! `cudaStreamBeginCapture`/`cudaStreamEndCapture` hooks: which exist, which are non-blocking,
 //! which are capturing a CUDA graph.
 //!
-//! Fences need the streams to record on ([`StreamRegistry::fence_targets`]): normally the
+//! Fences need the streams to record on ([`StreamRegistry::with_fence_targets`]): normally the
 //! legacy default stream (which orders after every blocking stream) plus each live non-blocking
 //! stream. While a stream captures a graph, work enqueued on it is recorded, not run, and an
 //! event recorded on it would become part of the graph; and while a *blocking* stream captures,
