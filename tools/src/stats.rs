@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use cachealloc_recorder::schema::SegmentState;
 use cachealloc_recorder::{Record, schema, spans};
 
 use cachealloc_core::stats::Stat;
@@ -53,46 +54,23 @@ pub struct DeviceStats {
     pub num_device_alloc: u64,
     /// `num_device_free`.
     pub num_device_free: u64,
-    segments: BTreeMap<u64, Segment>,
+    segments: BTreeMap<u64, SegmentState>,
     blocks: HashMap<u64, Block>,
 }
 
-/// A live segment (or mapped run of an expandable segment), by its address.
-#[derive(Clone, Copy, Debug)]
-struct Segment {
-    address: u64,
-    size: u64,
-    /// The pool byte.
-    pool: u8,
+/// A pool byte's index in the stats arrays (1 small, 2 large).
+fn pool_index(pool: u8) -> usize {
+    if pool == schema::POOL_SMALL { 1 } else { 2 }
 }
 
-impl Segment {
-    /// Its pool's index in the stats arrays (1 small, 2 large).
-    fn pool_index(&self) -> usize {
-        if self.pool == schema::POOL_SMALL {
-            1
-        } else {
-            2
-        }
-    }
-}
-
-impl spans::Span for Segment {
-    fn address(&self) -> u64 {
-        self.address
-    }
-    fn size(&self) -> u64 {
-        self.size
-    }
-    fn pool(&self) -> u8 {
-        self.pool
-    }
-    fn with(self, address: u64, size: u64) -> Self {
-        Segment {
-            address,
-            size,
-            ..self
-        }
+/// A live segment, or a mapped run of an expandable segment (see `recorder::spans`).
+fn segment(address: u64, size: u64, pool: u8) -> SegmentState {
+    SegmentState {
+        device: 0,
+        address,
+        size,
+        pool,
+        stack: 0,
     }
 }
 
@@ -102,7 +80,7 @@ impl DeviceStats {
             .range(..=address)
             .next_back()
             .filter(|(start, seg)| address < *start + seg.size)
-            .map_or(2, |(_, seg)| seg.pool_index())
+            .map_or(2, |(_, seg)| pool_index(seg.pool))
     }
 
     fn bump(&mut self, metric: usize, pool: usize, n: i64) {
@@ -156,38 +134,30 @@ impl DeviceStats {
     }
 
     fn segment(&mut self, address: u64, size: u64, pool: u8) {
-        let seg = Segment {
-            address,
-            size,
-            pool,
-        };
+        let seg = segment(address, size, pool);
         self.segments.insert(address, seg);
-        self.bump(5, seg.pool_index(), size as i64);
-        self.bump(6, seg.pool_index(), 1);
+        self.bump(5, pool_index(seg.pool), size as i64);
+        self.bump(6, pool_index(seg.pool), 1);
     }
 
     fn segment_free(&mut self, address: u64) {
         if let Some(seg) = self.segments.remove(&address) {
-            self.bump(5, seg.pool_index(), -(seg.size as i64));
-            self.bump(6, seg.pool_index(), -1);
+            self.bump(5, pool_index(seg.pool), -(seg.size as i64));
+            self.bump(6, pool_index(seg.pool), -1);
         }
     }
 
     /// Memory mapped into an expandable segment: reserved, but not a segment of its own (as
     /// PyTorch counts expandable segments).
     fn segment_map(&mut self, address: u64, size: u64, pool: u8) {
-        let seg = Segment {
-            address,
-            size,
-            pool,
-        };
+        let seg = segment(address, size, pool);
         spans::map(&mut self.segments, |a| a, seg);
-        self.bump(5, seg.pool_index(), size as i64);
+        self.bump(5, pool_index(seg.pool), size as i64);
     }
 
     fn segment_unmap(&mut self, address: u64, size: u64) {
         if let Some(run) = spans::unmap(&mut self.segments, |a| a, address, size) {
-            self.bump(5, run.pool_index(), -(size as i64));
+            self.bump(5, pool_index(run.pool), -(size as i64));
         }
     }
 
@@ -204,7 +174,7 @@ impl DeviceStats {
             let seg = self.segments[&start];
             let free = seg.size.saturating_sub(used);
             out[0] += free;
-            out[seg.pool_index()] += free;
+            out[pool_index(seg.pool)] += free;
         }
         out
     }
@@ -283,14 +253,8 @@ impl StatsTracker {
                     if first {
                         d.segment(s.address, s.size, s.pool);
                     } else {
-                        d.segments.insert(
-                            s.address,
-                            Segment {
-                                address: s.address,
-                                size: s.size,
-                                pool: s.pool,
-                            },
-                        );
+                        d.segments
+                            .insert(s.address, segment(s.address, s.size, s.pool));
                     }
                 }
                 Record::CheckpointBlock(b) => {

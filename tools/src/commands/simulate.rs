@@ -23,13 +23,16 @@ use std::path::{Path, PathBuf};
 use cachealloc_core::config::{AllocatorConfig, Config};
 use cachealloc_core::sim::{FenceMode, SimDevice};
 use cachealloc_core::{AllocError, Allocator};
-use cachealloc_recorder::{LiveState, Record};
 
 use crate::analysis::scan;
 use crate::format::{bytes, percent, seconds};
 use crate::progress::Progress;
-use crate::replay::{Replay, site};
+use crate::replay::site;
 use crate::{Error, one_trace};
+
+mod recording;
+
+use recording::{Op, Recording, record};
 
 /// `cachealloc simulate`'s arguments.
 #[derive(clap::Args, Debug)]
@@ -61,159 +64,6 @@ fn parse_granularity(text: &str) -> Result<u64, String> {
             "'{text}' is not a granularity: expected a positive multiple of 512 bytes, e.g. 2097152"
         )),
     }
-}
-
-/// A request, as the trace recorded it.
-#[derive(Debug, Clone, Copy)]
-enum Op {
-    Alloc {
-        device: u32,
-        address: u64,
-        requested: u64,
-        stack: u32,
-        t: u64,
-        /// The run served it from a segment allocated for it.
-        grew: bool,
-        /// The run mapped memory for it: by how many bytes reserved memory changed (maps,
-        /// less the unmaps of recycling).
-        mapped: Option<i64>,
-        /// The size of the block the run gave it.
-        size: u64,
-        /// The stream it was for (`NO_STREAM` for `cudaMalloc`).
-        stream: u64,
-    },
-    /// A free, on `stream` (`NO_STREAM` for `cudaFree`); one that waited on a reuse fence in
-    /// the run is followed by `FenceDone`.
-    Free {
-        device: u32,
-        address: u64,
-        stream: u64,
-    },
-    /// The run's freed block at `address` on `device` became reusable (its fence completed).
-    FenceDone { device: u32, address: u64 },
-    /// The run created a stream (`reuse:auto` starts fencing).
-    StreamCreated,
-    /// A request the run could not serve (out of memory).
-    Refused {
-        device: u32,
-        requested: u64,
-        stack: u32,
-        t: u64,
-    },
-}
-
-/// The requests of a trace, with what is needed to name them.
-#[derive(Debug)]
-struct Recording {
-    ops: Vec<Op>,
-    /// Stacks and frames, to name the first failing request.
-    names: LiveState,
-    config: String,
-    capacity: BTreeMap<u32, u64>,
-    /// Per device, the run's segment allocations in order: `(size, address)`.
-    segments: BTreeMap<u32, Vec<(u64, u64)>>,
-    /// Blocks already live when the trace starts (its first files were rotated away).
-    live_at_start: usize,
-}
-
-fn record(dir: &Path) -> Result<Recording, Error> {
-    let mut replay = Replay::open(dir)?;
-    let progress = Progress::new("reading requests");
-    let mut ops = vec![];
-    // The segment the last allocator event of each device allocated, if it was one.
-    let mut fresh_segment: HashMap<u32, u64> = HashMap::new();
-    // Per device, the change of mapped memory since its last other allocator event, once a map
-    // came (the next allocation grew).
-    let mut map_change: HashMap<u32, (bool, i64)> = HashMap::new();
-    let mut segments: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
-    let mut live_at_start = None;
-    while let Some(step) = replay.step() {
-        let step = step?;
-        if step.index % 65536 == 0 {
-            progress.tick(step.index);
-        }
-        if step.in_checkpoint {
-            if matches!(step.record, Record::CheckpointEnd(_)) && live_at_start.is_none() {
-                live_at_start = Some(replay.state.blocks.len());
-            }
-            continue;
-        }
-        if let Record::SegmentAlloc(s) = &step.record {
-            fresh_segment.insert(s.device, s.address);
-            segments
-                .entry(s.device)
-                .or_default()
-                .push((s.size, s.address));
-            continue;
-        }
-        if let Record::SegmentMap(s) | Record::SegmentUnmap(s) = &step.record {
-            let change = map_change.entry(s.device).or_default();
-            if matches!(step.record, Record::SegmentMap(_)) {
-                *change = (true, change.1 + s.size as i64);
-            } else {
-                change.1 -= s.size as i64;
-            }
-            continue;
-        }
-        let mapped = step
-            .record
-            .device()
-            .and_then(|d| map_change.remove(&d))
-            .and_then(|(any_map, change)| any_map.then_some(change));
-        let fresh = step.record.device().and_then(|d| fresh_segment.remove(&d));
-        ops.push(match step.record {
-            Record::Alloc(a) => Op::Alloc {
-                device: a.device,
-                address: a.address,
-                requested: a.requested,
-                stack: a.stack,
-                t: a.t,
-                grew: fresh == Some(a.address) || mapped.is_some(),
-                mapped,
-                size: a.size,
-                stream: a.stream,
-            },
-            Record::Free(f) | Record::FreeRequested(f) => Op::Free {
-                device: f.device,
-                address: f.address,
-                stream: f.stream,
-            },
-            Record::FreeCompleted(f) => Op::FenceDone {
-                device: f.device,
-                address: f.address,
-            },
-            Record::StreamCreated(_) => Op::StreamCreated,
-            Record::Oom(o) => Op::Refused {
-                device: o.device,
-                requested: o.requested,
-                stack: o.stack,
-                t: o.t,
-            },
-            _ => continue,
-        });
-    }
-    let header = replay.header.clone();
-    let mut names = replay.state;
-    names.blocks.clear();
-    names.segments.clear();
-    Ok(Recording {
-        ops,
-        segments,
-        live_at_start: live_at_start.unwrap_or(0),
-        names,
-        config: header
-            .as_ref()
-            .map(|h| h.config.clone())
-            .unwrap_or_default(),
-        capacity: header
-            .map(|h| {
-                h.devices
-                    .iter()
-                    .map(|d| (d.index, d.total_memory))
-                    .collect()
-            })
-            .unwrap_or_default(),
-    })
 }
 
 /// What one device did in a simulation.
