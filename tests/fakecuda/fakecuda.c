@@ -91,6 +91,8 @@
  *    context (a context reset leaves it alone). cuMemGetAccess and
  *    cuMemGetAllocationPropertiesFromHandle answer; shareable handles
  *    (cuMemExportToShareableHandle, cuMemImportFromShareableHandle) are not supported.
+ *  - A stream handle used after cuStreamDestroy aborts with a message: the real driver's
+ *    undefined behaviour (a segmentation fault on an H100), made loud.
  *  - FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 or cuMemCreate (one count) fails with
  *    out-of-memory.
  *  - FAKECUDA_FAULT=overlap: a broken allocator that hands a live allocation out twice (see
@@ -349,8 +351,16 @@ static fc_stream *stream_locked(CUstream handle, CUresult *err) {
         return g_legacy[t_ctx->device];
     }
     fc_stream *s = (fc_stream *)handle;
-    for (int i = 0; i < g_nstreams; i++)
-        if (g_streams[i] == s && s->magic == STREAM_MAGIC && !s->destroyed) return s;
+    for (int i = 0; i < g_nstreams; i++) {
+        if (g_streams[i] != s || s->magic != STREAM_MAGIC) continue;
+        if (s->destroyed) {
+            /* A dangling handle: undefined behaviour in CUDA (on an H100, a segmentation fault in
+             * cuStreamQuery or CUDA_ERROR_CONTEXT_IS_DESTROYED from cuEventRecord), made loud. */
+            fprintf(stderr, "fakecuda: stream %p used after cuStreamDestroy\n", (void *)s);
+            abort();
+        }
+        return s;
+    }
     *err = CUDA_ERROR_INVALID_HANDLE;
     return NULL;
 }

@@ -79,6 +79,8 @@ struct SimState {
     mapped: BTreeSet<u64>,
     /// Live mappings: address → size (an unmap must name one whole).
     mappings: BTreeMap<u64, u64>,
+    /// Streams the application destroyed ([`SimDevice::destroy_stream`]).
+    destroyed_streams: BTreeSet<u64>,
 }
 
 /// A capacity-limited simulated device. Cheap to share between threads.
@@ -112,6 +114,7 @@ impl SimDevice {
                 ranges: BTreeMap::new(),
                 mapped: BTreeSet::new(),
                 mappings: BTreeMap::new(),
+                destroyed_streams: BTreeSet::new(),
             }),
         }
     }
@@ -181,6 +184,19 @@ impl SimDevice {
     /// Number of live segments.
     pub fn live_segments(&self) -> usize {
         self.state.lock().segments.len()
+    }
+
+    /// The application destroyed `stream`: from now on a fence recorded on it, or a wait made
+    /// on it, panics — the driver's undefined behaviour (a use of a dangling handle), made loud.
+    pub fn destroy_stream(&self, stream: u64) {
+        self.state.lock().destroyed_streams.insert(stream);
+    }
+
+    fn check_stream_alive(&self, stream: u64, what: &str) {
+        assert!(
+            !self.state.lock().destroyed_streams.contains(&stream),
+            "{what} on stream {stream:#x}, which the application destroyed"
+        );
     }
 
     /// Number of fences recorded so far (fences are numbered from 1).
@@ -284,7 +300,13 @@ impl Device for SimDevice {
         fence.0 <= self.state.lock().completed_through
     }
 
-    fn stream_wait(&self, _stream: u64, _fence: &SimFence) -> Result<(), DeviceError> {
+    fn record_stream_fence(&self, stream: u64) -> Result<SimFence, DeviceError> {
+        self.check_stream_alive(stream, "a fence recorded");
+        self.record_fence()
+    }
+
+    fn stream_wait(&self, stream: u64, _fence: &SimFence) -> Result<(), DeviceError> {
+        self.check_stream_alive(stream, "a wait made");
         self.state.lock().counters.stream_waits += 1;
         Ok(())
     }

@@ -517,8 +517,15 @@ impl Shim {
         }
     }
 
-    /// The application destroyed a stream.
+    /// The application is destroying a stream (called before the real destroy): fences that
+    /// would name it later are recorded now, and no later fence chooses it (see the streams
+    /// module's docs).
     pub fn stream_destroyed(&self, stream: usize) {
+        for alloc in self.allocators() {
+            if let Err(e) = alloc.stream_destroying(stream as u64) {
+                log::error!("before destroying stream {stream:#x}: {e}");
+            }
+        }
         self.streams.destroyed(Stream(stream));
         if let Ok(trace) = &self.trace {
             trace.stream_destroyed(stream as u64);

@@ -21,7 +21,11 @@
 //! later call). So the registry is a read-write lock: a fence records while holding a read
 //! guard on the streams it chose ([`StreamRegistry::with_fence_targets`]), and
 //! [`StreamRegistry::destroyed`], called before the real destroy, takes the write lock, so it
-//! waits for every fence that may be using the stream, and no later fence chooses it.
+//! waits for every fence that may be using the stream, and no later fence chooses it. Blocks
+//! freed on a stream for another stream's reuse wait in an open batch that a later allocation,
+//! on any thread, closes with a fence on the freeing stream: before the destroy, the shim closes
+//! that batch while the stream exists (`Allocator::stream_destroying`), so no fence is recorded
+//! later on its dangling handle.
 //!
 //! Not seen: streams created, and captures begun, through the driver API (`cuStreamCreate`,
 //! `cuStreamBeginCapture`) by libraries that bypass the runtime; see the README's limitations.

@@ -48,6 +48,14 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         self.pools.lock().close_batch_as_barrier(&self.device)
     }
 
+    /// The application is about to destroy `stream`: nothing recorded for later may name it
+    /// (see [`Pools::close_cross_batch_before_destroy`](crate::pools::Pools::close_cross_batch_before_destroy)).
+    pub fn stream_destroying(&self, stream: u64) -> Result<(), DeviceError> {
+        self.pools
+            .lock()
+            .close_cross_batch_before_destroy(stream, &self.device)
+    }
+
     /// Switch to fenced reuse (see [`Pools::start_fencing`](crate::pools::Pools::start_fencing)); a no-op unless the policy is
     /// `auto` and fencing has not started.
     pub fn start_fencing(&self) -> Result<(), DeviceError> {

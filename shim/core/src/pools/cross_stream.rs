@@ -43,6 +43,33 @@ impl<F: Clone> Pools<F> {
         Ok(closed)
     }
 
+    /// `stream` is about to be destroyed: close the open batch of blocks freed on it behind a
+    /// fence recorded on it now, while it exists. Later, another thread would record that fence
+    /// on a dangling handle (regression: a segmentation fault inside `cuStreamQuery` on an
+    /// H100, when one thread's allocation closed the batch of a stream another thread had just
+    /// destroyed). If the driver refuses the stream's own fence, a fence on every stream (which
+    /// includes `stream` until it is destroyed) stands in; if that fails too, the batch stays
+    /// open and the error is returned.
+    pub fn close_cross_batch_before_destroy<D: Device<Fence = F>>(
+        &mut self,
+        stream: u64,
+        device: &D,
+    ) -> Result<(), DeviceError> {
+        let Some(at) = self.open_cross.iter().position(|(s, _)| *s == stream) else {
+            return Ok(());
+        };
+        let fence = device
+            .record_stream_fence(stream)
+            .or_else(|_| device.record_fence())?;
+        let (_, blocks) = self.open_cross.swap_remove(at);
+        self.cross.push(Batch {
+            fence,
+            blocks,
+            gate: false,
+        });
+        Ok(())
+    }
+
     /// Make the blocks of every completed cross-stream batch reusable, reporting each in
     /// `completed` as `(address, size)`.
     pub(super) fn process_completed_cross<D: Device<Fence = F>>(

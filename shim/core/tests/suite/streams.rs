@@ -94,6 +94,29 @@ fn a_cross_stream_free_completes_on_its_own_fence() {
     assert_eq!(c.device().counters().stream_waits, 0);
 }
 
+/// Regression: a block freed on B waited in B's open batch; B's thread destroyed B; another
+/// thread's allocation then closed the batch by recording a fence on B — a dangling handle (a
+/// segmentation fault in `cuStreamQuery` on an H100). The batch is closed before the destroy.
+#[test]
+fn a_stream_being_destroyed_gets_its_fence_before_it_goes() {
+    let c = with_streams(ReusePolicy::Auto);
+    let a = c.malloc_on(4096, A);
+    c.malloc_on(MIB - 4096, A); // fill the segment: A's next request needs the freed block
+    c.malloc_on(MIB, A);
+    c.free_on(a.address, B);
+    assert_eq!(c.device().counters().fences, 0, "batched until needed");
+    c.alloc.stream_destroying(B).unwrap();
+    assert_eq!(
+        c.device().counters().fences,
+        1,
+        "B's fence, recorded while B exists"
+    );
+    c.device().destroy_stream(B);
+    let reused = c.malloc_on(4096, A); // SimDevice panics if this records on B
+    assert_eq!(reused.address, a.address);
+    assert_eq!(c.device().counters().stream_waits, 1);
+}
+
 #[test]
 fn blocks_freed_on_another_stream_never_serve_that_stream() {
     let c = with_streams(ReusePolicy::Auto);
