@@ -2,15 +2,29 @@
 //! `memory_summary()`-style table, and a map of the segments like `_memory_viz segsum`.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use cachealloc_recorder::LiveState;
 
+use crate::format::parse_time;
 use crate::format::{bytes, percent, seconds};
 use crate::progress::Progress;
 use crate::replay::Replay;
 use crate::stats::{DeviceStats, METRICS, POOLS, StatsTracker};
 use crate::{Error, one_trace};
+
+/// `cachealloc stats`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct StatsArgs {
+    /// Trace directory.
+    pub trace: PathBuf,
+    /// A time since the start: 12.5, 12.5s, 300ms, 5000ns (default: the end).
+    #[arg(long, value_parser = parse_time)]
+    pub at: Option<u64>,
+    /// Print the keys as JSON only.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Replay `dir` through every event at or before `at` (the end if `None`), keeping stats.
 pub fn replay_with_stats(dir: &Path, at: Option<u64>) -> Result<(Replay, StatsTracker), Error> {
@@ -36,10 +50,10 @@ pub fn replay_with_stats(dir: &Path, at: Option<u64>) -> Result<(Replay, StatsTr
 }
 
 /// Run the command.
-pub fn run(trace: &Path, at: Option<u64>, json: bool, out: &mut dyn Write) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
-    let (replay, tracker) = replay_with_stats(&dir, at)?;
-    if json {
+pub fn run(args: &StatsArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let dir = one_trace(&args.trace)?;
+    let (replay, tracker) = replay_with_stats(&dir, args.at)?;
+    if args.json {
         let devices: serde_json::Map<String, serde_json::Value> = tracker
             .devices
             .iter()
