@@ -11,7 +11,7 @@ use crate::format::parse_time;
 use crate::format::{bytes, percent, seconds};
 use crate::progress::Progress;
 use crate::replay::Replay;
-use crate::stats::{DeviceStats, StatsTracker};
+use crate::replayed_stats::{DeviceStats, StatsTracker};
 use crate::{Error, one_trace};
 
 /// `cachealloc stats`'s arguments.

@@ -1,5 +1,7 @@
-//! PyTorch's `torch.cuda.memory_stats()` over a replay: every `current`/`peak`/`allocated`/
-//! `freed` counter, for `all`, `small_pool` and `large_pool`, with PyTorch's meanings:
+//! PyTorch's `torch.cuda.memory_stats()` recomputed from a trace's records, as a replay meets
+//! them: every `current`/`peak`/`allocated`/`freed` counter, for `all`, `small_pool` and
+//! `large_pool`, kept in the allocator's own [`Stats`] (whose key names are the only ones), with
+//! PyTorch's meanings:
 //!
 //! * `allocation`, `allocated_bytes` fall when the application frees a block;
 //! * `active`, `active_bytes`, `requested_bytes` fall when the block becomes reusable (after its
