@@ -116,9 +116,9 @@ fn simulate_with_another_config_changes_the_outcome() {
     // A device too small for the run: the first failing request is named.
     let small = simulate_dir(&dir, None, Some(8 << 20)).expect("simulate");
     assert!(small.failures > 0);
-    let (_, size, device, site) = small.first_failure.expect("a failure");
-    assert!(size > 0 && device == 0);
-    assert!(!site.is_empty());
+    let failure = small.first_failure.expect("a failure");
+    assert!(failure.size > 0 && failure.device == 0);
+    assert!(!failure.site.is_empty());
 }
 
 /// The `cachealloc` binary cargo built next to the shim (`cargo test --workspace` builds it).

@@ -15,8 +15,8 @@
 //! |---|---|
 //! | [`replay`] | records in order with the live state after each: every command starts here |
 //! | [`analysis`] | one pass: peaks and when, counts, OOMs, drops, annotations |
-//! | [`stats`] | PyTorch `memory_stats` keys over a replay |
-//! | [`commands`] | one module per subcommand ([`commands::replay`]: the only one that calls CUDA) |
+//! | [`replayed_stats`] | PyTorch's `memory_stats()` recomputed from a trace, in `cachealloc_core`'s `Stats` and key names |
+//! | [`commands`] | one module per subcommand, each with its arguments (`cachealloc stats` is [`commands::stats`]; [`commands::replay`]: the only one that calls CUDA) |
 //! | [`format`](mod@format), [`progress`] | numbers for people, spinners on long passes |
 //!
 //! A `TRACE` argument is a per-process trace directory (`<host>-<pid>[-rank<R>]`) or a directory
@@ -27,7 +27,7 @@ pub mod commands;
 pub mod format;
 pub mod progress;
 pub mod replay;
-pub mod stats;
+pub mod replayed_stats;
 
 use std::path::{Path, PathBuf};
 

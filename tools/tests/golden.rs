@@ -5,6 +5,9 @@
 //!
 //! Each command runs in a fresh directory holding a link to `tests/data` as `data`, so paths in
 //! the output are the same on every machine.
+//!
+//! A `plot` page is its template (`src/commands/plot.html`) with a title and the data spliced
+//! in: the test checks that, and only the data (`plot.json`) is golden.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -55,6 +58,33 @@ fn check(name: &str, actual: &[u8]) {
             actual_path.display()
         );
     }
+}
+
+/// The `plot` page's template, which the goldens do not repeat.
+const PLOT_TEMPLATE: &str = include_str!("../src/commands/plot.html");
+
+/// Check that the `plot` page `page` is [`PLOT_TEMPLATE`] with its title and data spliced in
+/// (as `plot.rs` does), and compare the data, what varies, with the golden file `name.json`.
+fn check_plot(name: &str, page: &[u8]) {
+    let page = std::str::from_utf8(page).expect("a utf-8 page");
+    const DATA: &str = "const DATA = ";
+    let start = page.find(DATA).expect("the data") + DATA.len();
+    let data = &page[start..][..page[start..].find(";\n").expect("the data's end")];
+    let report: serde_json::Value = serde_json::from_str(data).expect("the data is JSON");
+    let title = report["title"]
+        .as_str()
+        .expect("a title")
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;");
+    let expected = PLOT_TEMPLATE
+        .replace("/*TITLE*/", &title)
+        .replace("/*DATA*/null", data);
+    assert!(
+        page == expected,
+        "{name}.html is not the template with its title and data spliced in"
+    );
+    check(&format!("{name}.json"), format!("{data}\n").as_bytes());
 }
 
 /// Commands whose report is their standard output.
@@ -139,7 +169,11 @@ fn every_command_matches_its_golden_output() {
             check(&format!("{trace}/{name}.txt"), out.as_bytes());
             let written = std::fs::read(dir.join(file)).expect("the output file");
             let ext = Path::new(file).extension().unwrap().to_str().unwrap();
-            check(&format!("{trace}/{name}.{ext}"), &written);
+            if ext == "html" {
+                check_plot(&format!("{trace}/{name}"), &written);
+            } else {
+                check(&format!("{trace}/{name}.{ext}"), &written);
+            }
         }
     }
 }

@@ -54,6 +54,16 @@ impl Stat {
         self.allocated = 0;
         self.freed = 0;
     }
+
+    /// Its parts by their `memory_stats()` names.
+    fn parts(&self) -> [(&'static str, i64); 4] {
+        [
+            ("current", self.current),
+            ("peak", self.peak),
+            ("allocated", self.allocated),
+            ("freed", self.freed),
+        ]
+    }
 }
 
 /// A statistic kept for all blocks and per pool (PyTorch's `StatArray`).
@@ -102,9 +112,108 @@ impl StatArray {
     fn named(&self) -> [(&'static str, &Stat); 3] {
         [
             ("all", &self.all),
-            ("small_pool", &self.small_pool),
-            ("large_pool", &self.large_pool),
+            (PoolKind::Small.stat_name(), &self.small_pool),
+            (PoolKind::Large.stat_name(), &self.large_pool),
         ]
+    }
+}
+
+/// The statistics kept for all blocks and per pool ([`StatArray`]s), by their
+/// `memory_stats()` names: the one table of those names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatKind {
+    /// `allocation`.
+    Allocation,
+    /// `segment`.
+    Segment,
+    /// `active`.
+    Active,
+    /// `inactive_split`.
+    InactiveSplit,
+    /// `allocated_bytes`.
+    AllocatedBytes,
+    /// `reserved_bytes`.
+    ReservedBytes,
+    /// `active_bytes`.
+    ActiveBytes,
+    /// `inactive_split_bytes`.
+    InactiveSplitBytes,
+    /// `requested_bytes`.
+    RequestedBytes,
+}
+
+impl StatKind {
+    /// Every kind.
+    pub const ALL: [StatKind; 9] = [
+        StatKind::Allocation,
+        StatKind::Segment,
+        StatKind::Active,
+        StatKind::InactiveSplit,
+        StatKind::AllocatedBytes,
+        StatKind::ReservedBytes,
+        StatKind::ActiveBytes,
+        StatKind::InactiveSplitBytes,
+        StatKind::RequestedBytes,
+    ];
+
+    /// Its `memory_stats()` name, the first part of its keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            StatKind::Allocation => "allocation",
+            StatKind::Segment => "segment",
+            StatKind::Active => "active",
+            StatKind::InactiveSplit => "inactive_split",
+            StatKind::AllocatedBytes => "allocated_bytes",
+            StatKind::ReservedBytes => "reserved_bytes",
+            StatKind::ActiveBytes => "active_bytes",
+            StatKind::InactiveSplitBytes => "inactive_split_bytes",
+            StatKind::RequestedBytes => "requested_bytes",
+        }
+    }
+}
+
+/// The plain counters of [`Stats`], by their `memory_stats()` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// `num_alloc_retries`.
+    AllocRetries,
+    /// `num_ooms`.
+    Ooms,
+    /// `num_device_alloc`.
+    DeviceAlloc,
+    /// `num_device_free`.
+    DeviceFree,
+    /// `num_fence_waits`.
+    FenceWaits,
+    /// `num_cache_hits`.
+    CacheHits,
+    /// `max_split_size` (-1 when unlimited).
+    MaxSplitSize,
+}
+
+impl Counter {
+    /// Every counter.
+    pub const ALL: [Counter; 7] = [
+        Counter::AllocRetries,
+        Counter::Ooms,
+        Counter::DeviceAlloc,
+        Counter::DeviceFree,
+        Counter::FenceWaits,
+        Counter::CacheHits,
+        Counter::MaxSplitSize,
+    ];
+
+    /// Its `memory_stats()` key.
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::AllocRetries => "num_alloc_retries",
+            Counter::Ooms => "num_ooms",
+            Counter::DeviceAlloc => "num_device_alloc",
+            Counter::DeviceFree => "num_device_free",
+            Counter::FenceWaits => "num_fence_waits",
+            Counter::CacheHits => "num_cache_hits",
+            Counter::MaxSplitSize => "max_split_size",
+        }
     }
 }
 
@@ -192,62 +301,68 @@ impl Stats {
         ]
     }
 
-    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
-        [
-            ("allocation", &self.allocation),
-            ("segment", &self.segment),
-            ("active", &self.active),
-            ("inactive_split", &self.inactive_split),
-            ("allocated_bytes", &self.allocated_bytes),
-            ("reserved_bytes", &self.reserved_bytes),
-            ("active_bytes", &self.active_bytes),
-            ("inactive_split_bytes", &self.inactive_split_bytes),
-            ("requested_bytes", &self.requested_bytes),
-        ]
+    /// The [`StatArray`] of `kind`.
+    pub fn array(&self, kind: StatKind) -> &StatArray {
+        match kind {
+            StatKind::Allocation => &self.allocation,
+            StatKind::Segment => &self.segment,
+            StatKind::Active => &self.active,
+            StatKind::InactiveSplit => &self.inactive_split,
+            StatKind::AllocatedBytes => &self.allocated_bytes,
+            StatKind::ReservedBytes => &self.reserved_bytes,
+            StatKind::ActiveBytes => &self.active_bytes,
+            StatKind::InactiveSplitBytes => &self.inactive_split_bytes,
+            StatKind::RequestedBytes => &self.requested_bytes,
+        }
+    }
+
+    /// The value `memory_stats()` gives `counter`.
+    pub fn counter(&self, counter: Counter) -> i64 {
+        let value = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        match counter {
+            Counter::AllocRetries => value(self.num_alloc_retries),
+            Counter::Ooms => value(self.num_ooms),
+            Counter::DeviceAlloc => value(self.num_device_alloc),
+            Counter::DeviceFree => value(self.num_device_free),
+            Counter::FenceWaits => value(self.num_fence_waits),
+            Counter::CacheHits => value(self.num_cache_hits),
+            Counter::MaxSplitSize if self.max_split_size == u64::MAX => -1,
+            Counter::MaxSplitSize => value(self.max_split_size),
+        }
+    }
+
+    /// The twelve `memory_stats()` entries of `kind`'s array: `{kind}.{pool}.{part}` for the
+    /// pools `all`, `small_pool`, `large_pool` and the parts `current`, `peak`, `allocated`,
+    /// `freed`.
+    pub fn flat_entries(&self, kind: StatKind) -> impl Iterator<Item = (String, i64)> + '_ {
+        self.array(kind)
+            .named()
+            .into_iter()
+            .flat_map(move |(pool, stat)| {
+                stat.parts()
+                    .into_iter()
+                    .map(move |(part, value)| (format!("{}.{pool}.{part}", kind.name()), value))
+            })
     }
 
     /// The flat `name → value` list of `torch.cuda.memory_stats()`, in its key order
     /// (`allocated_bytes.all.current`, …, `num_ooms`, …), sorted by key as PyTorch returns it.
     pub fn to_flat(&self) -> Vec<(String, i64)> {
         let mut out = Vec::with_capacity(120);
-        let parts = |stat: &Stat| {
-            [
-                ("current", stat.current),
-                ("peak", stat.peak),
-                ("allocated", stat.allocated),
-                ("freed", stat.freed),
-            ]
-        };
-        for (name, array) in self.arrays() {
-            for (pool, stat) in array.named() {
-                for (part, value) in parts(stat) {
-                    out.push((format!("{name}.{pool}.{part}"), value));
-                }
-            }
+        for kind in StatKind::ALL {
+            out.extend(self.flat_entries(kind));
         }
         for (name, stat) in [
             ("oversize_allocations", &self.oversize_allocations),
             ("oversize_segments", &self.oversize_segments),
         ] {
-            for (part, value) in parts(stat) {
+            for (part, value) in stat.parts() {
                 out.push((format!("{name}.{part}"), value));
             }
         }
-        let counter = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        out.push(("num_alloc_retries".into(), counter(self.num_alloc_retries)));
-        out.push(("num_ooms".into(), counter(self.num_ooms)));
-        out.push(("num_device_alloc".into(), counter(self.num_device_alloc)));
-        out.push(("num_device_free".into(), counter(self.num_device_free)));
-        out.push(("num_fence_waits".into(), counter(self.num_fence_waits)));
-        out.push(("num_cache_hits".into(), counter(self.num_cache_hits)));
-        out.push((
-            "max_split_size".into(),
-            if self.max_split_size == u64::MAX {
-                -1
-            } else {
-                counter(self.max_split_size)
-            },
-        ));
+        for counter in Counter::ALL {
+            out.push((counter.name().into(), self.counter(counter)));
+        }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
@@ -297,5 +412,7 @@ mod tests {
             flat.windows(2).all(|w| w[0].0 < w[1].0),
             "sorted and unique"
         );
+        // Nine arrays of twelve, two oversize stats of four, seven counters.
+        assert_eq!(flat.len(), 9 * 12 + 2 * 4 + 7);
     }
 }

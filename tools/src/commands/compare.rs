@@ -4,21 +4,34 @@
 //! second's.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::PathBuf;
 
 use super::{When, replay_at};
 use crate::commands::flamegraph::{Kind, folded, options, write_svg};
+use crate::format::parse_time;
 use crate::{Error, one_trace};
 
+/// `cachealloc compare`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct CompareArgs {
+    /// The "before" trace directory.
+    pub a: PathBuf,
+    /// The "after" trace directory (default: A again, at --to).
+    pub b: Option<PathBuf>,
+    /// With one trace: the earlier time.
+    #[arg(long, value_parser = parse_time)]
+    pub from: Option<u64>,
+    /// With one trace: the later time.
+    #[arg(long, value_parser = parse_time)]
+    pub to: Option<u64>,
+    /// Output SVG.
+    #[arg(short, required = true)]
+    pub output: PathBuf,
+}
+
 /// Run the command.
-pub fn run(
-    a: &Path,
-    b: Option<&Path>,
-    from: Option<u64>,
-    to: Option<u64>,
-    output: &Path,
-    out: &mut dyn Write,
-) -> Result<(), Error> {
+pub fn run(args: &CompareArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let (a, b, from, to, output) = (&args.a, &args.b, args.from, args.to, &args.output);
     let (before_dir, after_dir, before_when, after_when) = match b {
         Some(b) => (
             one_trace(a)?,

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use cachealloc_recorder::LiveState;
 
@@ -11,6 +11,22 @@ use super::{When, replay_at};
 use crate::format::bytes;
 use crate::replay::{frame_label, stack_frames};
 use crate::{Error, one_trace};
+
+/// `cachealloc flamegraph`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct FlamegraphArgs {
+    /// Trace directory.
+    pub trace: PathBuf,
+    /// What to weigh.
+    #[arg(long, value_enum, default_value_t = Kind::Memory)]
+    pub kind: Kind,
+    #[allow(missing_docs)] // clap would show a doc comment here as a help heading
+    #[command(flatten)]
+    pub when: When,
+    /// Output SVG.
+    #[arg(short, required = true)]
+    pub output: PathBuf,
+}
 
 /// What a flamegraph weighs.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,15 +113,10 @@ pub fn write_svg(
 }
 
 /// Run the command.
-pub fn run(
-    trace: &Path,
-    kind: Kind,
-    when: &When,
-    output: &Path,
-    out: &mut dyn Write,
-) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
-    let (replay, label) = replay_at(&dir, when)?;
+pub fn run(args: &FlamegraphArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let (kind, output) = (args.kind, &args.output);
+    let dir = one_trace(&args.trace)?;
+    let (replay, label) = replay_at(&dir, &args.when)?;
     let lines = folded(&replay.state, kind);
     let total: u64 = lines
         .iter()

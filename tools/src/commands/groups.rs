@@ -2,11 +2,21 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::PathBuf;
 
 use crate::format::{bytes, percent, seconds};
 use crate::replay::{Replay, frame_label, stack_frames};
 use crate::{Error, one_trace};
+
+/// The arguments of `cachealloc leaks` and `cachealloc peak`.
+#[derive(clap::Args, Debug)]
+pub struct GroupsArgs {
+    /// Trace directory.
+    pub trace: PathBuf,
+    /// Stacks to list.
+    #[arg(long, default_value_t = 20)]
+    pub top: usize,
+}
 
 /// Print the blocks allocated (not pending) in `replay`'s state, grouped by stack, largest
 /// first: per group its bytes, share, block count and the stack.
@@ -60,17 +70,17 @@ fn by_stack(replay: &Replay, top: usize, out: &mut dyn Write) -> Result<(), Erro
 }
 
 /// `leaks`: what is still allocated at the end.
-pub fn leaks(trace: &Path, top: usize, out: &mut dyn Write) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
+pub fn leaks(args: &GroupsArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let dir = one_trace(&args.trace)?;
     let mut replay = Replay::open(&dir)?;
     replay.run_through(u64::MAX)?;
     writeln!(out, "allocated at the end ({}):", seconds(replay.t))?;
-    by_stack(&replay, top, out)
+    by_stack(&replay, args.top, out)
 }
 
 /// `peak`: what was allocated when allocated memory peaked, per device.
-pub fn peak(trace: &Path, top: usize, out: &mut dyn Write) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
+pub fn peak(args: &GroupsArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let dir = one_trace(&args.trace)?;
     let scan = crate::analysis::scan(&dir, &crate::progress::Progress::new("scanning"))?;
     for (i, (device, d)) in scan.devices.iter().enumerate() {
         if i > 0 {
@@ -86,7 +96,7 @@ pub fn peak(trace: &Path, top: usize, out: &mut dyn Write) -> Result<(), Error> 
             bytes(d.peak_allocated.bytes),
             seconds(d.peak_allocated.t)
         )?;
-        by_stack(&replay, top, out)?;
+        by_stack(&replay, args.top, out)?;
     }
     Ok(())
 }

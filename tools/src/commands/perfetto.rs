@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::PathBuf;
 
 use cachealloc_recorder::Record;
 use serde_json::json;
@@ -17,6 +17,16 @@ use crate::format::bytes;
 use crate::progress::Progress;
 use crate::replay::Replay;
 use crate::{Error, one_trace};
+
+/// `cachealloc perfetto`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct PerfettoArgs {
+    /// Trace directory.
+    pub trace: PathBuf,
+    /// Output JSON.
+    #[arg(short, required = true)]
+    pub output: PathBuf,
+}
 
 /// A counter point: time, and allocated, active and reserved bytes.
 type CounterPoint = (u64, [u64; 3]);
@@ -27,8 +37,9 @@ const COUNTER_RESOLUTION_NS: u64 = 10_000;
 const COUNTER_POINTS: u64 = 100_000;
 
 /// Run the command.
-pub fn run(trace: &Path, output: &Path, out: &mut dyn Write) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
+pub fn run(args: &PerfettoArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let output = &args.output;
+    let dir = one_trace(&args.trace)?;
     let duration = crate::analysis::scan(&dir, &Progress::new("scanning"))?.duration();
     let resolution = COUNTER_RESOLUTION_NS.max(duration / COUNTER_POINTS);
     let file = std::fs::File::create(output)

@@ -24,6 +24,20 @@ use crate::progress::Progress;
 use crate::replay::{Replay, site};
 use crate::{Error, trace_dirs};
 
+/// `cachealloc plot`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct PlotArgs {
+    /// Trace directories (several: side by side).
+    #[arg(required = true)]
+    pub traces: Vec<PathBuf>,
+    /// Points per timeline (the trace is downsampled to this).
+    #[arg(long, default_value_t = 2000)]
+    pub points: usize,
+    /// Output HTML.
+    #[arg(short, required = true)]
+    pub output: PathBuf,
+}
+
 /// Sites shown by name; the rest are "other".
 const TOP_SITES: usize = 12;
 /// Moments whose segments are kept (evenly spaced, plus the peak).
@@ -315,13 +329,9 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
 }
 
 /// Run the command.
-pub fn run(
-    traces: &[PathBuf],
-    points: usize,
-    output: &Path,
-    out: &mut dyn Write,
-) -> Result<(), Error> {
-    let dirs = trace_dirs(traces)?;
+pub fn run(args: &PlotArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let (points, output) = (args.points, &args.output);
+    let dirs = trace_dirs(&args.traces)?;
     let mut panels = vec![];
     for dir in &dirs {
         panels.extend(panels_of(dir, points.clamp(10, 100_000))?);

@@ -7,6 +7,23 @@ use std::process::ExitCode;
 
 use crate::Error;
 
+/// `cachealloc run`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Allocator settings (CACHEALLOC_CONF), e.g. max_split_size_mb:256,stacks:all.
+    #[arg(long)]
+    pub conf: Option<String>,
+    /// Where the trace goes (default: ./cachealloc-trace).
+    #[arg(long)]
+    pub trace_dir: Option<PathBuf>,
+    /// libcachealloc.so to preload (default: the one installed next to this binary).
+    #[arg(long)]
+    pub lib: Option<PathBuf>,
+    /// The command and its arguments.
+    #[arg(required = true, last = true)]
+    pub command: Vec<String>,
+}
+
 /// Where `libcachealloc.so` is: `--lib`, else next to this binary (`bin/../lib/` or the same
 /// directory, as `cargo build` leaves it).
 pub(crate) fn library(lib: Option<PathBuf>) -> Result<PathBuf, Error> {
@@ -37,17 +54,15 @@ pub(crate) fn library(lib: Option<PathBuf>) -> Result<PathBuf, Error> {
 }
 
 /// Run the command.
-pub fn run(
-    conf: Option<String>,
-    trace_dir: Option<PathBuf>,
-    lib: Option<PathBuf>,
-    command: &[String],
-    out: &mut dyn Write,
-) -> Result<ExitCode, Error> {
-    let lib = library(lib)?;
-    let trace_root = trace_dir.unwrap_or_else(|| PathBuf::from("cachealloc-trace"));
+pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<ExitCode, Error> {
+    let command = &args.command;
+    let lib = library(args.lib.clone())?;
+    let trace_root = args
+        .trace_dir
+        .clone()
+        .unwrap_or_else(|| "cachealloc-trace".into());
     let trace_root = std::path::absolute(&trace_root).unwrap_or(trace_root);
-    let mut conf = conf.unwrap_or_default();
+    let mut conf = args.conf.clone().unwrap_or_default();
     if !conf.is_empty() {
         conf.push(',');
     }
@@ -75,7 +90,7 @@ pub fn run(
         )?;
     } else {
         writeln!(out)?;
-        super::summary::run(&new, out)?;
+        super::summary::run(&super::summary::SummaryArgs { traces: new }, out)?;
     }
     let code = status.code().unwrap_or_else(|| {
         use std::os::unix::process::ExitStatusExt;

@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use cachealloc_core::config::Config;
 use cachealloc_recorder::{LiveState, Record};
@@ -23,6 +23,22 @@ use super::{When, resolve_when};
 use crate::format::bytes;
 use crate::replay::{Replay, stack_frames};
 use crate::{Error, one_trace};
+
+/// `cachealloc snapshot`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct SnapshotArgs {
+    /// Trace directory.
+    pub trace: PathBuf,
+    #[allow(missing_docs)] // clap would show a doc comment here as a help heading
+    #[command(flatten)]
+    pub when: When,
+    /// Events kept in device_traces (the last N before the snapshot time).
+    #[arg(long, default_value_t = 100_000)]
+    pub events: usize,
+    /// Output file.
+    #[arg(short, required = true)]
+    pub output: PathBuf,
+}
 
 /// One frame, as PyTorch writes it.
 #[derive(Serialize, Debug)]
@@ -383,15 +399,10 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Rep
 }
 
 /// Run the command.
-pub fn run(
-    trace: &Path,
-    when: &When,
-    events: usize,
-    output: &Path,
-    out: &mut dyn Write,
-) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
-    let (index, label) = resolve_when(&dir, when)?;
+pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let (events, output) = (args.events, &args.output);
+    let dir = one_trace(&args.trace)?;
+    let (index, label) = resolve_when(&dir, &args.when)?;
     let replay = write(&dir, index, events, output)?;
     let reserved: u64 = replay.state.segments.values().map(|s| s.size).sum();
     writeln!(

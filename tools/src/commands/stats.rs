@@ -2,15 +2,30 @@
 //! `memory_summary()`-style table, and a map of the segments like `_memory_viz segsum`.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
+use cachealloc_core::stats::StatArray;
 use cachealloc_recorder::LiveState;
 
+use crate::format::parse_time;
 use crate::format::{bytes, percent, seconds};
 use crate::progress::Progress;
 use crate::replay::Replay;
-use crate::stats::{DeviceStats, METRICS, POOLS, StatsTracker};
+use crate::replayed_stats::{DeviceStats, StatsTracker};
 use crate::{Error, one_trace};
+
+/// `cachealloc stats`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct StatsArgs {
+    /// Trace directory.
+    pub trace: PathBuf,
+    /// A time since the start: 12.5, 12.5s, 300ms, 5000ns (default: the end).
+    #[arg(long, value_parser = parse_time)]
+    pub at: Option<u64>,
+    /// Print the keys as JSON only.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Replay `dir` through every event at or before `at` (the end if `None`), keeping stats.
 pub fn replay_with_stats(dir: &Path, at: Option<u64>) -> Result<(Replay, StatsTracker), Error> {
@@ -36,10 +51,10 @@ pub fn replay_with_stats(dir: &Path, at: Option<u64>) -> Result<(Replay, StatsTr
 }
 
 /// Run the command.
-pub fn run(trace: &Path, at: Option<u64>, json: bool, out: &mut dyn Write) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
-    let (replay, tracker) = replay_with_stats(&dir, at)?;
-    if json {
+pub fn run(args: &StatsArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let dir = one_trace(&args.trace)?;
+    let (replay, tracker) = replay_with_stats(&dir, args.at)?;
+    if args.json {
         let devices: serde_json::Map<String, serde_json::Value> = tracker
             .devices
             .iter()
@@ -78,10 +93,10 @@ fn summary_table(device: u32, s: &DeviceStats, out: &mut dyn Write) -> Result<()
     writeln!(
         out,
         "|{:^37}|{:^37}|",
-        format!("CUDA OOMs: {}", s.num_ooms),
+        format!("CUDA OOMs: {}", s.stats.num_ooms),
         format!(
             "device allocs: {} / frees: {}",
-            s.num_device_alloc, s.num_device_free
+            s.stats.num_device_alloc, s.stats.num_device_free
         )
     )?;
     writeln!(out, "{rule}")?;
@@ -90,23 +105,23 @@ fn summary_table(device: u32, s: &DeviceStats, out: &mut dyn Write) -> Result<()
         "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
         "Metric", "Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed"
     )?;
-    let rows: [(&str, usize, bool); 7] = [
-        ("Allocated memory", 2, true),
-        ("Active memory", 1, true),
-        ("Requested memory", 4, true),
-        ("GPU reserved memory", 5, true),
-        ("Allocations", 3, false),
-        ("Active allocs", 0, false),
-        ("GPU reserved segments", 6, false),
+    let stats = &s.stats;
+    let rows: [(&str, &StatArray, bool); 7] = [
+        ("Allocated memory", &stats.allocated_bytes, true),
+        ("Active memory", &stats.active_bytes, true),
+        ("Requested memory", &stats.requested_bytes, true),
+        ("GPU reserved memory", &stats.reserved_bytes, true),
+        ("Allocations", &stats.allocation, false),
+        ("Active allocs", &stats.active, false),
+        ("GPU reserved segments", &stats.segment, false),
     ];
-    for (name, metric, is_bytes) in rows {
+    for (name, array, is_bytes) in rows {
         writeln!(out, "{thin}")?;
-        for (p, label) in [
-            (0, name),
-            (2, "      from large pool"),
-            (1, "      from small pool"),
+        for (st, label) in [
+            (array.all, name),
+            (array.large_pool, "      from large pool"),
+            (array.small_pool, "      from small pool"),
         ] {
-            let st = s.stats[metric][p];
             let f = |v: i64| {
                 if is_bytes {
                     bytes(v.max(0) as u64)
@@ -126,19 +141,17 @@ fn summary_table(device: u32, s: &DeviceStats, out: &mut dyn Write) -> Result<()
         }
     }
     writeln!(out, "{thin}")?;
-    let split = s.stats[7];
+    let split = s.stats.inactive_split_bytes;
     writeln!(
         out,
         "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
         "Non-releasable memory",
-        bytes(split[0].current.max(0) as u64),
+        bytes(split.all.current.max(0) as u64),
         "-",
         "-",
         "-"
     )?;
     writeln!(out, "{rule}")?;
-    debug_assert_eq!(METRICS.len(), 8);
-    debug_assert_eq!(POOLS.len(), 3);
     Ok(())
 }
 

@@ -11,6 +11,14 @@ use crate::progress::Progress;
 use crate::replay::{Replay, site};
 use crate::{Error, trace_dirs};
 
+/// `cachealloc summary`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct SummaryArgs {
+    /// Trace directories.
+    #[arg(required = true)]
+    pub traces: Vec<PathBuf>,
+}
+
 /// How many allocation sites to list.
 const TOP_SITES: usize = 10;
 
@@ -32,8 +40,8 @@ pub fn sites_live(replay: &Replay, device: u32) -> Vec<(String, u64, u64)> {
 }
 
 /// Run the command.
-pub fn run(traces: &[PathBuf], out: &mut dyn Write) -> Result<(), Error> {
-    let dirs = trace_dirs(traces)?;
+pub fn run(args: &SummaryArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let dirs = trace_dirs(&args.traces)?;
     let mut scans = vec![];
     for (i, dir) in dirs.iter().enumerate() {
         if i > 0 {

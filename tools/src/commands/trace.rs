@@ -2,13 +2,33 @@
 //! one device, optionally with each allocation's stack.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::PathBuf;
 
 use cachealloc_recorder::Record;
 
 use crate::format::bytes;
+use crate::format::parse_time;
 use crate::replay::{Replay, frame_label, site, stack_frames};
 use crate::{Error, one_trace};
+
+/// `cachealloc trace`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct TraceArgs {
+    /// Trace directory.
+    pub trace: PathBuf,
+    /// From this time (default: the start).
+    #[arg(long, value_parser = parse_time)]
+    pub from: Option<u64>,
+    /// To this time (default: the end).
+    #[arg(long, value_parser = parse_time)]
+    pub to: Option<u64>,
+    /// Only this device's events.
+    #[arg(long)]
+    pub device: Option<u32>,
+    /// Print each allocation's stack under it.
+    #[arg(long)]
+    pub stacks: bool,
+}
 
 /// One event as a line (`None` for records that are not events: definitions, checkpoints).
 pub fn describe(record: &Record) -> Option<String> {
@@ -82,15 +102,15 @@ pub fn describe(record: &Record) -> Option<String> {
 }
 
 /// Run the command.
-pub fn run(
-    trace: &Path,
-    from: Option<u64>,
-    to: Option<u64>,
-    device: Option<u32>,
-    stacks: bool,
-    out: &mut dyn Write,
-) -> Result<(), Error> {
-    let dir = one_trace(trace)?;
+pub fn run(args: &TraceArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let &TraceArgs {
+        from,
+        to,
+        device,
+        stacks,
+        ..
+    } = args;
+    let dir = one_trace(&args.trace)?;
     let mut replay = Replay::open(&dir)?;
     while let Some(step) = replay.step() {
         let step = step?;

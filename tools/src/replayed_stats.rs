@@ -1,5 +1,7 @@
-//! PyTorch's `torch.cuda.memory_stats()` over a replay: every `current`/`peak`/`allocated`/
-//! `freed` counter, for `all`, `small_pool` and `large_pool`, with PyTorch's meanings:
+//! PyTorch's `torch.cuda.memory_stats()` recomputed from a trace's records, as a replay meets
+//! them: every `current`/`peak`/`allocated`/`freed` counter, for `all`, `small_pool` and
+//! `large_pool`, kept in the allocator's own [`Stats`] (whose key names are the only ones), with
+//! PyTorch's meanings:
 //!
 //! * `allocation`, `allocated_bytes` fall when the application frees a block;
 //! * `active`, `active_bytes`, `requested_bytes` fall when the block becomes reusable (after its
@@ -15,52 +17,53 @@ use std::collections::{BTreeMap, HashMap};
 use cachealloc_recorder::schema::SegmentState;
 use cachealloc_recorder::{Record, schema, spans};
 
-use cachealloc_core::stats::Stat;
+use cachealloc_core::sizes::PoolKind;
+use cachealloc_core::stats::{Counter, StatKind, Stats};
 
 use crate::replay::Step;
 
-/// The metrics with `all`/`small_pool`/`large_pool` variants, in PyTorch's key order.
-pub const METRICS: [&str; 8] = [
-    "active",
-    "active_bytes",
-    "allocated_bytes",
-    "allocation",
-    "requested_bytes",
-    "reserved_bytes",
-    "segment",
-    "inactive_split_bytes",
+/// The `memory_stats()` arrays a trace determines: all but `inactive_split` (the count; its
+/// bytes are known, `current` only, at the end).
+const ARRAYS: [StatKind; 8] = [
+    StatKind::Active,
+    StatKind::ActiveBytes,
+    StatKind::AllocatedBytes,
+    StatKind::Allocation,
+    StatKind::RequestedBytes,
+    StatKind::ReservedBytes,
+    StatKind::Segment,
+    StatKind::InactiveSplitBytes,
 ];
 
-/// Pools: `all`, `small_pool`, `large_pool`.
-pub const POOLS: [&str; 3] = ["all", "small_pool", "large_pool"];
+/// The `memory_stats()` counters a trace determines (not retries, fence waits, cache hits nor
+/// `max_split_size`).
+const COUNTERS: [Counter; 3] = [Counter::Ooms, Counter::DeviceAlloc, Counter::DeviceFree];
 
 #[derive(Debug, Clone, Copy)]
 struct Block {
     size: u64,
     requested: u64,
-    pool: usize,
+    pool: PoolKind,
     pending: bool,
 }
 
 /// Counters of one device.
 #[derive(Debug, Clone, Default)]
 pub struct DeviceStats {
-    /// `[metric][pool]`, indexed as [`METRICS`] and [`POOLS`] (`inactive_split_bytes` is filled
-    /// by [`StatsTracker::finish`]).
-    pub stats: [[Stat; 3]; 8],
-    /// `num_ooms`.
-    pub num_ooms: u64,
-    /// `num_device_alloc`.
-    pub num_device_alloc: u64,
-    /// `num_device_free`.
-    pub num_device_free: u64,
+    /// The counters, as the allocator keeps them; only those a trace determines are filled
+    /// (`inactive_split_bytes` by [`StatsTracker::finish`]).
+    pub stats: Stats,
     segments: BTreeMap<u64, SegmentState>,
     blocks: HashMap<u64, Block>,
 }
 
-/// A pool byte's index in the stats arrays (1 small, 2 large).
-fn pool_index(pool: u8) -> usize {
-    if pool == schema::POOL_SMALL { 1 } else { 2 }
+/// The pool a trace's pool byte names.
+fn pool_kind(pool: u8) -> PoolKind {
+    if pool == schema::POOL_SMALL {
+        PoolKind::Small
+    } else {
+        PoolKind::Large
+    }
 }
 
 /// A live segment, or a mapped run of an expandable segment (see `recorder::spans`).
@@ -75,22 +78,12 @@ fn segment(address: u64, size: u64, pool: u8) -> SegmentState {
 }
 
 impl DeviceStats {
-    fn pool_of(&self, address: u64) -> usize {
+    fn pool_of(&self, address: u64) -> PoolKind {
         self.segments
             .range(..=address)
             .next_back()
             .filter(|(start, seg)| address < *start + seg.size)
-            .map_or(2, |(_, seg)| pool_index(seg.pool))
-    }
-
-    fn bump(&mut self, metric: usize, pool: usize, n: i64) {
-        for p in [0, pool] {
-            if n >= 0 {
-                self.stats[metric][p].increase(n.unsigned_abs());
-            } else {
-                self.stats[metric][p].decrease(n.unsigned_abs());
-            }
-        }
+            .map_or(PoolKind::Large, |(_, seg)| pool_kind(seg.pool))
     }
 
     fn alloc(&mut self, address: u64, size: u64, requested: u64, pending: bool) {
@@ -104,12 +97,13 @@ impl DeviceStats {
                 pending,
             },
         );
-        self.bump(0, pool, 1);
-        self.bump(1, pool, size as i64);
-        self.bump(4, pool, requested as i64);
+        let s = &mut self.stats;
+        s.active.increase(pool, 1);
+        s.active_bytes.increase(pool, size);
+        s.requested_bytes.increase(pool, requested);
         if !pending {
-            self.bump(2, pool, size as i64);
-            self.bump(3, pool, 1);
+            s.allocated_bytes.increase(pool, size);
+            s.allocation.increase(pool, 1);
         }
     }
 
@@ -118,86 +112,81 @@ impl DeviceStats {
             && !b.pending
         {
             b.pending = true;
-            let (pool, size) = (b.pool, b.size);
-            self.bump(2, pool, -(size as i64));
-            self.bump(3, pool, -1);
+            self.stats.allocated_bytes.decrease(b.pool, b.size);
+            self.stats.allocation.decrease(b.pool, 1);
         }
     }
 
     fn free_completed(&mut self, address: u64) {
         self.free_requested(address);
         if let Some(b) = self.blocks.remove(&address) {
-            self.bump(0, b.pool, -1);
-            self.bump(1, b.pool, -(b.size as i64));
-            self.bump(4, b.pool, -(b.requested as i64));
+            self.stats.active.decrease(b.pool, 1);
+            self.stats.active_bytes.decrease(b.pool, b.size);
+            self.stats.requested_bytes.decrease(b.pool, b.requested);
         }
     }
 
     fn segment(&mut self, address: u64, size: u64, pool: u8) {
         let seg = segment(address, size, pool);
         self.segments.insert(address, seg);
-        self.bump(5, pool_index(seg.pool), size as i64);
-        self.bump(6, pool_index(seg.pool), 1);
+        self.stats.reserved_bytes.increase(pool_kind(pool), size);
+        self.stats.segment.increase(pool_kind(pool), 1);
     }
 
     fn segment_free(&mut self, address: u64) {
         if let Some(seg) = self.segments.remove(&address) {
-            self.bump(5, pool_index(seg.pool), -(seg.size as i64));
-            self.bump(6, pool_index(seg.pool), -1);
+            self.stats
+                .reserved_bytes
+                .decrease(pool_kind(seg.pool), seg.size);
+            self.stats.segment.decrease(pool_kind(seg.pool), 1);
         }
     }
 
     /// Memory mapped into an expandable segment: reserved, but not a segment of its own (as
     /// PyTorch counts expandable segments).
     fn segment_map(&mut self, address: u64, size: u64, pool: u8) {
-        let seg = segment(address, size, pool);
-        spans::map(&mut self.segments, |a| a, seg);
-        self.bump(5, pool_index(seg.pool), size as i64);
+        spans::map(&mut self.segments, |a| a, segment(address, size, pool));
+        self.stats.reserved_bytes.increase(pool_kind(pool), size);
     }
 
     fn segment_unmap(&mut self, address: u64, size: u64) {
         if let Some(run) = spans::unmap(&mut self.segments, |a| a, address, size) {
-            self.bump(5, pool_index(run.pool), -(size as i64));
+            self.stats
+                .reserved_bytes
+                .decrease(pool_kind(run.pool), size);
         }
     }
 
-    /// Free bytes inside segments that still hold an active block, per pool.
-    fn inactive_split(&self) -> [u64; 3] {
+    /// Free bytes inside segments that still hold an active block, per pool: (small, large).
+    fn inactive_split(&self) -> (u64, u64) {
         let mut used: HashMap<u64, u64> = HashMap::new();
         for (&address, b) in &self.blocks {
             if let Some((&start, _)) = self.segments.range(..=address).next_back() {
                 *used.entry(start).or_default() += b.size;
             }
         }
-        let mut out = [0u64; 3];
+        let (mut small, mut large) = (0, 0);
         for (start, used) in used {
             let seg = self.segments[&start];
             let free = seg.size.saturating_sub(used);
-            out[0] += free;
-            out[pool_index(seg.pool)] += free;
-        }
-        out
-    }
-
-    /// `memory_stats()`'s dictionary, keys sorted as PyTorch returns them.
-    pub fn to_map(&self) -> BTreeMap<String, i64> {
-        let mut map = BTreeMap::new();
-        for (m, metric) in METRICS.iter().enumerate() {
-            for (p, pool) in POOLS.iter().enumerate() {
-                let s = self.stats[m][p];
-                for (field, value) in [
-                    ("current", s.current),
-                    ("peak", s.peak),
-                    ("allocated", s.allocated),
-                    ("freed", s.freed),
-                ] {
-                    map.insert(format!("{metric}.{pool}.{field}"), value);
-                }
+            match pool_kind(seg.pool) {
+                PoolKind::Small => small += free,
+                PoolKind::Large => large += free,
             }
         }
-        map.insert("num_ooms".into(), self.num_ooms as i64);
-        map.insert("num_device_alloc".into(), self.num_device_alloc as i64);
-        map.insert("num_device_free".into(), self.num_device_free as i64);
+        (small, large)
+    }
+
+    /// `memory_stats()`'s dictionary (the keys a trace determines), keys sorted as PyTorch
+    /// returns them.
+    pub fn to_map(&self) -> BTreeMap<String, i64> {
+        let mut map: BTreeMap<String, i64> = ARRAYS
+            .into_iter()
+            .flat_map(|kind| self.stats.flat_entries(kind))
+            .collect();
+        for counter in COUNTERS {
+            map.insert(counter.name().into(), self.stats.counter(counter));
+        }
         map
     }
 }
@@ -304,25 +293,25 @@ impl StatsTracker {
                 .free_completed(f.address),
             Record::SegmentAlloc(s) => {
                 let d = self.devices.entry(s.device).or_default();
-                d.num_device_alloc += 1;
+                d.stats.num_device_alloc += 1;
                 d.segment(s.address, s.size, s.pool);
             }
             Record::SegmentFree(s) => {
                 let d = self.devices.entry(s.device).or_default();
-                d.num_device_free += 1;
+                d.stats.num_device_free += 1;
                 d.segment_free(s.address);
             }
             Record::SegmentMap(s) => {
                 let d = self.devices.entry(s.device).or_default();
-                d.num_device_alloc += 1;
+                d.stats.num_device_alloc += 1;
                 d.segment_map(s.address, s.size, s.pool);
             }
             Record::SegmentUnmap(s) => {
                 let d = self.devices.entry(s.device).or_default();
-                d.num_device_free += 1;
+                d.stats.num_device_free += 1;
                 d.segment_unmap(s.address, s.size);
             }
-            Record::Oom(o) => self.devices.entry(o.device).or_default().num_ooms += 1,
+            Record::Oom(o) => self.devices.entry(o.device).or_default().stats.num_ooms += 1,
             _ => {}
         }
     }
@@ -330,10 +319,11 @@ impl StatsTracker {
     /// Fill the counters only known at the end (`inactive_split_bytes`, current only).
     pub fn finish(&mut self) {
         for d in self.devices.values_mut() {
-            let split = d.inactive_split();
-            for (p, bytes) in split.into_iter().enumerate() {
-                d.stats[7][p].current = bytes as i64;
-            }
+            let (small, large) = d.inactive_split();
+            let split = &mut d.stats.inactive_split_bytes;
+            split.all.current = (small + large) as i64;
+            split.small_pool.current = small as i64;
+            split.large_pool.current = large as i64;
         }
     }
 }
