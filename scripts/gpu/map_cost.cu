@@ -1,7 +1,9 @@
 // What mapping costs: CUDA's virtual memory calls for 2 MiB and 20 MiB, the way cachealloc's
 // expandable segments make them (one cuMemCreate + cuMemMap per 2 MiB granule, one
 // cuMemSetAccess per map; per granule cuMemUnmap), against one handle for the whole size and
-// against cudaMalloc/cudaFree of the same size. Medians of REPS rounds, in microseconds.
+// against cudaMalloc/cudaFree of the same size; and granule mappings unmapped by one
+// cuMemUnmap over their whole run (the driver unmaps adjacent whole mappings in one call).
+// Medians of REPS rounds, in microseconds.
 //   nvcc -O2 -o map_cost scripts/gpu/map_cost.cu -lcuda && ./map_cost [REPS]
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -31,13 +33,13 @@ int main(int argc, char **argv) {
     access.location = prop.location;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     CUdeviceptr range;
-    size_t range_size = 64 * g;
+    size_t range_size = 256 * g;
     CHECK(cuMemAddressReserve(&range, range_size, g, 0, 0));
     printf("granularity %zu bytes\n", g);
-    for (size_t size : {2ul << 20, 20ul << 20}) {
+    for (size_t size : {2ul << 20, 20ul << 20, 200ul << 20}) {
         size_t n = size / g;
         std::vector<double> map_per_granule, unmap_per_granule, map_one, unmap_one, cmalloc, cfree;
-        std::vector<double> remap_move, create_only, release_only;
+        std::vector<double> remap_move, create_only, release_only, unmap_run;
         for (int r = 0; r < reps; r++) {
             // cachealloc's way: a handle per granule, released once mapped.
             double t0 = now_us();
@@ -54,6 +56,19 @@ int main(int argc, char **argv) {
             double t2 = now_us();
             map_per_granule.push_back(t1 - t0);
             unmap_per_granule.push_back(t2 - t1);
+            // The same mappings, unmapped by one call over their run.
+            for (size_t i = 0; i < n; i++) {
+                CUmemGenericAllocationHandle h;
+                CHECK(cuMemCreate(&h, g, &prop, 0));
+                CHECK(cuMemMap(range + i * g, g, 0, h, 0));
+                CHECK(cuMemRelease(h));
+            }
+            CHECK(cuMemSetAccess(range, size, &access, 1));
+            CHECK(cuCtxSynchronize());
+            t0 = now_us();
+            CHECK(cuMemUnmap(range, size));
+            t1 = now_us();
+            unmap_run.push_back(t1 - t0);
             // Moving memory: handles kept, unmapped at one place and mapped at another (no
             // cuMemCreate or cuMemRelease).
             std::vector<CUmemGenericAllocationHandle> hs(n);
@@ -66,11 +81,11 @@ int main(int argc, char **argv) {
             CHECK(cuCtxSynchronize());
             t0 = now_us();
             for (size_t i = 0; i < n; i++) CHECK(cuMemUnmap(range + i * g, g));
-            for (size_t i = 0; i < n; i++) CHECK(cuMemMap(range + (32 + i) * g, g, 0, hs[i], 0));
-            CHECK(cuMemSetAccess(range + 32 * g, size, &access, 1));
+            for (size_t i = 0; i < n; i++) CHECK(cuMemMap(range + (n + i) * g, g, 0, hs[i], 0));
+            CHECK(cuMemSetAccess(range + n * g, size, &access, 1));
             t1 = now_us();
             remap_move.push_back(t1 - t0);
-            for (size_t i = 0; i < n; i++) CHECK(cuMemUnmap(range + (32 + i) * g, g));
+            for (size_t i = 0; i < n; i++) CHECK(cuMemUnmap(range + (n + i) * g, g));
             t0 = now_us();
             for (size_t i = 0; i < n; i++) CHECK(cuMemRelease(hs[i]));
             t1 = now_us();
@@ -100,10 +115,11 @@ int main(int argc, char **argv) {
         }
         printf("map_cost size_MiB=%zu granule_handles_map_us=%.1f granule_handles_unmap_us=%.1f "
                "one_handle_map_us=%.1f one_handle_unmap_us=%.1f cudaMalloc_us=%.1f cudaFree_us=%.1f "
-               "create_only_us=%.1f release_only_us=%.1f move_kept_handles_us=%.1f\n",
+               "create_only_us=%.1f release_only_us=%.1f move_kept_handles_us=%.1f "
+               "granule_handles_unmap_one_call_us=%.1f\n",
                size >> 20, median(map_per_granule), median(unmap_per_granule), median(map_one),
                median(unmap_one), median(cmalloc), median(cfree), median(create_only),
-               median(release_only), median(remap_move));
+               median(release_only), median(remap_move), median(unmap_run));
     }
     return 0;
 }

@@ -118,13 +118,49 @@ pub trait Device: Send + Sync {
         Err(DeviceError::unsupported("map"))
     }
 
+    /// Make the adjacent `mappings` (address order, each as [`Device::map`] makes one), or none
+    /// of them: on a failure, those made are unmapped (they are new: nothing uses them) and the
+    /// error returned. The default maps them one by one; an implementation may share the work
+    /// of a run (the shim grants access to the whole run in one call).
+    fn map_run(&self, mappings: &[(u64, u64)]) -> Result<(), DeviceError> {
+        for (i, &(address, size)) in mappings.iter().enumerate() {
+            if let Err(e) = self.map(address, size) {
+                for &(address, size) in &mappings[..i] {
+                    let _ = self.unmap(address, size);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     /// Give back the memory of one whole mapping, `[address, address + size)` exactly as a
     /// [`Device::map`] call made it (the driver unmaps nothing less). No work on the device may
-    /// still use it: the caller took it out of the pools, and the implementation waits for the
-    /// device first (an unmap, unlike `cudaFree`, does not).
+    /// still use it: an unmap, unlike `cudaFree`, does not wait for kernels, so the caller took
+    /// it out of the pools and made sure it is idle — by [`Device::synchronize`], or by a
+    /// completed idle fence (see
+    /// [Note [Unmapping without a wait]](crate::pools::expandable::idle#note-unmapping-without-a-wait)).
     fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let _ = (address, size);
         Err(DeviceError::unsupported("unmap"))
+    }
+
+    /// Wait until all work on the device has finished (`cuCtxSynchronize`), before unmapping
+    /// memory that may still be in use. The default: nothing to wait for.
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+
+    /// A fence after all work enqueued so far on `stream` ([`NO_STREAM`](crate::NO_STREAM): on
+    /// every stream), telling when the memory freed on it so far is idle; `None` when none can
+    /// be recorded now (a graph capture is under way). The default: [`Device::record_fence`]
+    /// or [`Device::record_stream_fence`].
+    fn record_idle_fence(&self, stream: u64) -> Result<Option<Self::Fence>, DeviceError> {
+        if stream == crate::NO_STREAM {
+            self.record_fence().map(Some)
+        } else {
+            self.record_stream_fence(stream).map(Some)
+        }
     }
 }
 

@@ -318,6 +318,9 @@ pub struct Pools<F> {
     ranges: Vec<(u64, PoolKind, SegmentId)>,
     /// The live mappings of expandable segments, by address: one per map, unmapped whole.
     mappings: BTreeMap<u64, u64>,
+    /// Each expandable segment's idle horizon; see
+    /// [Note [Unmapping without a wait]](expandable::idle#note-unmapping-without-a-wait).
+    idle: Vec<expandable::idle::RangeIdle<F>>,
     /// The statistics.
     pub stats: Stats,
 }
@@ -348,6 +351,7 @@ impl<F: Clone> Pools<F> {
             expandable: None,
             ranges: Vec::new(),
             mappings: BTreeMap::new(),
+            idle: Vec::new(),
             stats: Stats {
                 max_split_size: config.max_split_size,
                 ..Stats::default()

@@ -54,6 +54,8 @@ pub struct SimCounters {
     pub maps: u64,
     /// [`Device::unmap`] calls.
     pub unmaps: u64,
+    /// [`Device::synchronize`] calls (each completes every fence).
+    pub synchronizes: u64,
 }
 
 #[derive(Debug)]
@@ -308,6 +310,13 @@ impl Device for SimDevice {
     fn stream_wait(&self, stream: u64, _fence: &SimFence) -> Result<(), DeviceError> {
         self.check_stream_alive(stream, "a wait made");
         self.state.lock().counters.stream_waits += 1;
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        let mut s = self.state.lock();
+        s.counters.synchronizes += 1;
+        s.completed_through = s.next_fence - 1;
         Ok(())
     }
 

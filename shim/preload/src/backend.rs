@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use cachealloc_core::{Device, DeviceError, MemInfo};
+use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM};
 
 use crate::cuda;
 use crate::driver::{self, Driver, Fence, Fences, Stream};
@@ -229,6 +229,11 @@ impl Device for CudaDevice {
         self.capture_safe(|| self.fences.on_own_context(|| vmm.map(address, size)))?
     }
 
+    fn map_run(&self, mappings: &[(u64, u64)]) -> Result<(), DeviceError> {
+        let vmm = self.vmm()?;
+        self.capture_safe(|| self.fences.on_own_context(|| vmm.map_run(mappings)))?
+    }
+
     fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
         if self.streams.captures_active() {
@@ -237,13 +242,39 @@ impl Device for CudaDevice {
                 message: "unmapping waits for the end of the graph capture".to_string(),
             });
         }
+        // The caller made sure nothing uses the memory (Device::unmap's contract).
+        self.fences.on_own_context(|| vmm.unmap(address, size))?
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        if self.streams.captures_active() {
+            return Err(DeviceError::Other {
+                code: cuda::ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                message: "a device synchronization waits for the end of the graph capture"
+                    .to_string(),
+            });
+        }
         let sync = real_driver::cuCtxSynchronize().ok_or_else(|| missing("cuCtxSynchronize"))?;
         self.fences.on_own_context(|| {
-            // SAFETY: no arguments; this device's context is current. The memory to unmap is
-            // out of the pools: once the device is idle, nothing uses it.
-            unsafe { sync() };
-            vmm.unmap(address, size)
+            // SAFETY: no arguments; this device's context is current.
+            match unsafe { sync() } {
+                real_driver::SUCCESS => Ok(()),
+                other => Err(driver_error(other, "cuCtxSynchronize")),
+            }
         })?
+    }
+
+    fn record_idle_fence(&self, stream: u64) -> Result<Option<Fence>, DeviceError> {
+        if self.streams.captures_active() {
+            return Ok(None); // an event on a capturing stream would join the graph
+        }
+        // The legacy and per-thread handles (and synchronous allocations) mean no one stream:
+        // an event on the legacy stream orders after every blocking stream, per-thread
+        // default streams among them, and a full fence adds the non-blocking ones.
+        if stream == NO_STREAM || stream <= cuda::STREAM_PER_THREAD as u64 {
+            return self.record_fence().map(Some);
+        }
+        self.record_stream_fence(stream).map(Some)
     }
 }
 

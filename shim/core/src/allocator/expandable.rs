@@ -63,6 +63,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                 }
             };
             attempts += 1;
+            pools.note_range_mapped(&plan, &self.device);
             let beyond_peak = pools
                 .reserved()
                 .saturating_sub(pools.stats.reserved_bytes.all.peak as u64);
@@ -115,7 +116,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// Unmap memory taken out of the pools, with the lock released.
     fn unmap_taken<'a>(
         &'a self,
-        pools: Locked<'a, D::Fence>,
+        mut pools: Locked<'a, D::Fence>,
         taken: Vec<Unmapping>,
         changes: &mut SegmentChanges,
     ) -> Locked<'a, D::Fence> {
@@ -129,10 +130,20 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                 pool: u.pool,
             });
         }
+        let wait = pools.unmapping_needs_wait(&taken, &self.device);
         let (results, mut pools) = self.unlocked(pools, || {
+            // See Note [Unmapping without a wait]: idle memory needs no wait, the rest one.
+            let waited = if wait {
+                self.device.synchronize()
+            } else {
+                Ok(())
+            };
             taken
                 .iter()
-                .map(|u| self.device.unmap(u.address, u.size))
+                .map(|u| match &waited {
+                    Ok(()) => self.device.unmap(u.address, u.size),
+                    Err(e) => Err(e.clone()),
+                })
                 .collect::<Vec<_>>()
         });
         for (u, result) in taken.into_iter().zip(results) {
@@ -159,19 +170,10 @@ impl<D: Device, O: Observer> Allocator<D, O> {
 }
 
 impl<D: Device, O: Observer> Allocator<D, O> {
-    /// Make the mappings of `plan`; on a failure, undo those made.
+    /// Make the mappings of `plan`, or none of them.
     fn map_all(&self, plan: &MapPlan, granularity: u64) -> Result<(), DeviceError> {
-        let mut made: Vec<(u64, u64)> = Vec::new();
-        for (address, size) in plan.mappings(granularity) {
-            if let Err(e) = self.device.map(address, size) {
-                for (address, size) in made {
-                    let _ = self.device.unmap(address, size);
-                }
-                return Err(e);
-            }
-            made.push((address, size));
-        }
-        Ok(())
+        let mappings: Vec<(u64, u64)> = plan.mappings(granularity).collect();
+        self.device.map_run(&mappings)
     }
 }
 

@@ -29,8 +29,9 @@ fn growth_maps_only_the_granules_a_request_still_needs() {
     let b = c.malloc(3 * MIB);
     assert_eq!(b.address, a.address + a.size, "blocks are contiguous");
     assert_eq!(reserved(&c), 6 * MIB);
-    // Two maps (device allocations in the stats); the first of two granules, as two mappings.
-    assert_eq!(c.device().counters().maps, 3);
+    // Two maps (device allocations in the stats), one mapping each: a mapping is never
+    // smaller than MIN_MAPPING but a map's last.
+    assert_eq!(c.device().counters().maps, 2);
     assert_eq!(c.device().counters().allocs, 0, "no fixed segment");
     assert_eq!(
         c.stats().num_device_alloc,
@@ -104,7 +105,7 @@ fn empty_cache_unmaps_whole_free_granules_and_keeps_live_memory() {
     assert_eq!(reserved(&c), 8 * MIB);
     assert_eq!(c.device().mapped_bytes(), 8 * MIB);
     assert!(c.device().is_backed(a.address, a.size) && c.device().is_backed(d.address, d.size));
-    assert_eq!(c.stats().num_device_free, 2, "b's map: two mappings");
+    assert_eq!(c.stats().num_device_free, 1, "b's map: one mapping");
     // Freed memory comes back by mapping the hole again: the next 4 MiB request maps it.
     let e = c.malloc(4 * MIB);
     assert_eq!(e.address, a.address + a.size, "the hole is reused");
@@ -115,6 +116,47 @@ fn empty_cache_unmaps_whole_free_granules_and_keeps_live_memory() {
     c.empty_cache();
     assert_eq!(reserved(&c), 0);
     assert_eq!(c.device().used(), 0, "everything unmapped");
+}
+
+/// Note [Unmapping without a wait]: an unmap waits for the device only when the memory became
+/// free after the stamp of the range's last completed idle fence.
+#[test]
+fn unmapping_waits_for_the_device_only_when_the_memory_may_be_in_use() {
+    let c = Checked::manual(1 << 30, expandable());
+    let synchronizes = || c.device().counters().synchronizes;
+    let a = c.malloc(4 * MIB); // maps: the range's idle fence, stamped before any free
+    c.malloc(4 * MIB);
+    let x = c.malloc(8 * MIB);
+    assert_eq!(reserved(&c), 16 * MIB);
+    c.free(x.address);
+    c.device().complete_fences();
+    c.empty_cache();
+    assert_eq!(
+        synchronizes(),
+        1,
+        "freed after the only stamp: it may be in use"
+    );
+    assert_eq!(reserved(&c), 8 * MIB);
+    // A map after a's free stamps a new fence; once it completes, a's memory is idle.
+    c.free(a.address);
+    let y = c.malloc(8 * MIB);
+    c.device().complete_fences();
+    // Nothing free fits 8 MiB, and mapping it would pass the peak: a's memory is recycled,
+    // without a wait.
+    let z = c.malloc(8 * MIB);
+    assert_eq!(synchronizes(), 1, "idle memory is unmapped without a wait");
+    assert!(!c.device().is_backed(a.address, a.size));
+    assert_eq!(
+        reserved(&c),
+        20 * MIB,
+        "a recycled: only b, y and z are mapped"
+    );
+    // The control: y, freed after the last stamp, waits although every fence completed.
+    c.free(y.address);
+    c.device().complete_fences();
+    c.empty_cache();
+    assert_eq!(synchronizes(), 2);
+    assert!(c.device().is_backed(z.address, z.size));
 }
 
 #[test]
@@ -135,8 +177,8 @@ fn the_oom_ladder_unmaps_free_memory_before_it_fails() {
     );
     assert_eq!(
         c.stats().num_device_free,
-        16,
-        "the small pool's granule and the 15 mappings of the first 30 MiB"
+        5,
+        "the small pool's granule and the 4 mappings of the first 30 MiB (8, 8, 8 and 6 MiB)"
     );
     assert_eq!(reserved(&c), 62 * MIB);
     // Now it truly cannot fit.

@@ -101,6 +101,44 @@ impl Vmm {
     /// new memory of this device, readable and writable by it: one physical allocation, one
     /// mapping. On failure nothing stays mapped.
     pub fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.map_run(&[(address, size)])
+    }
+
+    /// Make the adjacent `mappings` (address order; each whole granules of a reserved range,
+    /// not mapped), each one physical allocation, then grant this device access to the whole
+    /// run in one `cuMemSetAccess` (about 16 µs per call on an H100, whatever the size). On
+    /// failure nothing stays mapped.
+    pub fn map_run(&self, mappings: &[(u64, u64)]) -> Result<(), DeviceError> {
+        let (Some(&(start, _)), Some(&(last, last_size))) = (mappings.first(), mappings.last())
+        else {
+            return Ok(());
+        };
+        for (i, &(address, size)) in mappings.iter().enumerate() {
+            if let Err(e) = self.back(address, size) {
+                self.unmap_all(&mappings[..i]);
+                return Err(e);
+            }
+        }
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.ordinal,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let run = (last + last_size - start) as usize;
+        // SAFETY: the run is mapped throughout (just above), by whole mappings; one valid
+        // descriptor.
+        let code = call_driver!(cuMemSetAccess(start, run, &access, 1));
+        if let Err(e) = check(code, "cuMemSetAccess") {
+            self.unmap_all(mappings);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Map one physical allocation of `size` bytes at `address`, with no access yet.
+    fn back(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let prop = allocation_prop(self.ordinal);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer and property struct; the size is whole granules.
@@ -115,25 +153,18 @@ impl Vmm {
         let code = call_driver!(cuMemMap(address, size as usize, 0, handle, 0));
         // The driver keeps the memory while it is mapped: the handle is not needed either way.
         release_handle(handle);
-        check(code, "cuMemMap")?;
-        let access = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.ordinal,
-            },
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the range is mapped (just above); one valid descriptor.
-        let code = call_driver!(cuMemSetAccess(address, size as usize, &access, 1));
-        if let Err(e) = check(code, "cuMemSetAccess") {
-            let _ = self.unmap(address, size);
-            return Err(e);
-        }
-        Ok(())
+        check(code, "cuMemMap")
     }
 
-    /// Give back the memory of one whole mapping `map` made. The caller synchronized the
-    /// context: no kernel uses it any more.
+    /// Undo mappings just made (nothing uses them).
+    fn unmap_all(&self, mappings: &[(u64, u64)]) {
+        for &(address, size) in mappings {
+            let _ = self.unmap(address, size);
+        }
+    }
+
+    /// Give back the memory of one whole mapping `map` made. The caller made sure no kernel
+    /// uses it any more (see `Device::unmap`).
     pub fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         // SAFETY: `[address, address + size)` is exactly one mapping `map` made.
         check(
