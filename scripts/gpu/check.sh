@@ -3,7 +3,7 @@
 #   scripts/gpu/check.sh LIBDIR WORKLOADS
 # LIBDIR holds a release libcachealloc.so and the cachealloc binary built on the development
 # machine; WORKLOADS holds
-# mlp_train.py and gpt2_train.py. Builds the C test programs of tests/programs with
+# mlp_train.py and gpt2_train.py (scripts/gpu/workloads). Builds the C test programs of tests/programs with
 # `nvcc -cudart shared` (the runtime's door; scripts/gpu/doors.sh covers nvcc's static default
 # and the driver's doors), runs them under the shim,
 # again with expandable_segments:True (CUDA virtual memory), then runs the training workloads
