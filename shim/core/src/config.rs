@@ -21,7 +21,8 @@ use crate::sizes::Roundup;
 /// PyTorch.
 pub const ROUNDUP_INTERVALS: usize = 16;
 
-/// When a freed block may be handed out again (see [Note [Reuse fences]](crate::pools)).
+/// When a freed block may be handed out again (see
+/// [Note [Reuse fences]](crate::pools#note-reuse-fences)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReusePolicy {
     /// Immediate while the process has created no stream, fenced from the first stream on.

@@ -6,7 +6,9 @@
 //! tests and benchmarks here use [`SimDevice`] too. The policy is PyTorch's
 //! CUDACachingAllocator (size classes, split and merge, `max_split_size`, garbage collection,
 //! the out-of-memory ladder, stats with PyTorch's names), plus *reuse fences*, which let an
-//! allocator that sees no streams keep `cudaFree`'s promise.
+//! allocator that sees no streams keep `cudaFree`'s promise. The design of the whole project is
+//! `docs/design.md` in the repository; the allocator's parts are explained here, in the Notes
+//! of [`sizes`], [`pools`], [`allocator`] and [`pools::expandable`].
 //!
 //! ```
 //! use cachealloc_core::{Allocator, AllocatorConfig, SimDevice};

@@ -38,8 +38,10 @@
 //!   `torch_caching` says otherwise) and, in a Python process, puts the Python integration on
 //!   `PYTHONPATH` (unless `python:off`).
 //! * A freed block is not handed out again before GPU work enqueued before its free, on any
-//!   stream the application created through the runtime, has finished (`reuse:auto`, the
-//!   default, knows all work is on one stream until the first stream is created).
+//!   stream the application created through the runtime or the driver, has finished
+//!   (`reuse:auto`, the default, knows all work is on one stream until the first stream is
+//!   created; a block freed in its own stream's order is reused at once on that stream). The
+//!   design of the whole, with these promises: `docs/design.md` in the repository.
 //! * A pointer we did not hand out goes to the real `cudaFree`; a double free or an interior
 //!   pointer is reported and refused with `cudaErrorInvalidValue`, changing nothing.
 //! * No panic crosses the C ABI: an internal failure degrades to passthrough with one message.
