@@ -26,16 +26,16 @@
 //! * **Blocks split and merge freely** inside a range: the `max_split_size` rules (which keep
 //!   big fixed segments from being eaten by small requests) do not apply, since no memory is
 //!   stuck in a segment for good; a split needs only a rest of at least 512 bytes.
-//! * **A map is one mapping, unmapped whole.** Each map backs its granules with one physical
-//!   allocation (`cuMemCreate` of the map's size): the driver's calls cost about the same for
-//!   2 MiB as for 1 GiB (measured on an H100: 40–60 µs per call, BENCHMARKS.md), so mapping
-//!   granule by granule, as PyTorch does, makes a 1 GiB map take tens of milliseconds. The
-//!   driver unmaps only whole mappings, so the pools keep every live mapping and unmap those
-//!   that lie wholly inside free blocks. A map is made of [`MAPPINGS_PER_MAP`] mappings, so
-//!   that its cost stays bounded while what a live block can keep mapped beside it stays
-//!   proportionate (a sixteenth of the map it came with). Measured on recorded runs
-//!   (`cachealloc simulate`), granule-sized mappings waste least memory but make a 1 GiB map
-//!   cost 30 ms; one mapping per map is cheapest but leaves most memory stuck.
+//! * **A map is a few mappings, each unmapped whole.** Each mapping is one physical allocation
+//!   (`cuMemCreate` of its size): the driver's calls cost about the same for 2 MiB as for
+//!   1 GiB (measured on an H100: 40–60 µs per call, BENCHMARKS.md), so mapping granule by
+//!   granule, as PyTorch does, makes a 1 GiB map take tens of milliseconds. The driver unmaps
+//!   only whole mappings, so the pools keep every live mapping and unmap those that lie wholly
+//!   inside free blocks. A map is made of [`MAPPINGS_PER_MAP`] mappings, none smaller than
+//!   [`MIN_MAPPING`] but the last, so that its cost stays bounded while what a live block can
+//!   keep mapped beside it stays proportionate (a sixteenth of the map it came with). Measured
+//!   on recorded runs (`cachealloc simulate`), granule-sized mappings waste least memory but
+//!   make a 1 GiB map cost 30 ms; one mapping per map is cheapest but leaves most memory stuck.
 //! * **Releasing** (`empty_cache`, the out-of-memory ladder) unmaps the mappings that lie wholly
 //!   inside free blocks ([`Pools::take_unmappable`]); what shares a mapping with a live block
 //!   stays free and mapped. The range stays reserved.
@@ -48,7 +48,9 @@
 //!   free the longest, never the block the new memory joins; other ranges keep theirs, or two
 //!   pools would take memory from each other at every turn): reserved memory then stays at its peak, and the peak grows only when
 //!   the live blocks need it. Below the peak nothing is unmapped, so a run whose shapes have all
-//!   been seen makes no device calls; a new peak costs an unmap, which waits for the device.
+//!   been seen makes no device calls; a new peak costs unmaps, which wait for the device only when
+//!   the memory may still be in use ([Note [Unmapping without a
+//!   wait]](idle#note-unmapping-without-a-wait)).
 //! * **Stats** follow PyTorch's expandable segments: `reserved_bytes` counts mapped bytes,
 //!   `num_device_alloc`/`num_device_free` count maps and unmaps, and a range is not counted in
 //!   `segment` (nor in `oversize_segments`).
