@@ -45,7 +45,9 @@
  *  - cuMemFree_v2 waits for the whole device first (as the real one does), then releases;
  *    cuMemFreeAsync releases when the stream reaches it.
  *  - Events complete when their recording operation executes; cuStreamWaitEvent makes a stream
- *    wait on the device, not the host.
+ *    wait on the device, not the host, for the record it saw: recording the event again before
+ *    that record ran does not change what the wait waits for (an earlier fakecuda made it wait
+ *    for the new record, which deadlocked a shim that recycles its events).
  *  - Stream capture (CUDA graphs): work enqueued on a capturing stream is recorded into the
  *    graph, not run; a graph launch enqueues copies of it. cuMemAllocAsync on a capturing
  *    stream gives graph-owned memory (kept until the graph is destroyed), a cuMemFreeAsync of it
@@ -147,9 +149,33 @@ typedef struct fc_ctx {
 typedef struct fc_event {
     int magic;
     uint64_t generation; /* bumped by each record */
-    uint64_t completed_generation;
+    /* The records enqueued and not yet run, by generation: a stream wait waits for the record
+     * it saw (not a later one, as CUDA: an event may be recorded again before its last record
+     * ran, and waits made before then must not wait for the new record). */
+    uint64_t *pending;
+    int npending, cap_pending;
     int captured;        /* last recorded inside a capture: may not be queried */
 } fc_event;
+
+/* Under the lock: whether record `generation` of `e` is enqueued and has not run. */
+static int record_pending(const fc_event *e, uint64_t generation) {
+    for (int i = 0; i < e->npending; i++)
+        if (e->pending[i] == generation) return 1;
+    return 0;
+}
+
+static void add_pending(fc_event *e, uint64_t generation) {
+    if (e->npending == e->cap_pending) {
+        e->cap_pending = e->cap_pending ? 2 * e->cap_pending : 4;
+        e->pending = realloc(e->pending, (size_t)e->cap_pending * sizeof *e->pending);
+    }
+    e->pending[e->npending++] = generation;
+}
+
+static void forget_pending(fc_event *e, uint64_t generation) {
+    for (int i = 0; i < e->npending; i++)
+        if (e->pending[i] == generation) { e->pending[i] = e->pending[--e->npending]; return; }
+}
 
 struct fc_op {
     op_kind kind;
@@ -421,6 +447,7 @@ static CUresult enqueue_locked(fc_stream *s, fc_op *op) {
             op->ndeps = 1;
         }
     }
+    if (op->kind == OP_EVENT) add_pending(op->event, op->event_generation);
     op->seq = ++s->enqueued;
     op->next = NULL;
     if (s->tail) s->tail->next = op; else s->head = op;
@@ -437,7 +464,7 @@ static fc_op *new_op(op_kind kind) {
 
 static int deps_done_locked(const fc_op *op) {
     /* A stream wait (cuStreamWaitEvent): until the event's record it waits for completes. */
-    if (op->kind == OP_WAIT && op->event->completed_generation < op->event_generation) return 0;
+    if (op->kind == OP_WAIT && record_pending(op->event, op->event_generation)) return 0;
     for (int i = 0; i < op->ndeps; i++)
         if (op->dep_stream[i]->completed < op->dep_target[i]) return 0;
     return 1;
@@ -461,8 +488,7 @@ static void *worker_main(void *arg) {
         case OP_WAIT: break;
         }
         lock();
-        if (op->kind == OP_EVENT && op->event->generation == op->event_generation)
-            op->event->completed_generation = op->event_generation;
+        if (op->kind == OP_EVENT) forget_pending(op->event, op->event_generation);
         if (op->kind == OP_FREE) release_alloc_locked(op->ptr);
         s->head = op->next;
         if (s->head == NULL) s->tail = NULL;
@@ -1503,7 +1529,7 @@ static CUresult d_event_query(CUevent handle) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     lock();
     if (e->captured || unsafe_call_locked()) { unlock(); return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; }
-    int done = e->completed_generation == e->generation;
+    int done = !record_pending(e, e->generation);
     unlock();
     return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
@@ -1514,7 +1540,7 @@ static CUresult d_event_synchronize(CUevent handle) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     lock();
     if (e->captured || unsafe_call_locked()) { unlock(); return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; }
-    while (e->completed_generation != e->generation) pthread_cond_wait(&g_cond, &g_lock);
+    while (record_pending(e, e->generation)) pthread_cond_wait(&g_cond, &g_lock);
     unlock();
     return CUDA_SUCCESS;
 }
