@@ -1,5 +1,6 @@
 /* The ways a process ends, and signals, while it allocates. Usage: exit_paths MODE
- *  thread   — a second thread calls exit() while the main thread allocates;
+ *  thread   — a second thread calls exit() while the main thread allocates (after its first
+ *             1000 pairs);
  *  _exit    — _exit() with blocks live: no atexit handlers run;
  *  signals  — a 100 µs interval timer interrupts 200 000 alloc/free pairs (its handler counts);
  * Prints "OK exit_paths" before ending (for thread and _exit, just before the exit). */
@@ -13,9 +14,13 @@
 static volatile sig_atomic_t ticks;
 static void on_tick(int sig) { (void)sig; ticks++; }
 
+static volatile unsigned long pairs; /* alloc/free pairs the main thread completed */
+
 static void *exiter(void *arg) {
     (void)arg;
-    usleep(20000);
+    /* Exit while the main thread allocates: once it has (CUDA's initialization takes longer
+     * than a fixed sleep on a real GPU: an exit during it found no shim started yet). */
+    while (__atomic_load_n(&pairs, __ATOMIC_RELAXED) < 1000) usleep(1000);
     printf("OK exit_paths\n");
     fflush(stdout);
     exit(0);
@@ -30,6 +35,7 @@ int main(int argc, char **argv) {
             void *p;
             CHECK(cudaMalloc(&p, 512 + (i % 9) * 4096));
             CHECK(cudaFree(p));
+            __atomic_store_n(&pairs, i + 1, __ATOMIC_RELAXED);
         }
     }
     if (strcmp(mode, "_exit") == 0) {

@@ -4,15 +4,24 @@
 use cachealloc_core::format_bytes;
 
 use crate::log;
-use crate::process::{shim, started_shim};
+use crate::process::{ExitFacts, shim, started_shim};
 
-/// At exit: flush and stop the trace, then print one summary line per device unless
-/// `log:quiet`.
+/// At exit: print one summary line per device unless `log:quiet`, then flush and stop the
+/// trace (saying so if its end may be missing).
 pub fn exit_summary() {
     let Some(shim) = started_shim() else {
         return;
     };
-    let facts = shim.finish();
+    print_summary(shim.exit_facts());
+    if shim.shut_down_trace() == Some(false) {
+        log::info!(
+            "pid {}: the trace's end may be missing: its writer did not finish in time",
+            std::process::id()
+        );
+    }
+}
+
+fn print_summary(facts: ExitFacts) {
     if !log::enabled(cachealloc_core::config::LogLevel::Info) {
         return;
     }

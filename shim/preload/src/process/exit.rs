@@ -1,4 +1,4 @@
-//! What the exit summary is told: [`ExitFacts`], gathered once the trace is shut down.
+//! What the exit summary is told: [`ExitFacts`]; and the trace's shutdown, after it.
 
 use std::sync::atomic::Ordering;
 
@@ -6,11 +6,11 @@ use cachealloc_core::Stats;
 
 use super::Shim;
 
-/// What the exit summary says, gathered once the trace is shut down: a plain value for the
-/// reporter ([`crate::report::exit_summary`]).
+/// What the exit summary says: a plain value for the reporter
+/// ([`crate::report::exit_summary`]).
 #[derive(Debug)]
 pub struct ExitFacts {
-    /// Where the trace is (or why there is none), and whether its end was written.
+    /// Where the trace is (or why there is none).
     pub trace_note: String,
     /// No pool was ever in use: `pool:off`, or no driver.
     pub unpooled: bool,
@@ -25,14 +25,12 @@ pub struct ExitFacts {
 }
 
 impl Shim {
-    /// At exit: flush and stop the trace, and say what the summary needs.
-    pub fn finish(&self) -> ExitFacts {
+    /// At exit: what the summary needs. It is printed before the trace is shut down
+    /// ([`Shim::shut_down_trace`]), so that it appears even when the process ends meanwhile
+    /// (another thread's `exit`, say, while the writer drains).
+    pub fn exit_facts(&self) -> ExitFacts {
         let trace_note = match &self.trace {
-            Ok(trace) if trace.shutdown() => format!("trace in {}", trace.dir.display()),
-            Ok(trace) => format!(
-                "trace in {} (its end may be missing: the writer did not finish in time)",
-                trace.dir.display()
-            ),
+            Ok(trace) => format!("trace in {}", trace.dir.display()),
             Err(why) => format!("no trace ({why})"),
         };
         let stats = self.stats();
@@ -48,5 +46,11 @@ impl Shim {
             passthrough_mallocs: self.passthrough_mallocs.load(Ordering::Relaxed),
             unpooled_context_mallocs: self.unpooled_context_mallocs.load(Ordering::Relaxed),
         }
+    }
+
+    /// At exit, after the summary: flush and stop the trace. `Some(false)` when its writer did
+    /// not finish in time (the trace's end may be missing); `None` without a trace.
+    pub fn shut_down_trace(&self) -> Option<bool> {
+        self.trace.as_ref().ok().map(|trace| trace.shutdown())
     }
 }
