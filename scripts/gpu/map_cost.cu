@@ -20,6 +20,19 @@ static double now_us() {
 }
 static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
+// cachealloc's way before MIN_MAPPING: a handle per granule, released once mapped, then access
+// to the whole run in one call.
+static void map_granules(CUdeviceptr range, size_t n, size_t g, const CUmemAllocationProp &prop,
+                         const CUmemAccessDesc &access) {
+    for (size_t i = 0; i < n; i++) {
+        CUmemGenericAllocationHandle h;
+        CHECK(cuMemCreate(&h, g, &prop, 0));
+        CHECK(cuMemMap(range + i * g, g, 0, h, 0));
+        CHECK(cuMemRelease(h));
+    }
+    CHECK(cuMemSetAccess(range, n * g, &access, 1));
+}
+
 int main(int argc, char **argv) {
     int reps = argc > 1 ? atoi(argv[1]) : 200;
     cudaFree(0);
@@ -41,15 +54,8 @@ int main(int argc, char **argv) {
         std::vector<double> map_per_granule, unmap_per_granule, map_one, unmap_one, cmalloc, cfree;
         std::vector<double> remap_move, create_only, release_only, unmap_run;
         for (int r = 0; r < reps; r++) {
-            // cachealloc's way: a handle per granule, released once mapped.
             double t0 = now_us();
-            for (size_t i = 0; i < n; i++) {
-                CUmemGenericAllocationHandle h;
-                CHECK(cuMemCreate(&h, g, &prop, 0));
-                CHECK(cuMemMap(range + i * g, g, 0, h, 0));
-                CHECK(cuMemRelease(h));
-            }
-            CHECK(cuMemSetAccess(range, size, &access, 1));
+            map_granules(range, n, g, prop, access);
             double t1 = now_us();
             CHECK(cuCtxSynchronize());
             for (size_t i = 0; i < n; i++) CHECK(cuMemUnmap(range + i * g, g));
@@ -57,13 +63,7 @@ int main(int argc, char **argv) {
             map_per_granule.push_back(t1 - t0);
             unmap_per_granule.push_back(t2 - t1);
             // The same mappings, unmapped by one call over their run.
-            for (size_t i = 0; i < n; i++) {
-                CUmemGenericAllocationHandle h;
-                CHECK(cuMemCreate(&h, g, &prop, 0));
-                CHECK(cuMemMap(range + i * g, g, 0, h, 0));
-                CHECK(cuMemRelease(h));
-            }
-            CHECK(cuMemSetAccess(range, size, &access, 1));
+            map_granules(range, n, g, prop, access);
             CHECK(cuCtxSynchronize());
             t0 = now_us();
             CHECK(cuMemUnmap(range, size));
