@@ -173,6 +173,39 @@ fn exit_from_another_thread_and_underscore_exit_end_cleanly_with_a_readable_trac
     ));
 }
 
+/// Python's `os._exit` with blocks live: the program's own exit code, no atexit handler (no
+/// summary), and a trace readable up to at most one tear at its end that tells the allocations
+/// the shim counted (up to what the writer had written when the process ended).
+#[test]
+fn python_os_exit_keeps_its_exit_code_and_a_readable_trace() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/os_exit.py");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    for code in ["0", "3"] {
+        let out = Run::new(&python, &[script, code]).output();
+        assert_eq!(out.code, Some(code.parse().unwrap()), "{}", out.stderr);
+        assert!(out.stdout.contains("OK os_exit"), "{}", out.stdout);
+        assert!(
+            !out.stderr.contains("served from the cache"),
+            "no atexit: no summary"
+        );
+        let counted = number_after(&out, "allocations");
+        assert_eq!(counted, 1000, "every allocation reached the pool");
+        let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+        assert_eq!(dirs.len(), 1);
+        let (records, tears) = read_trace(&dirs[0]);
+        assert!(tears.len() <= 1, "{tears:?}");
+        assert!(matches!(
+            records.first(),
+            Some(cachealloc_recorder::Record::Header(_))
+        ));
+        let allocs = records.iter().filter(|r| r.kind() == kinds::ALLOC).count() as u64;
+        assert!(
+            allocs <= counted,
+            "{allocs} allocation records for {counted}"
+        );
+    }
+}
+
 #[test]
 fn signals_during_allocation_change_nothing() {
     let out = Run::c("exit_paths", &["signals"]).output();
