@@ -289,3 +289,42 @@ fn congestion_is_visible_to_producers_and_shed_stacks_are_recorded() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Exit while the recorder is blocked: `shutdown` gives up after its timeout and says so, rather
+/// than hanging the exiting program. The worker is held inside the error callback of a rotation
+/// that failed (the trace directory was removed), as a writer stuck in the kernel would be.
+#[test]
+fn shutdown_gives_up_on_a_blocked_worker_within_its_timeout() {
+    let dir = temp_dir("blocked");
+    let (blocked_tx, blocked_rx) = std::sync::mpsc::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let release_rx = std::sync::Mutex::new(release_rx);
+    let mut config = WriterConfig::new(&dir, 4 << 10, 2, false);
+    config.flush_bytes = 1 << 10;
+    let recorder = Recorder::start(config, header(), 4, move |_| {
+        let _ = blocked_tx.send(());
+        let _ = release_rx.lock().unwrap().recv();
+    })
+    .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let records = workload(10_000);
+    let mut sent = records.into_iter();
+    // Send until the worker is stuck in the callback (a rotation into the missing directory).
+    while blocked_rx.try_recv().is_err() {
+        let Some(record) = sent.next() else {
+            panic!("the writer never failed to rotate");
+        };
+        recorder.send(record);
+    }
+    let start = std::time::Instant::now();
+    assert!(
+        !recorder.shutdown(Duration::from_millis(200)),
+        "a blocked worker cannot finish"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "shutdown waited {:?}",
+        start.elapsed()
+    );
+    release_tx.send(()).unwrap();
+}
