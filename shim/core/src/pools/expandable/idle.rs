@@ -5,10 +5,10 @@
 //!
 //! `cuMemUnmap` does not wait for kernels: memory still used by queued work must not be
 //! unmapped. Waiting for the whole device first (`cuCtxSynchronize`) is always safe, but it
-//! drains the GPU, and nothing runs while the unmaps and the map that follow are made: on GPT-2
-//! training, where recycling (see [Note [Expandable
-//! segments]](super#note-expandable-segments)) unmaps about a hundred mappings every few steps,
-//! that cost 1.5 % of the step time.
+//! drains the GPU, which then idles while the unmaps and the map that follow are made (by
+//! recycling, see [Note [Expandable segments]](super#note-expandable-segments), every few steps
+//! of a variable workload). On GPT-2 training the driver calls themselves turned out to cost
+//! more than the drain (BENCHMARKS.md); still, a wait that is not needed is not made.
 //!
 //! So each range keeps an **idle fence**: recorded when the range maps memory, on the range's
 //! stream (on every stream, for the range of synchronous allocations,
