@@ -194,49 +194,6 @@ const TORCH_ONLY_KEYS: &[&str] = &[
     "graph_capture_record_stream_reuse",
 ];
 
-/// Every key we accept, with its valid values, for error messages and `--help`.
-pub const KEYS: &[(&str, &str)] = &[
-    (
-        "max_split_size_mb",
-        "an integer number of MiB above 20, or 'unlimited'",
-    ),
-    (
-        "roundup_power2_divisions",
-        "a power of two, or a list like [256:1,512:2,>:8]",
-    ),
-    (
-        "garbage_collection_threshold",
-        "a number strictly between 0.0 and 1.0",
-    ),
-    ("per_process_memory_fraction", "a number in (0.0, 1.0]"),
-    ("expandable_segments", "True or False"),
-    ("reuse", "auto, fenced or immediate"),
-    ("pool", "on or off"),
-    ("torch_caching", "async (or off), uncached or keep"),
-    ("report_cached_as_free", "true or false"),
-    ("trace", "on or off"),
-    ("trace_dir", "a directory path"),
-    ("trace_file_mb", "an integer from 1 to 65536"),
-    ("trace_files", "an integer from 1 to 10000"),
-    ("stacks", "auto, none, python, native or all"),
-    ("stack_depth", "an integer from 1 to 256"),
-    ("compress", "on or off"),
-    ("oom_checkpoint", "on or off"),
-    ("python", "on or off"),
-    ("driver_doors", "on or off"),
-    ("unwinder", "auto or system"),
-    ("log", "quiet, info or debug"),
-];
-
-/// Keys that make sense in `PYTORCH_CUDA_ALLOC_CONF`.
-const ALLOCATOR_KEYS: &[&str] = &[
-    "max_split_size_mb",
-    "roundup_power2_divisions",
-    "garbage_collection_threshold",
-    "per_process_memory_fraction",
-    "expandable_segments",
-];
-
 /// The outcome of reading all configuration sources.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Resolved {
@@ -276,7 +233,7 @@ impl Config {
         if let Some(text) = pytorch {
             let source = "PYTORCH_CUDA_ALLOC_CONF";
             for (key, value) in split_entries(text, source)? {
-                if ALLOCATOR_KEYS.contains(&key) {
+                if key_named(key).is_some_and(|k| k.from_pytorch) {
                     config.set(key, value).map_err(|problem| ConfigError {
                         source_name: source.to_string(),
                         problem,
@@ -301,97 +258,16 @@ impl Config {
 
     /// Set one key. The error text names the key, the bad value and the valid choices.
     fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
-        let a = &mut self.allocator;
-        match key {
-            "max_split_size_mb" => {
-                a.max_split_size =
-                    parse_max_split(value).map_err(|e| bad_because(key, value, &e))?
-            }
-            "roundup_power2_divisions" => {
-                a.roundup = parse_roundup(value).map_err(|e| bad_because(key, value, &e))?
-            }
-            "garbage_collection_threshold" => {
-                a.garbage_collection_threshold = parse_fraction(key, value, false)?;
-            }
-            "per_process_memory_fraction" => {
-                a.per_process_memory_fraction = parse_fraction(key, value, true)?;
-            }
-            "expandable_segments" => a.expandable_segments = parse_bool(key, value)?,
-            "reuse" => {
-                a.reuse = choose(
-                    key,
-                    value,
-                    &[
-                        ("auto", ReusePolicy::Auto),
-                        ("fenced", ReusePolicy::Fenced),
-                        ("immediate", ReusePolicy::Immediate),
-                    ],
-                )?;
-            }
-            "pool" => self.pool = parse_bool(key, value)?,
-            "torch_caching" => {
-                self.torch_caching = choose(
-                    key,
-                    value,
-                    &[
-                        ("async", TorchCaching::Async),
-                        ("off", TorchCaching::Async),
-                        ("uncached", TorchCaching::Uncached),
-                        ("keep", TorchCaching::Keep),
-                    ],
-                )?;
-            }
-            "report_cached_as_free" => self.report_cached_as_free = parse_bool(key, value)?,
-            "trace" => self.trace = parse_bool(key, value)?,
-            "trace_dir" => {
-                if value.is_empty() {
-                    return Err(bad(key, value));
-                }
-                self.trace_dir = PathBuf::from(value);
-            }
-            "trace_file_mb" => self.trace_file_mb = parse_int(key, value, 1, 65536)?,
-            "trace_files" => self.trace_files = parse_int(key, value, 1, 10000)? as u32,
-            "stacks" => {
-                self.stacks = choose(
-                    key,
-                    value,
-                    &[
-                        ("auto", StackMode::Auto),
-                        ("none", StackMode::None),
-                        ("python", StackMode::Python),
-                        ("native", StackMode::Native),
-                        ("all", StackMode::All),
-                    ],
-                )?;
-            }
-            "stack_depth" => self.stack_depth = parse_int(key, value, 1, 256)? as u32,
-            "compress" => self.compress = parse_bool(key, value)?,
-            "oom_checkpoint" => self.oom_checkpoint = parse_bool(key, value)?,
-            "python" => self.python = parse_bool(key, value)?,
-            "driver_doors" => self.driver_doors = parse_bool(key, value)?,
-            "unwinder" => {
-                self.system_unwinder = choose(key, value, &[("auto", false), ("system", true)])?;
-            }
-            "log" => {
-                self.log = choose(
-                    key,
-                    value,
-                    &[
-                        ("quiet", LogLevel::Quiet),
-                        ("info", LogLevel::Info),
-                        ("debug", LogLevel::Debug),
-                    ],
-                )?;
-            }
-            _ => {
-                let valid: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
-                return Err(format!(
+        match key_named(key) {
+            Some(k) => (k.set)(self, key, value),
+            None => {
+                let valid: Vec<&str> = KEYS.iter().map(|k| k.name).collect();
+                Err(format!(
                     "unknown key '{key}'; valid keys: {}",
                     valid.join(", ")
-                ));
+                ))
             }
         }
-        Ok(())
     }
 }
 
@@ -444,11 +320,11 @@ impl AllocatorConfig {
     }
 }
 
+mod keys;
 #[cfg(test)]
 mod tests;
 mod values;
 
-use values::{
-    bad, bad_because, choose, parse_bool, parse_fraction, parse_int, parse_max_split,
-    parse_roundup, split_entries,
-};
+pub use keys::{KEYS, Key, key_named};
+
+use values::split_entries;

@@ -92,7 +92,10 @@ fn errors_name_the_key_and_the_choices() {
 
 #[test]
 fn every_keys_bad_value_names_the_key_the_value_and_the_valid_values() {
-    for &(key, valid) in KEYS {
+    for &Key {
+        name: key, valid, ..
+    } in KEYS
+    {
         let value = if key == "trace_dir" { "" } else { "%bad%" };
         let e = Config::parse(&format!("{key}:{value}"), "t")
             .unwrap_err()

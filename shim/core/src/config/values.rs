@@ -2,14 +2,12 @@
 //! (booleans, integers, fractions, sizes, the `roundup_power2_divisions` forms, named choices),
 //! and the error text that names the key, the value and what it expects ([`super::KEYS`]).
 
-use super::{ConfigError, KEYS, ROUNDUP_INTERVALS};
+use super::{ConfigError, ROUNDUP_INTERVALS, key_named};
 use crate::sizes::Roundup;
 
-/// The valid values of `key`, as [`KEYS`] describes them.
+/// The valid values of `key`, as [`super::KEYS`] describes them.
 pub(super) fn expected(key: &str) -> &'static str {
-    KEYS.iter()
-        .find(|(k, _)| *k == key)
-        .map_or("a valid value", |(_, e)| e)
+    key_named(key).map_or("a valid value", |k| k.valid)
 }
 
 /// The error for a bad value: it names the key, the value and the valid values.
