@@ -163,6 +163,12 @@ fn exit_from_another_thread_and_underscore_exit_end_cleanly_with_a_readable_trac
     // most a tear at the very end.
     let out = Run::c("exit_paths", &["_exit"]).output();
     out.assert_ok("exit_paths");
+    read_up_to_a_tear_at_the_end(&out);
+}
+
+/// The one trace of a process that ended without its atexit handlers: readable, starting with
+/// its header, with at most one tear (at the very end). Its records.
+fn read_up_to_a_tear_at_the_end(out: &Output) -> Vec<cachealloc_recorder::Record> {
     let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
     assert_eq!(dirs.len(), 1);
     let (records, tears) = read_trace(&dirs[0]);
@@ -171,6 +177,7 @@ fn exit_from_another_thread_and_underscore_exit_end_cleanly_with_a_readable_trac
         records.first(),
         Some(cachealloc_recorder::Record::Header(_))
     ));
+    records
 }
 
 /// Python's `os._exit` with blocks live: the program's own exit code, no atexit handler (no
@@ -190,14 +197,7 @@ fn python_os_exit_keeps_its_exit_code_and_a_readable_trace() {
         );
         let counted = number_after(&out, "allocations");
         assert_eq!(counted, 1000, "every allocation reached the pool");
-        let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-        assert_eq!(dirs.len(), 1);
-        let (records, tears) = read_trace(&dirs[0]);
-        assert!(tears.len() <= 1, "{tears:?}");
-        assert!(matches!(
-            records.first(),
-            Some(cachealloc_recorder::Record::Header(_))
-        ));
+        let records = read_up_to_a_tear_at_the_end(&out);
         let allocs = records.iter().filter(|r| r.kind() == kinds::ALLOC).count() as u64;
         assert!(
             allocs <= counted,

@@ -444,7 +444,8 @@ impl<F: Clone> Pools<F> {
         let pool = self.blocks[block as usize].pool;
         let mut out = Vec::with_capacity(mappings.len());
         for (i, &(address, size)) in mappings.iter().enumerate() {
-            if i + 1 < mappings.len() {
+            // Every mapping but the last is split off the front of what is left.
+            let next = if i + 1 < mappings.len() {
                 let b = &self.blocks[block as usize];
                 let rest = Block {
                     address: address + size,
@@ -455,25 +456,19 @@ impl<F: Clone> Pools<F> {
                 let rest = self.new_block(rest);
                 self.link_after(block, rest);
                 self.blocks[block as usize].size = size;
-                out.push(Unmapping {
-                    address,
-                    size,
-                    pool,
-                    block,
-                    range,
-                    free_since,
-                });
-                block = rest;
+                rest
             } else {
-                out.push(Unmapping {
-                    address,
-                    size,
-                    pool,
-                    block,
-                    range,
-                    free_since,
-                });
-            }
+                NIL
+            };
+            out.push(Unmapping {
+                address,
+                size,
+                pool,
+                block,
+                range,
+                free_since,
+            });
+            block = next;
         }
         out
     }
