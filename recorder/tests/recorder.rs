@@ -301,21 +301,26 @@ fn shutdown_gives_up_on_a_blocked_worker_within_its_timeout() {
     let release_rx = std::sync::Mutex::new(release_rx);
     let mut config = WriterConfig::new(&dir, 4 << 10, 2, false);
     config.flush_bytes = 1 << 10;
-    let recorder = Recorder::start(config, header(), 4, move |_| {
+    let recorder = Recorder::start(config, header(), 1024, move |_| {
         let _ = blocked_tx.send(());
         let _ = release_rx.lock().unwrap().recv();
     })
     .unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
-    let records = workload(10_000);
-    let mut sent = records.into_iter();
-    // Send until the worker is stuck in the callback (a rotation into the missing directory).
-    while blocked_rx.try_recv().is_err() {
-        let Some(record) = sent.next() else {
-            panic!("the writer never failed to rotate");
-        };
-        recorder.send(record);
+    // Small batches, each flushed, until a rotation into the missing directory holds the
+    // worker (a flush then times out). At most a batch and a flush wait in the channel when it
+    // sticks, far below its capacity: this thread never blocks on a send.
+    for batch in workload(10_000).chunks(16) {
+        for record in batch {
+            recorder.send(record.clone());
+        }
+        if !recorder.flush(Duration::from_secs(2)) {
+            break;
+        }
     }
+    blocked_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the writer failed to rotate into the missing directory");
     let start = std::time::Instant::now();
     assert!(
         !recorder.shutdown(Duration::from_millis(200)),
