@@ -112,6 +112,16 @@ const PRINTING: &[(&str, &[&str])] = &[
         ],
     ),
     ("simulate-sweep", &["simulate", "--sweep"]),
+    (
+        "simulate-expandable-after",
+        &[
+            "simulate",
+            "--conf",
+            "expandable_segments:True",
+            "--after",
+            "0.03",
+        ],
+    ),
 ];
 
 /// Commands that write a file: (name, arguments, output file).

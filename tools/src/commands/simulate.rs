@@ -32,7 +32,9 @@ mod engine;
 mod recording;
 
 use engine::{DEFAULT_GRANULARITY, SimulatedDevice, SweepResult, config_from, simulate};
-pub use engine::{DeviceOutcome, Divergence, Failure, MappedDifferently, Outcome, simulate_dir};
+pub use engine::{
+    DeviceOutcome, DeviceWork, Divergence, Failure, MappedDifferently, Outcome, simulate_dir,
+};
 use recording::record;
 
 /// `cachealloc simulate`'s arguments.
@@ -53,6 +55,20 @@ pub struct SimulateArgs {
     /// Try a grid of configs and rank them by peak reserved.
     #[arg(long)]
     pub sweep: bool,
+    /// Also count what the device was asked from this time of the run on (seconds from its
+    /// start), e.g. after the warm-up: the steady state's segment allocations, mappings,
+    /// unmaps and device synchronizations.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub after: Option<u64>,
+}
+
+fn parse_seconds(text: &str) -> Result<u64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => Ok((s * 1e9).round() as u64),
+        _ => Err(format!(
+            "'{text}' is not a time: expected seconds from the run's start, e.g. 0.5"
+        )),
+    }
 }
 
 fn parse_granularity(text: &str) -> Result<u64, String> {
@@ -71,6 +87,7 @@ pub fn run(args: &SimulateArgs, out: &mut dyn Write) -> Result<(), Error> {
     let device = SimulatedDevice {
         capacity,
         granularity: args.granularity,
+        after: args.after,
     };
     let dir = one_trace(&args.trace)?;
     let recorded = scan(&dir, &Progress::new("scanning"))?;
@@ -107,12 +124,12 @@ pub fn run(args: &SimulateArgs, out: &mut dyn Write) -> Result<(), Error> {
         config.allocator.to_conf_string(),
         capacity.map_or(String::new(), |c| format!(", capacity {}", bytes(c)))
     )?;
-    describe(&o, out)?;
+    describe(&o, args.after, out)?;
     Ok(())
 }
 
 /// Print what one simulation found, per device, then its notes and failures.
-fn describe(o: &Outcome, out: &mut dyn Write) -> Result<(), Error> {
+fn describe(o: &Outcome, after: Option<u64>, out: &mut dyn Write) -> Result<(), Error> {
     for (device, d) in &o.devices {
         writeln!(out, "  device {device}")?;
         writeln!(
@@ -136,6 +153,24 @@ fn describe(o: &Outcome, out: &mut dyn Write) -> Result<(), Error> {
             d.last_device_call
                 .map_or(String::new(), |t| format!("; the last at {}", seconds(t)))
         )?;
+        match (d.after, after) {
+            (Some(w), Some(after)) => writeln!(
+                out,
+                "    after {:<9} {} segment allocations, {} releases; {} mappings, {} unmaps, {} device synchronizations",
+                seconds(after),
+                w.segment_allocs,
+                w.segment_frees,
+                w.mappings,
+                w.unmaps,
+                w.synchronizes
+            )?,
+            (None, Some(after)) => writeln!(
+                out,
+                "    after {:<9} nothing: the run made no request that late",
+                seconds(after)
+            )?,
+            _ => {}
+        }
     }
     if let Some(MappedDifferently {
         t,

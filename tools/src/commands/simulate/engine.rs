@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use cachealloc_core::config::{AllocatorConfig, Config};
-use cachealloc_core::sim::{FenceMode, SimDevice};
+use cachealloc_core::sim::{FenceMode, SimCounters, SimDevice};
 use cachealloc_core::{AllocError, Allocator};
 
 use super::recording::{Op, Recording, record};
@@ -34,6 +34,48 @@ pub struct DeviceOutcome {
     /// When the last request that made device calls (allocations, releases, maps, unmaps) was
     /// served: after it, the run was served from the cache alone.
     pub last_device_call: Option<u64>,
+    /// What the device was asked from [`SimulatedDevice::after`] on (the steady state, once the
+    /// warm-up is over), if that point was reached.
+    pub after: Option<DeviceWork>,
+}
+
+/// What a simulated device was asked to do over part of a run, counted as the driver counts
+/// its calls: a map of expandable segments is several mappings, each one physical allocation,
+/// and its cost is per mapping (BENCHMARKS.md, "What mapping costs").
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceWork {
+    /// Fixed segments allocated (`cudaMalloc`).
+    pub segment_allocs: u64,
+    /// Fixed segments released (`cudaFree`).
+    pub segment_frees: u64,
+    /// Mappings made (`cuMemCreate` + `cuMemMap` each).
+    pub mappings: u64,
+    /// Mappings unmapped (`cuMemUnmap` + `cuMemRelease` each).
+    pub unmaps: u64,
+    /// Waits for the whole device before unmapping (`cuCtxSynchronize`).
+    pub synchronizes: u64,
+}
+
+impl DeviceWork {
+    fn of(counters: SimCounters) -> Self {
+        DeviceWork {
+            segment_allocs: counters.allocs,
+            segment_frees: counters.frees,
+            mappings: counters.maps,
+            unmaps: counters.unmaps,
+            synchronizes: counters.synchronizes,
+        }
+    }
+
+    fn since(self, start: DeviceWork) -> Self {
+        DeviceWork {
+            segment_allocs: self.segment_allocs - start.segment_allocs,
+            segment_frees: self.segment_frees - start.segment_frees,
+            mappings: self.mappings - start.mappings,
+            unmaps: self.unmaps - start.unmaps,
+            synchronizes: self.synchronizes - start.synchronizes,
+        }
+    }
 }
 
 /// A request that failed in the simulation.
@@ -138,6 +180,9 @@ pub(super) struct SimulatedDevice {
     pub(super) capacity: Option<u64>,
     /// Its mapping granularity.
     pub(super) granularity: u64,
+    /// Count the device's work from this time of the run on as well (nanoseconds from its
+    /// start), e.g. after the warm-up.
+    pub(super) after: Option<u64>,
 }
 
 /// Replay `rec` through `config`. With `follow_growth` (the recorded config), an allocation the
@@ -153,7 +198,10 @@ pub(super) fn simulate(
     let SimulatedDevice {
         capacity,
         granularity,
+        after,
     } = *device;
+    // Each device's work when the run reached `after`.
+    let mut work_at_after: Option<BTreeMap<u32, DeviceWork>> = None;
     let mut allocators: BTreeMap<u32, Allocator<SimDevice>> = BTreeMap::new();
     let mut addresses: HashMap<(u32, u64), u64> = HashMap::new();
     // Freed blocks waiting on a fence: the run's address → the simulation's.
@@ -189,6 +237,9 @@ pub(super) fn simulate(
                 size,
                 stream,
             } => {
+                if work_at_after.is_none() && after.is_some_and(|after| t >= after) {
+                    work_at_after = Some(work_of(&allocators));
+                }
                 let a = allocators
                     .entry(device)
                     .or_insert_with(|| get(device, fencing));
@@ -313,7 +364,21 @@ pub(super) fn simulate(
         d.device_frees = s.num_device_free;
         d.fence_waits = s.num_fence_waits;
     }
+    if let Some(start) = work_at_after {
+        for (device, work) in work_of(&allocators) {
+            let start = start.get(&device).copied().unwrap_or_default();
+            out.devices.entry(device).or_default().after = Some(work.since(start));
+        }
+    }
     out
+}
+
+/// Each simulated device's work so far.
+fn work_of(allocators: &BTreeMap<u32, Allocator<SimDevice>>) -> BTreeMap<u32, DeviceWork> {
+    allocators
+        .iter()
+        .map(|(device, a)| (*device, DeviceWork::of(a.device().counters())))
+        .collect()
 }
 
 /// Simulate the trace in `dir` with its recorded config, amended by `conf`, on a device of the
@@ -328,6 +393,7 @@ pub fn simulate_dir(
     let device = SimulatedDevice {
         capacity,
         granularity: DEFAULT_GRANULARITY,
+        after: None,
     };
     Ok(simulate(&rec, &config.allocator, &device, conf.is_none()))
 }
