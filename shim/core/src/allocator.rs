@@ -160,7 +160,10 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         if config.expandable_segments
             && let Some(granularity) = device.map_granularity()
         {
-            pools.enable_expandable(Geometry::for_device(granularity, total));
+            pools.enable_expandable(Geometry {
+                moves: device.can_alias(),
+                ..Geometry::for_device(granularity, total)
+            });
         }
         Allocator {
             pools: Lock::new(pools),

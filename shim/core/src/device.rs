@@ -134,8 +134,50 @@ pub trait Device: Send + Sync {
         Ok(())
     }
 
-    /// Give back the memory of one whole mapping, `[address, address + size)` exactly as a
-    /// [`Device::map`] call made it (the driver unmaps nothing less). No work on the device may
+    /// Whether [`Device::alias`] works here. The default: no.
+    fn can_alias(&self) -> bool {
+        false
+    }
+
+    /// Map the memory of the whole mapping at `from` (`size` bytes, as [`Device::map`] or
+    /// `alias` made it) at `to` as well (granule-aligned, inside a reserved range, not mapped),
+    /// readable and writable by this device: no new memory, the same bytes at two places,
+    /// each unmapped on its own; the memory goes back to the device with its last mapping. See
+    /// [Note [Moving memory instead of unmapping it]](crate::pools::expandable::moves#note-moving-memory-instead-of-unmapping-it).
+    fn alias(&self, from: u64, to: u64, size: u64) -> Result<(), DeviceError> {
+        let _ = (from, to, size);
+        Err(DeviceError::unsupported("alias"))
+    }
+
+    /// Make the memory of one map: first the `moves` (`(from, to, size)`: memory mapped at
+    /// `from`, mapped at `to` as well, as [`Device::alias`] does), then the new `mappings` (as
+    /// [`Device::map_run`] makes them), all adjacent in address order; or none of it: on a
+    /// failure, what was made is unmapped (nothing uses it) and the error returned. The default
+    /// makes them one by one; an implementation may share the work of the whole run (the shim
+    /// grants access to it in one call).
+    fn map_with_moves(
+        &self,
+        moves: &[(u64, u64, u64)],
+        mappings: &[(u64, u64)],
+    ) -> Result<(), DeviceError> {
+        for (i, &(from, to, size)) in moves.iter().enumerate() {
+            if let Err(e) = self.alias(from, to, size) {
+                for &(_, to, size) in &moves[..i] {
+                    let _ = self.unmap(to, size);
+                }
+                return Err(e);
+            }
+        }
+        self.map_run(mappings).inspect_err(|_| {
+            for &(_, to, size) in moves {
+                let _ = self.unmap(to, size);
+            }
+        })
+    }
+
+    /// Unmap one whole mapping, `[address, address + size)` exactly as a [`Device::map`] or
+    /// [`Device::alias`] call made it (the driver unmaps nothing less); its memory goes back to
+    /// the device unless it is still mapped elsewhere. No work on the device may
     /// still use it: an unmap, unlike `cudaFree`, does not wait for kernels, so the caller took
     /// it out of the pools and made sure it is idle — by [`Device::synchronize`], or by a
     /// completed idle fence (see

@@ -318,6 +318,10 @@ pub struct Pools<F> {
     ranges: Vec<(u64, PoolKind, SegmentId)>,
     /// The live mappings of expandable segments, by address: one per map, unmapped whole.
     mappings: BTreeMap<u64, u64>,
+    /// Places of expandable segments whose memory moved to a mapping elsewhere in the range,
+    /// still mapped to it by the driver; see [Note [Moving memory instead of unmapping
+    /// it]](expandable::moves#note-moving-memory-instead-of-unmapping-it).
+    parked: BTreeMap<u64, expandable::moves::Parked>,
     /// Each expandable segment's idle horizon; see
     /// [Note [Unmapping without a wait]](expandable::idle#note-unmapping-without-a-wait).
     idle: Vec<expandable::idle::RangeIdle<F>>,
@@ -351,6 +355,7 @@ impl<F: Clone> Pools<F> {
             expandable: None,
             ranges: Vec::new(),
             mappings: BTreeMap::new(),
+            parked: BTreeMap::new(),
             idle: Vec::new(),
             stats: Stats {
                 max_split_size: config.max_split_size,

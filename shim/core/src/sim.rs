@@ -3,10 +3,11 @@
 //! It has a fixed capacity, hands out increasing addresses that are never reused (so a stale
 //! pointer can never alias a new segment by accident), and completes fences either at once or
 //! when the test says so. Failures can be injected. With [`SimDevice::with_map_granularity`] it
-//! also offers virtual memory (reserve, map, unmap) and refuses every misuse the CUDA driver
-//! refuses: mapping outside a reserved range, mapping twice, unmapping anything but one whole
-//! earlier mapping —
-//! so the tests catch an allocator that gets its expandable segments wrong.
+//! also offers virtual memory (reserve, map, alias, unmap) and refuses every misuse the CUDA
+//! driver refuses: mapping outside a reserved range, mapping twice, unmapping anything but one
+//! whole earlier mapping — so the tests catch an allocator that gets its expandable segments
+//! wrong. It knows which memory is behind every mapped address ([`SimDevice::memory_of`]), so
+//! the tests also catch two live blocks sharing memory through aliases.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -50,8 +51,10 @@ pub struct SimCounters {
     pub waits: u64,
     /// Stream waits on a fence (device-side dependencies: nothing blocks).
     pub stream_waits: u64,
-    /// Successful [`Device::map`] calls.
+    /// Successful [`Device::map`] calls (each new memory).
     pub maps: u64,
+    /// Successful [`Device::alias`] calls (memory mapped at a second place).
+    pub aliases: u64,
     /// [`Device::unmap`] calls.
     pub unmaps: u64,
     /// [`Device::synchronize`] calls (each completes every fence).
@@ -79,8 +82,16 @@ struct SimState {
     ranges: BTreeMap<u64, u64>,
     /// Mapped granules, by address.
     mapped: BTreeSet<u64>,
-    /// Live mappings: address → size (an unmap must name one whole).
-    mappings: BTreeMap<u64, u64>,
+    /// Live mappings: address → (size, memory); an unmap must name one whole.
+    mappings: BTreeMap<u64, (u64, u64)>,
+    /// Memory behind mappings: id → (size, how many mappings map it). It is freed with its
+    /// last mapping.
+    memories: BTreeMap<u64, (u64, u32)>,
+    next_memory: u64,
+    /// Whether [`Device::alias`] works (on by default).
+    aliasing: bool,
+    /// See [`SimDevice::set_slow_calls`].
+    slow_calls: bool,
     /// Streams the application destroyed ([`SimDevice::destroy_stream`]).
     destroyed_streams: BTreeSet<u64>,
 }
@@ -116,6 +127,10 @@ impl SimDevice {
                 ranges: BTreeMap::new(),
                 mapped: BTreeSet::new(),
                 mappings: BTreeMap::new(),
+                memories: BTreeMap::new(),
+                next_memory: 1,
+                aliasing: true,
+                slow_calls: false,
                 destroyed_streams: BTreeSet::new(),
             }),
         }
@@ -146,10 +161,57 @@ impl SimDevice {
             .all(|granule| s.mapped.contains(&granule))
     }
 
-    /// Bytes of mapped granules.
+    /// Bytes of memory behind mappings (memory mapped at several places counts once).
     pub fn mapped_bytes(&self) -> u64 {
+        self.state
+            .lock()
+            .memories
+            .values()
+            .map(|&(size, _)| size)
+            .sum()
+    }
+
+    /// The memory behind `[address, address + size)`, in pieces `(memory, start, end)` of
+    /// offsets into each memory, or `None` where some of it has none. A live segment is its own
+    /// memory, named by its address; mapped memory is named by an id of its own, the same at
+    /// every place it is mapped. Two ranges whose pieces overlap share bytes.
+    pub fn memory_of(&self, address: u64, size: u64) -> Option<Vec<(u64, u64, u64)>> {
         let s = self.state.lock();
-        s.mapped.len() as u64 * s.granularity.unwrap_or(0)
+        if let Some((&start, &len)) = s.segments.range(..=address).next_back()
+            && address + size <= start + len
+        {
+            return Some(vec![(start, address - start, address - start + size)]);
+        }
+        let mut pieces = Vec::new();
+        let (mut at, end) = (address, address + size);
+        while at < end {
+            let (&start, &(len, memory)) = s.mappings.range(..=at).next_back()?;
+            if at >= start + len {
+                return None;
+            }
+            let upto = end.min(start + len);
+            pieces.push((memory, at - start, upto - start));
+            at = upto;
+        }
+        Some(pieces)
+    }
+
+    /// Make every map, alias and unmap give up the CPU first, as a real driver's slow calls do,
+    /// so that tests of threads racing around them see the races.
+    pub fn set_slow_calls(&self, on: bool) {
+        self.state.lock().slow_calls = on;
+    }
+
+    /// Give up the CPU if calls are slow ([`SimDevice::set_slow_calls`]).
+    fn maybe_yield(&self) {
+        if self.state.lock().slow_calls {
+            std::thread::yield_now();
+        }
+    }
+
+    /// Turn [`Device::alias`] off (or on again), as on a driver without it.
+    pub fn set_aliasing(&self, on: bool) {
+        self.state.lock().aliasing = on;
     }
 
     /// Mark every fence recorded so far as complete (the GPU caught up).
@@ -364,6 +426,7 @@ impl Device for SimDevice {
     }
 
     fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.maybe_yield();
         let mut s = self.state.lock();
         let granules = s.granules(address, size)?;
         if let Some(g) = granules.clone().find(|g| s.mapped.contains(g)) {
@@ -379,25 +442,67 @@ impl Device for SimDevice {
             return Err(DeviceError::OutOfMemory);
         }
         s.mapped.extend(granules);
-        s.mappings.insert(address, size);
+        let memory = s.next_memory;
+        s.next_memory += 1;
+        s.memories.insert(memory, (size, 1));
+        s.mappings.insert(address, (size, memory));
         s.used += size;
         s.counters.maps += 1;
         Ok(())
     }
 
+    fn can_alias(&self) -> bool {
+        let s = self.state.lock();
+        s.granularity.is_some() && s.aliasing
+    }
+
+    fn alias(&self, from: u64, to: u64, size: u64) -> Result<(), DeviceError> {
+        self.maybe_yield();
+        let mut s = self.state.lock();
+        if !s.aliasing {
+            return Err(DeviceError::unsupported("alias"));
+        }
+        let granules = s.granules(to, size)?;
+        let Some(&(mapped_size, memory)) = s.mappings.get(&from) else {
+            return Err(misuse(format!("alias of {from:#x}: not a mapping")));
+        };
+        if mapped_size != size {
+            return Err(misuse(format!(
+                "alias of {from:#x}+{mapped_size} as {size} bytes (the driver maps whole memory)"
+            )));
+        }
+        if let Some(g) = granules.clone().find(|g| s.mapped.contains(g)) {
+            return Err(misuse(format!("granule {g:#x} is mapped already")));
+        }
+        s.mapped.extend(granules);
+        s.mappings.insert(to, (size, memory));
+        s.memories.get_mut(&memory).expect("mapped memory").1 += 1;
+        s.counters.aliases += 1;
+        Ok(())
+    }
+
     fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.maybe_yield();
         let mut s = self.state.lock();
         let granules = s.granules(address, size)?;
-        if s.mappings.get(&address) != Some(&size) {
+        let Some(&(mapped_size, memory)) = s.mappings.get(&address).filter(|m| m.0 == size) else {
             return Err(misuse(format!(
                 "{address:#x}+{size} is not one whole mapping (the driver unmaps only those)"
             )));
-        }
+        };
         s.mappings.remove(&address);
         for g in granules {
             s.mapped.remove(&g);
         }
-        s.used -= size;
+        let left = {
+            let m = s.memories.get_mut(&memory).expect("mapped memory");
+            m.1 -= 1;
+            m.1
+        };
+        if left == 0 {
+            s.memories.remove(&memory);
+            s.used -= mapped_size;
+        }
         s.counters.unmaps += 1;
         Ok(())
     }

@@ -6,6 +6,7 @@
 use super::{Allocator, Locked, Request, SegmentChanges};
 use crate::device::{Device, DeviceError};
 use crate::events::{Event, Observer};
+use crate::pools::expandable::moves::Flip;
 use crate::pools::expandable::{MapOutcome, MapPlan, Unmapping};
 use crate::pools::{Allocation, BlockState, SegmentSnapshot};
 use crate::sizes::PoolKind;
@@ -42,6 +43,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         } = request;
         let mut attempts = 0;
         let mut reserved_one = false;
+        let mut may_flip = true;
         while attempts < MAP_ATTEMPTS {
             let plan = match pools.plan_map(rounded, stream, self.limit) {
                 MapOutcome::Planned(plan) => plan,
@@ -62,15 +64,53 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                     continue;
                 }
             };
+            // Memory that moved away from the places this plan needs flips back first, with
+            // no driver call; then the plan is made again (once: see moves.rs).
+            let mut plan = if may_flip {
+                may_flip = false;
+                let pool = plan.pool;
+                match pools.flip_into(plan) {
+                    Ok(flips) => {
+                        self.report_flips(&flips, pool, changes);
+                        if let Some(allocation) = pools.alloc_cached(rounded, size, tag, stream) {
+                            return (Ok(Some(self.served(allocation))), pools);
+                        }
+                        continue;
+                    }
+                    Err(plan) => plan,
+                }
+            } else {
+                plan
+            };
             attempts += 1;
             pools.note_range_mapped(&plan, &self.device);
+            // Parked places in the way are unmapped (their memory stays where it is).
+            let mut to_unmap = pools.take_clears(&plan);
+            // Too many parked places: the oldest idle ones go (no wait, and no matter if not).
+            let excess = pools.take_idle_excess_parked(&self.device);
+            pools = self.unmap_taken(pools, excess, changes).1;
             let beyond_peak = pools
                 .reserved()
                 .saturating_sub(pools.stats.reserved_bytes.all.peak as u64);
             if beyond_peak > 0 {
-                // A new high-water mark: give back free granules first (see the Note).
+                // A new high-water mark: give back free memory first, moving what fits into
+                // the plan (see the Notes).
                 let holes = pools.take_to_recycle(&plan, beyond_peak);
-                pools = self.unmap_taken(pools, holes, changes);
+                to_unmap.extend(pools.plan_moves(&mut plan, holes));
+                for m in &plan.moves {
+                    self.observer.on_event(Event::SegmentUnmap {
+                        address: m.from,
+                        size: m.size,
+                        pool: plan.pool,
+                    });
+                }
+            }
+            let (cleared, relocked) = self.unmap_taken(pools, to_unmap, changes);
+            pools = relocked;
+            if !cleared {
+                // A parked place in the plan's way is still mapped: it cannot be mapped now.
+                pools.map_failed(plan);
+                break;
             }
             let (address, map_size, pool) = (plan.address, plan.size, plan.pool);
             let granularity = pools.expandable().map_or(map_size, |g| g.granularity);
@@ -79,6 +119,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             match mapped {
                 Ok(()) => {
                     changes.mapped.push((address, map_size));
+                    (changes.unmapped).extend(plan.moves.iter().map(|m| (m.from, m.size)));
                     self.observer.on_event(Event::SegmentMap {
                         address,
                         size: map_size,
@@ -90,10 +131,12 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                     }
                 }
                 Err(DeviceError::OutOfMemory) => {
+                    self.unreport_moves(&plan);
                     pools.map_failed(plan);
                     break;
                 }
                 Err(e) => {
+                    self.unreport_moves(&plan);
                     pools.map_failed(plan);
                     return (Err(e), pools);
                 }
@@ -110,20 +153,21 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         changes: &mut SegmentChanges,
     ) -> Locked<'a, D::Fence> {
         let taken = pools.take_unmappable(&[PoolKind::Large, PoolKind::Small]);
-        self.unmap_taken(pools, taken, changes)
+        self.unmap_taken(pools, taken, changes).1
     }
 
-    /// Unmap memory taken out of the pools, with the lock released.
+    /// Unmap memory taken out of the pools (and the parked places of it), with the lock
+    /// released. Answers whether every parked place among `taken` was unmapped.
     fn unmap_taken<'a>(
         &'a self,
         mut pools: Locked<'a, D::Fence>,
         taken: Vec<Unmapping>,
         changes: &mut SegmentChanges,
-    ) -> Locked<'a, D::Fence> {
+    ) -> (bool, Locked<'a, D::Fence>) {
         if taken.is_empty() {
-            return pools;
+            return (true, pools);
         }
-        for u in &taken {
+        for u in taken.iter().filter(|u| !u.is_parked_place()) {
             self.observer.on_event(Event::SegmentUnmap {
                 address: u.address,
                 size: u.size,
@@ -140,40 +184,90 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             };
             taken
                 .iter()
-                .map(|u| match &waited {
-                    Ok(()) => self.device.unmap(u.address, u.size),
-                    Err(e) => Err(e.clone()),
+                .map(|u| {
+                    if let Err(e) = &waited {
+                        return Err((e.clone(), 0));
+                    }
+                    // Its parked places first: the driver frees memory with its last mapping.
+                    for (i, alias) in u.aliases.iter().enumerate() {
+                        self.device
+                            .unmap(alias.address, alias.size)
+                            .map_err(|e| (e, i))?;
+                    }
+                    (self.device.unmap(u.address, u.size)).map_err(|e| (e, u.aliases.len()))
                 })
                 .collect::<Vec<_>>()
         });
+        let mut cleared = true;
         for (u, result) in taken.into_iter().zip(results) {
             match result {
                 Ok(()) => {
-                    changes.unmapped.push((u.address, u.size));
+                    if !u.is_parked_place() {
+                        changes.unmapped.push((u.address, u.size));
+                    }
                     pools.unmap_done(u);
                 }
-                Err(e) => {
-                    // The memory is still there and back in the pools: say so in the trace.
-                    self.observer.on_event(Event::SegmentMap {
-                        address: u.address,
-                        size: u.size,
-                        pool: u.pool,
-                        tag: 0,
-                    });
+                Err((e, aliases_unmapped)) => {
+                    if u.is_parked_place() {
+                        cleared = false;
+                    } else {
+                        // The memory is still there and back in the pools: say so in the trace.
+                        self.observer.on_event(Event::SegmentMap {
+                            address: u.address,
+                            size: u.size,
+                            pool: u.pool,
+                            tag: 0,
+                        });
+                    }
                     changes.unmap_errors.push(((u.address, u.size), e));
-                    pools.unmap_failed(u);
+                    pools.unmap_failed_after(u, aliases_unmapped);
                 }
             }
         }
-        pools
+        (cleared, pools)
+    }
+
+    /// Report memory that flipped back to parked places: unmapped where it was, mapped where
+    /// it is.
+    fn report_flips(&self, flips: &[Flip], pool: PoolKind, changes: &mut SegmentChanges) {
+        for f in flips {
+            self.observer.on_event(Event::SegmentUnmap {
+                address: f.from,
+                size: f.size,
+                pool,
+            });
+            self.observer.on_event(Event::SegmentMap {
+                address: f.to,
+                size: f.size,
+                pool,
+                tag: 0,
+            });
+            changes.unmapped.push((f.from, f.size));
+            changes.mapped.push((f.to, f.size));
+        }
+    }
+
+    /// A plan failed: the memory it was to move is back where it was; say so in the trace.
+    fn unreport_moves(&self, plan: &MapPlan) {
+        for m in &plan.moves {
+            self.observer.on_event(Event::SegmentMap {
+                address: m.from,
+                size: m.size,
+                pool: plan.pool,
+                tag: 0,
+            });
+        }
     }
 }
 
 impl<D: Device, O: Observer> Allocator<D, O> {
-    /// Make the mappings of `plan`, or none of them.
+    /// Make the memory of `plan` — the memory it moves, then its new mappings — or none of it.
     fn map_all(&self, plan: &MapPlan, granularity: u64) -> Result<(), DeviceError> {
+        let moves: Vec<(u64, u64, u64)> = (plan.moves.iter())
+            .map(|m| (m.from, m.to, m.size))
+            .collect();
         let mappings: Vec<(u64, u64)> = plan.mappings(granularity).collect();
-        self.device.map_run(&mappings)
+        self.device.map_with_moves(&moves, &mappings)
     }
 }
 

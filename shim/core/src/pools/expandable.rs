@@ -43,14 +43,17 @@
 //!   shape: holes between live blocks that the next request does not fit. Fixed segments, and
 //!   PyTorch's expandable segments, keep such holes and reserve more; that is their waste (on a
 //!   GPT-2 training run with variable sequence lengths, 3.8 % of the peak). So when a map would
-//!   take reserved memory above its peak so far, the allocator first unmaps as much free memory
-//!   elsewhere in the same range ([`Pools::take_to_recycle`]: the mappings inside the blocks
-//!   free the longest, never the block the new memory joins; other ranges keep theirs, or two
-//!   pools would take memory from each other at every turn): reserved memory then stays at its peak, and the peak grows only when
-//!   the live blocks need it. Below the peak nothing is unmapped, so a run whose shapes have all
-//!   been seen makes no device calls; a new peak costs unmaps, which wait for the device only when
-//!   the memory may still be in use ([Note [Unmapping without a
-//!   wait]](idle#note-unmapping-without-a-wait)).
+//!   take reserved memory above its peak so far, the allocator first gives up as much free
+//!   memory elsewhere in the same range ([`Pools::take_to_recycle`]: the mappings inside the
+//!   blocks free the longest, never the block the new memory joins; other ranges keep theirs,
+//!   or two pools would take memory from each other at every turn): reserved memory then stays
+//!   at its peak, and the peak grows only when the live blocks need it. Where the driver allows
+//!   it, the memory given up *moves* into the map rather than being unmapped and created again,
+//!   and can flip back later with no driver call ([Note [Moving memory instead of unmapping
+//!   it]](moves#note-moving-memory-instead-of-unmapping-it)); what cannot move is unmapped,
+//!   which waits for the device only when the memory may still be in use ([Note [Unmapping
+//!   without a wait]](idle#note-unmapping-without-a-wait)). Below the peak nothing is given
+//!   up, so a run whose shapes have all been seen at their peak makes no device calls.
 //! * **Stats** follow PyTorch's expandable segments: `reserved_bytes` counts mapped bytes,
 //!   `num_device_alloc`/`num_device_free` count maps and unmaps, and a range is not counted in
 //!   `segment` (nor in `oversize_segments`).
@@ -67,12 +70,14 @@
 //! before it merges with anything.
 
 pub mod idle;
+pub mod moves;
 
 use std::collections::BTreeMap;
 
 use super::{Block, BlockId, BlockState, NIL, Pools, Segment, SegmentId};
 use crate::pools::{Allocation, NO_STREAM};
 use crate::sizes::{self, PoolKind};
+use moves::{Alias, Move};
 
 /// The shape of expandable segments on a device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +86,10 @@ pub struct Geometry {
     pub granularity: u64,
     /// The size of each stream's and pool's address range.
     pub range_size: u64,
+    /// Whether recycling moves memory ([`Device::alias`](crate::Device::alias)) rather than
+    /// unmapping it; see [Note [Moving memory instead of unmapping
+    /// it]](moves#note-moving-memory-instead-of-unmapping-it).
+    pub moves: bool,
 }
 
 impl Geometry {
@@ -92,6 +101,7 @@ impl Geometry {
         Geometry {
             granularity,
             range_size,
+            moves: false,
         }
     }
 }
@@ -107,6 +117,10 @@ pub struct MapPlan {
     /// The pool of the range.
     pub pool: PoolKind,
     block: BlockId,
+    /// Recycled memory moved into the start of the plan ([`Pools::plan_moves`]).
+    pub moves: Vec<Move>,
+    /// Where the new memory starts: after the moves.
+    fresh_from: u64,
 }
 
 /// How many mappings a map is made of (at most one more, for the rest): a mapping costs the
@@ -124,13 +138,13 @@ pub const MAPPINGS_PER_MAP: u64 = 16;
 pub const MIN_MAPPING: u64 = 8 << 20;
 
 impl MapPlan {
-    /// The mappings that make the plan's memory, in address order: sixteenths of it, in whole
-    /// granules of `granularity`, none smaller than [`MIN_MAPPING`] but the last (see
-    /// [`MAPPINGS_PER_MAP`]).
+    /// The new mappings that make the plan's memory after its moves, in address order:
+    /// sixteenths of it, in whole granules of `granularity`, none smaller than [`MIN_MAPPING`]
+    /// but the last (see [`MAPPINGS_PER_MAP`]).
     pub fn mappings(&self, granularity: u64) -> impl Iterator<Item = (u64, u64)> + use<> {
-        let piece = (self.size / MAPPINGS_PER_MAP / granularity).max(1) * granularity;
+        let (start, end) = (self.fresh_from, self.address + self.size);
+        let piece = ((end - start) / MAPPINGS_PER_MAP / granularity).max(1) * granularity;
         let piece = piece.max(MIN_MAPPING.div_ceil(granularity) * granularity);
-        let (start, end) = (self.address, self.address + self.size);
         (start..end)
             .step_by(piece as usize)
             .map(move |address| (address, piece.min(end - address)))
@@ -167,6 +181,22 @@ pub struct Unmapping {
     range: SegmentId,
     /// When the memory became free (its block's [`Pools::lookups`] stamp).
     free_since: u64,
+    /// Whether this unmaps a parked place only (its memory stays with its holder); `block` is
+    /// then the busy unmapped block that keeps its addresses from other maps meanwhile, or `NIL`
+    /// inside the plan that clears it.
+    parked: bool,
+    /// For a parked place: the mapping that holds its memory.
+    holder: u64,
+    /// The memory's parked places, unmapped first (the driver frees memory with its last
+    /// mapping).
+    pub aliases: Vec<Alias>,
+}
+
+impl Unmapping {
+    /// Whether this unmaps a parked place only: no memory goes back to the device.
+    pub fn is_parked_place(&self) -> bool {
+        self.parked
+    }
 }
 
 impl<F: Clone> Pools<F> {
@@ -217,8 +247,9 @@ impl<F: Clone> Pools<F> {
 
     /// Where to map memory for a request of `rounded` bytes on `stream`: in the stream's ranges,
     /// the unmapped block that can hold the request together with the free block before it
-    /// with the fewest granules still missing (the lowest such block on a tie; PyTorch takes the
-    /// lowest of all, which can map more than needed or fail where this fits). The bytes count as
+    /// with the fewest granules still missing — not counting parked places at its start whose
+    /// memory can flip back (see [`moves`]) — (the lowest such block on a tie; PyTorch takes
+    /// the lowest of all, which can map more than needed or fail where this fits). The bytes count as
     /// [`Pools::reserved`] until the map is reported.
     pub fn plan_map(&mut self, rounded: u64, stream: u64, limit: u64) -> MapOutcome {
         let Some(Geometry { granularity: g, .. }) = self.expandable else {
@@ -227,6 +258,10 @@ impl<F: Clone> Pools<F> {
         let pool = sizes::pool_for(rounded);
         // Under the gate, the free block before the unmapped one may not be used.
         let gated = self.gated && stream == NO_STREAM;
+        // Memory that can flip back to parked places costs nothing (see moves.rs).
+        let flippable = (!gated)
+            .then(|| self.flippable_holders(stream, pool))
+            .flatten();
         let found = self
             .ranges
             .iter()
@@ -247,12 +282,27 @@ impl<F: Clone> Pools<F> {
                     _ => 0,
                 };
                 let size = sizes::round_up(rounded.saturating_sub(before), g).max(g);
-                (size <= b.size).then_some((segment, id, size))
+                if size > b.size {
+                    return None;
+                }
+                let free = flippable.as_ref().map_or(0, |holders| {
+                    self.flippable_prefix(b.address, size, b.prev, holders)
+                });
+                // Parked places that cannot flip are in the way: each would be unmapped first,
+                // after a wait for the device if it was in use lately. Elsewhere if possible.
+                let in_the_way = (self.parked.range(b.address + free..b.address + size))
+                    .next()
+                    .is_some();
+                Some((segment, id, size, (in_the_way, size.saturating_sub(free))))
             })
-            .min_by_key(|&(_, _, size)| size);
+            .min_by_key(|&(_, _, size, (in_the_way, new))| (in_the_way, new, size))
+            .map(|(segment, id, size, _)| (segment, id, size));
         let Some((segment, id, size)) = found else {
             return MapOutcome::NeedsRange;
         };
+        // Never split a parked place (see moves.rs): it lies in one unmapped block.
+        let address = self.blocks[id as usize].address;
+        let size = self.past_parked(address, size) - address;
         if self.reserved().saturating_add(size) > limit {
             return MapOutcome::OverLimit;
         }
@@ -280,6 +330,8 @@ impl<F: Clone> Pools<F> {
             size,
             pool,
             block: id,
+            moves: Vec::new(),
+            fresh_from: b.address,
         })
     }
 
@@ -294,20 +346,22 @@ impl<F: Clone> Pools<F> {
         requested: u64,
         tag: u64,
     ) -> Option<Allocation> {
-        let MapPlan {
-            size,
-            pool,
-            block: id,
-            ..
-        } = plan;
-        self.growing -= size;
-        self.stats.reserved_bytes.increase(pool, size);
-        self.stats.num_device_alloc += 1;
         let granularity = self
             .expandable
             .expect("expandable segments are on")
             .granularity;
         self.mappings.extend(plan.mappings(granularity));
+        let MapPlan {
+            size,
+            pool,
+            block: id,
+            moves,
+            ..
+        } = plan;
+        self.growing -= size;
+        self.stats.reserved_bytes.increase(pool, size);
+        self.stats.num_device_alloc += 1;
+        self.moves_done(moves);
         let b = &mut self.blocks[id as usize];
         b.busy = false;
         b.state = BlockState::Free;
@@ -337,6 +391,7 @@ impl<F: Clone> Pools<F> {
     pub fn map_failed(&mut self, plan: MapPlan) {
         self.growing -= plan.size;
         self.make_unmapped(plan.block);
+        self.moves_failed(plan.moves);
     }
 
     /// Take the mappings that lie wholly inside free blocks of the expandable segments of
@@ -346,7 +401,8 @@ impl<F: Clone> Pools<F> {
             .filter(|&&(_, pool, _)| pools.contains(&pool))
             .map(|&(_, _, segment)| segment)
             .collect();
-        self.take_free_mappings(&ranges, NIL, u64::MAX)
+        let taken = self.take_free_mappings(&ranges, NIL, u64::MAX);
+        self.with_aliases(taken)
     }
 
     /// Take at least `budget` bytes (when there are) of mappings wholly inside free blocks of
@@ -410,9 +466,34 @@ impl<F: Clone> Pools<F> {
 
     /// The memory of `unmapping` is unmapped: it is address space again.
     pub fn unmap_done(&mut self, unmapping: Unmapping) {
+        if unmapping.is_parked_place() {
+            self.release_place(unmapping.block);
+            return;
+        }
+        for alias in &unmapping.aliases {
+            self.release_place(alias.block);
+        }
         self.stats.num_device_free += 1;
         self.mappings.remove(&unmapping.address);
         self.make_unmapped(unmapping.block);
+    }
+
+    /// Unmapping failed: the memory is still there, free again, and still mapped at those of
+    /// its parked places from `aliases_left` on (a parked place stays parked).
+    pub fn unmap_failed_after(&mut self, unmapping: Unmapping, aliases_left: usize) {
+        if unmapping.is_parked_place() {
+            self.restore_parked(&unmapping);
+            self.release_place(unmapping.block);
+            return;
+        }
+        let left = aliases_left.min(unmapping.aliases.len());
+        for (i, alias) in unmapping.aliases.iter().enumerate() {
+            if i >= left {
+                self.restore_alias(alias, &unmapping);
+            }
+            self.release_place(alias.block);
+        }
+        self.unmap_failed(unmapping);
     }
 
     /// Unmapping failed: the memory is still there, free again.
@@ -467,6 +548,9 @@ impl<F: Clone> Pools<F> {
                 block,
                 range,
                 free_since,
+                parked: false,
+                holder: 0,
+                aliases: Vec::new(),
             });
             block = next;
         }

@@ -219,6 +219,8 @@ impl<F: Clone> Pools<F> {
             }
         }
 
+        self.check_parked()?;
+
         if self.segment_index.len() != segments_seen {
             return Err(format!(
                 "address index has {} segments, table {segments_seen}",

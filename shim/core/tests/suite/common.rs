@@ -207,13 +207,17 @@ impl Checked {
     }
 
     pub(crate) fn manual(capacity: u64, config: AllocatorConfig) -> Self {
+        Self::on(
+            SimDevice::with_fence_mode(capacity, FenceMode::Manual)
+                .with_map_granularity(GRANULARITY),
+            config,
+        )
+    }
+
+    /// Over `device`, as set up by the test.
+    pub(crate) fn on(device: SimDevice, config: AllocatorConfig) -> Self {
         Checked {
-            alloc: Allocator::with_observer(
-                SimDevice::with_fence_mode(capacity, FenceMode::Manual)
-                    .with_map_granularity(GRANULARITY),
-                config,
-                Mirror::default(),
-            ),
+            alloc: Allocator::with_observer(device, config, Mirror::default()),
         }
     }
 
@@ -224,6 +228,7 @@ impl Checked {
         let mut blocks = BTreeMap::new();
         let mut segments = BTreeMap::new();
         let mut mapped = Intervals::default();
+        let mut memory_in_use = Vec::new();
         for seg in self.alloc.snapshot() {
             if seg.expandable {
                 for b in seg
@@ -248,7 +253,20 @@ impl Checked {
                     b.address,
                     b.size
                 );
+                let pieces = self.device().memory_of(b.address, b.size);
+                for (memory, start, end) in pieces.expect("backed") {
+                    memory_in_use.push((memory, start, end, b.address));
+                }
             }
+        }
+        // No two live blocks share memory (moved memory is mapped at several places).
+        memory_in_use.sort_unstable();
+        for pair in memory_in_use.windows(2) {
+            let ((m1, _, end1, b1), (m2, start2, _, b2)) = (pair[0], pair[1]);
+            assert!(
+                m1 != m2 || end1 <= start2,
+                "live blocks {b1:#x} and {b2:#x} share the memory {m1} at offset {start2}"
+            );
         }
         let mirror = self.alloc.observer().state.lock().unwrap();
         assert_eq!(mirror.0, blocks, "the events do not tell the live blocks");

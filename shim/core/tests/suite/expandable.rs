@@ -3,6 +3,7 @@
 //! the fallback on a device without virtual memory. (The conformance suite runs its scenarios
 //! over expandable presets too, and the property test over random sequences.)
 
+use cachealloc_core::sim::FenceMode;
 use cachealloc_core::{
     AllocError, Allocator, AllocatorConfig, BlockState, NO_STREAM, ReusePolicy, SimDevice,
 };
@@ -119,10 +120,14 @@ fn empty_cache_unmaps_whole_free_granules_and_keeps_live_memory() {
 }
 
 /// Note [Unmapping without a wait]: an unmap waits for the device only when the memory became
-/// free after the stamp of the range's last completed idle fence.
+/// free after the stamp of the range's last completed idle fence. (Recycling unmaps here: the
+/// device cannot move memory.)
 #[test]
 fn unmapping_waits_for_the_device_only_when_the_memory_may_be_in_use() {
-    let c = Checked::manual(1 << 30, expandable());
+    let device =
+        SimDevice::with_fence_mode(1 << 30, FenceMode::Manual).with_map_granularity(GRANULARITY);
+    device.set_aliasing(false);
+    let c = Checked::on(device, expandable());
     let synchronizes = || c.device().counters().synchronizes;
     let a = c.malloc(4 * MIB); // maps: the range's idle fence, stamped before any free
     c.malloc(4 * MIB);
@@ -157,6 +162,117 @@ fn unmapping_waits_for_the_device_only_when_the_memory_may_be_in_use() {
     c.empty_cache();
     assert_eq!(synchronizes(), 2);
     assert!(c.device().is_backed(z.address, z.size));
+}
+
+/// Driver calls so far: mappings made, aliases made, unmaps.
+fn driver_calls(c: &Checked) -> (u64, u64, u64) {
+    let k = c.device().counters();
+    (k.maps, k.aliases, k.unmaps)
+}
+
+/// Three 8 MiB blocks, the middle one freed, then a 16 MiB request: recycling moves the free
+/// memory into the new map (an alias, no unmap) and parks its place. Returns a, c, d.
+fn recycle_by_a_move(c: &Checked) -> (u64, u64, u64) {
+    let a = c.malloc(8 * MIB);
+    let b = c.malloc(8 * MIB);
+    let third = c.malloc(8 * MIB);
+    c.free(b.address);
+    let d = c.malloc(16 * MIB);
+    assert_eq!(d.address, third.address + 8 * MIB);
+    assert_eq!(
+        driver_calls(c),
+        (4, 1, 0),
+        "b's memory moved into d's map, which made one new mapping"
+    );
+    assert!(!c.device().is_backed(b.address, 8 * MIB) || reserved(c) == 32 * MIB);
+    assert_eq!(reserved(c), 32 * MIB, "b's memory counts once");
+    assert_eq!(c.device().mapped_bytes(), 32 * MIB);
+    (a.address, third.address, d.address)
+}
+
+/// Note [Moving memory instead of unmapping it]: memory that moved flips back to its parked
+/// place when a map needs the place and the memory is free where it went, with no driver call.
+#[test]
+fn moved_memory_flips_back_to_its_parked_place_without_a_driver_call() {
+    let c = Checked::new(1 << 30, expandable());
+    let (a, _third, d) = recycle_by_a_move(&c);
+    // d's first 8 MiB (b's memory) becomes free between two live blocks; a is freed.
+    c.free(d);
+    let e = c.malloc(8 * MIB);
+    let f = c.malloc(8 * MIB);
+    assert_eq!((e.address, f.address), (d, d + 8 * MIB));
+    c.free(e.address);
+    c.free(a);
+    let calls = driver_calls(&c);
+    // 16 MiB fit in no free block: the map of b's parked place joins a's free memory, and the
+    // memory at e's place flips back.
+    let g = c.malloc(16 * MIB);
+    assert_eq!(g.address, a, "served from a and b's places");
+    assert_eq!(driver_calls(&c), calls, "no driver call");
+    assert_eq!(reserved(&c), 32 * MIB);
+    for x in [g.address, f.address, _third] {
+        c.free(x);
+    }
+    c.empty_cache();
+    assert_eq!(reserved(&c), 0);
+    assert_eq!(
+        c.device().used(),
+        0,
+        "every place of the memory unmapped, the parked ones too"
+    );
+}
+
+/// A map goes around a parked place whose memory is in use elsewhere (it would have to be
+/// unmapped first, after a wait for the device if it was used lately); where there is no other
+/// room, the place is cleared (its mapping unmapped, which frees nothing) and new memory mapped
+/// there. The check after every step proves no live blocks share memory.
+#[test]
+fn a_map_goes_around_a_parked_place_in_use_and_clears_it_only_when_there_is_no_room() {
+    for (capacity, no_room) in [(1 << 30, false), (48 * MIB, true)] {
+        // 48 MiB: the range is 54 MiB, and [40, 54) cannot hold 16 MiB.
+        let c = Checked::new(capacity, expandable());
+        let (a, _third, d) = recycle_by_a_move(&c);
+        c.free(d);
+        let e = c.malloc(8 * MIB);
+        let f = c.malloc(8 * MIB);
+        assert_eq!((e.address, f.address), (d, d + 8 * MIB));
+        c.free(a);
+        let (maps, aliases, unmaps) = driver_calls(&c);
+        let g = c.malloc(16 * MIB);
+        if no_room {
+            assert_eq!(g.address, a);
+            assert_eq!(
+                driver_calls(&c),
+                (maps + 1, aliases, unmaps + 1),
+                "the parked place unmapped, new memory mapped there"
+            );
+        } else {
+            assert_eq!(g.address, f.address + 8 * MIB, "mapped past f");
+            assert_eq!(driver_calls(&c).2, unmaps, "nothing unmapped");
+        }
+        assert_eq!(c.device().mapped_bytes(), reserved(&c));
+    }
+}
+
+/// The control: a device that cannot alias memory recycles by unmapping, and the same steps
+/// call the driver.
+#[test]
+fn without_aliases_recycling_unmaps_and_maps_again() {
+    let device = SimDevice::new(1 << 30).with_map_granularity(GRANULARITY);
+    device.set_aliasing(false);
+    let c = Checked::on(device, expandable());
+    let a = c.malloc(8 * MIB);
+    let b = c.malloc(8 * MIB);
+    c.malloc(8 * MIB);
+    c.free(b.address);
+    c.malloc(16 * MIB);
+    assert_eq!(
+        driver_calls(&c),
+        (5, 0, 1),
+        "b unmapped, 16 MiB of new memory"
+    );
+    assert_eq!(reserved(&c), 32 * MIB);
+    c.free(a.address);
 }
 
 #[test]
@@ -304,5 +420,55 @@ fn unmapped_address_space_is_nobodys() {
     assert_eq!(
         states,
         [BlockState::Active, BlockState::Free, BlockState::Unmapped]
+    );
+}
+
+/// Threads racing around moves and releases: a parked place taken out for unmapping keeps its
+/// addresses until it is unmapped (another thread mapped over one before: `cuMemMap` refused
+/// on a GPU, and `SimDevice` refuses a map over mapped granules). Every request either succeeds
+/// or is out of memory; nothing is left mapped at the end.
+#[test]
+fn threads_racing_around_moves_never_map_over_a_mapped_place() {
+    let device = SimDevice::new(256 * MIB).with_map_granularity(GRANULARITY);
+    device.set_slow_calls(true);
+    let alloc = Allocator::new(device, expandable());
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let alloc = &alloc;
+            s.spawn(move || {
+                let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ t;
+                let mut live: Vec<u64> = Vec::new();
+                for i in 0..60_000u32 {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    if live.len() > 6 || (seed.is_multiple_of(3) && !live.is_empty()) {
+                        let at = (seed as usize / 3) % live.len();
+                        alloc.free(live.swap_remove(at)).expect("free");
+                    } else {
+                        let size = (seed >> 8) % (24 * MIB) + 1;
+                        match alloc.malloc(size, t) {
+                            Ok(a) => live.push(a.address),
+                            Err(AllocError::OutOfMemory(_)) => {}
+                            Err(e) => panic!("thread {t}, request {i} of {size} bytes: {e}"),
+                        }
+                    }
+                    if i.is_multiple_of(2000) {
+                        alloc.empty_cache().expect("empty_cache");
+                    }
+                }
+                for address in live {
+                    alloc.free(address).expect("free");
+                }
+            });
+        }
+    });
+    alloc.check_invariants().expect("invariants");
+    alloc.empty_cache().expect("empty_cache");
+    assert_eq!(alloc.stats().reserved_bytes.all.current, 0);
+    assert_eq!(alloc.device().used(), 0, "every place unmapped");
+    assert!(
+        alloc.device().counters().aliases > 0,
+        "no memory moved: the test no longer tests moves"
     );
 }

@@ -36,11 +36,11 @@ pub(in crate::pools) struct RangeIdle<F> {
     /// The fence recorded last, not known to be completed, and its stamp.
     pending: Option<(F, u64)>,
     /// Blocks of the range free since before this stamp are idle.
-    idle_before: u64,
+    pub(in crate::pools) idle_before: u64,
 }
 
 impl<F: Clone> Pools<F> {
-    fn range_idle(&mut self, range: SegmentId) -> &mut RangeIdle<F> {
+    pub(in crate::pools) fn range_idle(&mut self, range: SegmentId) -> &mut RangeIdle<F> {
         let at = match self.idle.iter().position(|r| r.range == range) {
             Some(at) => at,
             None => {
@@ -56,7 +56,11 @@ impl<F: Clone> Pools<F> {
     }
 
     /// Move `range`'s horizon to its pending fence's stamp if that fence has completed.
-    fn refresh_idle<D: Device<Fence = F>>(&mut self, range: SegmentId, device: &D) {
+    pub(in crate::pools) fn refresh_idle<D: Device<Fence = F>>(
+        &mut self,
+        range: SegmentId,
+        device: &D,
+    ) {
         let idle = self.range_idle(range);
         if let Some((fence, stamp)) = &idle.pending
             && device.fence_completed(fence)
@@ -92,7 +96,10 @@ impl<F: Clone> Pools<F> {
         let mut wait = false;
         for u in taken {
             self.refresh_idle(u.range, device);
-            wait |= u.free_since >= self.range_idle(u.range).idle_before;
+            let idle_before = self.range_idle(u.range).idle_before;
+            wait |= u.free_since >= idle_before;
+            // A parked place was last used before it was parked (see moves.rs).
+            wait |= u.aliases.iter().any(|a| a.since >= idle_before);
         }
         wait
     }
