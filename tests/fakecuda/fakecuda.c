@@ -100,10 +100,11 @@
  *  - FAKECUDA_FAULT=overlap: a broken allocator that hands a live allocation out twice (see
  *    overlap_locked), for the controls of tests that must catch one.
  *  - FAKECUDA_REPORT=1: at exit, one line on stderr, "fakecuda: <n> device allocations, <m>
- *    device frees, <r> refused by FAKECUDA_FAULT, <c> physical creates, <p> physical releases"
- *    (cuMemAlloc_v2 and cuMemAllocAsync* outside captures; cuMemFree_v2 and cuMemFreeAsync*
- *    outside captures; cuMemAlloc_v2 and cuMemCreate refused by the fault; successful
- *    cuMemCreate and cuMemRelease calls), so that a test can tell a pool served requests.
+ *    device frees, <r> refused by FAKECUDA_FAULT, <c> physical creates, <p> physical releases,
+ *    <s> second mappings" (cuMemAlloc_v2 and cuMemAllocAsync* outside captures; cuMemFree_v2
+ *    and cuMemFreeAsync* outside captures; cuMemAlloc_v2 and cuMemCreate refused by the fault;
+ *    successful cuMemCreate and cuMemRelease calls; cuMemMap of memory already mapped
+ *    elsewhere), so that a test can tell a pool served requests, or moved memory.
  *
  * One global mutex guards everything (speed is irrelevant here); workers wait on one condition
  * variable that is broadcast on every completion.
@@ -278,7 +279,7 @@ static fc_ctx g_primary[MAX_DEVICES];
 static fc_ctx *g_contexts[MAX_CONTEXTS];
 static int g_ncontexts;
 static unsigned long g_report_allocs, g_report_frees, g_report_refused;
-static unsigned long g_report_creates, g_report_releases;
+static unsigned long g_report_creates, g_report_releases, g_report_second_mappings;
 static __thread fc_ctx *t_ctx;
 static __thread int t_capture_mode; /* MODE_GLOBAL by default, as in CUDA */
 
@@ -306,12 +307,13 @@ __attribute__((destructor)) static void report_at_exit(void) {
     if (!report || strcmp(report, "1") != 0) return;
     fprintf(stderr,
             "fakecuda: %lu device allocations, %lu device frees, %lu refused by FAKECUDA_FAULT, "
-            "%lu physical creates, %lu physical releases\n",
+            "%lu physical creates, %lu physical releases, %lu second mappings\n",
             __atomic_load_n(&g_report_allocs, __ATOMIC_RELAXED),
             __atomic_load_n(&g_report_frees, __ATOMIC_RELAXED),
             __atomic_load_n(&g_report_refused, __ATOMIC_RELAXED),
             __atomic_load_n(&g_report_creates, __ATOMIC_RELAXED),
-            __atomic_load_n(&g_report_releases, __ATOMIC_RELAXED));
+            __atomic_load_n(&g_report_releases, __ATOMIC_RELAXED),
+            __atomic_load_n(&g_report_second_mappings, __ATOMIC_RELAXED));
 }
 
 static void after_fork_child(void) {

@@ -234,6 +234,23 @@ impl Device for CudaDevice {
         self.capture_safe(|| self.fences.on_own_context(|| vmm.map_run(mappings)))?
     }
 
+    fn can_alias(&self) -> bool {
+        self.vmm.as_ref().is_some_and(vmm::Vmm::can_alias)
+    }
+
+    fn alias(&self, from: u64, to: u64, size: u64) -> Result<(), DeviceError> {
+        self.map_with_moves(&[(from, to, size)], &[])
+    }
+
+    fn map_with_moves(
+        &self,
+        moves: &[(u64, u64, u64)],
+        mappings: &[(u64, u64)],
+    ) -> Result<(), DeviceError> {
+        let vmm = self.vmm()?;
+        self.capture_safe(|| (self.fences).on_own_context(|| vmm.map_with_moves(moves, mappings)))?
+    }
+
     fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
         if self.streams.captures_active() {

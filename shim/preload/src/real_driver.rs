@@ -144,6 +144,7 @@ real_driver_functions! {
     cuMemCreate: fn(*mut sys::CUmemGenericAllocationHandle, usize, *const sys::CUmemAllocationProp, u64);
     cuMemRelease: fn(sys::CUmemGenericAllocationHandle);
     cuMemMap: fn(DevicePtr, usize, usize, sys::CUmemGenericAllocationHandle, u64);
+    cuMemRetainAllocationHandle: fn(*mut sys::CUmemGenericAllocationHandle, *mut c_void);
     cuMemUnmap: fn(DevicePtr, usize);
     cuMemSetAccess: fn(DevicePtr, usize, *const sys::CUmemAccessDesc, usize);
 }

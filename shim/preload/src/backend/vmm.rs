@@ -10,8 +10,14 @@
 //! it is mapped and frees it at the unmap, so no handle needs keeping. Only the owning device
 //! gets access: the memory of a pool is not readable by peer GPUs (documented in the README).
 //!
-//! The caller runs every method with the device's primary context current, and synchronizes
-//! the context before an unmap (unlike `cudaFree`, `cuMemUnmap` does not wait for kernels).
+//! Memory moves (see [Note [Moving memory instead of unmapping
+//! it]](cachealloc_core::pools::expandable::moves#note-moving-memory-instead-of-unmapping-it)) by
+//! `cuMemRetainAllocationHandle` on its present place and `cuMemMap` of that handle at the new
+//! one: the same memory at two places, each unmapped on its own; the driver frees the memory
+//! with its last mapping.
+//!
+//! The caller runs every method with the device's primary context current, and makes sure no
+//! kernel still uses what it unmaps (unlike `cudaFree`, `cuMemUnmap` does not wait for them).
 
 use std::ptr;
 
@@ -109,13 +115,39 @@ impl Vmm {
     /// run in one `cuMemSetAccess` (about 16 µs per call on an H100, whatever the size). On
     /// failure nothing stays mapped.
     pub fn map_run(&self, mappings: &[(u64, u64)]) -> Result<(), DeviceError> {
-        let (Some(&(start, _)), Some(&(last, last_size))) = (mappings.first(), mappings.last())
-        else {
+        self.map_with_moves(&[], mappings)
+    }
+
+    /// Whether memory can be mapped at a second place (the driver has
+    /// `cuMemRetainAllocationHandle`, CUDA 11.0 and later).
+    pub fn can_alias(&self) -> bool {
+        real_driver::cuMemRetainAllocationHandle().is_some()
+    }
+
+    /// Make a map's memory: the `moves` (`(from, to, size)`: the memory of the mapping at
+    /// `from` mapped at `to` as well), then the new `mappings`, all adjacent in address order,
+    /// then grant this device access to the whole run in one `cuMemSetAccess`. On failure
+    /// nothing of it stays mapped.
+    pub fn map_with_moves(
+        &self,
+        moves: &[(u64, u64, u64)],
+        mappings: &[(u64, u64)],
+    ) -> Result<(), DeviceError> {
+        let run: Vec<(u64, u64)> = (moves.iter().map(|&(_, to, size)| (to, size)))
+            .chain(mappings.iter().copied())
+            .collect();
+        let (Some(&(start, _)), Some(&(last, last_size))) = (run.first(), run.last()) else {
             return Ok(());
         };
+        for (i, &(from, to, size)) in moves.iter().enumerate() {
+            if let Err(e) = self.map_again(from, to, size) {
+                self.unmap_all(&run[..i]);
+                return Err(e);
+            }
+        }
         for (i, &(address, size)) in mappings.iter().enumerate() {
             if let Err(e) = self.back(address, size) {
-                self.unmap_all(&mappings[..i]);
+                self.unmap_all(&run[..moves.len() + i]);
                 return Err(e);
             }
         }
@@ -126,15 +158,33 @@ impl Vmm {
             },
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        let run = (last + last_size - start) as usize;
+        let length = (last + last_size - start) as usize;
         // SAFETY: the run is mapped throughout (just above), by whole mappings; one valid
         // descriptor.
-        let code = call_driver!(cuMemSetAccess(start, run, &access, 1));
+        let code = call_driver!(cuMemSetAccess(start, length, &access, 1));
         if let Err(e) = check(code, "cuMemSetAccess") {
-            self.unmap_all(mappings);
+            self.unmap_all(&run);
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Map the memory of the whole mapping at `from` (`size` bytes) at `to` too, with no access
+    /// yet.
+    fn map_again(&self, from: u64, to: u64, size: u64) -> Result<(), DeviceError> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer; `from` is the start of a live mapping of ours.
+        let code = call_driver!(cuMemRetainAllocationHandle(
+            &mut handle,
+            from as *mut std::ffi::c_void
+        ));
+        check(code, "cuMemRetainAllocationHandle")?;
+        // SAFETY: unmapped whole granules of a reserved range, and a live handle of that size
+        // (the whole memory of the mapping at `from`); offset and flags 0.
+        let code = call_driver!(cuMemMap(to, size as usize, 0, handle, 0));
+        // The retained reference is not needed either way: the mappings keep the memory.
+        release_handle(handle);
+        check(code, "cuMemMap")
     }
 
     /// Map one physical allocation of `size` bytes at `address`, with no access yet.
@@ -163,10 +213,11 @@ impl Vmm {
         }
     }
 
-    /// Give back the memory of one whole mapping `map` made. The caller made sure no kernel
-    /// uses it any more (see `Device::unmap`).
+    /// Unmap one whole mapping `map_with_moves` made (its memory goes back to the device with
+    /// its last mapping). The caller made sure no kernel uses it any more (see
+    /// `Device::unmap`).
     pub fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
-        // SAFETY: `[address, address + size)` is exactly one mapping `map` made.
+        // SAFETY: `[address, address + size)` is exactly one mapping `map_with_moves` made.
         check(
             call_driver!(cuMemUnmap(address, size as usize)),
             "cuMemUnmap",
@@ -176,7 +227,8 @@ impl Vmm {
 
 /// Release an allocation handle (a failure leaks at most one granule, and is not actionable).
 fn release_handle(handle: sys::CUmemGenericAllocationHandle) {
-    // SAFETY: `handle` came from cuMemCreate and is released once.
+    // SAFETY: `handle` came from cuMemCreate or cuMemRetainAllocationHandle, and each such
+    // reference is released once.
     let _ = call_driver!(cuMemRelease(handle));
 }
 
