@@ -10,7 +10,8 @@ def med(w, label, key):
     return statistics.median(vals) if vals else float("nan")
 for w in dict.fromkeys(r.get("workload") for r in rows if r.get("workload")):
     native_step = med(w, "native", "step_ms")
-    for label in ("native", "torch_exp", "shim", "shim_exp"):
+    labels = dict.fromkeys(r.get("label") for r in rows if r.get("workload") == w and r.get("label"))
+    for label in labels:
         shim = label.startswith("shim")
         reserved = med(w, label, "cachealloc_peak_reserved_MB" if shim else "torch_max_reserved_MB")
         allocated = med(w, label, "cachealloc_peak_alloc_MB" if shim else "torch_max_alloc_MB")

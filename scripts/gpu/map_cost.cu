@@ -53,6 +53,7 @@ int main(int argc, char **argv) {
         size_t n = size / g;
         std::vector<double> map_per_granule, unmap_per_granule, map_one, unmap_one, cmalloc, cfree;
         std::vector<double> remap_move, create_only, release_only, unmap_run;
+        std::vector<double> alias_map, alias_map_no_access, alias_unmap;
         for (int r = 0; r < reps; r++) {
             double t0 = now_us();
             map_granules(range, n, g, prop, access);
@@ -103,6 +104,36 @@ int main(int argc, char **argv) {
             t2 = now_us();
             map_one.push_back(t1 - t0);
             unmap_one.push_back(t2 - t1);
+            // Moving memory as the shim does (Note [Moving memory instead of unmapping it]): the
+            // memory of one mapping mapped at a second place (retain its handle, map, release
+            // the reference, grant access), then that second place unmapped while the first
+            // keeps the memory; and the same map without its own cuMemSetAccess (the shim grants
+            // access to a whole map's run in one call).
+            CHECK(cuMemCreate(&h, size, &prop, 0));
+            CHECK(cuMemMap(range, size, 0, h, 0));
+            CHECK(cuMemRelease(h));
+            CHECK(cuMemSetAccess(range, size, &access, 1));
+            CHECK(cuCtxSynchronize());
+            t0 = now_us();
+            CUmemGenericAllocationHandle again;
+            CHECK(cuMemRetainAllocationHandle(&again, (void *)range));
+            CHECK(cuMemMap(range + size, size, 0, again, 0));
+            CHECK(cuMemRelease(again));
+            CHECK(cuMemSetAccess(range + size, size, &access, 1));
+            t1 = now_us();
+            CHECK(cuCtxSynchronize());
+            CHECK(cuMemUnmap(range + size, size));
+            t2 = now_us();
+            alias_map.push_back(t1 - t0);
+            alias_unmap.push_back(t2 - t1);
+            t0 = now_us();
+            CHECK(cuMemRetainAllocationHandle(&again, (void *)range));
+            CHECK(cuMemMap(range + size, size, 0, again, 0));
+            CHECK(cuMemRelease(again));
+            t1 = now_us();
+            alias_map_no_access.push_back(t1 - t0);
+            CHECK(cuMemUnmap(range + size, size));
+            CHECK(cuMemUnmap(range, size));
             // cudaMalloc / cudaFree.
             void *p;
             t0 = now_us();
@@ -116,10 +147,12 @@ int main(int argc, char **argv) {
         printf("map_cost size_MiB=%zu granule_handles_map_us=%.1f granule_handles_unmap_us=%.1f "
                "one_handle_map_us=%.1f one_handle_unmap_us=%.1f cudaMalloc_us=%.1f cudaFree_us=%.1f "
                "create_only_us=%.1f release_only_us=%.1f move_kept_handles_us=%.1f "
-               "granule_handles_unmap_one_call_us=%.1f\n",
+               "granule_handles_unmap_one_call_us=%.1f alias_map_us=%.1f "
+               "alias_map_without_access_us=%.1f alias_unmap_us=%.1f\n",
                size >> 20, median(map_per_granule), median(unmap_per_granule), median(map_one),
                median(unmap_one), median(cmalloc), median(cfree), median(create_only),
-               median(release_only), median(remap_move), median(unmap_run));
+               median(release_only), median(remap_move), median(unmap_run), median(alias_map),
+               median(alias_map_no_access), median(alias_unmap));
     }
     return 0;
 }

@@ -156,11 +156,12 @@ fn describe(o: &Outcome, after: Option<u64>, out: &mut dyn Write) -> Result<(), 
         match (d.after, after) {
             (Some(w), Some(after)) => writeln!(
                 out,
-                "    after {:<9} {} segment allocations, {} releases; {} mappings, {} unmaps, {} device synchronizations",
+                "    after {:<9} {} segment allocations, {} releases; {} mappings, {} moves, {} unmaps, {} device synchronizations",
                 seconds(after),
                 w.segment_allocs,
                 w.segment_frees,
                 w.mappings,
+                w.aliases,
                 w.unmaps,
                 w.synchronizes
             )?,

@@ -34,7 +34,7 @@ pub struct DeviceOutcome {
     /// When the last request that made device calls (allocations, releases, maps, unmaps) was
     /// served: after it, the run was served from the cache alone.
     pub last_device_call: Option<u64>,
-    /// What the device was asked from [`SimulatedDevice::after`] on (the steady state, once the
+    /// What the device was asked from `simulate --after` on (the steady state, once the
     /// warm-up is over), if that point was reached.
     pub after: Option<DeviceWork>,
 }
@@ -50,6 +50,8 @@ pub struct DeviceWork {
     pub segment_frees: u64,
     /// Mappings made (`cuMemCreate` + `cuMemMap` each).
     pub mappings: u64,
+    /// Memory moved by mapping it at a second place (`cuMemMap` of its handle).
+    pub aliases: u64,
     /// Mappings unmapped (`cuMemUnmap` + `cuMemRelease` each).
     pub unmaps: u64,
     /// Waits for the whole device before unmapping (`cuCtxSynchronize`).
@@ -62,6 +64,7 @@ impl DeviceWork {
             segment_allocs: counters.allocs,
             segment_frees: counters.frees,
             mappings: counters.maps,
+            aliases: counters.aliases,
             unmaps: counters.unmaps,
             synchronizes: counters.synchronizes,
         }
@@ -72,6 +75,7 @@ impl DeviceWork {
             segment_allocs: self.segment_allocs - start.segment_allocs,
             segment_frees: self.segment_frees - start.segment_frees,
             mappings: self.mappings - start.mappings,
+            aliases: self.aliases - start.aliases,
             unmaps: self.unmaps - start.unmaps,
             synchronizes: self.synchronizes - start.synchronizes,
         }
