@@ -34,19 +34,28 @@ pub fn trace_file(bytes: &[u8]) {
 
 /// The allocator core under an arbitrary operation sequence (2 bytes per operation) on a
 /// simulated device whose fences complete only when told: the invariants hold after every
-/// operation, live blocks never overlap, and a free of a live block always succeeds.
+/// operation, live blocks never overlap, and a free of a live block always succeeds. With
+/// expandable segments (the first byte's second bit), live blocks also never share memory
+/// (moved memory is mapped at several places) and always have memory behind them.
 pub fn allocator_ops(bytes: &[u8]) {
-    let device = SimDevice::with_fence_mode(512 << 20, FenceMode::Manual);
+    let expandable = bytes.first().is_some_and(|b| b & 2 == 2);
+    let mut device = SimDevice::with_fence_mode(512 << 20, FenceMode::Manual);
+    if expandable {
+        device = device.with_map_granularity(2 << 20);
+    }
     let config = AllocatorConfig {
         max_split_size: if bytes.first().is_some_and(|b| b & 1 == 1) {
             64 << 20
         } else {
             u64::MAX
         },
+        expandable_segments: expandable,
         ..AllocatorConfig::default()
     };
     let alloc = Allocator::new(device, config);
     let mut live: Vec<(u64, u64)> = Vec::new();
+    // The memory behind each live block: (memory, start, end) pieces.
+    let mut memory: Vec<(u64, u64, u64)> = Vec::new();
     for op in bytes.chunks_exact(2) {
         let (kind, arg) = (op[0] % 8, op[1]);
         match kind {
@@ -66,10 +75,28 @@ pub fn allocator_ops(bytes: &[u8]) {
                         );
                     }
                     live.push((a.address, a.size));
+                    if expandable {
+                        let pieces = (alloc.device().memory_of(a.address, a.size))
+                            .unwrap_or_else(|| panic!("no memory behind {:#x}", a.address));
+                        for &(m, start, end) in &pieces {
+                            assert!(
+                                memory
+                                    .iter()
+                                    .all(|&(n, s, e)| n != m || end <= s || e <= start),
+                                "{:#x} shares memory {m} with a live block",
+                                a.address
+                            );
+                        }
+                        memory.extend(pieces);
+                    }
                 }
             }
             4 | 5 if !live.is_empty() => {
-                let (address, _) = live.swap_remove(usize::from(arg) % live.len());
+                let (address, size) = live.swap_remove(usize::from(arg) % live.len());
+                if expandable {
+                    let pieces = alloc.device().memory_of(address, size).expect("backed");
+                    memory.retain(|piece| !pieces.contains(piece));
+                }
                 let stream = u64::from(op[0] / 8 % 3);
                 alloc
                     .free_on_stream(address, stream)
@@ -84,5 +111,9 @@ pub fn allocator_ops(bytes: &[u8]) {
         alloc
             .check_invariants()
             .unwrap_or_else(|e| panic!("invariants broken: {e}"));
+        if let Some(&(address, size)) = live.iter().find(|&&(a, n)| !alloc.device().is_backed(a, n))
+        {
+            panic!("live block {address:#x}+{size} lost its memory");
+        }
     }
 }
