@@ -209,6 +209,13 @@ impl SimDevice {
         }
     }
 
+    /// How many mappings map memory that is mapped elsewhere too: mappings beyond one per
+    /// memory.
+    pub fn second_mappings(&self) -> usize {
+        let s = self.state.lock();
+        s.mappings.len() - s.memories.len()
+    }
+
     /// Turn [`Device::alias`] off (or on again), as on a driver without it.
     pub fn set_aliasing(&self, on: bool) {
         self.state.lock().aliasing = on;

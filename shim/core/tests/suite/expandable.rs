@@ -472,3 +472,33 @@ fn threads_racing_around_moves_never_map_over_a_mapped_place() {
         "no memory moved: the test no longer tests moves"
     );
 }
+
+/// Blocks that drift up their range leave parked places behind at every move; before each map
+/// the oldest idle ones beyond `PARKED_LIMIT` are unmapped, so there are never more than the
+/// limit and what that map moved.
+#[test]
+fn parked_places_are_bounded_when_memory_keeps_moving() {
+    use cachealloc_core::pools::expandable::moves::PARKED_LIMIT;
+    let c = Checked::new(1 << 40, expandable());
+    // Each block a little bigger than the last, the last freed once the next is live: the new
+    // block fits no hole, so every step maps past the peak and recycles the hole by moves.
+    let mut last = c.malloc(8 * MIB);
+    let mut most = 0;
+    for i in 1..(PARKED_LIMIT as u64 + 300) {
+        let moved_before = c.device().counters().aliases;
+        let next = c.malloc(8 * MIB + i * 2 * MIB);
+        let moved = (c.device().counters().aliases - moved_before) as usize;
+        let parked = c.device().second_mappings();
+        assert!(
+            parked <= PARKED_LIMIT + moved,
+            "step {i}: {parked} parked places, {moved} of them just now"
+        );
+        most = most.max(parked);
+        c.free(last.address);
+        last = next;
+    }
+    assert!(
+        most > PARKED_LIMIT,
+        "at most {most} parked places: the test no longer reaches the limit"
+    );
+}
