@@ -23,15 +23,21 @@
 //!
 //! When a map later needs a parked place back, and the memory's holder lies in a free block of
 //! the range, the memory **flips** back: the holder's place is parked and the parked place holds
-//! the memory again, with no driver call at all ([`Pools::flip_into`]). A workload that cycles
-//! through shapes thus stops calling the driver once every place it needs has been visited.
+//! the memory again, with no driver call at all ([`Pools::flip_into`]; [`Pools::plan_map`]
+//! counts such places as memory it has). Whether that happens depends on the workload: on the
+//! recorded GPT-2 run it never does, because its largest blocks drift up their range from cycle
+//! to cycle and memory keeps moving with them (163 moves in 20 steps, at about 1.5 µs each, with
+//! one `cuMemSetAccess` per map: no longer visible in the step time, BENCHMARKS.md).
 //!
-//! A parked place whose holder is in use cannot flip; a map that needs the place *clears* it
-//! first: its mapping is unmapped (that frees nothing: the holder keeps the memory), after the
-//! same idle check as any unmap, since kernels queued before the memory moved may still use the
-//! place. And memory that really goes back to the device (released by `empty_cache` or the
-//! out-of-memory ladder, or recycled where it cannot move) is unmapped at its parked places
-//! first ([`Unmapping::aliases`]): the driver frees memory only with its last mapping.
+//! A parked place whose holder is in use cannot flip. A map goes around it if it can, since it
+//! would have to *clear* the place first: unmap its mapping (that frees nothing: the holder keeps
+//! the memory), after the same idle check as any unmap, since kernels queued before the memory
+//! moved may still use the place ([`Pools::take_clears`]). Memory that really goes back to the
+//! device (released by `empty_cache` or the out-of-memory ladder, or recycled where it cannot
+//! move) is unmapped at its parked places first ([`Unmapping::aliases`]): the driver frees memory
+//! only with its last mapping. Until the driver has unmapped it, a parked place taken out of the
+//! pools stays a busy block, so that no other thread maps over it meanwhile
+//! (`Pools::hold_place`). At most [`PARKED_LIMIT`] places stay parked.
 //!
 //! Invariants ([`Pools::check_invariants`]): parked places are disjoint from each other and
 //! from the mappings, each lies wholly inside one unmapped block of its range (maps never split
