@@ -109,6 +109,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             pools = relocked;
             if !cleared {
                 // A parked place in the plan's way is still mapped: it cannot be mapped now.
+                self.unreport_moves(&plan);
                 pools.map_failed(plan);
                 break;
             }
