@@ -50,6 +50,7 @@ use std::collections::BTreeMap;
 
 use super::{MapPlan, NIL, Pools, Unmapping};
 use crate::pools::{BlockId, BlockState, SegmentId};
+use crate::sizes::PoolKind;
 
 /// How many parked places the pools keep: beyond this, the oldest of those known to be idle
 /// are unmapped ([`Pools::take_idle_excess_parked`]), so that a workload whose memory keeps
@@ -161,7 +162,7 @@ impl<F: Clone> Pools<F> {
     pub(in crate::pools) fn flippable_holders(
         &self,
         stream: u64,
-        pool: crate::sizes::PoolKind,
+        pool: PoolKind,
     ) -> Option<BTreeMap<u64, (u64, BlockId)>> {
         if self.parked.is_empty() || !self.expandable.is_some_and(|g| g.moves) {
             return None;
@@ -210,7 +211,7 @@ impl<F: Clone> Pools<F> {
     /// memory now there counts. Otherwise the plan comes back.
     pub fn flip_into(&mut self, plan: MapPlan) -> Result<Vec<Flip>, MapPlan> {
         let range = self.blocks[plan.block as usize].segment;
-        if self.parked.is_empty() || !plan.moves.is_empty() || !self.may_move(range) {
+        if self.parked.is_empty() || !self.may_move(range) {
             return Err(plan);
         }
         let joined = match self.blocks[plan.block as usize].prev {
@@ -257,17 +258,7 @@ impl<F: Clone> Pools<F> {
             .into_iter()
             .map(|(address, p)| {
                 self.parked.remove(&address);
-                Unmapping {
-                    address,
-                    size: p.size,
-                    pool,
-                    block: NIL,
-                    range: p.range,
-                    free_since: p.since,
-                    parked: true,
-                    holder: p.holder,
-                    aliases: Vec::new(),
-                }
+                parked_place_unmapping(address, &p, pool, NIL)
             })
             .collect()
     }
@@ -297,17 +288,8 @@ impl<F: Clone> Pools<F> {
             }
             let p = self.parked.remove(&address).expect("listed above");
             let block = self.hold_place(address, p.size);
-            taken.push(Unmapping {
-                address,
-                size: p.size,
-                pool: self.segment(range).pool,
-                block,
-                range,
-                free_since: p.since,
-                parked: true,
-                holder: p.holder,
-                aliases: Vec::new(),
-            });
+            let pool = self.segment(range).pool;
+            taken.push(parked_place_unmapping(address, &p, pool, block));
         }
         taken
     }
@@ -536,5 +518,21 @@ impl<F: Clone> Pools<F> {
             }
         }
         Ok(())
+    }
+}
+
+/// The unmapping of the parked place `address` (its memory stays with its holder), held by
+/// `block` meanwhile (`NIL`: inside the plan that clears it).
+fn parked_place_unmapping(address: u64, p: &Parked, pool: PoolKind, block: BlockId) -> Unmapping {
+    Unmapping {
+        address,
+        size: p.size,
+        pool,
+        block,
+        range: p.range,
+        free_since: p.since,
+        parked: true,
+        holder: p.holder,
+        aliases: Vec::new(),
     }
 }
