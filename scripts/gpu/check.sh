@@ -78,11 +78,19 @@ run load "$EXP" -- 4 300 1
 run stream_ordered "$EXP" --
 run graph_capture "$EXP" --
 run multi_gpu "$EXP" --
+run peer_access "$EXP" --
 run device_reset "$EXP" --
 run fork "$EXP" --
 run oom CACHEALLOC_CONF=expandable_segments:True,per_process_memory_fraction:0.001 --
 out=$(CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" "$BIN/threads" 4 100 2>&1)
 if grep -q "maps into expandable segments" <<< "$out"; then pass "expandable segments engaged"; else fail "expandable segments engaged"; echo "$out" | tail -3; fi
+
+out=$(CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" timeout 300 python3 scripts/gpu/peer_access.py 2>&1)
+if grep -q "^OK peer_access.py" <<< "$out" && grep -q "^cachealloc: " <<< "$out"; then
+    pass "peer_access.py, expandable $(grep -o '(skipped.*' <<< "$out")"
+else
+    fail "peer_access.py, expandable"; echo "$out" | tail -5
+fi
 
 # Control: without fences the race must be caught.
 out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)

@@ -52,6 +52,8 @@
     X(cuCtxGetCurrent, "cuCtxGetCurrent", 4000) \
     X(cuCtxSetCurrent, "cuCtxSetCurrent", 4000) \
     X(cuCtxGetDevice, "cuCtxGetDevice", 2000) \
+    X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", 4000) \
+    X(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", 4000) \
     X(cuCtxSynchronize, "cuCtxSynchronize", 2000) \
     X(cuMemAlloc_v2, "cuMemAlloc", 3020) \
     X(cuMemFree_v2, "cuMemFree", 3020) \
@@ -86,7 +88,8 @@
     X(cuDeviceGetDefaultMemPool, "cuDeviceGetDefaultMemPool", 11020) \
     X(cuMemPoolGetAttribute, "cuMemPoolGetAttribute", 11020) \
     X(cuMemPoolSetAttribute, "cuMemPoolSetAttribute", 11020) \
-    X(cuMemPoolTrimTo, "cuMemPoolTrimTo", 11020)
+    X(cuMemPoolTrimTo, "cuMemPoolTrimTo", 11020) \
+    X(cuMemPoolSetAccess, "cuMemPoolSetAccess", 11020)
 
 /* The resolved driver functions, typed from cuda.h's declarations (never called by name). */
 static struct {
@@ -308,6 +311,24 @@ RT_EXPORT cudaError_t cudaSetDevice(int d) {
     return ret(drv.cuCtxSetCurrent(ctx));
 }
 RT_EXPORT cudaError_t cudaDeviceSynchronize(void) { WITH_CONTEXT(drv.cuCtxSynchronize()); }
+RT_EXPORT cudaError_t cudaDeviceCanAccessPeer(int *can, int device, int peer) {
+    cudaError_t e = driver();
+    if (e != cudaSuccess) return ret(e);
+    return ret((int)drv.cuDeviceCanAccessPeer(can, device, peer));
+}
+
+/* The current device may use `peer`'s memory: the driver's call with the peer's primary
+ * context (retained, as the real runtime does). */
+RT_EXPORT cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
+    cudaError_t e = context();
+    if (e != cudaSuccess) return ret(e);
+    if (peer < 0 || peer >= device_count()) return ret(cudaErrorInvalidDevice);
+    CUcontext peer_ctx = NULL;
+    e = retain_primary(peer, &peer_ctx);
+    if (e != cudaSuccess) return ret(e);
+    return ret((int)drv.cuCtxEnablePeerAccess(peer_ctx, flags));
+}
+
 /* Resets the current device's primary context (all its memory goes); the next runtime call
  * retains it again. */
 RT_EXPORT cudaError_t cudaDeviceReset(void) {
@@ -442,6 +463,9 @@ RT_EXPORT cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *p, int device) 
 }
 RT_EXPORT cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t p, enum cudaMemPoolAttr a, void *v) {
     WITH_CONTEXT(drv.cuMemPoolGetAttribute((CUmemoryPool)p, (CUmemPool_attribute)a, v));
+}
+RT_EXPORT cudaError_t cudaMemPoolSetAccess(cudaMemPool_t p, const struct cudaMemAccessDesc *d, size_t n) {
+    WITH_CONTEXT(drv.cuMemPoolSetAccess((CUmemoryPool)p, (const CUmemAccessDesc *)d, n));
 }
 RT_EXPORT cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t p, enum cudaMemPoolAttr a, void *v) {
     WITH_CONTEXT(drv.cuMemPoolSetAttribute((CUmemoryPool)p, (CUmemPool_attribute)a, v));

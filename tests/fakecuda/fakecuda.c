@@ -145,6 +145,10 @@ typedef struct fc_ctx {
     int active;    /* primary: retained since the last reset */
     int destroyed; /* non-primary: cuCtxDestroy ran (kept allocated, never reused) */
     unsigned flags;
+    /* cuCtxEnablePeerAccess: this context may use the memory of these devices' contexts (a
+     * record only: fakecuda's devices all see host memory; mapped memory still needs
+     * cuMemSetAccess for each device, which cuMemGetAccess reports). */
+    unsigned char peer[MAX_DEVICES];
 } fc_ctx;
 
 typedef struct fc_event {

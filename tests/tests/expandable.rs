@@ -156,3 +156,37 @@ fn ipc_on_expandable_memory_is_refused_with_a_message() {
     );
     run("ipc", &[], "").assert_ok("ipc");
 }
+
+/// Note [Peer access to mapped memory]: a device that enables peer access gets access to the
+/// memory mapped before and after, through the runtime's call (the shared runtime's symbol)
+/// and through the driver's (the static runtime's `cudaDeviceEnablePeerAccess`, and the
+/// program's own `cuCtxEnablePeerAccess`); no device gets access before it enables it (the
+/// program checks that first).
+#[test]
+fn a_device_that_enables_peer_access_can_use_the_mapped_memory() {
+    for name in ["peer_access", "peer_access_static"] {
+        let out = Run::c(name, &[])
+            .env("CACHEALLOC_CONF", EXPANDABLE)
+            .env("FAKECUDA_DEVICES", "2")
+            .output();
+        out.assert_ok("peer_access");
+        assert!(!out.stdout.contains("skipped"), "{name}: {}", out.stdout);
+    }
+}
+
+/// PyTorch's `cudaMallocAsync` route gives peer access by `cudaMemPoolSetAccess` on the owner's
+/// default pool, and enables no context's peer access: the pool's memory (served by ours) must
+/// then be usable all the same, mapped memory by access, `cudaMalloc`'s segments by the
+/// contexts' peer access (the program sees it enabled). The shared runtime only: the shim
+/// knows default pools through the runtime's `cudaDeviceGetDefaultMemPool`.
+#[test]
+fn access_to_a_default_pool_gives_access_to_the_pooled_memory() {
+    for (mode, conf) in [("pool", EXPANDABLE), ("pool-fixed", "")] {
+        let out = Run::c("peer_access", &[mode])
+            .env("CACHEALLOC_CONF", conf)
+            .env("FAKECUDA_DEVICES", "2")
+            .output();
+        out.assert_ok("peer_access");
+        assert!(!out.stdout.contains("skipped"), "{mode}: {}", out.stdout);
+    }
+}

@@ -28,6 +28,8 @@ use crate::streams::StreamRegistry;
 
 mod vmm;
 
+pub use vmm::note_peer_access;
+
 /// One GPU as the allocator core sees it.
 #[derive(Debug)]
 pub struct CudaDevice {
@@ -296,6 +298,16 @@ impl Device for CudaDevice {
 }
 
 impl CudaDevice {
+    /// Give `peer`, which just enabled peer access to this device, access to the memory mapped
+    /// for expandable segments (`cudaMalloc`'s memory needs nothing). Returns how many runs of
+    /// mappings could not be granted.
+    pub fn grant_peer(&self, peer: i32) -> Result<usize, DeviceError> {
+        match &self.vmm {
+            Some(vmm) => self.capture_safe(|| self.fences.on_own_context(|| vmm.grant(peer))),
+            None => Ok(0),
+        }
+    }
+
     fn vmm(&self) -> Result<&vmm::Vmm, DeviceError> {
         self.vmm
             .as_ref()

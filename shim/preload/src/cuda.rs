@@ -41,6 +41,22 @@ pub const MEMPOOL_ATTR_USED_MEM_CURRENT: i32 = 7;
 /// `cudaMemPoolAttrUsedMemHigh`: the peak; setting it to 0 resets it.
 pub const MEMPOOL_ATTR_USED_MEM_HIGH: i32 = 8;
 
+/// `cudaMemAccessDesc`: what one location may do with a pool's memory.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MemAccessDesc {
+    /// `cudaMemLocation::type` ([`MEM_LOCATION_TYPE_DEVICE`] for a device).
+    pub location_type: i32,
+    /// `cudaMemLocation::id`: the device ordinal, for a device.
+    pub location_id: i32,
+    /// `cudaMemAccessFlags`: [`MEM_ACCESS_NONE`], read (1) or read and write (3).
+    pub flags: i32,
+}
+/// `cudaMemLocationTypeDevice`.
+pub const MEM_LOCATION_TYPE_DEVICE: i32 = 1;
+/// `cudaMemAccessFlagsProtNone`.
+pub const MEM_ACCESS_NONE: i32 = 0;
+
 /// `cudaIpcMemHandle_t`.
 #[repr(C)]
 pub struct IpcMemHandle {

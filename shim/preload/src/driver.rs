@@ -232,6 +232,18 @@ fn own_primary_context(ordinal: i32) -> Result<usize, DeviceError> {
     }
 }
 
+/// The device of the context current on the calling thread, whatever the context.
+pub fn current_context_device(_driver: Driver) -> Option<i32> {
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: valid out-pointer; with no context current the driver returns an error.
+    (unsafe { sys::cuCtxGetDevice(&mut device) } == sys::CUresult::CUDA_SUCCESS).then_some(device)
+}
+
+/// The device whose (active) primary context `context` is, or `None` for any other context.
+pub fn device_of_primary_context(driver: Driver, context: usize) -> Option<i32> {
+    (0..device_count(driver) as i32).find(|&d| primary_context(d) == Some(context))
+}
+
 /// Forget `device`'s primary context (it was reset; its handle may change).
 pub fn forget_primary_context(device: i32) {
     if let Some(slot) = usize::try_from(device).ok().and_then(|d| PRIMARY.get(d)) {
@@ -350,24 +362,7 @@ impl Fences {
     /// if no context is (and left current, as the runtime would), swapped in and back out if
     /// another context is (a block of this device freed while another device is current).
     pub fn on_own_context<T>(&self, f: impl FnOnce() -> T) -> Result<T, DeviceError> {
-        let own = own_primary_context(self.ordinal)?;
-        let mut current: sys::CUcontext = ptr::null_mut();
-        // SAFETY: `current` is a valid out-pointer.
-        let r = unsafe { sys::cuCtxGetCurrent(&mut current) };
-        if r == sys::CUresult::CUDA_SUCCESS && current as usize == own {
-            return Ok(f());
-        }
-        // SAFETY: `own` is this device's live primary context, retained for the process.
-        let r = unsafe { sys::cuCtxSetCurrent(own as sys::CUcontext) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(device_error(r, "cuCtxSetCurrent"));
-        }
-        let result = f();
-        if !current.is_null() {
-            // SAFETY: puts back the context that was current (still alive: the thread holds it).
-            unsafe { sys::cuCtxSetCurrent(current) };
-        }
-        Ok(result)
+        on_primary_context(self.ordinal, f)
     }
 
     fn take_event(&self) -> Result<Event, DeviceError> {
@@ -482,5 +477,57 @@ impl Fences {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .extend(fence.events);
+    }
+}
+
+/// Run `f` with `ordinal`'s primary context current on the calling thread: made current if no
+/// context is (and left current, as the runtime would), swapped in and back out if another
+/// context is.
+pub fn on_primary_context<T>(ordinal: i32, f: impl FnOnce() -> T) -> Result<T, DeviceError> {
+    let own = own_primary_context(ordinal)?;
+
+    let mut current: sys::CUcontext = ptr::null_mut();
+    // SAFETY: `current` is a valid out-pointer.
+    let r = unsafe { sys::cuCtxGetCurrent(&mut current) };
+    if r == sys::CUresult::CUDA_SUCCESS && current as usize == own {
+        return Ok(f());
+    }
+    // SAFETY: `own` is this device's live primary context, retained for the process.
+    let r = unsafe { sys::cuCtxSetCurrent(own as sys::CUcontext) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(device_error(r, "cuCtxSetCurrent"));
+    }
+    let result = f();
+    if !current.is_null() {
+        // SAFETY: puts back the context that was current (still alive: the thread holds it).
+        unsafe { sys::cuCtxSetCurrent(current) };
+    }
+    Ok(result)
+}
+
+/// Let `accessor`'s primary context use the memory of `owner`'s (`cuCtxEnablePeerAccess`, as
+/// `cudaDeviceEnablePeerAccess` does): `cudaMalloc`'s memory is reachable from a peer only
+/// this way. Access already enabled is success.
+pub fn enable_context_peer_access(
+    _driver: Driver,
+    accessor: i32,
+    owner: i32,
+) -> Result<(), DeviceError> {
+    let owner_context = own_primary_context(owner)?;
+    let code = on_primary_context(accessor, || {
+        // The owner's live primary context (retained for the process); no flags.
+        crate::real_driver::call_driver!(cuCtxEnablePeerAccess(
+            owner_context as crate::real_driver::Handle,
+            0
+        ))
+    })?;
+    match code {
+        crate::real_driver::SUCCESS | crate::real_driver::ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            Ok(())
+        }
+        other => Err(DeviceError::Other {
+            code: other,
+            message: format!("cuCtxEnablePeerAccess returned CUDA error {other}"),
+        }),
     }
 }

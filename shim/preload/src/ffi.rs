@@ -183,6 +183,23 @@ pub unsafe extern "C" fn cudaDeviceReset() -> CudaError {
     )
 }
 
+/// `cudaDeviceEnablePeerAccess`: enables, then shares the peer's mapped memory with the current
+/// device.
+///
+/// # Safety
+/// None beyond CUDA's.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaDeviceEnablePeerAccess(
+    peer_device: c_int,
+    flags: c_uint,
+) -> CudaError {
+    guarded(
+        "cudaDeviceEnablePeerAccess",
+        || hooks::device_enable_peer_access(peer_device, flags),
+        || crate::real::device_enable_peer_access(peer_device, flags),
+    )
+}
+
 /// Shared body of the stream-creation hooks.
 ///
 /// # Safety
@@ -367,6 +384,32 @@ pub unsafe extern "C" fn cudaMemPoolSetAttribute(
         );
     }
     code
+}
+
+/// `cudaMemPoolSetAccess`: on a default pool (PyTorch's peer access on its `cudaMallocAsync`
+/// route), the devices given access may use our pool's memory too.
+///
+/// # Safety
+/// `descs` must be valid for reads of `count` descriptors (CUDA's contract).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaMemPoolSetAccess(
+    pool: cuda::MemPool,
+    descs: *const cuda::MemAccessDesc,
+    count: usize,
+) -> CudaError {
+    let handle = pool as usize;
+    // SAFETY: the application's arguments, passed on as they are (CUDA's contract holds them).
+    let real = || unsafe { crate::real::mem_pool_set_access(handle, descs, count) };
+    if descs.is_null() || count == 0 {
+        return real(); // the runtime's own answer to no descriptors
+    }
+    // SAFETY: CUDA's contract: `count` valid descriptors at `descs` (checked non-null).
+    let list = unsafe { std::slice::from_raw_parts(descs, count) };
+    guarded(
+        "cudaMemPoolSetAccess",
+        || hooks::mem_pool_set_access(handle, list, real),
+        real,
+    )
 }
 
 /// `cudaMemPoolTrimTo`: on a default pool (PyTorch's `empty_cache`), releases our cache too.

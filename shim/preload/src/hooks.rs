@@ -92,6 +92,18 @@ pub fn device_reset() -> CudaError {
     code
 }
 
+/// `cudaDeviceEnablePeerAccess(peer)`: the current device may now use `peer`'s memory, the
+/// memory mapped for expandable segments too.
+pub fn device_enable_peer_access(peer: i32, flags: u32) -> CudaError {
+    let code = real::device_enable_peer_access(peer, flags);
+    if code == cuda::SUCCESS
+        && let Some(shim) = process::shim()
+    {
+        shim.peer_access_enabled(peer);
+    }
+    code
+}
+
 /// `cudaStreamCreate*`.
 pub fn stream_create(flags: u32, priority: Option<i32>) -> Result<usize, CudaError> {
     let stream = real::stream_create(flags, priority)?;
@@ -185,6 +197,29 @@ pub fn mem_pool_attribute_set(pool: usize, attribute: i32) {
     {
         shim.reset_peak_stats(device);
     }
+}
+
+/// `cudaMemPoolSetAccess`: on a default pool (PyTorch's `enablePeerAccess` on its
+/// `cudaMallocAsync` route), each device given access may use our pool's memory of that device
+/// too, as it may the driver's pool's.
+pub fn mem_pool_set_access(
+    pool: usize,
+    descs: &[cuda::MemAccessDesc],
+    real: impl FnOnce() -> CudaError,
+) -> CudaError {
+    let code = real();
+    if code == cuda::SUCCESS
+        && let Some(shim) = process::shim()
+    {
+        for desc in descs {
+            if desc.location_type == cuda::MEM_LOCATION_TYPE_DEVICE
+                && desc.flags != cuda::MEM_ACCESS_NONE
+            {
+                shim.default_pool_access_granted(pool, desc.location_id);
+            }
+        }
+    }
+    code
 }
 
 /// `cudaMemPoolTrimTo`: on a default pool (PyTorch's `empty_cache`), our cached free segments

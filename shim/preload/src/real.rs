@@ -74,6 +74,7 @@ real_functions! {
     cudaGetDeviceCount: fn(*mut c_int) -> CudaError;
     cudaGetLastError: fn() -> CudaError;
     cudaDeviceReset: fn() -> CudaError;
+    cudaDeviceEnablePeerAccess: fn(c_int, c_uint) -> CudaError;
     cudaStreamCreate: fn(*mut CudaStream) -> CudaError;
     cudaStreamCreateWithFlags: fn(*mut CudaStream, c_uint) -> CudaError;
     cudaStreamCreateWithPriority: fn(*mut CudaStream, c_uint, c_int) -> CudaError;
@@ -86,6 +87,7 @@ real_functions! {
     cudaMemPoolGetAttribute: fn(MemPool, c_int, *mut c_void) -> CudaError;
     cudaMemPoolSetAttribute: fn(MemPool, c_int, *mut c_void) -> CudaError;
     cudaMemPoolTrimTo: fn(MemPool, usize) -> CudaError;
+    cudaMemPoolSetAccess: fn(MemPool, *const crate::cuda::MemAccessDesc, usize) -> CudaError;
     cudaGetDriverEntryPoint: fn(*const c_char, *mut *mut c_void, u64, *mut c_int) -> CudaError;
     cudaGetDriverEntryPointByVersion: fn(*const c_char, *mut *mut c_void, c_uint, u64, *mut c_int) -> CudaError;
 }
@@ -177,6 +179,12 @@ pub fn device_reset() -> CudaError {
     call_real!(cudaDeviceReset())
 }
 
+/// The real `cudaDeviceEnablePeerAccess`.
+pub fn device_enable_peer_access(peer: i32, flags: u32) -> CudaError {
+    // The application's arguments, passed on.
+    call_real!(cudaDeviceEnablePeerAccess(peer, flags))
+}
+
 /// The real `cudaStreamCreateWithPriority` (and its simpler forms): the new stream's handle.
 pub fn stream_create(flags: u32, priority: Option<i32>) -> Result<usize, CudaError> {
     let mut stream: CudaStream = std::ptr::null_mut();
@@ -255,6 +263,19 @@ pub fn default_mem_pool(device: i32) -> Result<usize, CudaError> {
     } else {
         Err(code)
     }
+}
+
+/// The real `cudaMemPoolSetAccess`.
+///
+/// # Safety
+/// `descs` is null or valid for reads of `count` descriptors.
+pub unsafe fn mem_pool_set_access(
+    pool: usize,
+    descs: *const crate::cuda::MemAccessDesc,
+    count: usize,
+) -> CudaError {
+    // The application's pool and descriptors, passed on.
+    call_real!(cudaMemPoolSetAccess(pool as MemPool, descs, count))
 }
 
 /// The real `cudaMemPoolTrimTo` (arguments from the application, validated by the runtime).

@@ -31,6 +31,8 @@ pub const ERROR_NOT_INITIALIZED: CuResult = 3;
 pub const ERROR_DEINITIALIZED: CuResult = 4;
 /// `CUDA_ERROR_NOT_FOUND`: what a hook answers when the real function does not exist.
 pub const ERROR_NOT_FOUND: CuResult = 500;
+/// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`.
+pub const ERROR_PEER_ACCESS_ALREADY_ENABLED: CuResult = 704;
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 pub const ERROR_OUT_OF_MEMORY: CuResult = 2;
 
@@ -134,6 +136,7 @@ real_driver_functions! {
     cuStreamSynchronize: fn(Handle);
     cuDevicePrimaryCtxReset_v2: fn(c_int);
     cuCtxSynchronize: fn();
+    cuCtxEnablePeerAccess: fn(Handle, c_uint);
     cuGetProcAddress: fn(*const c_char, *mut *mut c_void, c_int, u64);
     cuGetProcAddress_v2: fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
     cuGetProcAddress_v2_ptsz: fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);

@@ -7,8 +7,22 @@
 //! whole mappings (the driver allows nothing less). The calls cost about the same for 2 MiB as
 //! for 1 GiB, so one mapping per granule, as PyTorch makes, would make big maps slow. The
 //! allocation's handle is released right after it is mapped; the driver keeps the memory while
-//! it is mapped and frees it at the unmap, so no handle needs keeping. Only the owning device
-//! gets access: the memory of a pool is not readable by peer GPUs (documented in the README).
+//! it is mapped and frees it at the unmap, so no handle needs keeping.
+//!
+//! # Note [Peer access to mapped memory]
+//!
+//! Memory from `cudaMalloc` is readable by every device that enabled peer access to its device
+//! (`cudaDeviceEnablePeerAccess`); mapped memory only by the devices `cuMemSetAccess` named.
+//! So that expandable segments behave like `cudaMalloc`, each map grants access to its own
+//! device and to every device that enabled peer access to it so far ([`PEER_ACCESS`]), and when
+//! a device enables peer access, [`Vmm::grant`] gives it access to everything already mapped.
+//! [`Vmm`] keeps its own list of the driver's mappings (`mappings`: every place, the parked ones
+//! of moved memory too, which flip back into use with no driver call), under a lock that a map
+//! holds from recording its mappings through its `cuMemSetAccess` and a grant holds throughout:
+//! a map either sees the new peer or is seen by the grant (or both, which is harmless), and an
+//! unmap leaves the list before the driver unmaps, so no grant touches memory going away.
+//! Access once granted stays: disabling peer access revokes nothing (PyTorch's expandable
+//! segments do the same).
 //!
 //! Memory moves (see [Note [Moving memory instead of unmapping
 //! it]](cachealloc_core::pools::expandable::moves#note-moving-memory-instead-of-unmapping-it)) by
@@ -19,18 +33,63 @@
 //! The caller runs every method with the device's primary context current, and makes sure no
 //! kernel still uses what it unmaps (unlike `cudaFree`, `cuMemUnmap` does not wait for them).
 
+use std::collections::BTreeMap;
 use std::ptr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
 
 use crate::real_driver::{self, CuResult, SUCCESS, call_driver};
 
+/// Devices this process gave peer access to each device's memory: bit `a` of entry `d` is set
+/// once device `a` enabled peer access to device `d` (see [Note [Peer access to mapped
+/// memory]](self#note-peer-access-to-mapped-memory)). Process-wide, as the driver's peer access
+/// is.
+static PEER_ACCESS: [AtomicU64; 64] = [const { AtomicU64::new(0) }; 64];
+
+/// Note that `accessor` enabled peer access to `owner`'s memory. True the first time (the
+/// caller then grants it what `owner` already has mapped, [`Vmm::grant`]).
+pub fn note_peer_access(owner: i32, accessor: i32) -> bool {
+    let (Ok(o), Ok(a)) = (usize::try_from(owner), u32::try_from(accessor)) else {
+        return false;
+    };
+    let (Some(entry), true) = (PEER_ACCESS.get(o), a < 64 && owner != accessor) else {
+        return false;
+    };
+    let bit = 1u64 << a;
+    entry.fetch_or(bit, Ordering::AcqRel) & bit == 0
+}
+
+/// The devices that may use `owner`'s memory: itself and its peers.
+fn accessors(owner: i32) -> impl Iterator<Item = i32> {
+    let peers = usize::try_from(owner)
+        .ok()
+        .and_then(|o| PEER_ACCESS.get(o))
+        .map_or(0, |entry| entry.load(Ordering::Acquire));
+    std::iter::once(owner).chain((0..64).filter(move |a| peers & (1 << a) != 0))
+}
+
+/// Read and write access for `device`.
+fn access_for(device: i32) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
 /// CUDA's virtual memory on one device.
 #[derive(Debug)]
 pub struct Vmm {
     ordinal: i32,
     granularity: u64,
+    /// Every mapping the driver holds for us on this device, start → size: the places of new
+    /// memory and of moved memory, parked ones included (for [`Vmm::grant`]).
+    mappings: Mutex<BTreeMap<u64, u64>>,
 }
 
 impl Vmm {
@@ -66,6 +125,7 @@ impl Vmm {
         Ok(Vmm {
             ordinal,
             granularity: granularity as u64,
+            mappings: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -126,8 +186,8 @@ impl Vmm {
 
     /// Make a map's memory: the `moves` (`(from, to, size)`: the memory of the mapping at
     /// `from` mapped at `to` as well), then the new `mappings`, all adjacent in address order,
-    /// then grant this device access to the whole run in one `cuMemSetAccess`. On failure
-    /// nothing of it stays mapped.
+    /// then grant this device and its peers access to the whole run in one `cuMemSetAccess`.
+    /// On failure nothing of it stays mapped.
     pub fn map_with_moves(
         &self,
         moves: &[(u64, u64, u64)],
@@ -151,22 +211,36 @@ impl Vmm {
                 return Err(e);
             }
         }
-        let access = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.ordinal,
-            },
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        // Recorded and given access under one lock, against a peer's grant (see the Note).
+        let mut mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
+        let access: Vec<sys::CUmemAccessDesc> = accessors(self.ordinal).map(access_for).collect();
         let length = (last + last_size - start) as usize;
-        // SAFETY: the run is mapped throughout (just above), by whole mappings; one valid
-        // descriptor.
-        let code = call_driver!(cuMemSetAccess(start, length, &access, 1));
+        // SAFETY: the run is mapped throughout (just above), by whole mappings; `access` holds
+        // `access.len()` valid descriptors.
+        let code = call_driver!(cuMemSetAccess(start, length, access.as_ptr(), access.len()));
         if let Err(e) = check(code, "cuMemSetAccess") {
+            drop(mapped);
             self.unmap_all(&run);
             return Err(e);
         }
+        mapped.extend(run.iter().copied());
         Ok(())
+    }
+
+    /// Give `peer` access to everything mapped on this device (it just enabled peer access to
+    /// it; see [Note [Peer access to mapped memory]](self#note-peer-access-to-mapped-memory)):
+    /// one `cuMemSetAccess` per run of adjacent mappings. Returns how many runs failed.
+    pub fn grant(&self, peer: i32) -> usize {
+        let mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
+        let access = access_for(peer);
+        let mut failed = 0;
+        for (start, end) in runs(&mapped) {
+            // SAFETY: `[start, end)` is whole live mappings of ours (the list is the driver's,
+            // and no unmap can start while we hold it); one valid descriptor.
+            let code = call_driver!(cuMemSetAccess(start, (end - start) as usize, &access, 1));
+            failed += usize::from(code != SUCCESS);
+        }
+        failed
     }
 
     /// Map the memory of the whole mapping at `from` (`size` bytes) at `to` too, with no access
@@ -217,12 +291,34 @@ impl Vmm {
     /// its last mapping). The caller made sure no kernel uses it any more (see
     /// `Device::unmap`).
     pub fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        // Off the list first, so that no grant touches it while it goes (see the Note).
+        let mut mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
+        mapped.remove(&address);
+        drop(mapped);
         // SAFETY: `[address, address + size)` is exactly one mapping `map_with_moves` made.
-        check(
+        let result = check(
             call_driver!(cuMemUnmap(address, size as usize)),
             "cuMemUnmap",
-        )
+        );
+        if result.is_err() {
+            // Still mapped: still to be granted.
+            let mut mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
+            mapped.insert(address, size);
+        }
+        result
     }
+}
+
+/// The runs of adjacent mappings in `mappings` (start → size), as `(start, end)`.
+fn runs(mappings: &BTreeMap<u64, u64>) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for (&start, &size) in mappings {
+        match runs.last_mut() {
+            Some((_, end)) if *end == start => *end = start + size,
+            _ => runs.push((start, start + size)),
+        }
+    }
+    runs
 }
 
 /// Release an allocation handle (a failure leaks at most one granule, and is not actionable).

@@ -528,6 +528,23 @@ pub unsafe extern "C" fn cuStreamEndCapture_ptsz(stream: Handle, graph: *mut Han
     unsafe { end_capture(stream, graph, true) }
 }
 
+/// `cuCtxEnablePeerAccess` (a static runtime's `cudaDeviceEnablePeerAccess`): shares the peer
+/// device's mapped memory with the current one.
+///
+/// # Safety
+/// None beyond CUDA's.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer_context: Handle, flags: c_uint) -> CuResult {
+    let context = peer_context as usize;
+    // The application's arguments, passed on.
+    let real = || call_driver!(cuCtxEnablePeerAccess(context as Handle, flags));
+    guarded(
+        "cuCtxEnablePeerAccess",
+        || hooks::ctx_enable_peer_access(context, real),
+        real,
+    )
+}
+
 /// `cuDevicePrimaryCtxReset_v2` (a static runtime's `cudaDeviceReset`): forgets the device's
 /// pools.
 ///

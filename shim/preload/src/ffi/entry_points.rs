@@ -245,6 +245,7 @@ pub fn interposed() -> Vec<Interposed> {
         same!(cuStreamEndCapture),
         same!(cuStreamEndCapture_ptsz),
         same!(cuDevicePrimaryCtxReset_v2),
+        same!(cuCtxEnablePeerAccess),
         same!(cuGetProcAddress),
         same!(cuGetProcAddress_v2),
         same!(cuGetProcAddress_v2_ptsz),

@@ -183,6 +183,19 @@ pub fn stream_end_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) ->
     super::stream_end_capture(stream.runtime_handle(), real)
 }
 
+/// `cuCtxEnablePeerAccess(peer_context)`: the current context's device may now use the memory
+/// of `peer_context`'s device, the memory mapped for expandable segments too.
+pub fn ctx_enable_peer_access(peer_context: usize, real: impl FnOnce() -> CuResult) -> CuResult {
+    let code = real();
+    if code == real_driver::SUCCESS
+        && !doors::bypass_driver_hooks()
+        && let Some(shim) = process::shim()
+    {
+        shim.peer_context_enabled(peer_context);
+    }
+    code
+}
+
 /// `cuDevicePrimaryCtxReset_v2`: the device's memory is gone; forget its pools.
 pub fn primary_context_reset(device: i32, real: impl FnOnce() -> CuResult) -> CuResult {
     let code = real();
