@@ -50,7 +50,8 @@ use crate::real_driver::{self, CuResult, SUCCESS, call_driver};
 static PEER_ACCESS: [AtomicU64; 64] = [const { AtomicU64::new(0) }; 64];
 
 /// Note that `accessor` enabled peer access to `owner`'s memory. True the first time (the
-/// caller then grants it what `owner` already has mapped, [`Vmm::grant`]).
+/// caller then grants it what `owner` already has mapped,
+/// [`CudaDevice::grant_peer`](crate::backend::CudaDevice::grant_peer)).
 pub fn note_peer_access(owner: i32, accessor: i32) -> bool {
     let (Ok(o), Ok(a)) = (usize::try_from(owner), u32::try_from(accessor)) else {
         return false;
