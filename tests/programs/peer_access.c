@@ -10,10 +10,15 @@
  * (cudaMemPoolSetAccess, PyTorch's way on its cudaMallocAsync route), which must give it the
  * pooled memory just the same. "pool-fixed" (under fixed segments): the same call must enable
  * the contexts' peer access, which cudaMalloc's memory needs, so that device 1's own
- * cudaDeviceEnablePeerAccess(0) then answers "already enabled".
+ * cudaDeviceEnablePeerAccess(0) then answers "already enabled". "race": two threads allocate
+ * and free on device 0 (maps, moved memory, flips) while the main thread enables peer access
+ * from device 1; afterwards every live block, and every block the threads allocate next (some
+ * on memory parked before), must be device 1's to use.
  * Needs 2 devices (fakecuda: FAKECUDA_DEVICES=2); prints "OK peer_access". */
 #include <cuda.h>
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include "common.h"
 
@@ -39,6 +44,55 @@ static void *alloc_on(int device, size_t bytes) {
 
 #define EXPECT_ACCESS(device, p, want, what) do { long a_ = access_of(device, p); \
     EXPECT(a_ == (want), "%s: device %d's access is %ld, not %s", what, device, a_, #want); } while (0)
+
+#define RACE_SLOTS 24
+#define RACE_BEFORE 200 /* rounds each thread runs before peer access is enabled */
+#define RACE_AFTER 300  /* and after */
+static int race_rounds_done[2], race_enabled;
+
+/* One racing thread: a ring of blocks of changing sizes on device 0, freed and replaced, from
+ * before peer access is enabled until well after; then each live block and each new one is
+ * checked for device 1's access. */
+static void *race_worker(void *arg) {
+    int id = (int)(uintptr_t)arg;
+    unsigned seed = 12345u + (unsigned)id;
+    void *slot[RACE_SLOTS] = {0};
+    CHECK(cudaSetDevice(0));
+    int after = 0;
+    for (int round = 0; after < RACE_AFTER; round++) {
+        EXPECT(round < 1000000, "peer access was never enabled");
+        int i = (int)(rand_r(&seed) % RACE_SLOTS);
+        if (slot[i]) CHECK(cudaFree(slot[i]));
+        size_t kib = 1 + rand_r(&seed) % (rand_r(&seed) % 4 == 0 ? 48 * 1024 : 900);
+        CHECK(cudaMalloc(&slot[i], kib << 10));
+        __atomic_store_n(&race_rounds_done[id], round + 1, __ATOMIC_RELEASE);
+        if (__atomic_load_n(&race_enabled, __ATOMIC_ACQUIRE)) after++;
+    }
+    for (int i = 0; i < RACE_SLOTS; i++)
+        if (slot[i]) EXPECT_ACCESS(1, slot[i], CU_MEM_ACCESS_FLAGS_PROT_READWRITE, "a live block after the race");
+    for (int i = 0; i < RACE_SLOTS; i++) {
+        if (slot[i]) CHECK(cudaFree(slot[i]));
+        CHECK(cudaMalloc(&slot[i], ((size_t)1 + rand_r(&seed) % (32 * 1024)) << 10));
+        EXPECT_ACCESS(1, slot[i], CU_MEM_ACCESS_FLAGS_PROT_READWRITE, "a block allocated after the race");
+    }
+    for (int i = 0; i < RACE_SLOTS; i++) CHECK(cudaFree(slot[i]));
+    return NULL;
+}
+
+static void race(void) {
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) pthread_create(&t[i], NULL, race_worker, (void *)(uintptr_t)i);
+    /* Enable peer access while both threads are in the middle of their rounds (they go on until
+     * they have seen it enabled for RACE_AFTER rounds). */
+    while (__atomic_load_n(&race_rounds_done[0], __ATOMIC_ACQUIRE) < RACE_BEFORE ||
+           __atomic_load_n(&race_rounds_done[1], __ATOMIC_ACQUIRE) < RACE_BEFORE)
+        sched_yield();
+    CHECK(cudaSetDevice(1));
+    CHECK(cudaDeviceEnablePeerAccess(0, 0));
+    __atomic_store_n(&race_enabled, 1, __ATOMIC_RELEASE);
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    printf("OK peer_access\n");
+}
 
 /* Give `accessor` read and write access to `owner`'s default memory pool. */
 static void pool_access(int owner, int accessor) {
@@ -66,6 +120,10 @@ int main(int argc, char **argv) {
     CHECK(cudaDeviceCanAccessPeer(&can, 1, 0));
     if (!can) { printf("OK peer_access (skipped: no peer access between devices 0 and 1)\n"); return 0; }
 
+    if (strcmp(mode, "race") == 0) {
+        race();
+        return 0;
+    }
     if (strcmp(mode, "pool-fixed") == 0) {
         void *p = alloc_on(0, 30 << 20);
         CHECK(cudaSetDevice(1));

@@ -190,3 +190,26 @@ fn access_to_a_default_pool_gives_access_to_the_pooled_memory() {
         assert!(!out.stdout.contains("skipped"), "{mode}: {}", out.stdout);
     }
 }
+
+/// Note [Peer access to mapped memory]'s lock, end to end: two threads map, move and unmap on
+/// device 0 while device 1 enables peer access; then every live block and every block allocated
+/// next (on memory mapped before, during or after, parked places among it) is device 1's to use.
+#[test]
+fn peer_access_enabled_while_threads_map_reaches_every_block() {
+    for name in ["peer_access", "peer_access_static"] {
+        for _ in 0..3 {
+            let out = Run::c(name, &["race"])
+                .env("CACHEALLOC_CONF", EXPANDABLE)
+                .env("FAKECUDA_DEVICES", "2")
+                .env("FAKECUDA_REPORT", "1")
+                .output();
+            out.assert_ok("peer_access");
+            // The race moved memory, so parked places were part of it.
+            assert!(
+                number_before(&out, "second mappings") > 0,
+                "{name}: {}",
+                out.stderr
+            );
+        }
+    }
+}
