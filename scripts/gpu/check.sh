@@ -79,6 +79,9 @@ run stream_ordered "$EXP" --
 run graph_capture "$EXP" --
 run multi_gpu "$EXP" --
 run peer_access "$EXP" --
+run peer_access "$EXP" -- pool
+run peer_access "$EXP" -- race
+run peer_access X=1 -- pool-fixed
 run device_reset "$EXP" --
 run fork "$EXP" --
 run oom CACHEALLOC_CONF=expandable_segments:True,per_process_memory_fraction:0.001 --
