@@ -27,7 +27,7 @@ for src in tests/programs/*.c; do
     [ "$name" = slow_fill_fake ] && continue  # fakecuda's slow_fill; slow_fill.cu replaces it
     case "$name" in
         lib*) continue;;                            # helper libraries of the Python tests
-        driver_*|dlsym_next) continue;;             # fakecuda-only (host writes to device memory; preloaded helpers)
+        driver_*|dlsym_next|map_race) continue;;    # fakecuda-only (host writes to device memory; preloaded helpers; fakecuda's timing)
     esac
     nvcc -cudart shared -O2 -Itests/programs -o "$BIN/$name" "$src" tests/programs/slow_fill.cu -lpthread \
         || fail "build $name"

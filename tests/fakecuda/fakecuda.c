@@ -63,6 +63,7 @@
  *    (tests/programs/vmm.c passes on both). The calls need cuInit, not a current context.
  *    cuDeviceGetAttribute answers CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (102)
  *    with 1, or 0 under FAKECUDA_NO_VMM=1 (a device without it); no other attribute.
+ *    FAKECUDA_SLOW_US makes the calls that make or unmake memory as slow as a GPU's (below).
  *    cuMemGetAllocationGranularity answers 2 MiB (minimum and recommended), or
  *    FAKECUDA_VMM_GRANULARITY_KB (a power of two of pages), for pinned memory of one of our
  *    devices; else CUDA_ERROR_INVALID_VALUE (stricter than CUDA, which answers whatever the
@@ -371,6 +372,22 @@ static fc_ctx *ctx_lookup_locked(CUcontext handle) {
 
 /* The rest of the driver, in parts included here (one translation unit: everything above is
  * shared with them, and their functions stay static). */
+/* FAKECUDA_SLOW_US=N: the calls that make or unmake memory (cuMemAlloc*, cuMemCreate,
+ * cuMemMap, cuMemSetAccess, cuMemUnmap) first sleep N microseconds, outside the lock, as a GPU's
+ * driver takes tens of microseconds for them: the windows between threads are then as wide as
+ * on a GPU. */
+static void slow_call(void) {
+    static long us = -1;
+    long v = __atomic_load_n(&us, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *e = getenv("FAKECUDA_SLOW_US");
+        v = e ? atol(e) : 0;
+        if (v < 0) v = 0;
+        __atomic_store_n(&us, v, __ATOMIC_RELAXED);
+    }
+    if (v > 0) usleep((useconds_t)v);
+}
+
 #include "fakecuda_streams.inc"
 #include "fakecuda_contexts_memory.inc"
 #include "fakecuda_vmm.inc"

@@ -10,10 +10,12 @@
  * (cudaMemPoolSetAccess, PyTorch's way on its cudaMallocAsync route), which must give it the
  * pooled memory just the same. "pool-fixed" (under fixed segments): the same call must enable
  * the contexts' peer access, which cudaMalloc's memory needs, so that device 1's own
- * cudaDeviceEnablePeerAccess(0) then answers "already enabled". "race": two threads allocate
- * and free on device 0 (maps, moved memory, flips) while the main thread enables peer access
- * from device 1; afterwards every live block, and every block the threads allocate next (some
- * on memory parked before), must be device 1's to use.
+ * cudaDeviceEnablePeerAccess(0) then answers "already enabled". "race [THREADS]": two threads
+ * (or THREADS) allocate and free on device 0 (maps, moved memory, flips) while the main thread
+ * enables peer access from device 1; every free must find its block (another thread's
+ * allocation may have mapped the memory and not returned yet); afterwards every live block,
+ * and every block the threads allocate next (some on memory parked before), must be device 1's
+ * to use.
  * Needs 2 devices (fakecuda: FAKECUDA_DEVICES=2); prints "OK peer_access". */
 #include <cuda.h>
 #include <dlfcn.h>
@@ -48,7 +50,8 @@ static void *alloc_on(int device, size_t bytes) {
 #define RACE_SLOTS 24
 #define RACE_BEFORE 200 /* rounds each thread runs before peer access is enabled */
 #define RACE_AFTER 300  /* and after */
-static int race_rounds_done[2], race_enabled;
+#define RACE_MAX_THREADS 16
+static int race_rounds_done[RACE_MAX_THREADS], race_enabled;
 
 /* One racing thread: a ring of blocks of changing sizes on device 0, freed and replaced, from
  * before peer access is enabled until well after; then each live block and each new one is
@@ -62,7 +65,11 @@ static void *race_worker(void *arg) {
     for (int round = 0; after < RACE_AFTER; round++) {
         EXPECT(round < 1000000, "peer access was never enabled");
         int i = (int)(rand_r(&seed) % RACE_SLOTS);
-        if (slot[i]) CHECK(cudaFree(slot[i]));
+        if (slot[i]) {
+            cudaError_t e = cudaFree(slot[i]);
+            EXPECT(e == cudaSuccess, "thread %d, round %d: cudaFree(%p) returned %d (%s)", id, round, slot[i],
+                   (int)e, cudaGetErrorString(e));
+        }
         size_t kib = 1 + rand_r(&seed) % (rand_r(&seed) % 4 == 0 ? 48 * 1024 : 900);
         CHECK(cudaMalloc(&slot[i], kib << 10));
         __atomic_store_n(&race_rounds_done[id], round + 1, __ATOMIC_RELEASE);
@@ -79,18 +86,18 @@ static void *race_worker(void *arg) {
     return NULL;
 }
 
-static void race(void) {
-    pthread_t t[2];
-    for (int i = 0; i < 2; i++) pthread_create(&t[i], NULL, race_worker, (void *)(uintptr_t)i);
-    /* Enable peer access while both threads are in the middle of their rounds (they go on until
+static void race(int threads) {
+    if (threads < 1 || threads > RACE_MAX_THREADS) FAIL("race: 1 to %d threads", RACE_MAX_THREADS);
+    pthread_t t[RACE_MAX_THREADS];
+    for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, race_worker, (void *)(uintptr_t)i);
+    /* Enable peer access while every thread is in the middle of its rounds (they go on until
      * they have seen it enabled for RACE_AFTER rounds). */
-    while (__atomic_load_n(&race_rounds_done[0], __ATOMIC_ACQUIRE) < RACE_BEFORE ||
-           __atomic_load_n(&race_rounds_done[1], __ATOMIC_ACQUIRE) < RACE_BEFORE)
-        sched_yield();
+    for (int i = 0; i < threads; i++)
+        while (__atomic_load_n(&race_rounds_done[i], __ATOMIC_ACQUIRE) < RACE_BEFORE) sched_yield();
     CHECK(cudaSetDevice(1));
     CHECK(cudaDeviceEnablePeerAccess(0, 0));
     __atomic_store_n(&race_enabled, 1, __ATOMIC_RELEASE);
-    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
     printf("OK peer_access\n");
 }
 
@@ -121,7 +128,7 @@ int main(int argc, char **argv) {
     if (!can) { printf("OK peer_access (skipped: no peer access between devices 0 and 1)\n"); return 0; }
 
     if (strcmp(mode, "race") == 0) {
-        race();
+        race(argc > 2 ? atoi(argv[2]) : 2);
         return 0;
     }
     if (strcmp(mode, "pool-fixed") == 0) {

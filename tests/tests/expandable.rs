@@ -213,3 +213,19 @@ fn peer_access_enabled_while_threads_map_reaches_every_block() {
         }
     }
 }
+
+/// A free of a block carved from memory that another thread's allocation has mapped and not yet
+/// returned from must find its block (found on two H200s: `cudaFree` answered "invalid
+/// argument", the pools' address span being widened only when the mapping allocation
+/// returned; now the device call that makes the memory widens it). `map_race` stages the
+/// interleaving with fakecuda's slow memory calls, and checks that it was reached.
+#[test]
+fn a_block_of_memory_still_being_mapped_by_another_thread_can_be_freed() {
+    for _ in 0..3 {
+        Run::c("map_race", &[])
+            .env("CACHEALLOC_CONF", EXPANDABLE)
+            .env("FAKECUDA_SLOW_US", "10000")
+            .output()
+            .assert_ok("map_race");
+    }
+}

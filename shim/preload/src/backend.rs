@@ -18,6 +18,7 @@
 //! under way (the memory then stays cached and mapped; the allocator takes it back).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM};
 
@@ -40,6 +41,9 @@ pub struct CudaDevice {
     vmm: Option<vmm::Vmm>,
     /// Segments released while a capture was under way, to free when it ends.
     deferred_releases: std::sync::Mutex<Vec<u64>>,
+    /// The addresses this device's memory has spanned: see [`CudaDevice::may_contain`].
+    lowest: AtomicU64,
+    highest: AtomicU64,
 }
 
 impl CudaDevice {
@@ -69,7 +73,25 @@ impl CudaDevice {
             streams,
             vmm,
             deferred_releases: std::sync::Mutex::new(Vec::new()),
+            lowest: AtomicU64::new(u64::MAX),
+            highest: AtomicU64::new(0),
         }
+    }
+
+    /// Whether `address` may lie in memory of this device's pools: inside the span of every
+    /// segment allocated and range reserved so far. The span is widened by the device call
+    /// that made the memory, before the allocator can hand any of it out: another thread may
+    /// get a block of new memory, and free it, before the call that made it has returned.
+    pub fn may_contain(&self, address: u64) -> bool {
+        address >= self.lowest.load(Ordering::Acquire)
+            && address < self.highest.load(Ordering::Acquire)
+    }
+
+    /// Widen the span to include new memory (see [`CudaDevice::may_contain`]).
+    fn cover(&self, address: u64, size: u64) {
+        self.lowest.fetch_min(address, Ordering::AcqRel);
+        self.highest
+            .fetch_max(address.saturating_add(size), Ordering::AcqRel);
     }
 
     /// Run `f` in the relaxed capture mode while any capture is under way.
@@ -159,7 +181,10 @@ impl Device for CudaDevice {
                 .on_own_context(|| unsafe { malloc(&mut ptr, size as usize) })
         })?;
         match code {
-            real_driver::SUCCESS if ptr != 0 => Ok(ptr),
+            real_driver::SUCCESS if ptr != 0 => {
+                self.cover(ptr, size);
+                Ok(ptr)
+            }
             // The driver keeps no sticky error for a failed allocation (the runtime did, which
             // is why this once cleared it).
             cuda::ERROR_MEMORY_ALLOCATION => Err(DeviceError::OutOfMemory),
@@ -218,7 +243,9 @@ impl Device for CudaDevice {
 
     fn reserve_range(&self, size: u64) -> Result<u64, DeviceError> {
         let vmm = self.vmm()?;
-        self.capture_safe(|| self.fences.on_own_context(|| vmm.reserve(size)))?
+        let address = self.capture_safe(|| self.fences.on_own_context(|| vmm.reserve(size)))??;
+        self.cover(address, size);
+        Ok(address)
     }
 
     fn free_range(&self, address: u64, size: u64) -> Result<(), DeviceError> {

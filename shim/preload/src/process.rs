@@ -48,13 +48,11 @@ const MAX_DEVICES: usize = 64;
 static FORKED_CHILD: AtomicBool = AtomicBool::new(false);
 static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
 
-/// One device's allocator and the address range its segments have covered, so that a free
-/// finds its pool without asking the runtime for the current device.
+/// One device's allocator. A free finds its pool by the addresses its memory has spanned
+/// ([`CudaDevice::may_contain`]), without asking the runtime for the current device.
 #[derive(Debug)]
 struct Pool {
     alloc: Allocator<CudaDevice, DeviceObserver>,
-    lowest: AtomicU64,
-    highest: AtomicU64,
     /// Whether this pool was switched to fenced reuse after a stream appeared.
     fencing: AtomicBool,
 }
@@ -63,22 +61,13 @@ impl Pool {
     fn new(alloc: Allocator<CudaDevice, DeviceObserver>) -> Self {
         Pool {
             alloc,
-            lowest: AtomicU64::new(u64::MAX),
-            highest: AtomicU64::new(0),
             fencing: AtomicBool::new(false),
         }
     }
 
-    /// Widen the covered range to include a new segment.
-    fn cover(&self, address: u64, size: u64) {
-        self.lowest.fetch_min(address, Ordering::AcqRel);
-        self.highest.fetch_max(address + size, Ordering::AcqRel);
-    }
-
-    /// Whether `address` may lie in one of this pool's segments.
+    /// Whether `address` may lie in one of this pool's segments or ranges.
     fn may_contain(&self, address: u64) -> bool {
-        address >= self.lowest.load(Ordering::Acquire)
-            && address < self.highest.load(Ordering::Acquire)
+        self.alloc.device().may_contain(address)
     }
 }
 
@@ -375,9 +364,6 @@ impl Shim {
         let result = pool
             .alloc
             .malloc_on_stream(size, stream, u64::from(stack), &mut changes);
-        for &(address, size) in changes.allocated.iter().chain(&changes.mapped) {
-            pool.cover(address, size);
-        }
         for (segment, e) in &changes.release_errors {
             log::error!(
                 "device {device}: releasing segment {:#x}: {e}",
