@@ -325,6 +325,14 @@ impl Device for CudaDevice {
 }
 
 impl CudaDevice {
+    /// The device was reset: the memory mapped for expandable segments went with its context,
+    /// so no peer is to be granted it any more.
+    pub fn forget_mappings(&self) {
+        if let Some(vmm) = &self.vmm {
+            vmm.forget_mappings();
+        }
+    }
+
     /// Give `peer`, which just enabled peer access to this device, access to the memory mapped
     /// for expandable segments (`cudaMalloc`'s memory needs nothing). Returns how many runs of
     /// mappings could not be granted.

@@ -481,6 +481,7 @@ impl Shim {
         crate::driver::forget_primary_context(device);
         if let Some(alloc) = self.allocator_of(device) {
             alloc.forget_all();
+            alloc.device().forget_mappings();
             log::debug!("device {device} was reset: its pools were forgotten");
         }
     }

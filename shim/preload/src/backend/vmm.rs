@@ -228,6 +228,14 @@ impl Vmm {
         Ok(())
     }
 
+    /// Forget every mapping (the device was reset: the driver dropped them with its context).
+    pub fn forget_mappings(&self) {
+        self.mappings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
     /// Give `peer` access to everything mapped on this device (it just enabled peer access to
     /// it; see [Note [Peer access to mapped memory]](self#note-peer-access-to-mapped-memory)):
     /// one `cuMemSetAccess` per run of adjacent mappings. Returns how many runs failed.
