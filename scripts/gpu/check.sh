@@ -97,6 +97,17 @@ else
     fail "peer_access.py, expandable"; echo "$out" | tail -5
 fi
 
+for conf in "" expandable_segments:True; do
+    out=$(CACHEALLOC_CONF=$conf LD_PRELOAD="$LIB" timeout 300 python3 scripts/gpu/multi_gpu_torch.py 2>&1)
+    if grep -q "^OK multi_gpu_torch.py (skipped" <<< "$out"; then
+        pass "multi_gpu_torch.py $conf (skipped)"
+    elif grep -q "^OK multi_gpu_torch.py" <<< "$out" && grep -q "^cachealloc: " <<< "$out"; then
+        pass "multi_gpu_torch.py $conf"
+    else
+        fail "multi_gpu_torch.py $conf"; grep -E "^FAIL|Error" <<< "$out" | head -5
+    fi
+done
+
 # Control: without fences the race must be caught.
 out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
 if grep -q "overwritten by the old work" <<< "$out"; then pass "race control (reuse:immediate is caught)"; else fail "race control"; echo "$out" | tail -3; fi
