@@ -333,9 +333,8 @@ impl CudaDevice {
         }
     }
 
-    /// Give `peer`, which just enabled peer access to this device, access to the memory mapped
-    /// for expandable segments (`cudaMalloc`'s memory needs nothing). Returns how many runs of
-    /// mappings could not be granted.
+    /// Give `peer`, which may now use this device's memory, access to the memory mapped for
+    /// expandable segments. Returns how many mappings could not be granted.
     pub fn grant_peer(&self, peer: i32) -> Result<usize, DeviceError> {
         match &self.vmm {
             Some(vmm) => self.capture_safe(|| self.fences.on_own_context(|| vmm.grant(peer))),

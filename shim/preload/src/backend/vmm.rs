@@ -12,10 +12,13 @@
 //! # Note [Peer access to mapped memory]
 //!
 //! Memory from `cudaMalloc` is readable by every device that enabled peer access to its device
-//! (`cudaDeviceEnablePeerAccess`); mapped memory only by the devices `cuMemSetAccess` named.
-//! So that expandable segments behave like `cudaMalloc`, each map grants access to its own
-//! device and to every device that enabled peer access to it so far ([`PEER_ACCESS`]), and when
-//! a device enables peer access, [`Vmm::grant`] gives it access to everything already mapped.
+//! (`cudaDeviceEnablePeerAccess`, `cuCtxEnablePeerAccess`), and the driver's pool memory by the
+//! devices given access to the pool (`cudaMemPoolSetAccess`: PyTorch's way on its
+//! `cudaMallocAsync` route); mapped memory only by the devices `cuMemSetAccess` named. So that
+//! expandable segments behave like the memory they stand in for, each map grants access to its
+//! own device and to every device that was given access to its device's memory either way so
+//! far ([`PEER_ACCESS`]), and when a device is, [`Vmm::grant`] gives it access to everything
+//! already mapped (the shim's `process/peer_access.rs` calls it).
 //! [`Vmm`] keeps its own list of the driver's mappings (`mappings`: every place, the parked ones
 //! of moved memory too, which flip back into use with no driver call), under a lock that a map
 //! holds from recording its mappings through its `cuMemSetAccess` and a grant holds throughout:
@@ -238,16 +241,23 @@ impl Vmm {
 
     /// Give `peer` access to everything mapped on this device (it just enabled peer access to
     /// it; see [Note [Peer access to mapped memory]](self#note-peer-access-to-mapped-memory)):
-    /// one `cuMemSetAccess` per run of adjacent mappings. Returns how many runs failed.
+    /// one `cuMemSetAccess` per run of adjacent mappings, or per mapping of a run the driver
+    /// refuses whole. Returns how many mappings could not be granted.
     pub fn grant(&self, peer: i32) -> usize {
         let mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
         let access = access_for(peer);
-        let mut failed = 0;
-        for (start, end) in runs(&mapped) {
+        let set_access = |start: u64, end: u64| {
             // SAFETY: `[start, end)` is whole live mappings of ours (the list is the driver's,
             // and no unmap can start while we hold it); one valid descriptor.
-            let code = call_driver!(cuMemSetAccess(start, (end - start) as usize, &access, 1));
-            failed += usize::from(code != SUCCESS);
+            call_driver!(cuMemSetAccess(start, (end - start) as usize, &access, 1)) == SUCCESS
+        };
+        let mut failed = 0;
+        for (start, end) in runs(&mapped) {
+            if !set_access(start, end) {
+                failed += (mapped.range(start..end))
+                    .filter(|&(&address, &size)| !set_access(address, address + size))
+                    .count();
+            }
         }
         failed
     }

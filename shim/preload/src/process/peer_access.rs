@@ -84,8 +84,8 @@ impl Shim {
                  shared"
             ),
             Ok(failed) => log::error!(
-                "device {accessor} enabled peer access to device {owner}, but {failed} runs of \
-                 device {owner}'s mapped memory could not be shared (cuMemSetAccess failed); \
+                "device {accessor} enabled peer access to device {owner}, but {failed} mappings \
+                 of device {owner}'s memory could not be shared (cuMemSetAccess failed); \
                  kernels of device {accessor} reading them would fault"
             ),
             Err(e) => log::error!(
