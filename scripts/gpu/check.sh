@@ -33,21 +33,34 @@ for src in tests/programs/*.c; do
         || fail "build $name"
 done
 
-# run NAME [ENV...] -- ARGS: under the shim; expects "OK NAME", exit 0 and the shim's exit
-# summary (a program that passes without the shim loaded proves nothing).
+# judge NAME LABEL OUTPUT: passes when the output has "OK NAME" and the shim's exit summary (a
+# program that passes without the shim loaded proves nothing), or says it skipped.
+judge() {
+    local name=$1 label=$2 out=$3
+    if grep -q "^OK $name (skipped" <<< "$out"; then
+        pass "$label (skipped)"
+    elif grep -q "^OK $name" <<< "$out" && grep -q "^cachealloc: " <<< "$out"; then
+        pass "$label"
+    else
+        fail "$label"; echo "$out" | tail -5
+    fi
+}
+
+# run NAME [ENV...] -- ARGS: the C program NAME under the shim.
 run() {
     local name=$1; shift
     local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
     local out
     out=$(env "${envs[@]}" LD_PRELOAD="$LIB" timeout 120 "$BIN/$name" "$@" 2>&1)
-    if grep -q "^OK $name (skipped" <<< "$out"; then
-        pass "$name $* (skipped)"
-    elif grep -q "^OK $name" <<< "$out" && grep -q "^cachealloc: " <<< "$out"; then
-        pass "$name $*"
-    else
-        fail "$name $*"; echo "$out" | tail -5
-    fi
+    judge "$name" "$name $*" "$out"
     echo "$out" | grep "^cachealloc:" | tail -2
+}
+
+# run_py SCRIPT CONF: the Python check scripts/gpu/SCRIPT under the shim with CACHEALLOC_CONF.
+run_py() {
+    local out
+    out=$(CACHEALLOC_CONF=$2 LD_PRELOAD="$LIB" timeout 300 python3 "scripts/gpu/$1" 2>&1)
+    judge "$1" "$1 $2" "$out"
 }
 
 run basic X=1 --
@@ -88,25 +101,9 @@ run oom CACHEALLOC_CONF=expandable_segments:True,per_process_memory_fraction:0.0
 out=$(CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" "$BIN/threads" 4 100 2>&1)
 if grep -q "maps into expandable segments" <<< "$out"; then pass "expandable segments engaged"; else fail "expandable segments engaged"; echo "$out" | tail -3; fi
 
-out=$(CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" timeout 300 python3 scripts/gpu/peer_access.py 2>&1)
-if grep -q "^OK peer_access.py (skipped" <<< "$out"; then
-    pass "peer_access.py, expandable (skipped)"
-elif grep -q "^OK peer_access.py" <<< "$out" && grep -q "^cachealloc: " <<< "$out"; then
-    pass "peer_access.py, expandable"
-else
-    fail "peer_access.py, expandable"; echo "$out" | tail -5
-fi
-
-for conf in "" expandable_segments:True; do
-    out=$(CACHEALLOC_CONF=$conf LD_PRELOAD="$LIB" timeout 300 python3 scripts/gpu/multi_gpu_torch.py 2>&1)
-    if grep -q "^OK multi_gpu_torch.py (skipped" <<< "$out"; then
-        pass "multi_gpu_torch.py $conf (skipped)"
-    elif grep -q "^OK multi_gpu_torch.py" <<< "$out" && grep -q "^cachealloc: " <<< "$out"; then
-        pass "multi_gpu_torch.py $conf"
-    else
-        fail "multi_gpu_torch.py $conf"; grep -E "^FAIL|Error" <<< "$out" | head -5
-    fi
-done
+run_py peer_access.py expandable_segments:True
+run_py multi_gpu_torch.py ""
+run_py multi_gpu_torch.py expandable_segments:True
 
 # Control: without fences the race must be caught.
 out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)

@@ -8,12 +8,6 @@ use crate::log;
 use crate::settings;
 
 impl Shim {
-    /// The device whose default memory pool `pool` is, if it was asked for.
-    fn default_pool_owner(&self, pool: usize) -> Option<i32> {
-        let pools = self.default_pools.lock().unwrap_or_else(|p| p.into_inner());
-        pools.iter().find(|(p, _)| *p == pool).map(|&(_, d)| d)
-    }
-
     /// The current device enabled peer access to `owner` (`cudaDeviceEnablePeerAccess`): give
     /// it access to the memory `owner`'s pools have mapped for expandable segments, as it has
     /// to `cudaMalloc`'s (see `backend/vmm.rs`, Note [Peer access to mapped memory]).

@@ -87,12 +87,17 @@ impl Shim {
         }
     }
 
+    /// The device whose default memory pool `pool` is, if it was asked for
+    /// (`cudaDeviceGetDefaultMemPool`).
+    pub(super) fn default_pool_owner(&self, pool: usize) -> Option<i32> {
+        let pools = self.default_pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools.iter().find(|(p, _)| *p == pool).map(|&(_, d)| d)
+    }
+
     /// The device whose default memory pool `pool` is, if it is one we pool for.
     pub fn default_pool_device(&self, pool: usize) -> Option<i32> {
-        let pools = self.default_pools.lock().unwrap_or_else(|p| p.into_inner());
-        let &(_, device) = pools.iter().find(|(p, _)| *p == pool)?;
-        let slot = self.devices.get(usize::try_from(device).ok()?)?;
-        slot.get().map(|_| device)
+        let device = self.default_pool_owner(pool)?;
+        self.allocator_of(device).map(|_| device)
     }
 
     /// The allocator of `device`, if it exists.
