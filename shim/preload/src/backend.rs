@@ -1,6 +1,6 @@
 //! [`CudaDevice`]: the real device behind `cachealloc-core`'s [`Device`] trait — segments from
-//! libcuda's own `cuMemAlloc_v2`/`cuMemFree_v2` ([`crate::real_driver`]), fences from CUDA events
-//! ([`crate::driver`]).
+//! libcuda's own `cuMemAlloc_v2`/`cuMemFree_v2` ([`crate::real::driver`]), fences from CUDA events
+//! ([`crate::gpu::fences`]).
 //!
 //! Segments come from the driver, not the runtime: a program whose runtime is linked statically
 //! has no runtime we could call, and a shared runtime's `cudaMalloc` would come back to our own
@@ -9,7 +9,7 @@
 //! implicitly: no kernel still running may use a segment's memory when it goes.
 //!
 //! While a stream captures a CUDA graph (see [`crate::streams`]), every call here runs in the
-//! relaxed capture mode ([`driver::relaxed`]), and segment releases are deferred to the end of
+//! relaxed capture mode ([`capture_mode::relaxed`]), and segment releases are deferred to the end of
 //! the last capture: `cudaFree` synchronizes the device, which a capture cannot allow.
 //!
 //! With `expandable_segments:True`, the device offers CUDA's virtual memory (`backend/vmm.rs`) when
@@ -23,8 +23,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM};
 
 use crate::cuda;
-use crate::driver::{self, Driver, Fence, Fences, Stream};
-use crate::real_driver;
+use crate::gpu::LoadedDriver;
+use crate::gpu::capture_mode;
+use crate::gpu::fences::{Fence, Fences};
+use crate::real::driver as real_driver;
+use crate::streams::Stream;
 use crate::streams::StreamRegistry;
 
 mod vmm;
@@ -50,7 +53,7 @@ impl CudaDevice {
     /// The device `ordinal`; with virtual memory if `expandable` and the device has it (else
     /// says why not, once).
     pub fn new(
-        driver: Driver,
+        driver: LoadedDriver,
         ordinal: i32,
         streams: Arc<StreamRegistry>,
         expandable: bool,
@@ -97,7 +100,7 @@ impl CudaDevice {
     /// Run `f` in the relaxed capture mode while any capture is under way.
     fn capture_safe<T>(&self, f: impl FnOnce() -> T) -> T {
         if self.streams.captures_active() {
-            driver::relaxed(f)
+            capture_mode::relaxed(f)
         } else {
             f()
         }

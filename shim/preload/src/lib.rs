@@ -8,24 +8,29 @@
 //!
 //! # Where things are
 //!
+//! A call from the application comes in at [`ffi`], is decided in [`hooks`], served by
+//! [`process`], and reaches CUDA through [`real`] (the real functions) or [`gpu`] (the shim's
+//! own driver calls). [`symbols`] decides which function a caller gets in the first place.
+//!
 //! | module | what |
 //! |---|---|
-//! | [`ffi`] | every exported symbol: the interposed CUDA calls and the C API, and the constructor, fork and exit callbacks (the only module the C ABI touches); `ffi::driver`: the driver functions; `ffi::entry_points`: `dlsym` and the entry-point resolvers |
-//! | [`doors`] | the four ways into CUDA's allocation functions (runtime, driver symbols, `dlsym`, `cuGetProcAddress`) and how lookups are substituted |
-//! | [`hooks`] | what each interposed call does: pool or pass through; `hooks::driver` for the driver's |
-//! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators; `process::stream_api`: stream keys, graph captures, the default memory pool, backward stacks |
-//! | [`report`] | the exit summary (from the plain facts `process` gathers), annotations, the stats JSON |
+//! | [`ffi`] | the C ABI: every exported symbol — `ffi::runtime` (`cudaMalloc` …), `ffi::driver` (`cuMemAlloc_v2` …), `ffi::entry_points` (`dlsym`, `cuGetProcAddress*`, the table of wrapped driver functions), `ffi::c_api` (`cachealloc_*`) — and the constructor, fork and exit callbacks |
+//! | [`symbols`] | symbol resolution: the four doors into CUDA's allocation functions, substitution of our wrappers, the real `dlsym`, our handle of libcuda, and whether a driver call goes to our hooks or straight to the driver |
+//! | [`hooks`] | what each interposed call does, pool or pass through: `hooks::runtime`, `hooks::driver` |
+//! | [`process`] | the process state machine (loaded, pooling, passthrough, degraded, forked child), per-device allocators, and the operations behind the hooks |
+//! | [`report`] | the exit summary, annotations, the stats JSON |
 //! | [`settings`] | the configuration, read once by the constructor; how PyTorch's tensors reach the pools |
 //! | [`python_integration`] | in a Python process, `shim/python/` first on `PYTHONPATH` |
-//! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait |
-//! | [`driver`] | the driver through cudarc: reuse fences (CUDA events), contexts, devices |
+//! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait (segments, fences, virtual memory) |
+//! | [`gpu`] | the shim's own driver calls through cudarc: `gpu::contexts` (the primary-context table), `gpu::fences` (reuse fences), `gpu::capture_mode` (relaxed capture), `gpu::device_facts` |
 //! | [`streams`] | the application's streams, for fences and `reuse:auto` |
 //! | [`trace`] | the trace: directory, header, allocator events as records |
 //! | [`stacks`] | stack capture (native and Python) and interning |
-//! | [`real`] | the real runtime functions, found at first use |
-//! | [`real_driver`] | libcuda's own functions, found with the real `dlsym` |
-//! | [`cuda`] | CUDA ABI constants and types |
+//! | [`real`] | the real functions, found at first use: `real::runtime` (libcudart's), `real::driver` (libcuda's) |
+//! | [`cuda`] | CUDA ABI constants and types, and the two error spaces |
 //! | [`log`] | stderr messages |
+//!
+//! "Driver" alone always means the CUDA driver API (`cu*`), as against the runtime (`cuda*`).
 //!
 //! The allocator itself — size classes, split and merge, reuse fences, the OOM ladder — is
 //! `cachealloc-core`, pure Rust and tested without a GPU; this crate is the thin, unsafe layer
@@ -49,19 +54,18 @@
 
 pub mod backend;
 pub mod cuda;
-pub mod doors;
-pub mod driver;
 pub mod ffi;
+pub mod gpu;
 pub mod hooks;
 pub mod log;
 pub mod process;
 pub mod python_integration;
 pub mod real;
-pub mod real_driver;
 pub mod report;
 pub mod settings;
 pub mod stacks;
 pub mod streams;
+pub mod symbols;
 pub mod trace;
 
 /// The NUL-terminated name of an identifier, as a `&'static CStr`.

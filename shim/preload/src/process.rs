@@ -26,11 +26,11 @@ use cachealloc_recorder::schema::DeviceInfo;
 
 use crate::backend::CudaDevice;
 use crate::cuda::{self, CudaError};
-use crate::driver::{Driver, Stream};
+use crate::gpu::{self, LoadedDriver};
 use crate::log;
 use crate::settings;
 use crate::stacks::Stacks;
-use crate::streams::StreamRegistry;
+use crate::streams::{Stream, StreamRegistry};
 use crate::trace::{DeviceObserver, Trace};
 
 mod exit;
@@ -75,7 +75,7 @@ impl Pool {
 #[derive(Debug)]
 pub struct Shim {
     /// The driver, for fences; `None` only in `pool:off` (trace only).
-    driver: Option<Driver>,
+    driver: Option<LoadedDriver>,
     reuse: ReusePolicy,
     report_cached_as_free: bool,
     streams: Arc<StreamRegistry>,
@@ -146,7 +146,7 @@ fn start() -> Option<Shim> {
         return None;
     }
     // The driver is needed for fences (pooling); without it, only a trace is possible.
-    let driver = match Driver::load() {
+    let driver = match LoadedDriver::load() {
         Ok(d) => Some(d),
         Err(why) if config.pool => {
             log::error!("{why}; reuse fences are impossible, so allocations pass through unpooled");
@@ -161,9 +161,9 @@ fn start() -> Option<Shim> {
         log::debug!("pool:off: passing allocations through, tracing them");
     }
     let device_count = driver
-        .map(crate::driver::device_count)
+        .map(gpu::device_facts::device_count)
         .filter(|&n| n > 0)
-        .unwrap_or_else(crate::real::device_count);
+        .unwrap_or_else(crate::real::runtime::device_count);
     let slots = if device_count > 0 {
         device_count.min(MAX_DEVICES)
     } else {
@@ -172,7 +172,7 @@ fn start() -> Option<Shim> {
     let trace = if config.trace {
         let devices = (0..device_count)
             .filter_map(|d| {
-                let (name, total_memory) = crate::driver::device_info(driver?, d as i32)?;
+                let (name, total_memory) = gpu::device_facts::device_info(driver?, d as i32)?;
                 Some(DeviceInfo {
                     index: d as u32,
                     name,
@@ -242,20 +242,20 @@ impl Shim {
         if self.device_count == 1 {
             return Ok(0);
         }
-        if crate::real::cudaGetDevice().is_some() {
-            return crate::real::current_device();
+        if crate::real::runtime::cudaGetDevice().is_some() {
+            return crate::real::runtime::current_device();
         }
-        match self.driver.map(crate::driver::current_context) {
-            Some(crate::driver::CurrentContext::Primary(device)) => Ok(device),
+        match self.driver.map(gpu::contexts::current_context) {
+            Some(gpu::contexts::CurrentContext::Primary(device)) => Ok(device),
             _ => Err(cuda::ERROR_INVALID_VALUE),
         }
     }
 
     /// The context current on the calling thread (for the driver's door).
-    pub fn current_context(&self) -> crate::driver::CurrentContext {
+    pub fn current_context(&self) -> gpu::contexts::CurrentContext {
         self.driver.map_or(
-            crate::driver::CurrentContext::None,
-            crate::driver::current_context,
+            gpu::contexts::CurrentContext::None,
+            gpu::contexts::current_context,
         )
     }
 
@@ -478,7 +478,7 @@ impl Shim {
 
     /// `device`'s primary context was reset: forget its pools (their memory is gone).
     pub fn device_reset_of(&self, device: i32) {
-        crate::driver::forget_primary_context(device);
+        gpu::contexts::forget_primary_context(device);
         if let Some(alloc) = self.allocator_of(device) {
             alloc.forget_all();
             alloc.device().forget_mappings();
@@ -547,12 +547,12 @@ impl Shim {
         if current == device {
             return Ok(f());
         }
-        let code = crate::real::set_device(device);
+        let code = crate::real::runtime::set_device(device);
         if code != cuda::SUCCESS {
             return Err(code);
         }
         let result = f();
-        crate::real::set_device(current); // back to the caller's device
+        crate::real::runtime::set_device(current); // back to the caller's device
         Ok(result)
     }
 }

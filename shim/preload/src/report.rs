@@ -79,10 +79,10 @@ fn print_summary(facts: ExitFacts) {
     }
 }
 
-/// The doors allocation requests came through (see [`crate::doors`]), those used only: "runtime
+/// The doors allocation requests came through (see [`crate::symbols`]), those used only: "runtime
 /// cudaMalloc* 12, driver entry points (cuGetProcAddress) 3".
 fn doors_line() -> Option<String> {
-    let used: Vec<String> = crate::doors::counts()
+    let used: Vec<String> = crate::symbols::counts()
         .into_iter()
         .filter(|&(_, n)| n > 0)
         .map(|(door, n)| format!("{} {n}", door.name()))

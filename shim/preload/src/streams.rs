@@ -34,7 +34,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::cuda;
-use crate::driver::Stream;
+
+/// A stream handle (runtime `cudaStream_t` and driver `CUstream` are the same handle).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Stream(pub usize);
 
 #[derive(Debug)]
 struct Entry {

@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
 
-use crate::real_driver::{self, CuResult, SUCCESS, call_driver};
+use crate::real::driver::{self as real_driver, CuResult, SUCCESS, call_driver};
 
 /// Devices this process gave peer access to each device's memory: bit `a` of entry `d` is set
 /// once device `a` enabled peer access to device `d` (see [Note [Peer access to mapped

@@ -6,7 +6,8 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 use super::guarded;
 use crate::cuda::{self, CudaStream};
-use crate::{hooks, process};
+use crate::hooks::runtime as hooks;
+use crate::process;
 
 /// The library's version, a static NUL-terminated string.
 #[cfg_attr(not(test), unsafe(no_mangle))]
@@ -115,7 +116,7 @@ pub extern "C" fn cachealloc_torch_malloc(
     match guarded(
         "cachealloc_torch_malloc",
         || hooks::torch_malloc(size, device, stream),
-        || crate::real::malloc(size),
+        || crate::real::runtime::malloc(size),
     ) {
         Ok(address) => address as *mut c_void,
         Err(_) => std::ptr::null_mut(),

@@ -1,5 +1,5 @@
 //! The wrapped driver functions (`cuMemAlloc_v2` …), exported and handed out by the
-//! entry-point doors ([`super::entry_points`]; see [`crate::doors`]).
+//! entry-point doors ([`super::entry_points`]; see [`crate::symbols`]).
 //!
 //! An allocation function exists once per door (the exported symbol, the copy handed out by
 //! `dlsym`, the copy handed out by the resolvers), so that the exit summary can say which door
@@ -9,10 +9,10 @@
 use std::ffi::{c_int, c_uint, c_void};
 
 use super::{guarded, put};
-use crate::doors::Door;
 use crate::hooks::driver::{self as hooks, StreamArg};
 use crate::process::PooledBlock;
-use crate::real_driver::{self, CuResult, DevicePtr, Handle, SUCCESS, call_driver};
+use crate::real::driver::{self as real_driver, CuResult, DevicePtr, Handle, SUCCESS, call_driver};
+use crate::symbols::Door;
 
 // ----- allocation, one copy per door -------------------------------------------------------
 

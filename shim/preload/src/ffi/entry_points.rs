@@ -1,13 +1,15 @@
 //! The doors into the driver's entry points: `dlsym`, `cuGetProcAddress*` and the runtime's
 //! `cudaGetDriverEntryPoint*`, each of which hands out our wrappers ([`super::driver`]) in place
-//! of the driver functions we wrap — see [`crate::doors`] — and the table of those functions.
+//! of the driver functions we wrap — see [`crate::symbols`] — and the table of those functions
+//! ([`INTERPOSED`]).
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::LazyLock;
 
 use super::driver::*;
-use crate::doors::{self, Interposed};
-use crate::real_driver::{CuResult, SUCCESS, call_driver};
+use crate::real::driver::{CuResult, SUCCESS, call_driver};
+use crate::symbols::{self, Interposed, libc_dlsym};
 
 // ----- dlsym -------------------------------------------------------------------------------
 
@@ -39,7 +41,7 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
         "mov rdx, [rsp]",
         "jmp {on_handle}",
         on_handle = sym dlsym_on_handle,
-        real = sym doors::REAL_DLSYM,
+        real = sym libc_dlsym::REAL_DLSYM,
     )
 }
 
@@ -53,10 +55,10 @@ unsafe extern "C" fn dlsym_on_handle(
     caller: usize,
 ) -> *mut c_void {
     // SAFETY: the application's arguments to `dlsym`, passed on.
-    let lookup = || unsafe { doors::dlsym_lookup(handle, symbol, caller) };
+    let lookup = || unsafe { symbols::dlsym_lookup(handle, symbol, caller, &INTERPOSED) };
     catch_unwind(AssertUnwindSafe(lookup)).unwrap_or_else(|_| {
         // SAFETY: as above.
-        unsafe { doors::real_dlsym(handle, symbol) }.unwrap_or(std::ptr::null_mut())
+        unsafe { symbols::real_dlsym(handle, symbol) }.unwrap_or(std::ptr::null_mut())
     })
 }
 
@@ -68,7 +70,9 @@ unsafe extern "C" fn dlsym_on_handle(
 /// `pfn` must be null or valid for reads and writes of a pointer.
 unsafe fn substitute_found(pfn: *mut *mut c_void) {
     // SAFETY: forwarded contract.
-    let _ = catch_unwind(AssertUnwindSafe(|| unsafe { doors::substitute_found(pfn) }));
+    let _ = catch_unwind(AssertUnwindSafe(|| unsafe {
+        symbols::substitute_found(pfn, &INTERPOSED)
+    }));
 }
 
 /// `cuGetProcAddress_v2`: the real lookup, then our wrapper where it found one we wrap.
@@ -155,7 +159,7 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
     flags: u64,
     status: *mut c_int,
 ) -> crate::cuda::CudaError {
-    let Some(real) = crate::real::cudaGetDriverEntryPoint() else {
+    let Some(real) = crate::real::runtime::cudaGetDriverEntryPoint() else {
         return crate::cuda::ERROR_INITIALIZATION;
     };
     // SAFETY: the application's arguments, passed on unchanged.
@@ -179,7 +183,7 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
     flags: u64,
     status: *mut c_int,
 ) -> crate::cuda::CudaError {
-    let Some(real) = crate::real::cudaGetDriverEntryPointByVersion() else {
+    let Some(real) = crate::real::runtime::cudaGetDriverEntryPointByVersion() else {
         return crate::cuda::ERROR_INITIALIZATION;
     };
     // SAFETY: the application's arguments, passed on unchanged.
@@ -193,8 +197,10 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
 
 // ----- the table of what we wrap -----------------------------------------------------------
 
-/// Every driver function we wrap, with our wrapper per door ([`doors::substitute`]).
-pub fn interposed() -> Vec<Interposed> {
+/// Every driver function we wrap, with our wrapper per door ([`symbols::substitute`]).
+pub static INTERPOSED: LazyLock<Vec<Interposed>> = LazyLock::new(interposed);
+
+fn interposed() -> Vec<Interposed> {
     macro_rules! same {
         ($name:ident) => {
             Interposed {

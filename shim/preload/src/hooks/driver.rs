@@ -2,19 +2,19 @@
 //! [`crate::ffi::driver`] convert the C arguments and pass the real call as a closure, used for
 //! everything that is not ours.
 //!
-//! Every hook first asks [`doors::bypass_driver_hooks`]: a driver call the runtime makes while
+//! Every hook first asks [`symbols::bypass_driver_hooks`]: a driver call the runtime makes while
 //! the shim is calling into it belongs to a request the shim already handled, and goes straight
 //! to the driver, as every driver call does with `driver_doors:off`. Allocations are pooled only in a device's primary context (the runtime's); the
-//! current context decides the device ([`crate::driver::current_context`]).
+//! current context decides the device ([`crate::gpu::contexts::current_context`]).
 
 use cachealloc_core::NO_STREAM;
 
 use crate::cuda;
-use crate::doors::{self, Door};
-use crate::driver::CurrentContext;
+use crate::gpu::contexts::CurrentContext;
 use crate::log;
 use crate::process::{self, PooledBlock};
-use crate::real_driver::{self, CuResult};
+use crate::real::driver::{self as real_driver, CuResult};
+use crate::symbols::{self, Door};
 
 /// A stream argument of a driver call.
 #[derive(Clone, Copy, Debug)]
@@ -44,10 +44,10 @@ pub fn mem_alloc(
     stream: Option<StreamArg>,
     real: impl FnOnce() -> Result<u64, CuResult>,
 ) -> Result<u64, CuResult> {
-    if doors::bypass_driver_hooks() {
+    if symbols::bypass_driver_hooks() {
         return real();
     }
-    doors::count(door);
+    symbols::count(door);
     let Some(shim) = process::shim() else {
         return real();
     };
@@ -81,7 +81,7 @@ pub fn mem_free(
     stream: Option<StreamArg>,
     real: impl FnOnce() -> CuResult,
 ) -> CuResult {
-    if doors::bypass_driver_hooks() || address == 0 {
+    if symbols::bypass_driver_hooks() || address == 0 {
         return real();
     }
     if let Some(shim) = process::shim() {
@@ -102,7 +102,7 @@ pub fn mem_get_info(
     real: impl FnOnce() -> Result<(u64, u64), CuResult>,
 ) -> Result<(u64, u64), CuResult> {
     let (free, total) = real()?;
-    if doors::bypass_driver_hooks() {
+    if symbols::bypass_driver_hooks() {
         return Ok((free, total));
     }
     let cached = process::started_shim().map_or(0, |shim| match shim.current_context() {
@@ -116,7 +116,7 @@ pub fn mem_get_info(
 /// containing `address` if it is ours, an error for an address in our segments that is not live
 /// (a freed block), `None` to ask the driver.
 pub fn pooled_block(address: u64) -> Option<Result<PooledBlock, CuResult>> {
-    if doors::bypass_driver_hooks() {
+    if symbols::bypass_driver_hooks() {
         return None;
     }
     let shim = process::started_shim()?;
@@ -126,7 +126,7 @@ pub fn pooled_block(address: u64) -> Option<Result<PooledBlock, CuResult>> {
 
 /// `cuIpcGetMemHandle`: refused inside a pooled segment, as `cudaIpcGetMemHandle` is.
 pub fn ipc_get_mem_handle(address: u64, real: impl FnOnce() -> CuResult) -> CuResult {
-    if !doors::bypass_driver_hooks()
+    if !symbols::bypass_driver_hooks()
         && let Some(shim) = process::shim()
         && let Err(why) = shim.ipc_check(address)
     {
@@ -145,7 +145,7 @@ pub fn stream_create(
     real: impl FnOnce() -> Result<usize, CuResult>,
 ) -> Result<usize, CuResult> {
     let stream = real()?;
-    if !doors::bypass_driver_hooks()
+    if !symbols::bypass_driver_hooks()
         && let Some(shim) = process::shim()
         && let CurrentContext::Primary(device) = shim.current_context()
     {
@@ -156,10 +156,10 @@ pub fn stream_create(
 
 /// `cuStreamDestroy_v2`.
 pub fn stream_destroy(stream: usize, real: impl FnOnce(usize) -> CuResult) -> CuResult {
-    if doors::bypass_driver_hooks() {
+    if symbols::bypass_driver_hooks() {
         return real(stream);
     }
-    super::stream_destroy_with(
+    super::runtime::stream_destroy_with(
         stream,
         // Handle from the application, validated by the driver.
         |s| real_driver::call_driver!(cuStreamSynchronize(s as real_driver::Handle)),
@@ -169,18 +169,18 @@ pub fn stream_destroy(stream: usize, real: impl FnOnce(usize) -> CuResult) -> Cu
 
 /// `cuStreamBeginCapture_v2*`.
 pub fn stream_begin_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) -> CuResult {
-    if doors::bypass_driver_hooks() {
+    if symbols::bypass_driver_hooks() {
         return real();
     }
-    super::stream_begin_capture(stream.runtime_handle(), real)
+    super::runtime::stream_begin_capture(stream.runtime_handle(), real)
 }
 
 /// `cuStreamEndCapture*`.
 pub fn stream_end_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) -> CuResult {
-    if doors::bypass_driver_hooks() {
+    if symbols::bypass_driver_hooks() {
         return real();
     }
-    super::stream_end_capture(stream.runtime_handle(), real)
+    super::runtime::stream_end_capture(stream.runtime_handle(), real)
 }
 
 /// `cuCtxEnablePeerAccess(peer_context)`: the current context's device may now use the memory
@@ -188,7 +188,7 @@ pub fn stream_end_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) ->
 pub fn ctx_enable_peer_access(peer_context: usize, real: impl FnOnce() -> CuResult) -> CuResult {
     let code = real();
     if code == real_driver::SUCCESS
-        && !doors::bypass_driver_hooks()
+        && !symbols::bypass_driver_hooks()
         && let Some(shim) = process::shim()
     {
         shim.peer_context_enabled(peer_context);
@@ -200,7 +200,7 @@ pub fn ctx_enable_peer_access(peer_context: usize, real: impl FnOnce() -> CuResu
 pub fn primary_context_reset(device: i32, real: impl FnOnce() -> CuResult) -> CuResult {
     let code = real();
     if code == real_driver::SUCCESS
-        && !doors::bypass_driver_hooks()
+        && !symbols::bypass_driver_hooks()
         && let Some(shim) = process::started_shim()
     {
         shim.device_reset_of(device);

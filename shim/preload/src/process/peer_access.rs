@@ -12,7 +12,10 @@ impl Shim {
     /// it access to the memory `owner`'s pools have mapped for expandable segments, as it has
     /// to `cudaMalloc`'s (see `backend/vmm.rs`, Note [Peer access to mapped memory]).
     pub fn peer_access_enabled(&self, owner: i32) {
-        let accessor = match self.driver.and_then(crate::driver::current_context_device) {
+        let accessor = match self
+            .driver
+            .and_then(crate::gpu::contexts::current_context_device)
+        {
             Some(device) => device,
             None => match self.current_device() {
                 Ok(device) => device,
@@ -28,7 +31,7 @@ impl Shim {
     pub fn peer_context_enabled(&self, peer_context: usize) {
         let owner = self
             .driver
-            .and_then(|d| crate::driver::device_of_primary_context(d, peer_context));
+            .and_then(|d| crate::gpu::contexts::device_of_primary_context(d, peer_context));
         if let Some(owner) = owner {
             self.peer_access_enabled(owner);
         }
@@ -54,7 +57,8 @@ impl Shim {
             None => !settings::get().config.allocator.expandable_segments,
         };
         if fixed_segments
-            && let Err(e) = crate::driver::enable_context_peer_access(driver, accessor, owner)
+            && let Err(e) =
+                crate::gpu::contexts::enable_context_peer_access(driver, accessor, owner)
         {
             log::error!(
                 "device {accessor} was given access to device {owner}'s memory pool, but peer \

@@ -7,8 +7,8 @@ use cachealloc_core::{Allocator, NO_STREAM, Stats};
 use super::Shim;
 use crate::backend::CudaDevice;
 use crate::cuda::{self, CudaError};
-use crate::driver::Stream;
 use crate::log;
+use crate::streams::Stream;
 use crate::trace::DeviceObserver;
 
 impl Shim {

@@ -1,5 +1,10 @@
-//! The doors through which a program reaches CUDA's allocation functions, and how each one is
-//! made to lead to the pools.
+//! Symbol resolution: which function a caller gets. The doors through which a program reaches
+//! CUDA's allocation functions, how each one is made to lead to the pools, and whether a driver
+//! call goes to our hooks or straight to the driver.
+//!
+//! This module is the one both the ABI layer ([`crate::ffi`]) and the real-call layer
+//! ([`crate::real`]) use; it uses neither. Its parts: [`libc_dlsym`] (the real `dlsym`) and
+//! [`libcuda`] (our handle of libcuda and its own symbols).
 //!
 //! | door | who uses it | how we stand in it |
 //! |---|---|---|
@@ -23,8 +28,8 @@
 //!
 //! `dlsym(RTLD_NEXT, …)` and `dlsym(RTLD_DEFAULT, …)` depend on who calls: glibc looks at the
 //! return address. Our `dlsym` is a naked function that tail-jumps to the real one for those
-//! two handles, so glibc sees the original caller ([`crate::ffi::entry_points`]). Only lookups on an
-//! explicit handle reach [`dlsym_lookup`], and lookups made by this library itself (cudarc's
+//! two handles, so glibc sees the original caller ([`crate::ffi::entry_points`]). Only lookups on
+//! an explicit handle reach [`dlsym_lookup`], and lookups made by this library itself (cudarc's
 //! own, the runtime's) get real answers.
 //!
 //! # One allocation, one entry
@@ -32,12 +37,17 @@
 //! With a shared runtime, `cudaMalloc` reaches our runtime hook and the runtime is never asked;
 //! when the shim itself calls into the runtime (a pass-through), the runtime's driver calls come
 //! back to our driver wrappers, which then go straight to the driver ([`inside_runtime`]). The
-//! pools' own segments come from libcuda's real functions ([`crate::real_driver`]).
+//! pools' own segments come from libcuda's real functions ([`crate::real::driver`]).
 
 use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_void};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+pub mod libc_dlsym;
+pub mod libcuda;
+
+pub use libc_dlsym::real_dlsym;
 
 /// A way in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,45 +141,6 @@ pub fn through_runtime<T>(f: impl FnOnce() -> T) -> T {
     result
 }
 
-/// `dlsym`'s signature.
-pub type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
-
-/// The real `dlsym` (libc's), as an address for the naked `dlsym`; 0 until found.
-pub static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
-
-/// Find the real `dlsym` (glibc 2.34 and later, then older ones) and store it.
-fn find_real_dlsym() -> Option<DlsymFn> {
-    for version in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
-        // SAFETY: NUL-terminated strings; RTLD_NEXT asks for the definition after this
-        // library, libc's.
-        let p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
-        if !p.is_null() {
-            REAL_DLSYM.store(p as usize, Ordering::Release);
-            // SAFETY: libc's `dlsym` has this signature.
-            return Some(unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(p) });
-        }
-    }
-    None
-}
-
-/// Look `name` up in `handle` with the real `dlsym`. `None` for a NULL answer.
-///
-/// # Safety
-/// `dlsym`'s contract: `handle` a pseudo-handle or a live handle from `dlopen`, `name` a
-/// NUL-terminated string.
-pub unsafe fn real_dlsym(handle: *mut c_void, name: *const c_char) -> Option<*mut c_void> {
-    let address = REAL_DLSYM.load(Ordering::Acquire);
-    let real = if address != 0 {
-        // SAFETY: only ever stores libc's `dlsym`, which has this signature.
-        unsafe { std::mem::transmute::<usize, DlsymFn>(address) }
-    } else {
-        find_real_dlsym()?
-    };
-    // SAFETY: the arguments are the caller's, passed on as `dlsym` takes them.
-    let p = unsafe { real(handle, name) };
-    (!p.is_null()).then_some(p)
-}
-
 /// The base address of this library, to recognize our own lookups.
 fn own_base() -> usize {
     static BASE: OnceLock<usize> = OnceLock::new();
@@ -189,19 +160,18 @@ fn object_base(address: usize) -> Option<usize> {
     (found != 0).then_some(info.dli_fbase as usize)
 }
 
-/// Find libc's `dlsym` now (the constructor does, so that the naked `dlsym` never needs the
-/// slow path).
-pub fn prepare() {
-    find_real_dlsym();
-}
-
 /// The lookups of our `dlsym` that need more than a jump to libc's (an explicit handle; or any
 /// lookup before libc's was found), with the caller's return address: the real answer, or our
 /// wrapper when it is one of the driver functions we wrap and the lookup is not our own.
 ///
 /// # Safety
 /// `dlsym`'s contract (see [`real_dlsym`]).
-pub unsafe fn dlsym_lookup(handle: *mut c_void, name: *const c_char, caller: usize) -> *mut c_void {
+pub unsafe fn dlsym_lookup(
+    handle: *mut c_void,
+    name: *const c_char,
+    caller: usize,
+    table: &'static [Interposed],
+) -> *mut c_void {
     // SAFETY: forwarded contract.
     let Some(found) = (unsafe { real_dlsym(handle, name) }) else {
         return std::ptr::null_mut();
@@ -222,7 +192,7 @@ pub unsafe fn dlsym_lookup(handle: *mut c_void, name: *const c_char, caller: usi
     if object_base(caller) == Some(own_base()) {
         return found;
     }
-    substitute(found as usize, Door::Dlsym).map_or(found, |w| w as *mut c_void)
+    substitute(found as usize, Door::Dlsym, table).map_or(found, |w| w as *mut c_void)
 }
 
 /// One driver function we wrap: its libcuda name and our wrapper for each door.
@@ -236,28 +206,31 @@ pub struct Interposed {
     pub through_entry_points: usize,
 }
 
-/// libcuda's address of each wrapped function, once libcuda is loaded.
-fn real_addresses() -> Option<&'static [(usize, Interposed)]> {
-    static TABLE: OnceLock<Vec<(usize, Interposed)>> = OnceLock::new();
-    if let Some(t) = TABLE.get() {
+/// libcuda's address of each function of `table` (the ABI layer's one table of what it wraps),
+/// once libcuda is loaded.
+fn real_addresses(table: &'static [Interposed]) -> Option<&'static [(usize, Interposed)]> {
+    static ADDRESSES: OnceLock<Vec<(usize, Interposed)>> = OnceLock::new();
+    if let Some(t) = ADDRESSES.get() {
         return Some(t);
     }
-    crate::real_driver::loaded_handle()?;
-    Some(TABLE.get_or_init(|| {
-        crate::ffi::entry_points::interposed()
-            .into_iter()
-            .filter_map(|i| Some((crate::real_driver::lookup_loaded(i.name)?, i)))
+    libcuda::loaded_handle()?;
+    Some(ADDRESSES.get_or_init(|| {
+        table
+            .iter()
+            .filter_map(|&i| Some((libcuda::lookup_loaded(i.name)?, i)))
             .collect()
     }))
 }
 
-/// Our wrapper for the real driver function at `found`, as handed out through `door`; `None`
-/// when it is not one we wrap.
-pub fn substitute(found: usize, door: Door) -> Option<usize> {
+/// Our wrapper (from `table`) for the real driver function at `found`, as handed out through
+/// `door`; `None` when it is not one we wrap.
+pub fn substitute(found: usize, door: Door, table: &'static [Interposed]) -> Option<usize> {
     if !driver_doors_open() {
         return None;
     }
-    let (_, interposed) = real_addresses()?.iter().find(|(real, _)| *real == found)?;
+    let (_, interposed) = real_addresses(table)?
+        .iter()
+        .find(|(real, _)| *real == found)?;
     Some(match door {
         Door::Dlsym => interposed.through_dlsym,
         _ => interposed.through_entry_points,
@@ -265,11 +238,11 @@ pub fn substitute(found: usize, door: Door) -> Option<usize> {
 }
 
 /// After a successful `cuGetProcAddress*` or `cudaGetDriverEntryPoint*`: replace the function
-/// found by our wrapper if it is one we wrap.
+/// found by our wrapper (from `table`) if it is one we wrap.
 ///
 /// # Safety
 /// `pfn` must be null or valid for reads and writes of a pointer.
-pub unsafe fn substitute_found(pfn: *mut *mut c_void) {
+pub unsafe fn substitute_found(pfn: *mut *mut c_void, table: &'static [Interposed]) {
     if pfn.is_null() {
         return;
     }
@@ -278,7 +251,7 @@ pub unsafe fn substitute_found(pfn: *mut *mut c_void) {
     if found.is_null() {
         return;
     }
-    if let Some(wrapper) = substitute(found as usize, Door::EntryPoint) {
+    if let Some(wrapper) = substitute(found as usize, Door::EntryPoint, table) {
         // SAFETY: as above.
         unsafe { pfn.write(wrapper as *mut c_void) };
     }

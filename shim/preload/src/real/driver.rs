@@ -1,13 +1,9 @@
 //! The real CUDA driver functions behind the driver-level hooks, looked up in libcuda itself.
 //!
-//! Every lookup here goes through the real `dlsym` ([`crate::doors::real_dlsym`]) on our own
-//! handle of `libcuda.so.1`, so it can never return one of our own wrappers. Functions resolve
-//! once, at first use; a function the driver lacks is `None` and its hook answers
+//! Every lookup here goes through the real `dlsym` on our own handle of `libcuda.so.1`
+//! ([`crate::symbols::libcuda`]), so it can never return one of our own wrappers. Functions
+//! resolve once, at first use; a function the driver lacks is `None` and its hook answers
 //! `CUDA_ERROR_NOT_FOUND`.
-//!
-//! `libcuda` is never loaded by a lookup made for the doors ([`loaded_handle`]): a pointer can
-//! only be libcuda's if libcuda is loaded. It is loaded (if it is not yet) only by a hook that is
-//! about to call the driver — which means the application already reached it.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
@@ -43,54 +39,6 @@ pub const POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int = 11;
 /// `CU_POINTER_ATTRIBUTE_RANGE_SIZE` (a `size_t`).
 pub const POINTER_ATTRIBUTE_RANGE_SIZE: c_int = 12;
 
-const SONAME: &CStr = c"libcuda.so.1";
-
-/// Our handle of libcuda if it is loaded (never loads it).
-pub fn loaded_handle() -> Option<usize> {
-    static HANDLE: OnceLock<usize> = OnceLock::new();
-    if let Some(&h) = HANDLE.get() {
-        return Some(h);
-    }
-    // SAFETY: NUL-terminated name; RTLD_NOLOAD only returns a handle to a library that is
-    // already loaded (or NULL), running no code. The reference it takes is kept for the life of
-    // the process.
-    let h = unsafe { libc::dlopen(SONAME.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-    if h.is_null() {
-        return None;
-    }
-    Some(*HANDLE.get_or_init(|| h as usize))
-}
-
-/// Our handle of libcuda, loading it if needed.
-fn handle() -> Option<usize> {
-    if let Some(h) = loaded_handle() {
-        return Some(h);
-    }
-    // SAFETY: NUL-terminated name. Loading libcuda runs its initializers, as the first driver
-    // call of the application (which brought us here) would have.
-    let h = unsafe { libc::dlopen(SONAME.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
-    if h.is_null() {
-        return None;
-    }
-    loaded_handle()
-}
-
-/// The address of libcuda's own `name`, loading libcuda if needed.
-pub fn lookup(name: &CStr) -> Option<usize> {
-    let h = handle()?;
-    // SAFETY: a live handle of ours from dlopen and a NUL-terminated name.
-    let p = unsafe { crate::doors::real_dlsym(h as *mut c_void, name.as_ptr()) }?;
-    Some(p as usize)
-}
-
-/// The address of libcuda's own `name` if libcuda is loaded (never loads it).
-pub fn lookup_loaded(name: &CStr) -> Option<usize> {
-    let h = loaded_handle()?;
-    // SAFETY: a live handle of ours from dlopen and a NUL-terminated name.
-    let p = unsafe { crate::doors::real_dlsym(h as *mut c_void, name.as_ptr()) }?;
-    Some(p as usize)
-}
-
 /// Declare an accessor per real driver function: it resolves once and returns the function
 /// pointer, or `None` when libcuda lacks it.
 macro_rules! real_driver_functions {
@@ -102,7 +50,9 @@ macro_rules! real_driver_functions {
                 static SLOT: OnceLock<Option<usize>> = OnceLock::new();
                 let address = (*SLOT.get_or_init(|| {
                     let name = concat!(stringify!($name), "\0");
-                    lookup(CStr::from_bytes_with_nul(name.as_bytes()).expect("NUL-terminated"))
+                    crate::symbols::libcuda::lookup(
+                        CStr::from_bytes_with_nul(name.as_bytes()).expect("NUL-terminated"),
+                    )
                 }))?;
                 // SAFETY: libcuda's symbol of this name has exactly this C signature (the
                 // driver's published ABI, cuda.h), and a resolved address is never null.
@@ -155,11 +105,11 @@ real_driver_functions! {
 /// Call a real driver function, or answer `CUDA_ERROR_NOT_FOUND` when libcuda lacks it.
 macro_rules! call_driver {
     ($name:ident($($arg:expr),*)) => {
-        match crate::real_driver::$name() {
+        match crate::real::driver::$name() {
             // SAFETY: the caller passes arguments that satisfy the driver function's contract
             // (each call site says why).
             Some(f) => unsafe { f($($arg),*) },
-            None => crate::real_driver::ERROR_NOT_FOUND,
+            None => crate::real::driver::ERROR_NOT_FOUND,
         }
     };
 }
