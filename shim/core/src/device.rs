@@ -24,7 +24,8 @@ pub enum DeviceError {
     /// Any other failure; passed to the caller unchanged, with the backend's code and text.
     #[error("device error {code}: {message}")]
     Other {
-        /// The backend's error code (a `cudaError_t` for the CUDA backend).
+        /// The backend's error code (for the CUDA backend a `CUresult`: its calls are the
+        /// driver's).
         code: i32,
         /// What the backend said.
         message: String,

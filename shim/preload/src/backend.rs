@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM};
 
 use crate::cuda;
+use crate::cuda::driver::{self as codes, CuResult};
 use crate::gpu::LoadedDriver;
 use crate::gpu::capture_mode;
 use crate::gpu::fences::{Fence, Fences};
@@ -132,7 +133,7 @@ impl CudaDevice {
             unsafe { free(address) }
         })?;
         match code {
-            real_driver::SUCCESS | real_driver::ERROR_DEINITIALIZED => Ok(()),
+            codes::SUCCESS | codes::ERROR_DEINITIALIZED => Ok(()),
             other => Err(driver_error(other, "cuMemFree_v2")),
         }
     }
@@ -140,15 +141,15 @@ impl CudaDevice {
 
 fn missing(name: &str) -> DeviceError {
     DeviceError::Other {
-        code: real_driver::ERROR_NOT_FOUND,
+        code: codes::ERROR_NOT_FOUND.0,
         message: format!("the CUDA driver lacks {name}"),
     }
 }
 
-fn driver_error(code: real_driver::CuResult, what: &str) -> DeviceError {
+fn driver_error(code: CuResult, what: &str) -> DeviceError {
     DeviceError::Other {
-        code,
-        message: format!("{what} returned CUDA error {code}"),
+        code: code.0,
+        message: format!("{what} returned {code}"),
     }
 }
 
@@ -165,7 +166,7 @@ impl Device for CudaDevice {
         let code = self
             .fences
             .on_own_context(|| unsafe { get(&mut free, &mut total) });
-        if code != Ok(real_driver::SUCCESS) {
+        if code != Ok(codes::SUCCESS) {
             return MemInfo::default();
         }
         MemInfo {
@@ -184,13 +185,13 @@ impl Device for CudaDevice {
                 .on_own_context(|| unsafe { malloc(&mut ptr, size as usize) })
         })?;
         match code {
-            real_driver::SUCCESS if ptr != 0 => {
+            codes::SUCCESS if ptr != 0 => {
                 self.cover(ptr, size);
                 Ok(ptr)
             }
             // The driver keeps no sticky error for a failed allocation (the runtime did, which
             // is why this once cleared it).
-            cuda::ERROR_MEMORY_ALLOCATION => Err(DeviceError::OutOfMemory),
+            codes::ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
             other => Err(driver_error(other, "cuMemAlloc_v2")),
         }
     }
@@ -287,7 +288,7 @@ impl Device for CudaDevice {
         let vmm = self.vmm()?;
         if self.streams.captures_active() {
             return Err(DeviceError::Other {
-                code: cuda::ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                code: codes::ERROR_STREAM_CAPTURE_UNSUPPORTED.0,
                 message: "unmapping waits for the end of the graph capture".to_string(),
             });
         }
@@ -298,7 +299,7 @@ impl Device for CudaDevice {
     fn synchronize(&self) -> Result<(), DeviceError> {
         if self.streams.captures_active() {
             return Err(DeviceError::Other {
-                code: cuda::ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                code: codes::ERROR_STREAM_CAPTURE_UNSUPPORTED.0,
                 message: "a device synchronization waits for the end of the graph capture"
                     .to_string(),
             });
@@ -307,7 +308,7 @@ impl Device for CudaDevice {
         self.fences.on_own_context(|| {
             // SAFETY: no arguments; this device's context is current.
             match unsafe { sync() } {
-                real_driver::SUCCESS => Ok(()),
+                codes::SUCCESS => Ok(()),
                 other => Err(driver_error(other, "cuCtxSynchronize")),
             }
         })?

@@ -1,27 +1,57 @@
-//! The parts of the CUDA runtime ABI the shim speaks: error codes, handle types, flags. Values
-//! are CUDA's own (they are part of the ABI and have not changed across CUDA 11–13).
+//! The parts of the CUDA ABI the shim speaks: here the runtime's error codes, handle types and
+//! flags; the driver's in [`driver`]. Values are CUDA's own (they are part of the ABI and have
+//! not changed across CUDA 11–13).
+//!
+//! The two APIs' result codes are two types, [`CudaError`] (`cudaError_t`) and
+//! [`driver::CuResult`] (`CUresult`), both `#[repr(transparent)]` over the C `int`, so an
+//! exported function returns exactly what C expects and the compiler refuses a driver code
+//! returned to a runtime caller (or the reverse) unless it is converted by meaning.
 
 use std::ffi::c_void;
 
-/// `cudaError_t`.
-pub type CudaError = i32;
+pub mod driver;
+
+/// `cudaError_t`: what every runtime function returns.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CudaError(pub i32);
+
+/// What the two APIs' result codes share, for the hooks that serve both the same way.
+pub trait ResultCode: Copy {
+    /// Whether the call succeeded.
+    fn is_success(self) -> bool;
+}
+
+impl ResultCode for CudaError {
+    fn is_success(self) -> bool {
+        self == SUCCESS
+    }
+}
+
+impl std::fmt::Display for CudaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CUDA runtime error {}", self.0)
+    }
+}
 /// `cudaStream_t`: an opaque handle.
 pub type CudaStream = *mut c_void;
 
 /// `cudaSuccess`.
-pub const SUCCESS: CudaError = 0;
+pub const SUCCESS: CudaError = CudaError(0);
 /// `cudaErrorInvalidValue`: also what we return for a double free or an interior pointer.
-pub const ERROR_INVALID_VALUE: CudaError = 1;
+pub const ERROR_INVALID_VALUE: CudaError = CudaError(1);
 /// `cudaErrorMemoryAllocation`.
-pub const ERROR_MEMORY_ALLOCATION: CudaError = 2;
+pub const ERROR_MEMORY_ALLOCATION: CudaError = CudaError(2);
 /// `cudaErrorInitializationError`: what we return when a real function cannot be found.
-pub const ERROR_INITIALIZATION: CudaError = 3;
+pub const ERROR_INITIALIZATION: CudaError = CudaError(3);
 /// `cudaErrorCudartUnloading`: the runtime is shutting down (late frees at process exit).
-pub const ERROR_CUDART_UNLOADING: CudaError = 4;
+pub const ERROR_CUDART_UNLOADING: CudaError = CudaError(4);
 /// `cudaErrorNotSupported`.
-pub const ERROR_NOT_SUPPORTED: CudaError = 801;
-/// `cudaErrorStreamCaptureUnsupported` (and the driver's `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`).
-pub const ERROR_STREAM_CAPTURE_UNSUPPORTED: CudaError = 900;
+pub const ERROR_NOT_SUPPORTED: CudaError = CudaError(801);
+/// `cudaErrorStreamCaptureUnsupported`.
+pub const ERROR_STREAM_CAPTURE_UNSUPPORTED: CudaError = CudaError(900);
+/// `cudaErrorUnknown`.
+pub const ERROR_UNKNOWN: CudaError = CudaError(999);
 
 /// `cudaStreamNonBlocking`: the stream does not synchronize with the legacy default stream.
 pub const STREAM_NON_BLOCKING: u32 = 0x1;

@@ -27,6 +27,7 @@ pub mod runtime;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use crate::cuda::driver::CuResult;
 use crate::cuda::{self, CudaError};
 use crate::process;
 
@@ -44,6 +45,18 @@ impl OnPanic for CudaError {
 impl<T> OnPanic for Result<T, CudaError> {
     fn on_panic() -> Self {
         Err(cuda::ERROR_INITIALIZATION)
+    }
+}
+
+impl OnPanic for CuResult {
+    fn on_panic() -> Self {
+        cuda::driver::ERROR_NOT_INITIALIZED
+    }
+}
+
+impl<T> OnPanic for Result<T, CuResult> {
+    fn on_panic() -> Self {
+        Err(cuda::driver::ERROR_NOT_INITIALIZED)
     }
 }
 

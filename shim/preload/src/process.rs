@@ -25,6 +25,7 @@ use cachealloc_core::{AllocError, Allocator, FreeError, Stats, format_bytes};
 use cachealloc_recorder::schema::DeviceInfo;
 
 use crate::backend::CudaDevice;
+use crate::cuda::driver::CuResult;
 use crate::cuda::{self, CudaError};
 use crate::gpu::{self, LoadedDriver};
 use crate::log;
@@ -372,7 +373,7 @@ impl Shim {
         }
         for ((address, _), e) in &changes.unmap_errors {
             if !matches!(e, cachealloc_core::DeviceError::Other { code, .. }
-                if *code == cuda::ERROR_STREAM_CAPTURE_UNSUPPORTED)
+                if CuResult(*code) == cuda::driver::ERROR_STREAM_CAPTURE_UNSUPPORTED)
             {
                 log::error!("device {device}: unmapping {address:#x}: {e}");
             }
@@ -386,7 +387,8 @@ impl Shim {
             Err(AllocError::Device(e)) => {
                 log::error!("device {device}: {e}");
                 Err(match e {
-                    cachealloc_core::DeviceError::Other { code, .. } => code,
+                    // The device's codes are the driver's (its calls are).
+                    cachealloc_core::DeviceError::Other { code, .. } => CuResult(code).to_runtime(),
                     cachealloc_core::DeviceError::OutOfMemory => cuda::ERROR_MEMORY_ALLOCATION,
                 })
             }
@@ -416,11 +418,11 @@ impl Shim {
     /// Count (and trace) an allocation that passed through (`pool:off`, or degraded) to
     /// `real`, the real `cudaMalloc` or `cuMemAlloc_v2`. A raw allocation is a segment holding
     /// one block: both are recorded.
-    pub fn passthrough_malloc(
+    pub fn passthrough_malloc<E>(
         &self,
         size: u64,
-        real: impl FnOnce() -> Result<u64, CudaError>,
-    ) -> Result<u64, CudaError> {
+        real: impl FnOnce() -> Result<u64, E>,
+    ) -> Result<u64, E> {
         self.passthrough_mallocs.fetch_add(1, Ordering::Relaxed);
         let Ok(trace) = &self.trace else {
             return real();

@@ -44,7 +44,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
 
-use crate::real::driver::{self as real_driver, CuResult, SUCCESS, call_driver};
+use crate::cuda::driver::{CuResult, ERROR_OUT_OF_MEMORY, SUCCESS};
+use crate::real::driver::{self as real_driver, call_driver};
 
 /// Devices this process gave peer access to each device's memory: bit `a` of entry `d` is set
 /// once device `a` enabled peer access to device `d` (see [Note [Peer access to mapped
@@ -122,7 +123,7 @@ impl Vmm {
         let code = call_driver!(cuMemGetAllocationGranularity(&mut granularity, &prop, 0));
         if code != SUCCESS || granularity == 0 || !granularity.is_multiple_of(512) {
             return Err(format!(
-                "cuMemGetAllocationGranularity on device {ordinal}: error {code}, granularity \
+                "cuMemGetAllocationGranularity on device {ordinal}: {code}, granularity \
                  {granularity}"
             ));
         }
@@ -152,7 +153,7 @@ impl Vmm {
         ));
         match code {
             SUCCESS => Ok(address),
-            real_driver::ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
+            ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
             other => Err(error(other, "cuMemAddressReserve")),
         }
     }
@@ -288,7 +289,7 @@ impl Vmm {
         let code = call_driver!(cuMemCreate(&mut handle, size as usize, &prop, 0));
         match code {
             SUCCESS => {}
-            real_driver::ERROR_OUT_OF_MEMORY => return Err(DeviceError::OutOfMemory),
+            ERROR_OUT_OF_MEMORY => return Err(DeviceError::OutOfMemory),
             other => return Err(error(other, "cuMemCreate")),
         }
         // SAFETY: unmapped whole granules of a reserved range, and a live handle of that size;
@@ -375,7 +376,7 @@ fn check(code: CuResult, what: &str) -> Result<(), DeviceError> {
 
 fn error(code: CuResult, what: &str) -> DeviceError {
     DeviceError::Other {
-        code,
-        message: format!("{what} returned CUDA error {code}"),
+        code: code.0,
+        message: format!("{what} returned {code}"),
     }
 }

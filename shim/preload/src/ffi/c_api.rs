@@ -5,7 +5,7 @@
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 use super::guarded;
-use crate::cuda::{self, CudaStream};
+use crate::cuda::{self, CudaError, CudaStream};
 use crate::hooks::runtime as hooks;
 use crate::process;
 
@@ -42,7 +42,7 @@ pub unsafe extern "C" fn cachealloc_stats_json(buf: *mut c_char, len: usize) -> 
 
 /// Release every cached free segment of every device (waiting for pending fences first).
 #[cfg_attr(not(test), unsafe(no_mangle))]
-pub extern "C" fn cachealloc_empty_cache() -> c_int {
+pub extern "C" fn cachealloc_empty_cache() -> CudaError {
     guarded("cachealloc_empty_cache", hooks::empty_cache, || {
         cuda::ERROR_INITIALIZATION
     })
@@ -54,7 +54,7 @@ pub extern "C" fn cachealloc_empty_cache() -> c_int {
 /// # Safety
 /// `name` must be null or a valid NUL-terminated string.
 #[cfg_attr(not(test), unsafe(no_mangle))]
-pub unsafe extern "C" fn cachealloc_annotate(name: *const c_char) -> c_int {
+pub unsafe extern "C" fn cachealloc_annotate(name: *const c_char) -> CudaError {
     if name.is_null() {
         return cuda::ERROR_INVALID_VALUE;
     }
@@ -80,7 +80,7 @@ pub unsafe extern "C" fn cachealloc_annotate(name: *const c_char) -> c_int {
 pub extern "C" fn cachealloc_backward_begin() -> c_uint {
     guarded(
         "cachealloc_backward_begin",
-        || Ok(process::shim().map_or(0, |s| s.backward_begin())),
+        || Ok::<_, CudaError>(process::shim().map_or(0, |s| s.backward_begin())),
         || Ok(0),
     )
     .unwrap_or(0)

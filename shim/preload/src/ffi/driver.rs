@@ -9,9 +9,10 @@
 use std::ffi::{c_int, c_uint, c_void};
 
 use super::{guarded, put};
+use crate::cuda::driver::{self as codes, CuResult, DevicePtr, Handle, SUCCESS};
 use crate::hooks::driver::{self as hooks, StreamArg};
 use crate::process::PooledBlock;
-use crate::real::driver::{self as real_driver, CuResult, DevicePtr, Handle, SUCCESS, call_driver};
+use crate::real::driver::call_driver;
 use crate::symbols::Door;
 
 // ----- allocation, one copy per door -------------------------------------------------------
@@ -38,7 +39,7 @@ unsafe fn put_allocation(dptr: *mut DevicePtr, result: Result<u64, CuResult>) ->
 #[inline(never)]
 unsafe fn mem_alloc(door: Door, dptr: *mut DevicePtr, size: usize) -> CuResult {
     if dptr.is_null() {
-        return real_driver::ERROR_INVALID_VALUE;
+        return codes::ERROR_INVALID_VALUE;
     }
     let real = || {
         let mut p: DevicePtr = 0;
@@ -70,7 +71,7 @@ unsafe fn mem_alloc_async(
     per_thread_default: bool,
 ) -> CuResult {
     if dptr.is_null() {
-        return real_driver::ERROR_INVALID_VALUE;
+        return codes::ERROR_INVALID_VALUE;
     }
     let handle = stream as usize;
     let real = || {
@@ -230,7 +231,12 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 
 /// Our answer about `address`, if it lies in our memory.
 fn our_block(what: &str, address: DevicePtr) -> Option<Result<PooledBlock, CuResult>> {
-    guarded(what, || Ok(hooks::pooled_block(address)), || Ok(None)).unwrap_or(None)
+    guarded(
+        what,
+        || Ok::<_, CuResult>(hooks::pooled_block(address)),
+        || Ok(None),
+    )
+    .unwrap_or(None)
 }
 
 /// `cuMemGetAddressRange_v2`: for a pooled pointer, the allocation the program got (its
@@ -264,9 +270,9 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
 fn answered_by_block(attribute: c_int) -> bool {
     matches!(
         attribute,
-        real_driver::POINTER_ATTRIBUTE_RANGE_START_ADDR
-            | real_driver::POINTER_ATTRIBUTE_RANGE_SIZE
-            | real_driver::POINTER_ATTRIBUTE_BUFFER_ID
+        codes::POINTER_ATTRIBUTE_RANGE_START_ADDR
+            | codes::POINTER_ATTRIBUTE_RANGE_SIZE
+            | codes::POINTER_ATTRIBUTE_BUFFER_ID
     )
 }
 
@@ -276,11 +282,11 @@ fn answered_by_block(attribute: c_int) -> bool {
 /// `data` must be valid for a write of the attribute's type.
 unsafe fn write_block_attribute(data: *mut c_void, attribute: c_int, block: PooledBlock) {
     match attribute {
-        real_driver::POINTER_ATTRIBUTE_RANGE_START_ADDR => {
+        codes::POINTER_ATTRIBUTE_RANGE_START_ADDR => {
             // SAFETY: a CUdeviceptr, per the caller's contract.
             unsafe { data.cast::<DevicePtr>().write(block.base) }
         }
-        real_driver::POINTER_ATTRIBUTE_RANGE_SIZE => {
+        codes::POINTER_ATTRIBUTE_RANGE_SIZE => {
             // SAFETY: a size_t, per the caller's contract.
             unsafe { data.cast::<usize>().write(block.size as usize) }
         }
@@ -365,7 +371,7 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut c_void, dptr: DevicePtr)
                 call_driver!(cuIpcGetMemHandle(handle_address as *mut c_void, dptr))
             })
         },
-        || real_driver::ERROR_INVALID_VALUE,
+        || codes::ERROR_INVALID_VALUE,
     )
 }
 
@@ -377,7 +383,7 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut c_void, dptr: DevicePtr)
 /// `stream` must be valid for a write.
 unsafe fn create_stream(stream: *mut Handle, flags: c_uint, priority: Option<c_int>) -> CuResult {
     if stream.is_null() {
-        return real_driver::ERROR_INVALID_VALUE;
+        return codes::ERROR_INVALID_VALUE;
     }
     let real = || {
         let mut s: Handle = std::ptr::null_mut();

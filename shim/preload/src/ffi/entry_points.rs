@@ -8,7 +8,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::LazyLock;
 
 use super::driver::*;
-use crate::real::driver::{CuResult, SUCCESS, call_driver};
+use crate::cuda::driver::{CuResult, SUCCESS};
+use crate::real::driver::call_driver;
 use crate::symbols::{self, Interposed, libc_dlsym};
 
 // ----- dlsym -------------------------------------------------------------------------------

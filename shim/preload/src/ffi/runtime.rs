@@ -287,7 +287,7 @@ pub unsafe extern "C" fn cudaMemPoolGetAttribute(
     let handle = pool as usize;
     let ours = guarded(
         "cudaMemPoolGetAttribute",
-        || Ok(hooks::mem_pool_get_attribute(handle, attribute)),
+        || Ok::<_, CudaError>(hooks::mem_pool_get_attribute(handle, attribute)),
         || Ok(None),
     );
     if let Ok(Some(v)) = ours

@@ -107,7 +107,7 @@ fn own_primary_context(ordinal: i32) -> Result<usize, DeviceError> {
         .ok()
         .and_then(|d| PRIMARY.get(d))
         .ok_or_else(|| DeviceError::Other {
-            code: crate::cuda::ERROR_INVALID_VALUE,
+            code: crate::cuda::driver::ERROR_INVALID_VALUE.0,
             message: format!("device {ordinal} is beyond the shim's {MAX_PRIMARY}"),
         })?;
     let known = slot.load(std::sync::atomic::Ordering::Acquire);
@@ -197,17 +197,17 @@ pub fn enable_context_peer_access(
     let code = on_primary_context(accessor, || {
         // The owner's live primary context (retained for the process); no flags.
         crate::real::driver::call_driver!(cuCtxEnablePeerAccess(
-            owner_context as crate::real::driver::Handle,
+            owner_context as crate::cuda::driver::Handle,
             0
         ))
     })?;
     match code {
-        crate::real::driver::SUCCESS | crate::real::driver::ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+        crate::cuda::driver::SUCCESS | crate::cuda::driver::ERROR_PEER_ACCESS_ALREADY_ENABLED => {
             Ok(())
         }
         other => Err(DeviceError::Other {
-            code: other,
-            message: format!("cuCtxEnablePeerAccess returned CUDA error {other}"),
+            code: other.0,
+            message: format!("cuCtxEnablePeerAccess returned {other}"),
         }),
     }
 }

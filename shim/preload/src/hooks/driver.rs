@@ -9,11 +9,12 @@
 
 use cachealloc_core::NO_STREAM;
 
-use crate::cuda;
+use crate::cuda::driver::{self as codes, CuResult};
+use crate::cuda::{self, CudaError};
 use crate::gpu::contexts::CurrentContext;
 use crate::log;
 use crate::process::{self, PooledBlock};
-use crate::real::driver::{self as real_driver, CuResult};
+use crate::real::driver::call_driver;
 use crate::symbols::{self, Door};
 
 /// A stream argument of a driver call.
@@ -64,7 +65,9 @@ pub fn mem_alloc(
         None => NO_STREAM,
     };
     match shim.current_context() {
-        CurrentContext::Primary(device) => shim.malloc_on(device, size, key),
+        CurrentContext::Primary(device) => shim
+            .malloc_on(device, size, key)
+            .map_err(CudaError::to_driver),
         CurrentContext::Other => {
             shim.note_unpooled_context();
             real()
@@ -90,7 +93,7 @@ pub fn mem_free(
             _ => NO_STREAM,
         };
         if let Some(code) = shim.free(address, key) {
-            return code;
+            return code.to_driver();
         }
         shim.passthrough_free(address);
     }
@@ -121,7 +124,7 @@ pub fn pooled_block(address: u64) -> Option<Result<PooledBlock, CuResult>> {
     }
     let shim = process::started_shim()?;
     shim.pooled_block(address)
-        .map(|r| r.map_err(|()| real_driver::ERROR_INVALID_VALUE))
+        .map(|r| r.map_err(|()| codes::ERROR_INVALID_VALUE))
 }
 
 /// `cuIpcGetMemHandle`: refused inside a pooled segment, as `cudaIpcGetMemHandle` is.
@@ -134,7 +137,7 @@ pub fn ipc_get_mem_handle(address: u64, real: impl FnOnce() -> CuResult) -> CuRe
             "{}",
             why.replace("cudaIpcGetMemHandle", "cuIpcGetMemHandle")
         );
-        return real_driver::ERROR_INVALID_VALUE;
+        return codes::ERROR_INVALID_VALUE;
     }
     real()
 }
@@ -162,7 +165,7 @@ pub fn stream_destroy(stream: usize, real: impl FnOnce(usize) -> CuResult) -> Cu
     super::runtime::stream_destroy_with(
         stream,
         // Handle from the application, validated by the driver.
-        |s| real_driver::call_driver!(cuStreamSynchronize(s as real_driver::Handle)),
+        |s| call_driver!(cuStreamSynchronize(s as codes::Handle)),
         real,
     )
 }
@@ -187,7 +190,7 @@ pub fn stream_end_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) ->
 /// of `peer_context`'s device, the memory mapped for expandable segments too.
 pub fn ctx_enable_peer_access(peer_context: usize, real: impl FnOnce() -> CuResult) -> CuResult {
     let code = real();
-    if code == real_driver::SUCCESS
+    if code == codes::SUCCESS
         && !symbols::bypass_driver_hooks()
         && let Some(shim) = process::shim()
     {
@@ -199,7 +202,7 @@ pub fn ctx_enable_peer_access(peer_context: usize, real: impl FnOnce() -> CuResu
 /// `cuDevicePrimaryCtxReset_v2`: the device's memory is gone; forget its pools.
 pub fn primary_context_reset(device: i32, real: impl FnOnce() -> CuResult) -> CuResult {
     let code = real();
-    if code == real_driver::SUCCESS
+    if code == codes::SUCCESS
         && !symbols::bypass_driver_hooks()
         && let Some(shim) = process::started_shim()
     {

@@ -2,7 +2,7 @@
 //! through. [`crate::ffi::runtime`] converts the C arguments and calls these; the driver's hooks
 //! are [`super::driver`] (see [`crate::symbols`] for the doors).
 
-use crate::cuda::{self, CudaError};
+use crate::cuda::{self, CudaError, ResultCode};
 use crate::log;
 use crate::process;
 use crate::real::runtime as real;
@@ -119,11 +119,11 @@ pub fn stream_destroy(stream: usize) -> CudaError {
 }
 
 /// `cudaStreamDestroy` or `cuStreamDestroy_v2`, with the matching real functions.
-pub fn stream_destroy_with(
+pub fn stream_destroy_with<C: ResultCode>(
     stream: usize,
-    synchronize: impl FnOnce(usize) -> CudaError,
-    destroy: impl FnOnce(usize) -> CudaError,
-) -> CudaError {
+    synchronize: impl FnOnce(usize) -> C,
+    destroy: impl FnOnce(usize) -> C,
+) -> C {
     if let Some(shim) = process::shim() {
         if shim.pooling() {
             let _ = synchronize(stream);
@@ -133,15 +133,16 @@ pub fn stream_destroy_with(
     destroy(stream)
 }
 
-/// `cudaStreamBeginCapture`: noted, after a barrier fence, so that allocations on the capturing
-/// stream go to the graph and our fences leave the stream alone.
-pub fn stream_begin_capture(stream: usize, real: impl FnOnce() -> CudaError) -> CudaError {
+/// `cudaStreamBeginCapture` (or `cuStreamBeginCapture*`, with its real function): noted, after a
+/// barrier fence, so that allocations on the capturing stream go to the graph and our fences
+/// leave the stream alone.
+pub fn stream_begin_capture<C: ResultCode>(stream: usize, real: impl FnOnce() -> C) -> C {
     let shim = process::shim();
     if let Some(shim) = shim {
         shim.capture_beginning(stream);
     }
     let code = real();
-    if code != cuda::SUCCESS
+    if !code.is_success()
         && let Some(shim) = shim
     {
         shim.capture_ended(stream);

@@ -10,34 +10,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-/// `CUresult`.
-pub type CuResult = c_int;
-/// `CUdeviceptr`.
-pub type DevicePtr = u64;
-/// `CUstream`, `CUcontext`, `CUgraph`: opaque handles.
-pub type Handle = *mut c_void;
-
-/// `CUDA_SUCCESS`.
-pub const SUCCESS: CuResult = 0;
-/// `CUDA_ERROR_INVALID_VALUE`.
-pub const ERROR_INVALID_VALUE: CuResult = 1;
-/// `CUDA_ERROR_NOT_INITIALIZED`.
-pub const ERROR_NOT_INITIALIZED: CuResult = 3;
-/// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (late frees at process exit).
-pub const ERROR_DEINITIALIZED: CuResult = 4;
-/// `CUDA_ERROR_NOT_FOUND`: what a hook answers when the real function does not exist.
-pub const ERROR_NOT_FOUND: CuResult = 500;
-/// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`.
-pub const ERROR_PEER_ACCESS_ALREADY_ENABLED: CuResult = 704;
-/// `CUDA_ERROR_OUT_OF_MEMORY`.
-pub const ERROR_OUT_OF_MEMORY: CuResult = 2;
-
-/// `CU_POINTER_ATTRIBUTE_BUFFER_ID` (an `unsigned long long`, unique per allocation).
-pub const POINTER_ATTRIBUTE_BUFFER_ID: c_int = 7;
-/// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` (a `CUdeviceptr`).
-pub const POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int = 11;
-/// `CU_POINTER_ATTRIBUTE_RANGE_SIZE` (a `size_t`).
-pub const POINTER_ATTRIBUTE_RANGE_SIZE: c_int = 12;
+use crate::cuda::driver::{CuResult, DevicePtr, Handle};
 
 /// Declare an accessor per real driver function: it resolves once and returns the function
 /// pointer, or `None` when libcuda lacks it.
@@ -109,7 +82,7 @@ macro_rules! call_driver {
             // SAFETY: the caller passes arguments that satisfy the driver function's contract
             // (each call site says why).
             Some(f) => unsafe { f($($arg),*) },
-            None => crate::real::driver::ERROR_NOT_FOUND,
+            None => crate::cuda::driver::ERROR_NOT_FOUND,
         }
     };
 }
