@@ -15,29 +15,45 @@
 //!   allocations pass through; frees of pooled pointers are still served by the pools.
 //! * **forked child** — a child of `fork` never touches the parent's pools or locks (another
 //!   parent thread may have held them at the fork): everything passes through.
+//!
+//! Here: the states, [`Shim`] and its per-device pools. The operations, one concept a module:
+//!
+//! | module | what the shim does |
+//! |---|---|
+//! | `allocations` | serves allocations and frees (pooled or passed through and traced), cached free bytes, empty cache, stats |
+//! | `stream_lifecycle` | a stream's pool key, whether it captures, its creation and destruction |
+//! | `graph_capture` | the barrier fence at a capture's start, deferred releases at the last one's end |
+//! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
+//! | `backward` | the stack of the Python thread in `backward()` for the autograd engine's threads |
+//! | `peer_access` | peer access to pooled memory |
+//! | `pointers` | which pooled block an address lies in ([`PooledBlock`]) |
+//! | `exit` | the facts of the exit summary ([`ExitFacts`]) |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cachealloc_core::config::ReusePolicy;
-use cachealloc_core::{AllocError, Allocator, FreeError, Stats, format_bytes};
+use cachealloc_core::{Allocator, format_bytes};
 
 use cachealloc_recorder::schema::DeviceInfo;
 
 use crate::backend::CudaDevice;
-use crate::cuda::driver::CuResult;
 use crate::cuda::{self, CudaError};
 use crate::gpu::{self, LoadedDriver};
 use crate::log;
 use crate::settings;
 use crate::stacks::Stacks;
-use crate::streams::{Stream, StreamRegistry};
+use crate::streams::StreamRegistry;
 use crate::trace::{DeviceObserver, Trace};
 
+mod allocations;
+mod backward;
+mod default_pool;
 mod exit;
+mod graph_capture;
 mod peer_access;
 mod pointers;
-mod stream_api;
+mod stream_lifecycle;
 
 pub use exit::ExitFacts;
 
@@ -351,126 +367,6 @@ impl Shim {
         stacks.capture(trace)
     }
 
-    /// Serve `cudaMalloc(size)` ([`NO_STREAM`](cachealloc_core::NO_STREAM)) or
-    /// `cudaMallocAsync(size, stream)` from the current device's pool.
-    pub fn malloc(&self, size: u64, stream: u64) -> Result<u64, CudaError> {
-        self.malloc_on(self.current_device()?, size, stream)
-    }
-
-    /// Serve an allocation for `stream` from `device`'s pool.
-    pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
-        let pool = self.pool(device)?;
-        let mut changes = cachealloc_core::SegmentChanges::default();
-        let stack = self.capture_stack();
-        let result = pool
-            .alloc
-            .malloc_on_stream(size, stream, u64::from(stack), &mut changes);
-        for (segment, e) in &changes.release_errors {
-            log::error!(
-                "device {device}: releasing segment {:#x}: {e}",
-                segment.address
-            );
-        }
-        for ((address, _), e) in &changes.unmap_errors {
-            if !matches!(e, cachealloc_core::DeviceError::Other { code, .. }
-                if CuResult(*code) == cuda::driver::ERROR_STREAM_CAPTURE_UNSUPPORTED)
-            {
-                log::error!("device {device}: unmapping {address:#x}: {e}");
-            }
-        }
-        match result {
-            Ok(a) => Ok(a.address),
-            Err(AllocError::OutOfMemory(report)) => {
-                log::info!("device {device}: {report}");
-                Err(cuda::ERROR_MEMORY_ALLOCATION)
-            }
-            Err(AllocError::Device(e)) => {
-                log::error!("device {device}: {e}");
-                Err(match e {
-                    // The device's codes are the driver's (its calls are).
-                    cachealloc_core::DeviceError::Other { code, .. } => CuResult(code).to_runtime(),
-                    cachealloc_core::DeviceError::OutOfMemory => cuda::ERROR_MEMORY_ALLOCATION,
-                })
-            }
-        }
-    }
-
-    /// Free `address` if it is ours, synchronously ([`NO_STREAM`](cachealloc_core::NO_STREAM))
-    /// or ordered on `stream`.
-    /// `None`: not ours (pass it on). Pools are found by the address ranges their segments
-    /// covered, not by the current device (a pointer may be freed while another device is
-    /// current).
-    pub fn free(&self, address: u64, stream: u64) -> Option<CudaError> {
-        let candidates = self.pools().filter(|p| p.may_contain(address));
-        for pool in candidates {
-            match pool.alloc.free_on_stream(address, stream) {
-                Ok(_) => return Some(cuda::SUCCESS),
-                Err(FreeError::NotOurs(_)) => continue,
-                Err(bad) => {
-                    log::error!("cudaFree refused: {bad}; nothing was changed");
-                    return Some(cuda::ERROR_INVALID_VALUE);
-                }
-            }
-        }
-        None
-    }
-
-    /// Count (and trace) an allocation that passed through (`pool:off`, or degraded) to
-    /// `real`, the real `cudaMalloc` or `cuMemAlloc_v2`. A raw allocation is a segment holding
-    /// one block: both are recorded.
-    pub fn passthrough_malloc<E>(
-        &self,
-        size: u64,
-        real: impl FnOnce() -> Result<u64, E>,
-    ) -> Result<u64, E> {
-        self.passthrough_mallocs.fetch_add(1, Ordering::Relaxed);
-        let Ok(trace) = &self.trace else {
-            return real();
-        };
-        let stack = self.capture_stack();
-        let address = real()?;
-        if address == 0 {
-            return Ok(0); // cudaMalloc(0)
-        }
-        let device = self.current_device().unwrap_or(0) as u32;
-        self.passthrough
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(address, (size, device));
-        trace.raw_allocation(device, address, size, stack);
-        Ok(address)
-    }
-
-    /// Trace the free of an allocation that passed through, if it was traced; call before the
-    /// real `cudaFree`, so that no reuse of the address can be recorded before it.
-    pub fn passthrough_free(&self, address: u64) {
-        let Ok(trace) = &self.trace else { return };
-        let Some((size, device)) = self
-            .passthrough
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&address)
-        else {
-            return;
-        };
-        trace.raw_free(device, address, size);
-    }
-
-    /// Cached-but-free bytes of the current device, for `cudaMemGetInfo`.
-    pub fn cached_free_bytes(&self) -> u64 {
-        self.current_device()
-            .map_or(0, |device| self.cached_free_bytes_on(device))
-    }
-
-    /// Cached-but-free bytes of `device`, for `cudaMemGetInfo` and `cuMemGetInfo_v2`.
-    pub fn cached_free_bytes_on(&self, device: i32) -> u64 {
-        if !self.report_cached_as_free {
-            return 0;
-        }
-        self.allocator_of(device)
-            .map_or(0, |a| a.cached_free_bytes())
-    }
-
     /// The current device's context was reset: forget its pools (their memory is gone).
     pub fn device_reset(&self) {
         if let Ok(device) = self.current_device() {
@@ -488,60 +384,6 @@ impl Shim {
         }
     }
 
-    /// The application created a stream on the current device.
-    pub fn stream_created(&self, stream: usize, flags: u32) {
-        self.stream_created_on(self.current_device().unwrap_or(0), stream, flags);
-    }
-
-    /// The application created a stream on `device`.
-    pub fn stream_created_on(&self, device: i32, stream: usize, flags: u32) {
-        let non_blocking = flags & cuda::STREAM_NON_BLOCKING != 0;
-        if let Ok(trace) = &self.trace {
-            trace.stream_created(device as u32, stream as u64, flags);
-        }
-        if self.streams.created(Stream(stream), device, non_blocking) {
-            log::debug!("first stream created: freed blocks now wait for reuse fences");
-            for pool in self.pools() {
-                self.start_fencing_on(pool);
-            }
-        }
-    }
-
-    /// The application is destroying a stream (called before the real destroy): fences that
-    /// would name it later are recorded now, and no later fence chooses it (see the streams
-    /// module's docs).
-    pub fn stream_destroyed(&self, stream: usize) {
-        for alloc in self.allocators() {
-            if let Err(e) = alloc.stream_destroying(stream as u64) {
-                log::error!("before destroying stream {stream:#x}: {e}");
-            }
-        }
-        self.streams.destroyed(Stream(stream));
-        if let Ok(trace) = &self.trace {
-            trace.stream_destroyed(stream as u64);
-        }
-    }
-
-    /// Release every cached free segment on every device.
-    pub fn empty_cache(&self) -> Result<(), CudaError> {
-        for alloc in self.allocators() {
-            alloc.empty_cache().map_err(|e| {
-                log::error!("empty_cache: {e}");
-                cuda::ERROR_INITIALIZATION
-            })?;
-        }
-        Ok(())
-    }
-
-    /// Stats of every device that has a pool: `(device, stats)`.
-    pub fn stats(&self) -> Vec<(usize, Stats)> {
-        self.devices
-            .iter()
-            .enumerate()
-            .filter_map(|(d, slot)| slot.get().map(|p| (d, p.alloc.stats())))
-            .collect()
-    }
-
     /// Switch the calling thread to `device` for the duration of `f` (the PyTorch pluggable
     /// allocator names the device explicitly).
     pub fn on_device<T>(&self, device: i32, f: impl FnOnce() -> T) -> Result<T, CudaError> {
@@ -556,5 +398,14 @@ impl Shim {
         let result = f();
         crate::real::runtime::set_device(current); // back to the caller's device
         Ok(result)
+    }
+
+    /// The allocator of `device`, if it exists.
+    pub(super) fn allocator_of(
+        &self,
+        device: i32,
+    ) -> Option<&Allocator<CudaDevice, DeviceObserver>> {
+        let slot = self.devices.get(usize::try_from(device).ok()?)?;
+        slot.get().map(|p| &p.alloc)
     }
 }

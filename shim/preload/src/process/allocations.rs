@@ -1,0 +1,153 @@
+//! Serving allocations and frees: from the pools when pooling, through to the real functions
+//! (traced) when not; the cached free bytes `cudaMemGetInfo` adds; emptying the cache; stats.
+
+use std::sync::atomic::Ordering;
+
+use cachealloc_core::{AllocError, FreeError, Stats};
+
+use super::Shim;
+use crate::cuda::driver::CuResult;
+use crate::cuda::{self, CudaError};
+use crate::log;
+
+impl Shim {
+    /// Serve `cudaMalloc(size)` ([`NO_STREAM`](cachealloc_core::NO_STREAM)) or
+    /// `cudaMallocAsync(size, stream)` from the current device's pool.
+    pub fn malloc(&self, size: u64, stream: u64) -> Result<u64, CudaError> {
+        self.malloc_on(self.current_device()?, size, stream)
+    }
+
+    /// Serve an allocation for `stream` from `device`'s pool.
+    pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
+        let pool = self.pool(device)?;
+        let mut changes = cachealloc_core::SegmentChanges::default();
+        let stack = self.capture_stack();
+        let result = pool
+            .alloc
+            .malloc_on_stream(size, stream, u64::from(stack), &mut changes);
+        for (segment, e) in &changes.release_errors {
+            log::error!(
+                "device {device}: releasing segment {:#x}: {e}",
+                segment.address
+            );
+        }
+        for ((address, _), e) in &changes.unmap_errors {
+            if !matches!(e, cachealloc_core::DeviceError::Other { code, .. }
+                if CuResult(*code) == cuda::driver::ERROR_STREAM_CAPTURE_UNSUPPORTED)
+            {
+                log::error!("device {device}: unmapping {address:#x}: {e}");
+            }
+        }
+        match result {
+            Ok(a) => Ok(a.address),
+            Err(AllocError::OutOfMemory(report)) => {
+                log::info!("device {device}: {report}");
+                Err(cuda::ERROR_MEMORY_ALLOCATION)
+            }
+            Err(AllocError::Device(e)) => {
+                log::error!("device {device}: {e}");
+                Err(match e {
+                    // The device's codes are the driver's (its calls are).
+                    cachealloc_core::DeviceError::Other { code, .. } => CuResult(code).to_runtime(),
+                    cachealloc_core::DeviceError::OutOfMemory => cuda::ERROR_MEMORY_ALLOCATION,
+                })
+            }
+        }
+    }
+
+    /// Free `address` if it is ours, synchronously ([`NO_STREAM`](cachealloc_core::NO_STREAM))
+    /// or ordered on `stream`.
+    /// `None`: not ours (pass it on). Pools are found by the address ranges their segments
+    /// covered, not by the current device (a pointer may be freed while another device is
+    /// current).
+    pub fn free(&self, address: u64, stream: u64) -> Option<CudaError> {
+        let candidates = self.pools().filter(|p| p.may_contain(address));
+        for pool in candidates {
+            match pool.alloc.free_on_stream(address, stream) {
+                Ok(_) => return Some(cuda::SUCCESS),
+                Err(FreeError::NotOurs(_)) => continue,
+                Err(bad) => {
+                    log::error!("cudaFree refused: {bad}; nothing was changed");
+                    return Some(cuda::ERROR_INVALID_VALUE);
+                }
+            }
+        }
+        None
+    }
+
+    /// Count (and trace) an allocation that passed through (`pool:off`, or degraded) to
+    /// `real`, the real `cudaMalloc` or `cuMemAlloc_v2`. A raw allocation is a segment holding
+    /// one block: both are recorded.
+    pub fn passthrough_malloc<E>(
+        &self,
+        size: u64,
+        real: impl FnOnce() -> Result<u64, E>,
+    ) -> Result<u64, E> {
+        self.passthrough_mallocs.fetch_add(1, Ordering::Relaxed);
+        let Ok(trace) = &self.trace else {
+            return real();
+        };
+        let stack = self.capture_stack();
+        let address = real()?;
+        if address == 0 {
+            return Ok(0); // cudaMalloc(0)
+        }
+        let device = self.current_device().unwrap_or(0) as u32;
+        self.passthrough
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(address, (size, device));
+        trace.raw_allocation(device, address, size, stack);
+        Ok(address)
+    }
+
+    /// Trace the free of an allocation that passed through, if it was traced; call before the
+    /// real `cudaFree`, so that no reuse of the address can be recorded before it.
+    pub fn passthrough_free(&self, address: u64) {
+        let Ok(trace) = &self.trace else { return };
+        let Some((size, device)) = self
+            .passthrough
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&address)
+        else {
+            return;
+        };
+        trace.raw_free(device, address, size);
+    }
+
+    /// Cached-but-free bytes of the current device, for `cudaMemGetInfo`.
+    pub fn cached_free_bytes(&self) -> u64 {
+        self.current_device()
+            .map_or(0, |device| self.cached_free_bytes_on(device))
+    }
+
+    /// Cached-but-free bytes of `device`, for `cudaMemGetInfo` and `cuMemGetInfo_v2`.
+    pub fn cached_free_bytes_on(&self, device: i32) -> u64 {
+        if !self.report_cached_as_free {
+            return 0;
+        }
+        self.allocator_of(device)
+            .map_or(0, |a| a.cached_free_bytes())
+    }
+
+    /// Release every cached free segment on every device.
+    pub fn empty_cache(&self) -> Result<(), CudaError> {
+        for alloc in self.allocators() {
+            alloc.empty_cache().map_err(|e| {
+                log::error!("empty_cache: {e}");
+                cuda::ERROR_INITIALIZATION
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Stats of every device that has a pool: `(device, stats)`.
+    pub fn stats(&self) -> Vec<(usize, Stats)> {
+        self.devices
+            .iter()
+            .enumerate()
+            .filter_map(|(d, slot)| slot.get().map(|p| (d, p.alloc.stats())))
+            .collect()
+    }
+}

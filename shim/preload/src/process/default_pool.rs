@@ -1,0 +1,57 @@
+//! The device's default memory pool, as PyTorch's `cudaMallocAsync` route sees it
+//! (`cudaDeviceGetDefaultMemPool`, `cudaMemPoolGetAttribute`, `cudaMemPoolTrimTo`): which pool
+//! is whose, and the statistics, peak resets and trims answered from our pools.
+
+use cachealloc_core::Stats;
+
+use super::Shim;
+use crate::cuda::{self, CudaError};
+use crate::log;
+
+impl Shim {
+    /// Note that `pool` is `device`'s default memory pool (`cudaDeviceGetDefaultMemPool`), whose
+    /// statistics PyTorch's `cudaMallocAsync` backend reads.
+    pub fn note_default_pool(&self, pool: usize, device: i32) {
+        let mut pools = self.default_pools.lock().unwrap_or_else(|p| p.into_inner());
+        if !pools.contains(&(pool, device)) {
+            pools.push((pool, device));
+        }
+    }
+
+    /// The device whose default memory pool `pool` is, if it was asked for
+    /// (`cudaDeviceGetDefaultMemPool`).
+    pub(super) fn default_pool_owner(&self, pool: usize) -> Option<i32> {
+        let pools = self.default_pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools.iter().find(|(p, _)| *p == pool).map(|&(_, d)| d)
+    }
+
+    /// The device whose default memory pool `pool` is, if it is one we pool for.
+    pub fn default_pool_device(&self, pool: usize) -> Option<i32> {
+        let device = self.default_pool_owner(pool)?;
+        self.allocator_of(device).map(|_| device)
+    }
+
+    /// `device`'s stats, if it has a pool.
+    pub fn device_stats(&self, device: i32) -> Option<Stats> {
+        self.allocator_of(device).map(|a| a.stats())
+    }
+
+    /// Reset `device`'s peak stats.
+    pub fn reset_peak_stats(&self, device: i32) {
+        if let Some(a) = self.allocator_of(device) {
+            a.reset_peak_stats();
+        }
+    }
+
+    /// Release `device`'s cached free segments (PyTorch's `empty_cache` through
+    /// `cudaMemPoolTrimTo`).
+    pub fn empty_device_cache(&self, device: i32) -> Result<(), CudaError> {
+        let Some(alloc) = self.allocator_of(device) else {
+            return Ok(());
+        };
+        alloc.empty_cache().map(drop).map_err(|e| {
+            log::error!("empty_cache: {e}");
+            cuda::ERROR_INITIALIZATION
+        })
+    }
+}
