@@ -8,6 +8,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::LazyLock;
 
 use super::driver::*;
+use crate::cuda::CudaError;
 use crate::cuda::driver::{CuResult, SUCCESS};
 use crate::real::driver::call_driver;
 use crate::symbols::{self, Interposed, libc_dlsym};
@@ -159,17 +160,14 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
     func_ptr: *mut *mut c_void,
     flags: u64,
     status: *mut c_int,
-) -> crate::cuda::CudaError {
+) -> CudaError {
     let Some(real) = crate::real::runtime::cudaGetDriverEntryPoint() else {
         return crate::cuda::ERROR_INITIALIZATION;
     };
     // SAFETY: the application's arguments, passed on unchanged.
     let code = unsafe { real(symbol, func_ptr, flags, status) };
-    if code == crate::cuda::SUCCESS {
-        // SAFETY: `func_ptr` was valid for the real call.
-        unsafe { substitute_found(func_ptr) };
-    }
-    code
+    // SAFETY: `func_ptr` was valid for the real call.
+    unsafe { after_runtime_lookup(code, func_ptr) }
 }
 
 /// `cudaGetDriverEntryPointByVersion`, as [`cudaGetDriverEntryPoint`].
@@ -183,14 +181,24 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
     version: c_uint,
     flags: u64,
     status: *mut c_int,
-) -> crate::cuda::CudaError {
+) -> CudaError {
     let Some(real) = crate::real::runtime::cudaGetDriverEntryPointByVersion() else {
         return crate::cuda::ERROR_INITIALIZATION;
     };
     // SAFETY: the application's arguments, passed on unchanged.
     let code = unsafe { real(symbol, func_ptr, version, flags, status) };
+    // SAFETY: `func_ptr` was valid for the real call.
+    unsafe { after_runtime_lookup(code, func_ptr) }
+}
+
+/// After a `cudaGetDriverEntryPoint*` lookup: substitute the function found if the lookup
+/// succeeded, and return its code.
+///
+/// # Safety
+/// `func_ptr` must be null or valid for reads and writes of a pointer.
+unsafe fn after_runtime_lookup(code: CudaError, func_ptr: *mut *mut c_void) -> CudaError {
     if code == crate::cuda::SUCCESS {
-        // SAFETY: `func_ptr` was valid for the real call.
+        // SAFETY: the caller's contract.
         unsafe { substitute_found(func_ptr) };
     }
     code

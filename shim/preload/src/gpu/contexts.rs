@@ -84,18 +84,27 @@ fn primary_context(device: i32) -> Option<usize> {
     {
         return None;
     }
+    Some(remember(slot, context, device))
+}
+
+/// Remember `device`'s primary `context`, just retained, in its `slot`; if another thread
+/// remembered it first, give our extra reference back. Returns the context remembered.
+fn remember(
+    slot: &std::sync::atomic::AtomicUsize,
+    context: sys::CUcontext,
+    device: sys::CUdevice,
+) -> usize {
     match slot.compare_exchange(
         0,
         context as usize,
         std::sync::atomic::Ordering::AcqRel,
         std::sync::atomic::Ordering::Acquire,
     ) {
-        Ok(_) => Some(context as usize),
+        Ok(_) => context as usize,
         Err(other) => {
-            // Another thread remembered it first: give our extra reference back.
-            // SAFETY: releases the reference retained just above.
+            // SAFETY: releases the reference the caller retained just before.
             unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) };
-            Some(other)
+            other
         }
     }
 }
@@ -126,19 +135,7 @@ fn own_primary_context(ordinal: i32) -> Result<usize, DeviceError> {
     if r != sys::CUresult::CUDA_SUCCESS {
         return Err(device_error(r, "cuDevicePrimaryCtxRetain"));
     }
-    match slot.compare_exchange(
-        0,
-        context as usize,
-        std::sync::atomic::Ordering::AcqRel,
-        std::sync::atomic::Ordering::Acquire,
-    ) {
-        Ok(_) => Ok(context as usize),
-        Err(other) => {
-            // SAFETY: gives back the extra reference retained just above.
-            unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) };
-            Ok(other)
-        }
-    }
+    Ok(remember(slot, context, device))
 }
 
 /// The device of the context current on the calling thread, whatever the context.
