@@ -11,6 +11,11 @@ it has to adjust:
   `checkPoolLiveAllocations`); on the `cudaMallocAsync` backend that routes tensors to
   cachealloc, graph trees fail. Inductor's older CUDA graph path works on that backend, so graph
   trees are turned off (`triton.cudagraph_trees = False`); `log:debug` says so.
+* `torch.cuda.graphs` — a CUDA graph's memory comes from a private pool of the library's, one
+  per capture unless graphs share one (`torch.cuda.graph(pool=…)`, `graph_pool_handle()`,
+  `make_graphed_callables`). `CUDAGraph.capture_begin` is wrapped to tell the library which
+  pool the capture uses (`cachealloc_use_capture_pool`); a capture given no pool gets a handle
+  of its own from `graph_pool_handle()` first, so that a later `pool=graph.pool()` names it.
 * `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
   Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
   they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
@@ -109,6 +114,47 @@ def _attributed(fn, begin, end):
 
     backward_with_stack._cachealloc_wrapped = True
     return backward_with_stack
+
+
+def _capture_pool_api():
+    """The library's `cachealloc_use_capture_pool`, or None."""
+    import ctypes
+
+    try:
+        use = ctypes.CDLL(None).cachealloc_use_capture_pool
+    except (OSError, AttributeError):
+        return None
+    use.restype = None
+    use.argtypes = [ctypes.c_uint64]
+    return use
+
+
+def pool_key(pool):
+    """The library's id for PyTorch's pool handle (a pair of integers, never (0, 0))."""
+    first, second = pool
+    return ((int(first) & 0xFFFFFFFF) << 32) | (int(second) & 0xFFFFFFFF)
+
+
+@_adjusts("torch.cuda.graphs")
+def _graphs(graphs):
+    use = _capture_pool_api()
+    graph_class = getattr(graphs, "CUDAGraph", None)
+    if use is None or graph_class is None:
+        return
+    begin = graph_class.capture_begin
+    if getattr(begin, "_cachealloc_wrapped", False):
+        return
+    import functools
+
+    @functools.wraps(begin)
+    def capture_begin(self, pool=None, *args, **kwargs):
+        if pool is None:
+            pool = graphs.graph_pool_handle()
+        use(pool_key(pool))
+        return begin(self, pool, *args, **kwargs)
+
+    capture_begin._cachealloc_wrapped = True
+    graph_class.capture_begin = capture_begin
 
 
 @_adjusts("torch.autograd")

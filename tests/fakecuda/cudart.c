@@ -447,6 +447,9 @@ RT_EXPORT cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, un
     if (!e || !g) return ret(cudaErrorInvalidValue);
     WITH_CONTEXT(drv.cuGraphInstantiateWithFlags((CUgraphExec *)e, (CUgraph)g, flags));
 }
+RT_EXPORT cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long flags) {
+    return cudaGraphInstantiate(e, g, flags);
+}
 RT_EXPORT cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s) {
     WITH_CONTEXT(drv.cuGraphLaunch((CUgraphExec)e, (CUstream)s));
 }

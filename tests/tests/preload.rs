@@ -355,8 +355,15 @@ fn graph_capture_with_allocations_on_other_threads() {
 }
 
 #[test]
+fn a_graphs_memory_comes_from_a_private_pool_it_keeps_until_the_graph_goes() {
+    let out = Run::c("capture_pools", &[]).output();
+    out.assert_pooled("capture_pools");
+    assert_no_shim_failure(&out.stderr);
+}
+
+#[test]
 fn graph_and_stream_programs_pass_without_the_shim() {
-    for name in ["stream_ordered", "graph_capture"] {
+    for name in ["stream_ordered", "graph_capture", "capture_pools"] {
         Run::c(name, &[]).without_shim().output().assert_ok(name);
     }
 }

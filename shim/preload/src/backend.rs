@@ -43,8 +43,11 @@ pub struct CudaDevice {
     streams: Arc<StreamRegistry>,
     /// Virtual memory, when expandable segments were asked for and the device has it.
     vmm: Option<vmm::Vmm>,
-    /// Segments released while a capture was under way, to free when it ends.
+    /// Segments released while a capture was under way, to free when it ends; and every
+    /// segment released by a capture pool's allocator, to free when the pool is no longer used.
     deferred_releases: std::sync::Mutex<Vec<u64>>,
+    /// A capture pool's device: holds every release until [`CudaDevice::release_deferred`].
+    holds_releases: bool,
     /// The addresses this device's memory has spanned: see [`CudaDevice::may_contain`].
     lowest: AtomicU64,
     highest: AtomicU64,
@@ -77,8 +80,23 @@ impl CudaDevice {
             streams,
             vmm,
             deferred_releases: std::sync::Mutex::new(Vec::new()),
+            holds_releases: false,
             lowest: AtomicU64::new(u64::MAX),
             highest: AtomicU64::new(0),
+        }
+    }
+
+    /// The device of a capture pool (see Note [Capture pools] in the shim's `process`): fixed
+    /// segments, and a release is held until the pool is no longer used
+    /// ([`CudaDevice::release_deferred`]), since a graph may still write the memory.
+    pub fn for_capture_pool(
+        driver: LoadedDriver,
+        ordinal: i32,
+        streams: Arc<StreamRegistry>,
+    ) -> Self {
+        CudaDevice {
+            holds_releases: true,
+            ..CudaDevice::new(driver, ordinal, streams, false)
         }
     }
 
@@ -197,7 +215,7 @@ impl Device for CudaDevice {
     }
 
     fn free_segment(&self, address: u64, _size: u64) -> Result<(), DeviceError> {
-        if self.streams.captures_active() {
+        if self.holds_releases || self.streams.captures_active() {
             self.deferred_releases
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())

@@ -60,6 +60,10 @@ impl<T> OnPanic for Result<T, CuResult> {
     }
 }
 
+impl OnPanic for () {
+    fn on_panic() -> Self {}
+}
+
 impl OnPanic for String {
     fn on_panic() -> Self {
         String::new()

@@ -22,7 +22,8 @@
 //! |---|---|
 //! | `allocations` | serves allocations and frees (pooled or passed through and traced), cached free bytes, empty cache, stats |
 //! | `stream_lifecycle` | a stream's pool key, whether it captures, its creation and destruction |
-//! | `graph_capture` | the barrier fence at a capture's start, deferred releases at the last one's end |
+//! | `graph_capture` | the barrier fence and the private pool at a capture's start, deferred releases at the last one's end |
+//! | `capture_pools` | the private pools allocations on capturing streams come from (Note [Capture pools]) |
 //! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
 //! | `backward` | the stack of the Python thread in `backward()` for the autograd engine's threads |
 //! | `peer_access` | peer access to pooled memory |
@@ -48,6 +49,7 @@ use crate::trace::{DeviceObserver, Trace};
 
 mod allocations;
 mod backward;
+mod capture_pools;
 mod default_pool;
 mod exit;
 mod graph_capture;
@@ -116,6 +118,8 @@ pub struct Shim {
     stacks: Option<Stacks>,
     /// Default memory pools seen (`cudaDeviceGetDefaultMemPool`): `(pool, device)`.
     default_pools: std::sync::Mutex<Vec<(usize, i32)>>,
+    /// The private pools of graph captures.
+    capture_pools: capture_pools::CapturePools,
 }
 
 /// What runs at the shim's first CUDA use, set by the constructor ([`at_start`]).
@@ -226,6 +230,7 @@ fn start() -> Option<Shim> {
         passthrough: std::sync::Mutex::new(std::collections::HashMap::new()),
         started: std::time::Instant::now(),
         default_pools: std::sync::Mutex::new(Vec::new()),
+        capture_pools: capture_pools::CapturePools::default(),
     })
 }
 

@@ -86,6 +86,22 @@ pub extern "C" fn cachealloc_backward_begin() -> c_uint {
     .unwrap_or(0)
 }
 
+/// The calling thread's next CUDA graph capture allocates from the capture pool `id`, shared by
+/// every capture given the same id; 0 for a pool of its own (see Note [Capture pools] in the
+/// shim's `process`). Called by the Python integration for `torch.cuda.graph(pool=…)`.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_use_capture_pool(id: u64) {
+    guarded(
+        "cachealloc_use_capture_pool",
+        || {
+            if let Some(shim) = process::shim() {
+                shim.use_capture_pool(id);
+            }
+        },
+        || (),
+    );
+}
+
 /// The `backward()` announced by [`cachealloc_backward_begin`] returned.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn cachealloc_backward_end(token: c_uint) {

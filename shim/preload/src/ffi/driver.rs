@@ -507,9 +507,16 @@ unsafe fn end_capture(stream: Handle, graph: *mut Handle, per_thread_default: bo
         handle,
         per_thread_default,
     };
+    // The graph the capture made, once the real call wrote it (0: none).
+    let made = move || {
+        let graph = graph_out as *const Handle;
+        // SAFETY: the application's out-pointer, valid for the real call that just wrote it
+        // (the caller's contract); read only after a successful call.
+        unsafe { graph.read() as usize }
+    };
     guarded(
         "cuStreamEndCapture",
-        || hooks::stream_end_capture(arg, real),
+        || hooks::stream_end_capture(arg, real, made),
         real,
     )
 }

@@ -251,6 +251,106 @@ pub unsafe extern "C" fn cudaStreamEndCapture(
     unsafe { put_allocation(graph, result.map(|g| g as u64)) }
 }
 
+/// An instantiation of `graph` by `instantiate` (the real call): the executable graph holds the
+/// graph's capture pool too.
+///
+/// # Safety
+/// `exec` must be valid for a write of a pointer.
+unsafe fn instantiate(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    instantiate: impl FnOnce() -> Result<usize, CudaError>,
+) -> CudaError {
+    let result = instantiate();
+    if let Ok(made) = result {
+        guarded(
+            "cudaGraphInstantiate",
+            || hooks::graph_instantiated(graph as usize, made),
+            || (),
+        );
+    }
+    // SAFETY: valid for a write, per the caller's contract.
+    unsafe { put_allocation(exec, result.map(|e| e as u64)) }
+}
+
+/// `cudaGraphInstantiate` (CUDA 12's, with flags), noting the graph's capture pool.
+///
+/// # Safety
+/// `exec` must be valid for a write of a pointer (CUDA's contract).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaGraphInstantiate(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    flags: u64,
+) -> CudaError {
+    if exec.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    let real = || crate::real::runtime::graph_instantiate(graph as usize, flags, false);
+    // SAFETY: checked non-null; valid for a write per CUDA's contract.
+    unsafe { instantiate(exec, graph, real) }
+}
+
+/// `cudaGraphInstantiateWithFlags`, noting the graph's capture pool.
+///
+/// # Safety
+/// `exec` must be valid for a write of a pointer (CUDA's contract).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaGraphInstantiateWithFlags(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    flags: u64,
+) -> CudaError {
+    if exec.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    let real = || crate::real::runtime::graph_instantiate(graph as usize, flags, true);
+    // SAFETY: checked non-null; valid for a write per CUDA's contract.
+    unsafe { instantiate(exec, graph, real) }
+}
+
+/// `cudaGraphInstantiateWithParams`, noting the graph's capture pool.
+///
+/// # Safety
+/// `exec` must be valid for a write of a pointer, `params` CUDA's
+/// `cudaGraphInstantiateParams*` (CUDA's contract).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cudaGraphInstantiateWithParams(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    params: *mut c_void,
+) -> CudaError {
+    if exec.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    // SAFETY: the application's parameters, passed on.
+    let real =
+        || unsafe { crate::real::runtime::graph_instantiate_with_params(graph as usize, params) };
+    // SAFETY: checked non-null; valid for a write per CUDA's contract.
+    unsafe { instantiate(exec, graph, real) }
+}
+
+/// `cudaGraphExecDestroy`: the executable graph no longer holds its capture pool (noted before
+/// the real call, after which the handle may name a new graph).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cudaGraphExecDestroy(exec: *mut c_void) -> CudaError {
+    let handle = exec as usize;
+    guarded(
+        "cudaGraphExecDestroy",
+        || hooks::graph_destroyed(handle),
+        || (),
+    );
+    crate::real::runtime::graph_exec_destroy(handle)
+}
+
+/// `cudaGraphDestroy`: the graph no longer holds its capture pool (noted before the real call).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cudaGraphDestroy(graph: *mut c_void) -> CudaError {
+    let handle = graph as usize;
+    guarded("cudaGraphDestroy", || hooks::graph_destroyed(handle), || ());
+    crate::real::runtime::graph_destroy(handle)
+}
+
 /// `cudaDeviceGetDefaultMemPool`, noting which pool is the device's default.
 ///
 /// # Safety

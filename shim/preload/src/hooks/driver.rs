@@ -59,8 +59,13 @@ pub fn mem_alloc(
         return real(); // the driver's own answer to a zero-byte request
     }
     let key = match stream.map(StreamArg::runtime_handle) {
-        // On a capturing stream the allocation is a node of the graph, which owns its memory.
-        Some(handle) if shim.is_capturing(handle) => return real(),
+        // On a capturing stream: the capture's private pool (Note [Capture pools]).
+        Some(handle) if shim.is_capturing(handle) => {
+            return match shim.capture_malloc(handle, size) {
+                Some(result) => result.map_err(CudaError::to_driver),
+                None => real(),
+            };
+        }
         Some(handle) => shim.stream_key(handle),
         None => NO_STREAM,
     };
@@ -178,12 +183,19 @@ pub fn stream_begin_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) 
     super::runtime::stream_begin_capture(stream.runtime_handle(), real)
 }
 
-/// `cuStreamEndCapture*`.
-pub fn stream_end_capture(stream: StreamArg, real: impl FnOnce() -> CuResult) -> CuResult {
+/// `cuStreamEndCapture*`: `made` reads the graph the real call wrote.
+pub fn stream_end_capture(
+    stream: StreamArg,
+    real: impl FnOnce() -> CuResult,
+    made: impl FnOnce() -> usize,
+) -> CuResult {
     if symbols::bypass_driver_hooks() {
         return real();
     }
-    super::runtime::stream_end_capture(stream.runtime_handle(), real)
+    let code = real();
+    let graph = (code == codes::SUCCESS).then(made);
+    super::runtime::capture_ended(stream.runtime_handle(), graph);
+    code
 }
 
 /// `cuCtxEnablePeerAccess(peer_context)`: the current context's device may now use the memory

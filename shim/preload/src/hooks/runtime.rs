@@ -38,13 +38,20 @@ pub fn free(address: u64) -> CudaError {
 }
 
 /// `cudaMallocAsync`: served from the pool of `stream` (see Note [Stream-ordered reuse] in
-/// `cachealloc-core`). On a stream that is capturing a CUDA graph it goes to the runtime, which
-/// makes it a node of the graph whose memory the graph owns, exactly as without us.
+/// `cachealloc-core`); on a stream that is capturing a CUDA graph, from the capture's private
+/// pool (Note [Capture pools] in the shim's `process`).
 pub fn malloc_async(size: u64, stream: usize) -> Result<u64, CudaError> {
     symbols::count(Door::Runtime);
     match process::shim() {
-        Some(shim) if shim.pooling() && !shim.is_capturing(stream) => {
-            shim.malloc(size, shim.stream_key(stream))
+        Some(shim) if shim.pooling() => {
+            if shim.is_capturing(stream) {
+                match shim.capture_malloc(stream, size) {
+                    Some(result) => result,
+                    None => real::malloc_async(size, stream),
+                }
+            } else {
+                shim.malloc(size, shim.stream_key(stream))
+            }
         }
         _ => real::malloc_async(size, stream),
     }
@@ -145,18 +152,42 @@ pub fn stream_begin_capture<C: ResultCode>(stream: usize, real: impl FnOnce() ->
     if !code.is_success()
         && let Some(shim) = shim
     {
-        shim.capture_ended(stream);
+        shim.capture_ended(stream, None);
     }
     code
 }
 
-/// `cudaStreamEndCapture`: the capture is over, whether it succeeded or not.
-pub fn stream_end_capture<T>(stream: usize, real: impl FnOnce() -> T) -> T {
+/// `cudaStreamEndCapture`: the capture is over, whether it succeeded (making a graph) or not.
+pub fn stream_end_capture(
+    stream: usize,
+    real: impl FnOnce() -> Result<usize, CudaError>,
+) -> Result<usize, CudaError> {
     let result = real();
-    if let Some(shim) = process::shim() {
-        shim.capture_ended(stream);
-    }
+    capture_ended(stream, result.ok());
     result
+}
+
+/// The capture on `stream` ended, through either API, making `graph` if it succeeded.
+pub fn capture_ended(stream: usize, graph: Option<usize>) {
+    if let Some(shim) = process::shim() {
+        shim.capture_ended(stream, graph);
+    }
+}
+
+/// `cudaGraphInstantiate*`, after the runtime made `exec` from `graph`: the executable graph
+/// holds the graph's capture pool too.
+pub fn graph_instantiated(graph: usize, exec: usize) {
+    if let Some(shim) = process::started_shim() {
+        shim.graph_instantiated(graph, exec);
+    }
+}
+
+/// `cudaGraphDestroy` or `cudaGraphExecDestroy` of `handle` (called before the real call):
+/// it no longer holds its capture pool.
+pub fn graph_destroyed(handle: usize) {
+    if let Some(shim) = process::started_shim() {
+        shim.graph_destroyed(handle);
+    }
 }
 
 /// `cudaDeviceGetDefaultMemPool`: noted, since PyTorch reads its memory statistics from this

@@ -3,12 +3,14 @@
 
 use std::sync::atomic::Ordering;
 
-use cachealloc_core::{AllocError, FreeError, Stats};
+use cachealloc_core::{AllocError, Allocator, FreeError, Stats};
 
 use super::Shim;
+use crate::backend::CudaDevice;
 use crate::cuda::driver::CuResult;
 use crate::cuda::{self, CudaError};
 use crate::log;
+use crate::trace::DeviceObserver;
 
 impl Shim {
     /// Serve `cudaMalloc(size)` ([`NO_STREAM`](cachealloc_core::NO_STREAM)) or
@@ -20,11 +22,21 @@ impl Shim {
     /// Serve an allocation for `stream` from `device`'s pool.
     pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
         let pool = self.pool(device)?;
+        self.serve(&pool.alloc, device, size, stream)
+    }
+
+    /// Serve an allocation for `stream` from `alloc`, one of `device`'s allocators; report what
+    /// went wrong, and answer as the runtime would.
+    pub(super) fn serve(
+        &self,
+        alloc: &Allocator<CudaDevice, DeviceObserver>,
+        device: i32,
+        size: u64,
+        stream: u64,
+    ) -> Result<u64, CudaError> {
         let mut changes = cachealloc_core::SegmentChanges::default();
         let stack = self.capture_stack();
-        let result = pool
-            .alloc
-            .malloc_on_stream(size, stream, u64::from(stack), &mut changes);
+        let result = alloc.malloc_on_stream(size, stream, u64::from(stack), &mut changes);
         for (segment, e) in &changes.release_errors {
             log::error!(
                 "device {device}: releasing segment {:#x}: {e}",
@@ -72,7 +84,7 @@ impl Shim {
                 }
             }
         }
-        None
+        self.capture_free(address, stream)
     }
 
     /// Count (and trace) an allocation that passed through (`pool:off`, or degraded) to

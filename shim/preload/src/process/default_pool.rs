@@ -33,7 +33,9 @@ impl Shim {
 
     /// `device`'s stats, if it has a pool.
     pub fn device_stats(&self, device: i32) -> Option<Stats> {
-        self.allocator_of(device).map(|a| a.stats())
+        let mut stats = self.allocator_of(device)?.stats();
+        self.add_capture_pools(device, &mut stats);
+        Some(stats)
     }
 
     /// Reset `device`'s peak stats.

@@ -1,5 +1,6 @@
-//! CUDA graph captures: a barrier fence when one begins, deferred segment releases when the last
-//! one ends (see [`crate::streams`] for how fences avoid capturing streams).
+//! CUDA graph captures: a barrier fence and a private pool when one begins (see
+//! Note [Capture pools] in `capture_pools`), deferred segment releases when the last one ends
+//! (see [`crate::streams`] for how fences avoid capturing streams).
 
 use super::Shim;
 use crate::log;
@@ -17,12 +18,16 @@ impl Shim {
         }
         let device = self.current_device().unwrap_or(0);
         self.streams.capture_began(Stream(stream), device);
+        self.capture_pool_begin(stream, device);
     }
 
-    /// `stream`'s capture ended; after the last one, release the segments whose release it
-    /// deferred.
-    pub fn capture_ended(&self, stream: usize) {
-        if self.streams.capture_ended(Stream(stream)) {
+    /// `stream`'s capture ended, making `graph` (`None` if it failed); after the last one,
+    /// release the segments whose release it deferred.
+    pub fn capture_ended(&self, stream: usize, graph: Option<usize>) {
+        let last = self.streams.capture_ended(Stream(stream));
+        self.capture_pool_end(stream, graph);
+        if last {
+            self.release_unused_capture_pools();
             for pool in self.pools() {
                 let failed = pool.alloc.device().release_deferred();
                 if failed > 0 {

@@ -83,6 +83,11 @@ real_functions! {
     cudaStreamSynchronize: fn(CudaStream) -> CudaError;
     cudaStreamBeginCapture: fn(CudaStream, c_int) -> CudaError;
     cudaStreamEndCapture: fn(CudaStream, *mut *mut c_void) -> CudaError;
+    cudaGraphInstantiate: fn(*mut *mut c_void, *mut c_void, u64) -> CudaError;
+    cudaGraphInstantiateWithFlags: fn(*mut *mut c_void, *mut c_void, u64) -> CudaError;
+    cudaGraphInstantiateWithParams: fn(*mut *mut c_void, *mut c_void, *mut c_void) -> CudaError;
+    cudaGraphExecDestroy: fn(*mut c_void) -> CudaError;
+    cudaGraphDestroy: fn(*mut c_void) -> CudaError;
     cudaDeviceGetDefaultMemPool: fn(*mut MemPool, c_int) -> CudaError;
     cudaMemPoolGetAttribute: fn(MemPool, c_int, *mut c_void) -> CudaError;
     cudaMemPoolSetAttribute: fn(MemPool, c_int, *mut c_void) -> CudaError;
@@ -251,6 +256,59 @@ pub fn stream_end_capture(stream: usize) -> Result<usize, CudaError> {
     } else {
         Err(code)
     }
+}
+
+/// The real `cudaGraphInstantiate` (CUDA 12's, with flags) or `cudaGraphInstantiateWithFlags`
+/// (`with_flags`): the executable graph's handle.
+pub fn graph_instantiate(graph: usize, flags: u64, with_flags: bool) -> Result<usize, CudaError> {
+    let mut exec: *mut c_void = std::ptr::null_mut();
+    let graph = graph as *mut c_void;
+    // Valid out-pointer; the graph handle and flags are validated by the runtime.
+    let code = if with_flags {
+        call_real!(cudaGraphInstantiateWithFlags(&mut exec, graph, flags))
+    } else {
+        call_real!(cudaGraphInstantiate(&mut exec, graph, flags))
+    };
+    if code == crate::cuda::SUCCESS {
+        Ok(exec as usize)
+    } else {
+        Err(code)
+    }
+}
+
+/// The real `cudaGraphInstantiateWithParams`.
+///
+/// # Safety
+/// `params` is the application's `cudaGraphInstantiateParams*`, passed on (the runtime checks
+/// it).
+pub unsafe fn graph_instantiate_with_params(
+    graph: usize,
+    params: *mut c_void,
+) -> Result<usize, CudaError> {
+    let mut exec: *mut c_void = std::ptr::null_mut();
+    // Valid out-pointer; the graph handle and the caller's parameters go to the runtime.
+    let code = call_real!(cudaGraphInstantiateWithParams(
+        &mut exec,
+        graph as *mut c_void,
+        params
+    ));
+    if code == crate::cuda::SUCCESS {
+        Ok(exec as usize)
+    } else {
+        Err(code)
+    }
+}
+
+/// The real `cudaGraphExecDestroy`.
+pub fn graph_exec_destroy(exec: usize) -> CudaError {
+    // The application's handle, validated by the runtime.
+    call_real!(cudaGraphExecDestroy(exec as *mut c_void))
+}
+
+/// The real `cudaGraphDestroy`.
+pub fn graph_destroy(graph: usize) -> CudaError {
+    // The application's handle, validated by the runtime.
+    call_real!(cudaGraphDestroy(graph as *mut c_void))
 }
 
 /// The real `cudaDeviceGetDefaultMemPool`: the pool's handle.
