@@ -89,17 +89,17 @@ pub struct SegmentChanges {
 
 /// A request on its way down the ladder.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Request {
+struct Request {
     /// The application's size.
-    pub(crate) size: u64,
+    size: u64,
     /// Its rounded size.
-    pub(crate) rounded: u64,
+    rounded: u64,
     /// The size of a new segment for it.
-    pub(crate) segment_size: u64,
+    segment_size: u64,
     /// The caller's tag.
-    pub(crate) tag: u64,
+    tag: u64,
     /// The stream it is for, or [`NO_STREAM`].
-    pub(crate) stream: u64,
+    stream: u64,
 }
 
 impl Request {
@@ -456,9 +456,35 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             segment_size,
             ..*request
         };
-        let report = OomReport::of(&pools, &request, self.device.mem_info(), self.limit);
+        let report = self.oom_report(&pools, &request);
         self.observer.on_event(Event::Oom(&report));
         Err(AllocError::OutOfMemory(Box::new(report)))
+    }
+
+    /// What the pools and the device know about `request`, which could not be served.
+    fn oom_report(&self, pools: &Pools<D::Fence>, request: &Request) -> OomReport {
+        let info = self.device.mem_info();
+        let cached_free = pools.cached_free_bytes();
+        let largest = pools.largest_free_block();
+        OomReport {
+            requested: request.size,
+            rounded: request.rounded,
+            pool: sizes::pool_for(request.rounded),
+            segment_size: request.segment_size,
+            allocated: pools.stats.allocated_bytes.all.current as u64,
+            reserved: pools.stats.reserved_bytes.all.current as u64,
+            cached_free,
+            largest_free_block: largest,
+            fragmentation: if cached_free == 0 {
+                0.0
+            } else {
+                1.0 - largest as f64 / cached_free as f64
+            },
+            device_free: info.free,
+            device_total: info.total,
+            limit: self.limit,
+            tag: request.tag,
+        }
     }
 
     /// Run `f` with the lock released, then take it again.
