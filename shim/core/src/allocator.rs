@@ -42,6 +42,8 @@ use spin::relax::Yield;
 
 use crate::config::AllocatorConfig;
 use crate::device::{Device, DeviceError};
+use crate::events::{Event, Observer};
+use crate::oom::OomReport;
 use crate::pools::expandable::Geometry;
 use crate::pools::{
     AddressInfo, Allocation, FreeError, Freed, NO_STREAM, Pools, ReleasedSegment, SegmentSnapshot,
@@ -51,9 +53,6 @@ use crate::stats::Stats;
 
 mod expandable;
 mod maintenance;
-
-pub use crate::events::{Event, Observer};
-pub use crate::oom::{OomReport, format_bytes};
 
 /// Why `malloc` failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
