@@ -211,9 +211,9 @@ fn the_tools_read_a_trace_across_rotated_files() {
     assert_eq!(tail.files, 2);
     assert!(tail.devices[&0].allocs < 150_000);
     assert!(tail.tears.is_empty());
-    let mut replay = cachealloc_tools::replay::Replay::open(&dir).expect("open");
-    replay.run_through(u64::MAX).expect("replay");
-    assert!(replay.state.blocks.is_empty(), "churn frees everything");
+    let mut walk = cachealloc_tools::walk::TraceWalk::open(&dir).expect("open");
+    walk.run_through(u64::MAX).expect("walk");
+    assert!(walk.state.blocks.is_empty(), "churn frees everything");
     let simulated = simulate_dir(&dir, None, None).expect("simulate");
     assert!(simulated.failures == 0);
 }
