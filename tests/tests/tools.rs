@@ -6,28 +6,10 @@
 //! immediate reuse. A multi-threaded run with fenced reuse can interleave fence waits in ways a
 //! sequential replay does not reproduce; `simulate` then says where it diverged.
 
-use cachealloc_tests::{Run, trace_dirs};
+use cachealloc_tests::{cachealloc_binary, trace_dirs, traced};
 use cachealloc_tools::analysis::scan;
 use cachealloc_tools::commands::simulate::simulate_dir;
 use cachealloc_tools::progress::Progress;
-
-/// Run a program under the shim with `conf` and return its trace directory.
-fn traced(program: &str, args: &[&str], conf: &str, env: &[(&str, &str)]) -> std::path::PathBuf {
-    let mut run = Run::c(program, args).env("CACHEALLOC_CONF", conf);
-    for (k, v) in env {
-        run = run.env(k, v);
-    }
-    let out = run.output();
-    out.assert_ok(program);
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    assert_eq!(
-        dirs.len(),
-        1,
-        "{program} {args:?} {conf:?}: one trace, in {}",
-        out.dir.display()
-    );
-    dirs[0].clone()
-}
 
 /// A program, its arguments, the shim's config and extra environment.
 type Case = (
@@ -119,17 +101,6 @@ fn simulate_with_another_config_changes_the_outcome() {
     let failure = small.first_failure.expect("a failure");
     assert!(failure.size > 0 && failure.device == 0);
     assert!(!failure.site.is_empty());
-}
-
-/// The `cachealloc` binary cargo built next to the shim (`cargo test --workspace` builds it).
-fn cachealloc_binary() -> std::path::PathBuf {
-    let bin = cachealloc_tests::shim_library().with_file_name("cachealloc");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it with `cargo build -p cachealloc-tools`",
-        bin.display()
-    );
-    bin
 }
 
 #[test]
