@@ -121,6 +121,9 @@ impl Request {
 type Lock<F> = SpinMutex<Pools<F>, Yield>;
 /// The pools, locked.
 type Locked<'a, F> = SpinMutexGuard<'a, Pools<F>>;
+/// What a rung that grows (releasing the lock meanwhile) gives back: the allocation that
+/// served the request, `None` when out of memory, and the lock, taken again.
+type Served<'a, F> = (Result<Option<Allocation>, DeviceError>, Locked<'a, F>);
 
 /// One device's caching allocator. Thread-safe; see the module docs for the locking rules.
 pub struct Allocator<D: Device, O: Observer = ()> {
@@ -247,10 +250,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         request: &Request,
         changes: &mut SegmentChanges,
         is_retry: bool,
-    ) -> (
-        Result<Option<Allocation>, DeviceError>,
-        Locked<'a, D::Fence>,
-    ) {
+    ) -> Served<'a, D::Fence> {
         if pools.expandable().is_some() {
             return self.map_and_serve(pools, request, changes, is_retry);
         }
