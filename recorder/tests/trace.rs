@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use cachealloc_recorder::schema::*;
-use cachealloc_recorder::{Record, TraceWriter, WriterConfig};
+use cachealloc_recorder::{Record, WriterConfig};
 
 use common::*;
 
@@ -169,16 +169,10 @@ fn events_of(records: &[(usize, Record)], file: usize) -> Vec<Record> {
 fn every_record_kind_round_trips() {
     for compress in [false, true] {
         let dir = temp_dir(&format!("roundtrip-{compress}"));
-        let mut w = TraceWriter::create(
+        write_trace(
             WriterConfig::new(&dir, 1 << 30, 4, compress),
-            header(),
-            ManualClock::default(),
-        )
-        .unwrap();
-        for r in one_of_each() {
-            w.write(&r).unwrap();
-        }
-        w.finish().unwrap();
+            &one_of_each(),
+        );
         let (records, reader) = read_all(&dir);
         assert!(reader.tears().is_empty());
         assert!(matches!(&records[0].1, Record::Header(h) if **h == header()));
@@ -194,24 +188,20 @@ fn every_record_kind_round_trips() {
 #[test]
 fn unknown_kinds_are_passed_over() {
     let dir = temp_dir("unknown");
-    let mut w = TraceWriter::create(
+    write_trace(
         WriterConfig::new(&dir, 1 << 30, 4, false),
-        header(),
-        ManualClock::default(),
-    )
-    .unwrap();
-    w.write(&Record::Unknown {
-        kind: 200,
-        body: vec![1, 2, 3],
-    })
-    .unwrap();
-    w.write(&Record::Annotation(Box::new(Annotation {
-        t: 1,
-        name: "after".into(),
-        thread: 0,
-    })))
-    .unwrap();
-    w.finish().unwrap();
+        &[
+            Record::Unknown {
+                kind: 200,
+                body: vec![1, 2, 3],
+            },
+            Record::Annotation(Box::new(Annotation {
+                t: 1,
+                name: "after".into(),
+                thread: 0,
+            })),
+        ],
+    );
     let (records, _) = read_all(&dir);
     let events = events_of(&records, 0);
     assert_eq!(
@@ -230,12 +220,8 @@ fn small_trace(name: &str, compress: bool) -> (PathBuf, PathBuf, Vec<Record>) {
     let dir = temp_dir(name);
     let mut config = WriterConfig::new(&dir, 1 << 30, 2, compress);
     config.flush_bytes = 2 << 10;
-    let mut w = TraceWriter::create(config, header(), ManualClock::default()).unwrap();
     let records = workload(3000);
-    for r in &records {
-        w.write(r).unwrap();
-    }
-    let path = w.finish().unwrap();
+    let path = write_trace(config, &records);
     (dir, path, records)
 }
 
@@ -299,16 +285,10 @@ fn write_golden_files() {
     for compress in [false, true] {
         let dir = golden_dir(compress);
         let _ = std::fs::remove_dir_all(&dir);
-        let mut w = TraceWriter::create(
+        write_trace(
             WriterConfig::new(&dir, 1 << 30, 2, compress),
-            header(),
-            ManualClock::default(),
-        )
-        .unwrap();
-        for r in golden_records() {
-            w.write(&r).unwrap();
-        }
-        w.finish().unwrap();
+            &golden_records(),
+        );
     }
 }
 

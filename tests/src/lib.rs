@@ -1,5 +1,8 @@
-//! Helpers for cachealloc's end-to-end tests: run a program under
-//! `LD_PRELOAD=libcachealloc.so` over fakecuda and capture what it did.
+//! Helpers for cachealloc's end-to-end tests, shared by every file of `tests/`: run a program
+//! under `LD_PRELOAD=libcachealloc.so` over fakecuda ([`Run`]), capture what it did
+//! ([`Output`]: its exit, the numbers it printed, fakecuda's report, its trace) and read traces
+//! ([`read_trace`], [`count`], [`alloc_stacks`]); [`traced`] and [`cachealloc_binary`] for the
+//! tests of the `cachealloc` tools.
 //!
 //! The build script compiles fakecuda, a CPU stand-in for the CUDA 13 stack with asynchronous
 //! streams: the driver `libcuda.so.1` (versioned symbols and the `cuGetProcAddress` resolver) and
@@ -74,6 +77,11 @@ pub fn trace_dirs(trace_root: &Path) -> Vec<PathBuf> {
     dirs
 }
 
+/// How many of `records` are of `kind` (`schema::kinds`).
+pub fn count(records: &[Record], kind: u8) -> usize {
+    records.iter().filter(|r| r.kind() == kind).count()
+}
+
 /// Every record of a trace directory, and the tears found.
 pub fn read_trace(dir: &Path) -> (Vec<Record>, Vec<Tear>) {
     let mut reader = TraceReader::open(dir).expect("open trace");
@@ -98,6 +106,76 @@ pub struct Output {
 }
 
 impl Output {
+    /// The per-process trace directories the run wrote to its default trace root
+    /// (`cachealloc-trace/` in its working directory).
+    pub fn trace_dirs(&self) -> Vec<PathBuf> {
+        trace_dirs(&self.dir.join("cachealloc-trace"))
+    }
+
+    /// The run's one trace directory (asserting there is exactly one).
+    pub fn one_trace(&self) -> PathBuf {
+        let dirs = self.trace_dirs();
+        assert_eq!(
+            dirs.len(),
+            1,
+            "one trace, in {}: {dirs:?}",
+            self.dir.display()
+        );
+        dirs[0].clone()
+    }
+
+    /// The numbers on the first line of stdout that starts with `label` (the programs print
+    /// their results as `label N …`).
+    pub fn numbers_after(&self, label: &str) -> Vec<u64> {
+        let line = self
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_else(|| panic!("no '{label}' line in:\n{}", self.stdout));
+        line.split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect()
+    }
+
+    /// The one number on the first line of stdout that starts with `label`.
+    pub fn number_after(&self, label: &str) -> u64 {
+        match self.numbers_after(label)[..] {
+            [n] => n,
+            ref other => panic!("'{label}': one number expected, got {other:?}"),
+        }
+    }
+
+    /// The number before `what` (one of its counts, e.g. `"device allocations"`,
+    /// `"physical creates"`) in fakecuda's report (`FAKECUDA_REPORT=1`) of the last process to
+    /// exit.
+    pub fn fakecuda_count(&self, what: &str) -> u64 {
+        let line = self
+            .stderr
+            .lines()
+            .rfind(|l| l.starts_with("fakecuda:"))
+            .unwrap_or_else(|| panic!("no fakecuda report: {}", self.stderr));
+        let at = line
+            .find(what)
+            .unwrap_or_else(|| panic!("no '{what}' in {line}"));
+        line[..at]
+            .split_whitespace()
+            .last()
+            .and_then(|n| n.trim_end_matches(',').parse().ok())
+            .unwrap_or_else(|| panic!("cannot read '{what}' in {line}"))
+    }
+
+    /// Assert the program's own check failed: it exited 1 and said `message` on stdout (the
+    /// controls, which show that a test can fail).
+    pub fn assert_fails_with(&self, message: &str) {
+        assert!(
+            self.code == Some(1) && self.stdout.contains(message),
+            "expected exit 1 and '{message}' (exit {:?})\n--- stdout\n{}--- stderr\n{}",
+            self.code,
+            self.stdout,
+            self.stderr
+        );
+    }
+
     /// Assert the program printed `OK <name>` and exited 0, and that the shim neither failed
     /// internally (it degrades to passthrough with one message, which a program's own check
     /// cannot see) nor panicked.
@@ -252,6 +330,36 @@ impl Run {
             dir: self.dir,
         }
     }
+}
+
+/// Run `program` under the shim with `conf` (and `env`), assert it passed, and return its trace
+/// directory.
+pub fn traced(program: &str, args: &[&str], conf: &str, env: &[(&str, &str)]) -> PathBuf {
+    let mut run = Run::c(program, args).env("CACHEALLOC_CONF", conf);
+    for (k, v) in env {
+        run = run.env(k, v);
+    }
+    let out = run.output();
+    out.assert_ok(program);
+    let dirs = out.trace_dirs();
+    assert_eq!(
+        dirs.len(),
+        1,
+        "{program} {args:?} {conf:?}: one trace, in {}",
+        out.dir.display()
+    );
+    dirs[0].clone()
+}
+
+/// The `cachealloc` binary cargo built next to the shim (`cargo test --workspace` builds it).
+pub fn cachealloc_binary() -> PathBuf {
+    let bin = shim_library().with_file_name("cachealloc");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p cachealloc-tools`",
+        bin.display()
+    );
+    bin
 }
 
 /// A CPython interpreter found on this machine.

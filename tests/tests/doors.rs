@@ -10,7 +10,7 @@
 //! that a shim that passed through would fail.
 
 use cachealloc_recorder::schema::kinds;
-use cachealloc_tests::{Output, Run, read_trace, trace_dirs};
+use cachealloc_tests::{Output, Run, count, read_trace};
 
 /// The requests counted for `door` on the exit summary's door line (0 when absent).
 fn door_count(stderr: &str, door: &str) -> u64 {
@@ -33,15 +33,7 @@ const ENTRY_POINTS: &str = "driver entry points (cuGetProcAddress)";
 
 /// fakecuda's count of device allocations (`FAKECUDA_REPORT=1`).
 fn device_allocations(out: &Output) -> u64 {
-    let line = out
-        .stderr
-        .lines()
-        .find(|l| l.starts_with("fakecuda:"))
-        .unwrap_or_else(|| panic!("no fakecuda report: {}", out.stderr));
-    line.split_whitespace()
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("cannot read {line}"))
+    out.fakecuda_count("device allocations")
 }
 
 fn run(name: &str, args: &[&str]) -> Output {
@@ -105,12 +97,7 @@ fn a_static_runtime_keeps_reuse_safe_across_streams() {
     let out = Run::c("race_static", &["nonblocking"])
         .env("CACHEALLOC_CONF", "reuse:immediate")
         .output();
-    assert_eq!(out.code, Some(1), "{}{}", out.stdout, out.stderr);
-    assert!(
-        out.stdout.contains("overwritten by the old work"),
-        "{}",
-        out.stdout
-    );
+    out.assert_fails_with("overwritten by the old work");
 }
 
 #[test]
@@ -146,12 +133,10 @@ fn a_static_runtime_under_threads_oom_and_stream_ordered_use() {
 fn a_static_runtime_run_leaves_a_complete_trace() {
     let out = Run::c("basic_static", &[]).output();
     out.assert_ok("basic");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    assert_eq!(dirs.len(), 1);
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&out.one_trace());
     assert!(tears.is_empty(), "{tears:?}");
-    let allocs = records.iter().filter(|r| r.kind() == kinds::ALLOC).count();
-    let frees = records.iter().filter(|r| r.kind() == kinds::FREE).count();
+    let allocs = count(&records, kinds::ALLOC);
+    let frees = count(&records, kinds::FREE);
     assert_eq!((allocs, frees), (8, 8), "every request recorded once");
 }
 
@@ -207,15 +192,8 @@ fn one_request_through_a_shared_runtime_enters_once() {
     out.assert_ok("basic");
     assert_eq!(door_count(&out.stderr, RUNTIME), 9, "{}", out.stderr);
     assert_eq!(door_count(&out.stderr, ENTRY_POINTS), 0, "{}", out.stderr);
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, _) = read_trace(&dirs[0]);
-    assert_eq!(
-        records
-            .iter()
-            .filter(|r| r.kind() == kinds::SEGMENT_ALLOC)
-            .count(),
-        8
-    );
+    let (records, _) = read_trace(&out.one_trace());
+    assert_eq!(count(&records, kinds::SEGMENT_ALLOC), 8);
     // And pooled: the pools' segments come from the driver, never back through a door.
     let out = run("basic", &[]);
     out.assert_ok("basic");

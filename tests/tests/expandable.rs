@@ -5,34 +5,17 @@
 //! back to fixed segments with one message (the control: there, nothing is mapped).
 
 use cachealloc_recorder::schema::kinds;
-use cachealloc_tests::{Output, Run, read_trace, trace_dirs};
+use cachealloc_tests::{Output, Run, count, read_trace};
 
 const EXPANDABLE: &str = "expandable_segments:True";
 
-/// fakecuda's report (`FAKECUDA_REPORT=1`) of the program, the last process to exit: device
-/// allocations (`cuMemAlloc*`) and physical allocations (`cuMemCreate`).
+/// fakecuda's report (`FAKECUDA_REPORT=1`) of the program: device allocations (`cuMemAlloc*`)
+/// and physical allocations (`cuMemCreate`).
 fn report(out: &Output) -> (u64, u64) {
     (
-        number_before(out, "device allocations"),
-        number_before(out, "physical creates"),
+        out.fakecuda_count("device allocations"),
+        out.fakecuda_count("physical creates"),
     )
-}
-
-/// The number before `what` in fakecuda's report of the program.
-fn number_before(out: &Output, what: &str) -> u64 {
-    let line = out
-        .stderr
-        .lines()
-        .rfind(|l| l.starts_with("fakecuda:"))
-        .unwrap_or_else(|| panic!("no fakecuda report: {}", out.stderr));
-    let at = line
-        .find(what)
-        .unwrap_or_else(|| panic!("no '{what}' in {line}"));
-    line[..at]
-        .split_whitespace()
-        .last()
-        .and_then(|n| n.trim_end_matches(',').parse().ok())
-        .unwrap_or_else(|| panic!("cannot read '{what}' in {line}"))
 }
 
 fn run(name: &str, args: &[&str], conf: &str) -> Output {
@@ -81,7 +64,7 @@ fn recycling_moves_memory_and_every_block_keeps_its_bytes() {
     ] {
         let out = run("load", &args, EXPANDABLE);
         out.assert_pooled("load");
-        let second_mappings = number_before(&out, "second mappings");
+        let second_mappings = out.fakecuda_count("second mappings");
         assert!(
             second_mappings > 0 || !always_moves,
             "{args:?}: no memory moved: {}",
@@ -124,13 +107,14 @@ fn the_trace_tells_every_map_and_unmap() {
         .env("FAKECUDA_CAPACITY_MB", "64")
         .output();
     out.assert_pooled("oom");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&out.one_trace());
     assert!(tears.is_empty());
-    let count = |kind| records.iter().filter(|r| r.kind() == kind).count();
-    let (maps, unmaps) = (count(kinds::SEGMENT_MAP), count(kinds::SEGMENT_UNMAP));
+    let (maps, unmaps) = (
+        count(&records, kinds::SEGMENT_MAP),
+        count(&records, kinds::SEGMENT_UNMAP),
+    );
     assert!(maps > 0 && unmaps > 0, "{maps} maps, {unmaps} unmaps");
-    assert_eq!(count(kinds::SEGMENT_ALLOC), 0, "no fixed segment");
+    assert_eq!(count(&records, kinds::SEGMENT_ALLOC), 0, "no fixed segment");
     // The mapped bytes the trace tells never exceed the device.
     let mut mapped: i64 = 0;
     for r in &records {
@@ -206,7 +190,7 @@ fn peer_access_enabled_while_threads_map_reaches_every_block() {
             out.assert_ok("peer_access");
             // The race moved memory, so parked places were part of it.
             assert!(
-                number_before(&out, "second mappings") > 0,
+                out.fakecuda_count("second mappings") > 0,
                 "{name}: {}",
                 out.stderr
             );

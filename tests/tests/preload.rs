@@ -65,12 +65,7 @@ fn the_race_test_catches_unfenced_reuse() {
         let out = Run::c("race", &[flavour])
             .env("CACHEALLOC_CONF", "reuse:immediate")
             .output();
-        assert_eq!(out.code, Some(1), "{flavour}: {}{}", out.stdout, out.stderr);
-        assert!(
-            out.stdout.contains("overwritten by the old work"),
-            "{}",
-            out.stdout
-        );
+        out.assert_fails_with("overwritten by the old work");
     }
 }
 
@@ -84,12 +79,7 @@ fn many_threads_never_share_a_live_block() {
         .env("FAKECUDA_FAULT", "overlap")
         .without_shim()
         .output();
-    assert_eq!(broken.code, Some(1), "{}{}", broken.stdout, broken.stderr);
-    assert!(
-        broken.stdout.contains("a live block was overwritten"),
-        "{}",
-        broken.stdout
-    );
+    broken.assert_fails_with("a live block was overwritten");
 }
 
 #[test]
@@ -131,12 +121,7 @@ fn mem_get_info_counts_cached_bytes_as_free() {
     let out = Run::c("meminfo", &[])
         .env("CACHEALLOC_CONF", "report_cached_as_free:false")
         .output();
-    assert_eq!(out.code, Some(1), "{}", out.stdout);
-    assert!(
-        out.stdout.contains("cached bytes not reported as free"),
-        "{}",
-        out.stdout
-    );
+    out.assert_fails_with("cached bytes not reported as free");
 }
 
 #[test]
@@ -275,17 +260,6 @@ fn python_host_through_ctypes() {
     }
 }
 
-/// The numbers `stream_ordered` printed after `label`.
-fn numbers_after(stdout: &str, label: &str) -> Vec<u64> {
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with(label))
-        .unwrap_or_else(|| panic!("no '{label}' line in:\n{stdout}"));
-    line.split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect()
-}
-
 fn assert_no_shim_failure(stderr: &str) {
     assert!(
         !stderr.contains("internal failure") && !stderr.contains("passing every"),
@@ -298,10 +272,10 @@ fn stream_ordered_frees_are_reused_on_their_stream_and_never_across() {
     let out = Run::c("stream_ordered", &[]).output();
     out.assert_pooled("stream_ordered");
     assert_no_shim_failure(&out.stderr);
-    assert_eq!(numbers_after(&out.stdout, "same_stream_reuse"), [1]);
-    assert_eq!(numbers_after(&out.stdout, "cross_stream_reuse"), [0]);
+    assert_eq!(out.numbers_after("same_stream_reuse"), [1]);
+    assert_eq!(out.numbers_after("cross_stream_reuse"), [0]);
     assert_eq!(
-        numbers_after(&out.stdout, "adopted"),
+        out.numbers_after("adopted"),
         [1],
         "the block freed on the other stream was reused behind a device-side wait"
     );
@@ -311,7 +285,7 @@ fn stream_ordered_frees_are_reused_on_their_stream_and_never_across() {
         .env("CACHEALLOC_CONF", "reuse:fenced")
         .output();
     fenced.assert_pooled("stream_ordered");
-    assert_eq!(numbers_after(&fenced.stdout, "same_stream_reuse"), [0]);
+    assert_eq!(fenced.numbers_after("same_stream_reuse"), [0]);
 }
 
 #[test]
@@ -319,8 +293,7 @@ fn the_default_pools_attributes_report_our_pools() {
     let out = Run::c("stream_ordered", &[]).output();
     out.assert_pooled("stream_ordered");
     // used before, with 3 MiB live, after the free; peak; peak after reset; reserved.
-    let [used0, used1, used2, peak, reset, reserved] = numbers_after(&out.stdout, "used")[..]
-    else {
+    let [used0, used1, used2, peak, reset, reserved] = out.numbers_after("used")[..] else {
         panic!("{}", out.stdout)
     };
     assert_eq!(used1 - used0, 3 << 20, "{}", out.stdout);
@@ -332,7 +305,7 @@ fn the_default_pools_attributes_report_our_pools() {
     );
     assert!(reserved >= used1, "reserved {reserved} < used {used1}");
     assert_eq!(
-        numbers_after(&out.stdout, "reserved_after_trim"),
+        out.numbers_after("reserved_after_trim"),
         [0],
         "cudaMemPoolTrimTo (PyTorch's empty_cache) released the cache"
     );

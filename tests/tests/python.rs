@@ -7,7 +7,7 @@ use std::process::Command;
 
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::FRAME_PYTHON;
-use cachealloc_tests::{Python, Run, alloc_stacks, pythons, read_trace, trace_dirs};
+use cachealloc_tests::{Python, Run, alloc_stacks, pythons, read_trace};
 
 #[allow(dead_code)]
 #[path = "../../shim/preload/src/stacks/python/layout.rs"]
@@ -192,7 +192,7 @@ fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
             let out = run.output();
             out.assert_ok("python_stacks");
             let expected = expected_stacks(&out.dir.join("expected.json"));
-            let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+            let dirs = out.trace_dirs();
             let (records, tears) = read_trace(&dirs[0]);
             assert!(tears.is_empty());
             let recorded = recorded_stacks(&records);
@@ -223,7 +223,7 @@ fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
             .env("CACHEALLOC_CONF", "stacks:none")
             .output();
         out.assert_ok("python_stacks");
-        let (records, _) = read_trace(&trace_dirs(&out.dir.join("cachealloc-trace"))[0]);
+        let (records, _) = read_trace(&out.trace_dirs()[0]);
         assert!(recorded_stacks(&records).values().all(|s| s.is_empty()));
     }
 }
@@ -238,7 +238,7 @@ fn backward_allocations_get_the_stack_that_called_backward() {
             .env("CACHEALLOC_CONF", conf)
             .output();
         out.assert_ok("python_backward");
-        let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
+        let dirs = out.trace_dirs();
         let (records, _) = read_trace(&dirs[0]);
         let stacks = alloc_stacks(&records);
         let stack = &stacks[&777_216];

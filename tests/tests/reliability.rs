@@ -4,7 +4,7 @@
 //! could pass without the shim has a control that shows it can fail.
 
 use cachealloc_recorder::schema::kinds;
-use cachealloc_tests::{Output, Run, read_trace, trace_dirs};
+use cachealloc_tests::{Output, Run, count, read_trace};
 
 /// `key`'s value in the `stats` JSON line the load program prints (device 0).
 fn stat(out: &Output, key: &str) -> u64 {
@@ -19,13 +19,6 @@ fn stat(out: &Output, key: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {key} in {line}"))
 }
 
-fn number_after(out: &Output, label: &str) -> u64 {
-    out.stdout
-        .lines()
-        .find_map(|l| l.strip_prefix(label)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no '{label}' in {}", out.stdout))
-}
-
 fn load(seed: &str) -> Run {
     Run::c("load", &["4", "500", seed])
         .env("FAKECUDA_CAPACITY_MB", "4096")
@@ -37,24 +30,27 @@ fn load_threads_streams_and_sizes_keep_every_byte_and_every_record() {
     for seed in ["1", "2"] {
         let out = load(seed).output();
         out.assert_pooled("load");
-        let allocations = number_after(&out, "allocations");
+        let allocations = out.number_after("allocations");
         assert!(allocations > 500, "{allocations}");
         // The shim's stats equal the program's own count, and everything came back.
         assert_eq!(stat(&out, "allocation.all.allocated"), allocations);
         assert_eq!(stat(&out, "allocation.all.current"), 0);
         assert_eq!(stat(&out, "allocated_bytes.all.current"), 0);
         // The trace holds every allocation and every free, with nothing dropped.
-        let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-        let (records, tears) = read_trace(&dirs[0]);
+        let (records, tears) = read_trace(&out.one_trace());
         assert!(tears.is_empty(), "{tears:?}");
-        let count = |kind| records.iter().filter(|r| r.kind() == kind).count() as u64;
-        assert_eq!(count(kinds::ALLOC), allocations, "seed {seed}");
+        let allocations = allocations as usize;
+        assert_eq!(count(&records, kinds::ALLOC), allocations, "seed {seed}");
         assert_eq!(
-            count(kinds::FREE) + count(kinds::FREE_REQUESTED),
+            count(&records, kinds::FREE) + count(&records, kinds::FREE_REQUESTED),
             allocations,
             "seed {seed}: allocs = frees + live (0) at the end"
         );
-        assert_eq!(count(kinds::DROPPED), 0, "seed {seed}: nothing dropped");
+        assert_eq!(
+            count(&records, kinds::DROPPED),
+            0,
+            "seed {seed}: nothing dropped"
+        );
     }
 }
 
@@ -67,12 +63,7 @@ fn the_load_program_catches_a_broken_allocator() {
         .without_shim()
         .env("FAKECUDA_FAULT", "overlap")
         .output();
-    assert_eq!(broken.code, Some(1), "{}{}", broken.stdout, broken.stderr);
-    assert!(
-        broken.stdout.contains("not its pattern"),
-        "{}",
-        broken.stdout
-    );
+    broken.assert_fails_with("not its pattern");
 }
 
 #[test]
@@ -89,8 +80,7 @@ fn a_file_size_limit_ends_the_trace_not_the_program() {
     assert_eq!(reports, 1, "reported once: {}", out.stderr);
     assert!(out.stderr.contains("File too large"), "{}", out.stderr);
     // What was written before the limit is readable, up to the tear.
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, _tears) = read_trace(&dirs[0]);
+    let (records, _tears) = read_trace(&out.one_trace());
     assert!(
         matches!(
             records.first(),
@@ -155,8 +145,7 @@ fn exit_from_another_thread_and_underscore_exit_end_cleanly_with_a_readable_trac
     // exit() from a thread while the main thread allocates: the summary and the whole trace.
     let out = Run::c("exit_paths", &["thread"]).output();
     out.assert_pooled("exit_paths");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&out.one_trace());
     assert!(tears.is_empty(), "{tears:?}");
     assert!(records.iter().any(|r| r.kind() == kinds::ALLOC));
     // _exit(): no atexit handler runs, so no summary; what was written is readable, with at
@@ -169,9 +158,7 @@ fn exit_from_another_thread_and_underscore_exit_end_cleanly_with_a_readable_trac
 /// The one trace of a process that ended without its atexit handlers: readable, starting with
 /// its header, with at most one tear (at the very end). Its records.
 fn read_up_to_a_tear_at_the_end(out: &Output) -> Vec<cachealloc_recorder::Record> {
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    assert_eq!(dirs.len(), 1);
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&out.one_trace());
     assert!(tears.len() <= 1, "{tears:?}");
     assert!(matches!(
         records.first(),
@@ -195,10 +182,10 @@ fn python_os_exit_keeps_its_exit_code_and_a_readable_trace() {
             !out.stderr.contains("served from the cache"),
             "no atexit: no summary"
         );
-        let counted = number_after(&out, "allocations");
+        let counted = out.number_after("allocations");
         assert_eq!(counted, 1000, "every allocation reached the pool");
         let records = read_up_to_a_tear_at_the_end(&out);
-        let allocs = records.iter().filter(|r| r.kind() == kinds::ALLOC).count() as u64;
+        let allocs = count(&records, kinds::ALLOC) as u64;
         assert!(
             allocs <= counted,
             "{allocs} allocation records for {counted}"
@@ -239,6 +226,5 @@ fn a_device_that_refuses_now_and_then_is_retried_by_the_ladder() {
         .env("FAKECUDA_FAULT", "oom_every:3")
         .without_shim()
         .output();
-    assert_eq!(native.code, Some(1), "{}{}", native.stdout, native.stderr);
-    assert!(native.stdout.contains("returned 2"), "{}", native.stdout);
+    native.assert_fails_with("returned 2");
 }

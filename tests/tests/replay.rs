@@ -8,33 +8,13 @@
 //! (`cargo build -p cachealloc -p cachealloc-tools`; `scripts/test` and `cargo test --workspace`
 //! do).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::kinds;
-use cachealloc_tests::{Run, fakecuda_dir, fresh_dir, read_trace, shim_library, trace_dirs};
+use cachealloc_tests::{cachealloc_binary, count, fakecuda_dir, fresh_dir, read_trace, traced};
 use serde_json::Value;
-
-/// The `cachealloc` binary cargo built next to the shim.
-fn cachealloc_binary() -> PathBuf {
-    let bin = shim_library().with_file_name("cachealloc");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it with `cargo build -p cachealloc-tools`",
-        bin.display()
-    );
-    bin
-}
-
-/// Run a test program under the shim with `conf` and return its trace directory.
-fn traced(program: &str, args: &[&str], conf: &str) -> PathBuf {
-    let out = Run::c(program, args).env("CACHEALLOC_CONF", conf).output();
-    out.assert_ok(program);
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    assert_eq!(dirs.len(), 1, "{program}: one trace");
-    dirs[0].clone()
-}
 
 /// `cachealloc replay ARGS` over fakecuda (the library found next to the binary), with extra
 /// environment.
@@ -72,10 +52,6 @@ fn replay_json(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)))
 }
 
-fn count(records: &[Record], kind: u8) -> u64 {
-    records.iter().filter(|r| r.kind() == kind).count() as u64
-}
-
 /// The run of `backend` in a report (the first, with one round).
 fn run_of<'a>(report: &'a Value, backend: &str) -> &'a Value {
     report["runs"]
@@ -93,10 +69,10 @@ fn driver_calls(run: &Value) -> u64 {
 #[test]
 fn every_backend_replays_every_request_and_the_shim_makes_fewer_device_calls() {
     // Four threads allocating and freeing blocks of seven sizes: reuse everywhere.
-    let dir = traced("threads", &["4", "300"], "");
+    let dir = traced("threads", &["4", "300"], "", &[]);
     let (records, _) = read_trace(&dir);
-    let allocs = count(&records, kinds::ALLOC);
-    let frees = count(&records, kinds::FREE) + count(&records, kinds::FREE_REQUESTED);
+    let allocs = count(&records, kinds::ALLOC) as u64;
+    let frees = (count(&records, kinds::FREE) + count(&records, kinds::FREE_REQUESTED)) as u64;
     assert!(allocs > 100 && frees == allocs, "{allocs} {frees}");
     let report = replay_json(&dir, &["--verify"], &[]);
     assert_eq!(report["allocs"], allocs);
@@ -149,7 +125,7 @@ fn every_backend_replays_every_request_and_the_shim_makes_fewer_device_calls() {
 
 #[test]
 fn stream_ordered_requests_replay_on_one_stream_per_recorded_stream() {
-    let dir = traced("stream_ordered", &[], "");
+    let dir = traced("stream_ordered", &[], "", &[]);
     let (records, _) = read_trace(&dir);
     let streams: std::collections::BTreeSet<u64> = records
         .iter()
@@ -160,7 +136,7 @@ fn stream_ordered_requests_replay_on_one_stream_per_recorded_stream() {
         })
         .collect();
     assert!(streams.len() >= 2, "the program uses streams: {streams:?}");
-    let allocs = count(&records, kinds::ALLOC);
+    let allocs = count(&records, kinds::ALLOC) as u64;
     let report = replay_json(&dir, &["--touch", "--repeat", "2"], &[]);
     assert_eq!(report["streams"], streams.len() as u64);
     assert_eq!(report["rounds"], 2);
@@ -170,7 +146,7 @@ fn stream_ordered_requests_replay_on_one_stream_per_recorded_stream() {
         "3 backends × 2"
     );
     assert_eq!(report["medians"].as_array().unwrap().len(), 3);
-    let ooms = count(&records, kinds::OOM);
+    let ooms = count(&records, kinds::OOM) as u64;
     for run in report["runs"].as_array().unwrap() {
         assert_eq!(run["allocs"], allocs, "{run:#}");
         assert_eq!(run["touched"], allocs, "{run:#}");
@@ -191,7 +167,7 @@ fn stream_ordered_requests_replay_on_one_stream_per_recorded_stream() {
 
 #[test]
 fn the_table_has_one_row_per_backend_named() {
-    let dir = traced("churn", &["2000"], "");
+    let dir = traced("churn", &["2000"], "", &[]);
     let out = replay(&[dir.to_str().unwrap(), "--backend", "raw,cachealloc"], &[]);
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -211,7 +187,7 @@ fn the_table_has_one_row_per_backend_named() {
 #[test]
 fn verify_catches_an_allocator_that_hands_out_overlapping_memory() {
     // fakecuda's broken allocator hands every second cuMemAlloc the previous block again.
-    let dir = traced("threads", &["2", "200"], "");
+    let dir = traced("threads", &["2", "200"], "", &[]);
     let fault = [("FAKECUDA_FAULT", "overlap")];
     let out = replay(
         &[dir.to_str().unwrap(), "--backend", "raw", "--verify"],
@@ -251,7 +227,7 @@ fn traces_that_lack_what_a_replay_needs_are_refused_with_a_clear_message() {
         &[garbage.parent().unwrap().to_str().unwrap()],
         "not a cachealloc trace",
     );
-    let dir = traced("basic", &[], "");
+    let dir = traced("basic", &[], "", &[]);
     refused(
         &[dir.to_str().unwrap(), "--device", "3"],
         "no allocations on device 3",
@@ -278,6 +254,7 @@ fn a_rotated_trace_is_refused_unless_partial() {
         "churn",
         &["200000"],
         "trace_file_mb:1,trace_files:2,compress:off",
+        &[],
     );
     let out = replay(&[dir.to_str().unwrap(), "--backend", "cachealloc"], &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);

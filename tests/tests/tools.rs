@@ -6,28 +6,10 @@
 //! immediate reuse. A multi-threaded run with fenced reuse can interleave fence waits in ways a
 //! sequential replay does not reproduce; `simulate` then says where it diverged.
 
-use cachealloc_tests::{Run, trace_dirs};
+use cachealloc_tests::{cachealloc_binary, trace_dirs, traced};
 use cachealloc_tools::analysis::scan;
 use cachealloc_tools::commands::simulate::simulate_dir;
 use cachealloc_tools::progress::Progress;
-
-/// Run a program under the shim with `conf` and return its trace directory.
-fn traced(program: &str, args: &[&str], conf: &str, env: &[(&str, &str)]) -> std::path::PathBuf {
-    let mut run = Run::c(program, args).env("CACHEALLOC_CONF", conf);
-    for (k, v) in env {
-        run = run.env(k, v);
-    }
-    let out = run.output();
-    out.assert_ok(program);
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    assert_eq!(
-        dirs.len(),
-        1,
-        "{program} {args:?} {conf:?}: one trace, in {}",
-        out.dir.display()
-    );
-    dirs[0].clone()
-}
 
 /// A program, its arguments, the shim's config and extra environment.
 type Case = (
@@ -121,17 +103,6 @@ fn simulate_with_another_config_changes_the_outcome() {
     assert!(!failure.site.is_empty());
 }
 
-/// The `cachealloc` binary cargo built next to the shim (`cargo test --workspace` builds it).
-fn cachealloc_binary() -> std::path::PathBuf {
-    let bin = cachealloc_tests::shim_library().with_file_name("cachealloc");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it with `cargo build -p cachealloc-tools`",
-        bin.display()
-    );
-    bin
-}
-
 #[test]
 fn cachealloc_run_preloads_the_shim_forwards_the_exit_code_and_summarizes() {
     let dir = cachealloc_tests::fresh_dir();
@@ -211,9 +182,9 @@ fn the_tools_read_a_trace_across_rotated_files() {
     assert_eq!(tail.files, 2);
     assert!(tail.devices[&0].allocs < 150_000);
     assert!(tail.tears.is_empty());
-    let mut replay = cachealloc_tools::replay::Replay::open(&dir).expect("open");
-    replay.run_through(u64::MAX).expect("replay");
-    assert!(replay.state.blocks.is_empty(), "churn frees everything");
+    let mut walk = cachealloc_tools::walk::TraceWalk::open(&dir).expect("open");
+    walk.run_through(u64::MAX).expect("walk");
+    assert!(walk.state.blocks.is_empty(), "churn frees everything");
     let simulated = simulate_dir(&dir, None, None).expect("simulate");
     assert!(simulated.failures == 0);
 }

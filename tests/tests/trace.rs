@@ -8,11 +8,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use cachealloc_recorder::{LiveState, Record};
-use cachealloc_tests::{Run, read_trace, trace_dirs};
-
-fn count(records: &[Record], kind: u8) -> usize {
-    records.iter().filter(|r| r.kind() == kind).count()
-}
+use cachealloc_tests::{Run, count, read_trace};
 
 /// Replay `records` into a live state, asserting that every free (requested, completed or
 /// immediate) names a block the trace made known: allocated earlier or listed in a checkpoint.
@@ -43,22 +39,21 @@ fn replay_checking_frees(records: &[Record]) -> LiveState {
 fn a_run_leaves_a_complete_ordered_trace() {
     let out = Run::c("basic", &[]).output();
     out.assert_ok("basic");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    assert_eq!(dirs.len(), 1, "one directory for the process");
+    let dir = out.one_trace();
     assert!(
         out.stderr.contains(&format!(
             "trace in cachealloc-trace/{}",
-            dirs[0].file_name().unwrap().to_string_lossy()
+            dir.file_name().unwrap().to_string_lossy()
         )),
         "{}",
         out.stderr
     );
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&dir);
     assert!(tears.is_empty(), "{tears:?}");
     let Record::Header(header) = &records[0] else {
         panic!("header first")
     };
-    assert!(dirs[0].ends_with(format!("{}-{}", header.host, header.pid)));
+    assert!(dir.ends_with(format!("{}-{}", header.host, header.pid)));
     assert_eq!(header.devices.len(), 1);
     assert_eq!(header.devices[0].name, "fakecuda device 0");
     assert!(header.cmdline[0].ends_with("basic"));
@@ -96,8 +91,8 @@ fn a_run_leaves_a_complete_ordered_trace() {
 fn exit_without_freeing_still_flushes_everything() {
     let out = Run::c("exit_nofree", &[]).output();
     out.assert_ok("exit_nofree");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, tears) = read_trace(&dirs[0]);
+    let dir = out.one_trace();
+    let (records, tears) = read_trace(&dir);
     assert!(tears.is_empty());
     assert_eq!(count(&records, kinds::ALLOC), 10);
     assert_eq!(
@@ -108,7 +103,7 @@ fn exit_without_freeing_still_flushes_everything() {
     records.iter().for_each(|r| state.apply(r));
     assert_eq!(state.blocks.len(), 10, "ten blocks live at the end");
     assert!(
-        dirs[0].join("trace-000000.cat").exists(),
+        dir.join("trace-000000.cat").exists(),
         "the file was finished (renamed from .part)"
     );
 }
@@ -119,9 +114,7 @@ fn kill_9_loses_at_most_the_last_chunk() {
         .kill_after("started", Duration::from_millis(400))
         .output();
     assert_eq!(out.code, None, "killed by a signal: {}", out.stderr);
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    assert_eq!(dirs.len(), 1);
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&out.one_trace());
     assert!(tears.len() <= 1, "{tears:?}");
     let allocs = count(&records, kinds::ALLOC);
     assert!(
@@ -152,13 +145,13 @@ fn rotation_bounds_the_files_of_a_long_run() {
         )
         .output();
     out.assert_ok("churn");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let files: Vec<_> = std::fs::read_dir(&dirs[0])
+    let dir = out.one_trace();
+    let files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
     assert_eq!(files.len(), 2, "{files:?}");
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&dir);
     assert!(tears.is_empty());
     let headers: Vec<u32> = records
         .iter()
@@ -197,11 +190,7 @@ fn rotation_bounds_the_files_of_a_long_run() {
 fn a_forked_child_writes_no_trace() {
     let out = Run::c("fork", &[]).output();
     out.assert_ok("fork");
-    assert_eq!(
-        trace_dirs(&out.dir.join("cachealloc-trace")).len(),
-        1,
-        "only the parent's"
-    );
+    assert_eq!(out.trace_dirs().len(), 1, "only the parent's");
 }
 
 #[test]
@@ -241,8 +230,7 @@ fn trace_off_writes_nothing() {
 fn annotations_and_streams_are_recorded() {
     let out = Run::c("race", &["nonblocking"]).output();
     out.assert_ok("race");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, _) = read_trace(&dirs[0]);
+    let (records, _) = read_trace(&out.one_trace());
     assert_eq!(
         count(&records, kinds::STREAM_CREATED),
         2,
@@ -267,8 +255,7 @@ fn native_stacks_name_the_callers_and_are_defined_before_use() {
         .env("CACHEALLOC_CONF", "stacks:native,stack_depth:32")
         .output();
     out.assert_ok("basic");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&out.one_trace());
     assert!(tears.is_empty());
     let mut frames = HashMap::new();
     let mut stacks = HashMap::new();
@@ -318,8 +305,7 @@ fn an_oom_is_followed_by_a_checkpoint_of_the_state() {
         }
         let out = run.output();
         out.assert_ok("oom");
-        let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-        let (records, _) = read_trace(&dirs[0]);
+        let (records, _) = read_trace(&out.one_trace());
         let ooms = count(&records, kinds::OOM);
         assert_eq!(ooms, 2, "the fill's last request and the impossible one");
         // Checkpoints after the file's opening one.
@@ -343,8 +329,7 @@ fn an_oom_is_followed_by_a_checkpoint_of_the_state() {
 fn stats_are_sampled_during_a_long_run() {
     let out = Run::c("churn", &["300000"]).output();
     out.assert_ok("churn");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, _) = read_trace(&dirs[0]);
+    let (records, _) = read_trace(&out.one_trace());
     let samples: Vec<_> = records
         .iter()
         .filter_map(|r| {
@@ -385,8 +370,7 @@ fn pool_off_still_traces_every_allocation() {
         "{}",
         out.stderr
     );
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&out.one_trace());
     assert!(tears.is_empty());
     // basic makes 9 requests; cudaMalloc(0) returns no memory: 8 are recorded, each a segment of
     // its own, and all are freed.
@@ -445,8 +429,7 @@ fn native_stacks_match_the_system_unwinder() {
             run = run.env("CACHEALLOC_CONF", &conf);
             let out = run.output();
             out.assert_ok(name);
-            let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-            native_stack_names(&read_trace(&dirs[0]).0)
+            native_stack_names(&read_trace(&out.one_trace()).0)
         };
         let fast = stacks(None);
         let system = stacks(Some("system"));
@@ -468,8 +451,7 @@ fn native_frames_of_cpp_code_are_demangled() {
         .env("CACHEALLOC_CONF", "stacks:native")
         .output();
     out.assert_ok("cpp_names");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let names = native_stack_names(&read_trace(&dirs[0]).0);
+    let names = native_stack_names(&read_trace(&out.one_trace()).0);
     let stack = &names[&4000];
     assert_eq!(
         stack.first().map(String::as_str),
@@ -483,8 +465,7 @@ fn native_frames_of_cpp_code_are_demangled() {
 fn stream_ordered_records_carry_their_stream() {
     let out = Run::c("stream_ordered", &[]).output();
     out.assert_ok("stream_ordered");
-    let dirs = trace_dirs(&out.dir.join("cachealloc-trace"));
-    let (records, tears) = read_trace(&dirs[0]);
+    let (records, tears) = read_trace(&out.one_trace());
     assert!(tears.is_empty(), "{tears:?}");
     let alloc_streams: Vec<u64> = records
         .iter()

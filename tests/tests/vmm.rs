@@ -9,22 +9,10 @@ use cachealloc_tests::{Output, Run};
 
 /// fakecuda's count of successful `cuMemCreate` and `cuMemRelease` calls (`FAKECUDA_REPORT`).
 fn physical(out: &Output) -> (u64, u64) {
-    let line = out
-        .stderr
-        .lines()
-        .find(|l| l.starts_with("fakecuda:"))
-        .unwrap_or_else(|| panic!("no fakecuda report: {}", out.stderr));
-    let count = |what: &str| -> u64 {
-        let (before, _) = line
-            .split_once(what)
-            .unwrap_or_else(|| panic!("no '{what}' in {line}"));
-        before
-            .rsplit(|c: char| !c.is_ascii_digit())
-            .next()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("cannot read {line}"))
-    };
-    (count(" physical creates"), count(" physical releases"))
+    (
+        out.fakecuda_count("physical creates"),
+        out.fakecuda_count("physical releases"),
+    )
 }
 
 /// The program's successful creates (3 granules; 3 of 1; a spare of 2) and releases (those 5,
@@ -102,26 +90,20 @@ fn controls_the_program_fails_when_fakecuda_disagrees() {
         .env("FAKECUDA_VMM_GRANULARITY_KB", "128")
         .without_shim()
         .output();
-    assert_eq!(out.code, Some(1), "{}{}", out.stdout, out.stderr);
-    assert!(out.stdout.contains("granularity 131072"), "{}", out.stdout);
+    out.assert_fails_with("granularity 131072");
     // A device too small for its 3 granules of 2 MiB.
     let out = Run::c("vmm", &[])
         .env("FAKECUDA_CAPACITY_MB", "4")
         .without_shim()
         .output();
-    assert_eq!(out.code, Some(1), "{}{}", out.stdout, out.stderr);
-    assert!(
-        out.stdout.contains("p_create") && out.stdout.contains("returned 2"),
-        "{}",
-        out.stdout
-    );
+    out.assert_fails_with("returned 2");
+    assert!(out.stdout.contains("p_create"), "{}", out.stdout);
     // A device that refuses every second request: cuMemCreate counts with cuMemAlloc_v2.
     let out = vmm("vmm_static", "64")
         .env("FAKECUDA_FAULT", "oom_every:2")
         .without_shim()
         .output();
-    assert_eq!(out.code, Some(1), "{}{}", out.stdout, out.stderr);
-    assert!(out.stdout.contains("returned 2"), "{}", out.stdout);
+    out.assert_fails_with("returned 2");
     assert!(
         out.stderr.contains("1 refused by FAKECUDA_FAULT"),
         "{}",

@@ -8,7 +8,7 @@ use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{Annotation, Header, Oom};
 
 use crate::progress::Progress;
-use crate::replay::Replay;
+use crate::walk::TraceWalk;
 
 /// A maximum and when it was reached.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -80,13 +80,13 @@ impl Scan {
 
 /// Scan `dir` from start to end.
 pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
-    let mut replay = Replay::open(dir)?;
+    let mut walk = TraceWalk::open(dir)?;
     let mut out = Scan {
-        files: replay.file_count(),
+        files: walk.file_count(),
         span: (u64::MAX, 0),
         ..Scan::default()
     };
-    while let Some(step) = replay.step() {
+    while let Some(step) = walk.step() {
         let step = step?;
         out.records += 1;
         if out.records.is_multiple_of(65536) {
@@ -127,10 +127,10 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
             Record::Oom(o) => out.ooms.push(**o),
             _ => {}
         }
-        let totals = replay.state.device_totals(device);
+        let totals = walk.state.device_totals(device);
         let here = |bytes| Peak {
             bytes,
-            t: replay.t,
+            t: walk.t,
             index: step.index,
         };
         if totals.allocated > d.peak_allocated.bytes {
@@ -145,15 +145,15 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
         }
     }
     for (device, d) in out.devices.iter_mut() {
-        let totals = replay.state.device_totals(*device);
+        let totals = walk.state.device_totals(*device);
         d.allocated_at_end = totals.allocated;
         d.reserved_at_end = totals.reserved;
     }
     if out.span.0 == u64::MAX {
         out.span = (0, 0);
     }
-    out.header = replay.header.clone();
-    out.tears = replay
+    out.header = walk.header.clone();
+    out.tears = walk
         .tears()
         .iter()
         .map(|t| format!("{} at byte {}: {}", t.path.display(), t.offset, t.error))

@@ -3,7 +3,7 @@
 /// Bytes in binary units, as PyTorch's `memory_summary` prints them (and the shim's reports):
 /// `512 B`, `1.50 MiB`.
 pub fn bytes(n: u64) -> String {
-    cachealloc_core::allocator::format_bytes(n)
+    cachealloc_core::format_bytes(n)
 }
 
 /// A trace time (ns since the base) as seconds with millisecond precision: `12.345 s`.

@@ -13,7 +13,7 @@
 //!
 //! | module | what |
 //! |---|---|
-//! | [`replay`] | records in order with the live state after each: every command starts here |
+//! | [`walk`] | a trace's records in order with the live state after each: every command starts here |
 //! | [`analysis`] | one pass: peaks and when, counts, OOMs, drops, annotations |
 //! | [`replayed_stats`] | PyTorch's `memory_stats()` recomputed from a trace, in `cachealloc_core`'s `Stats` and key names |
 //! | [`commands`] | one module per subcommand, each with its arguments (`cachealloc stats` is [`commands::stats`]; [`commands::replay`]: the only one that calls CUDA) |
@@ -26,8 +26,8 @@ pub mod analysis;
 pub mod commands;
 pub mod format;
 pub mod progress;
-pub mod replay;
 pub mod replayed_stats;
+pub mod walk;
 
 use std::path::{Path, PathBuf};
 

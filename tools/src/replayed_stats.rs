@@ -1,5 +1,5 @@
-//! PyTorch's `torch.cuda.memory_stats()` recomputed from a trace's records, as a replay meets
-//! them: every `current`/`peak`/`allocated`/`freed` counter, for `all`, `small_pool` and
+//! PyTorch's `torch.cuda.memory_stats()` recomputed from a trace's records, as a
+//! [`TraceWalk`](crate::walk::TraceWalk) meets them: every `current`/`peak`/`allocated`/`freed` counter, for `all`, `small_pool` and
 //! `large_pool`, kept in the allocator's own [`Stats`] (whose key names are the only ones), with
 //! PyTorch's meanings:
 //!
@@ -20,7 +20,7 @@ use cachealloc_recorder::{Record, schema, spans};
 use cachealloc_core::sizes::PoolKind;
 use cachealloc_core::stats::{Counter, StatKind, Stats};
 
-use crate::replay::Step;
+use crate::walk::Step;
 
 /// The `memory_stats()` arrays a trace determines: all but `inactive_split` (the count; its
 /// bytes are known, `current` only, at the end).
@@ -191,7 +191,7 @@ impl DeviceStats {
     }
 }
 
-/// Keeps [`DeviceStats`] for every device while a replay runs.
+/// Keeps [`DeviceStats`] for every device while a trace is walked.
 #[derive(Debug, Default)]
 pub struct StatsTracker {
     /// Per device.
@@ -201,7 +201,7 @@ pub struct StatsTracker {
 }
 
 impl StatsTracker {
-    /// Account for one replayed record.
+    /// Account for one record of the walk.
     pub fn apply(&mut self, step: &Step) {
         match &step.record {
             Record::Header(_) => {

@@ -3,21 +3,17 @@
 //! valid prefix and random bytes alone. Each must give a clear error (exit 1, one line naming
 //! the trace) or read up to the damage (exit 0) — never panic, never hang.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn original() -> Vec<u8> {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    std::fs::read(manifest.join("tests/data/oom/run/trace-000000.cat")).expect("test trace")
-}
+use common::{data, scratch};
 
-fn workdir(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("cachealloc-damaged-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// The bytes of the checked-in `oom` trace's file.
+fn original() -> Vec<u8> {
+    std::fs::read(data("oom").join("trace-000000.cat")).expect("test trace")
 }
 
 /// A trace directory holding one file with `bytes`.
@@ -109,7 +105,7 @@ fn every_command_copes(trace: &Path, names: &str, out: &Path) {
 
 #[test]
 fn no_trace_and_foreign_bytes_are_clear_errors() {
-    let dir = workdir("errors");
+    let dir = scratch("errors");
     let empty = dir.join("empty");
     std::fs::create_dir_all(&empty).unwrap();
     let mut newer = original();
@@ -140,7 +136,7 @@ fn no_trace_and_foreign_bytes_are_clear_errors() {
 
 #[test]
 fn a_trace_cut_anywhere_is_read_up_to_the_cut() {
-    let dir = workdir("cut");
+    let dir = scratch("cut");
     let original = original();
     // Every 37th byte, and each of the last few: inside the prefix, the header chunk, the
     // records.
@@ -160,7 +156,7 @@ fn a_trace_cut_anywhere_is_read_up_to_the_cut() {
 
 #[test]
 fn flipped_bytes_and_noise_after_the_prefix_are_tears() {
-    let dir = workdir("flipped");
+    let dir = scratch("flipped");
     let original = original();
     for at in (12..original.len()).step_by(53) {
         let mut bytes = original.clone();

@@ -9,35 +9,18 @@
 //! A `plot` page is its template (`src/commands/plot.html`) with a title and the data spliced
 //! in: the test checks that, and only the data (`plot.json`) is golden.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn manifest() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use common::{cachealloc, data, manifest, scratch};
 
 /// A fresh working directory with `data` linked to the checked-in traces.
 fn workdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("cachealloc-golden-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch(name);
     std::os::unix::fs::symlink(manifest().join("tests/data"), dir.join("data")).unwrap();
     dir
-}
-
-/// Run `cachealloc args` in `dir`; returns stdout (asserting success).
-fn cachealloc(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("run cachealloc");
-    assert!(
-        out.status.success(),
-        "cachealloc {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
 /// Compare `actual` with the golden file `name` (or write it under UPDATE_GOLDEN=1).
@@ -270,7 +253,7 @@ fn a_torn_trace_is_read_up_to_the_tear() {
     let dir = workdir("torn");
     let torn = dir.join("torn/run");
     std::fs::create_dir_all(&torn).unwrap();
-    let original = std::fs::read(manifest().join("tests/data/oom/run/trace-000000.cat")).unwrap();
+    let original = std::fs::read(data("oom").join("trace-000000.cat")).unwrap();
     // Cut the file inside its last chunk, as `kill -9` in the middle of a write would.
     std::fs::write(
         torn.join("trace-000000.cat"),

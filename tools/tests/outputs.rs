@@ -3,32 +3,12 @@
 //! on), the HTML report by headless Chromium (it must draw the timeline and make no network
 //! request).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn data(trace: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/{trace}/run"))
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("cachealloc-outputs-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn cachealloc(args: &[&str]) {
-    let out = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
-        .args(args)
-        .output()
-        .expect("run cachealloc");
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::{cachealloc, data, scratch};
 
 /// Checks a snapshot the way PyTorch's `_memory_viz` reads one. Prints "OK <n segments>".
 const CHECK_PICKLE: &str = r#"
@@ -94,7 +74,7 @@ fn snapshot_pickles_load_in_python_as_pytorch_lays_them_out() {
             let mut args = vec!["snapshot", trace_dir.to_str().unwrap()];
             args.extend_from_slice(when);
             args.extend(["-o", out.to_str().unwrap()]);
-            cachealloc(&args);
+            cachealloc(&dir, &args);
             // Every allocation of the Python trace has a stack, so every free shows one.
             let flag = if trace == "python" {
                 "frees-have-frames"
@@ -207,13 +187,16 @@ fn the_html_report_renders_offline_in_chromium() {
     let Some(browser) = chromium() else { return };
     let dir = scratch("html");
     let page = dir.join("report.html");
-    cachealloc(&[
-        "plot",
-        data("python").to_str().unwrap(),
-        data("oom").to_str().unwrap(),
-        "-o",
-        page.to_str().unwrap(),
-    ]);
+    cachealloc(
+        &dir,
+        &[
+            "plot",
+            data("python").to_str().unwrap(),
+            data("oom").to_str().unwrap(),
+            "-o",
+            page.to_str().unwrap(),
+        ],
+    );
     let (dom, shot, requests) = open_in_chromium(&browser, &page, &dir);
     let rendered: usize = dom
         .split("data-rendered=\"")

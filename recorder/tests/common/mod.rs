@@ -1,5 +1,5 @@
 //! Helpers shared by the recorder's test files: a clock moved by hand, scratch directories, a
-//! header, reading a whole trace, and a deterministic workload.
+//! header, writing and reading a whole trace, and a deterministic workload.
 #![allow(dead_code)] // each test file uses some of them
 
 use std::path::{Path, PathBuf};
@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cachealloc_recorder::schema::*;
-use cachealloc_recorder::{Clock, Record, TraceReader};
+use cachealloc_recorder::{Clock, Record, TraceReader, TraceWriter, WriterConfig};
 
 /// A clock the test moves by hand.
 #[derive(Clone, Default)]
@@ -50,6 +50,16 @@ pub fn header() -> Header {
             offset: 0,
         }],
     }
+}
+
+/// Write `records` as a trace with `config` (the test header, a clock that never moves) and
+/// finish it; returns the last file.
+pub fn write_trace(config: WriterConfig, records: &[Record]) -> PathBuf {
+    let mut w = TraceWriter::create(config, header(), ManualClock::default()).unwrap();
+    for r in records {
+        w.write(r).unwrap();
+    }
+    w.finish().unwrap()
 }
 
 pub fn read_all(dir: &Path) -> (Vec<(usize, Record)>, TraceReader) {

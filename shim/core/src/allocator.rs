@@ -42,6 +42,8 @@ use spin::relax::Yield;
 
 use crate::config::AllocatorConfig;
 use crate::device::{Device, DeviceError};
+use crate::events::{Event, Observer};
+use crate::oom::OomReport;
 use crate::pools::expandable::Geometry;
 use crate::pools::{
     AddressInfo, Allocation, FreeError, Freed, NO_STREAM, Pools, ReleasedSegment, SegmentSnapshot,
@@ -51,9 +53,6 @@ use crate::stats::Stats;
 
 mod expandable;
 mod maintenance;
-
-pub use crate::events::{Event, Observer};
-pub use crate::oom::{OomReport, format_bytes};
 
 /// Why `malloc` failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -89,17 +88,17 @@ pub struct SegmentChanges {
 
 /// A request on its way down the ladder.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Request {
+struct Request {
     /// The application's size.
-    pub(crate) size: u64,
+    size: u64,
     /// Its rounded size.
-    pub(crate) rounded: u64,
+    rounded: u64,
     /// The size of a new segment for it.
-    pub(crate) segment_size: u64,
+    segment_size: u64,
     /// The caller's tag.
-    pub(crate) tag: u64,
+    tag: u64,
     /// The stream it is for, or [`NO_STREAM`].
-    pub(crate) stream: u64,
+    stream: u64,
 }
 
 impl Request {
@@ -122,6 +121,9 @@ impl Request {
 type Lock<F> = SpinMutex<Pools<F>, Yield>;
 /// The pools, locked.
 type Locked<'a, F> = SpinMutexGuard<'a, Pools<F>>;
+/// What a rung that grows (releasing the lock meanwhile) gives back: the allocation that
+/// served the request, `None` when out of memory, and the lock, taken again.
+type Served<'a, F> = (Result<Option<Allocation>, DeviceError>, Locked<'a, F>);
 
 /// One device's caching allocator. Thread-safe; see the module docs for the locking rules.
 pub struct Allocator<D: Device, O: Observer = ()> {
@@ -248,10 +250,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         request: &Request,
         changes: &mut SegmentChanges,
         is_retry: bool,
-    ) -> (
-        Result<Option<Allocation>, DeviceError>,
-        Locked<'a, D::Fence>,
-    ) {
+    ) -> Served<'a, D::Fence> {
         if pools.expandable().is_some() {
             return self.map_and_serve(pools, request, changes, is_retry);
         }
@@ -456,9 +455,35 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             segment_size,
             ..*request
         };
-        let report = OomReport::of(&pools, &request, self.device.mem_info(), self.limit);
+        let report = self.oom_report(&pools, &request);
         self.observer.on_event(Event::Oom(&report));
         Err(AllocError::OutOfMemory(Box::new(report)))
+    }
+
+    /// What the pools and the device know about `request`, which could not be served.
+    fn oom_report(&self, pools: &Pools<D::Fence>, request: &Request) -> OomReport {
+        let info = self.device.mem_info();
+        let cached_free = pools.cached_free_bytes();
+        let largest = pools.largest_free_block();
+        OomReport {
+            requested: request.size,
+            rounded: request.rounded,
+            pool: sizes::pool_for(request.rounded),
+            segment_size: request.segment_size,
+            allocated: pools.stats.allocated_bytes.all.current as u64,
+            reserved: pools.stats.reserved_bytes.all.current as u64,
+            cached_free,
+            largest_free_block: largest,
+            fragmentation: if cached_free == 0 {
+                0.0
+            } else {
+                1.0 - largest as f64 / cached_free as f64
+            },
+            device_free: info.free,
+            device_total: info.total,
+            limit: self.limit,
+            tag: request.tag,
+        }
     }
 
     /// Run `f` with the lock released, then take it again.

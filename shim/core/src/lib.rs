@@ -75,11 +75,11 @@ pub mod sim;
 pub mod sizes;
 pub mod stats;
 
-pub use allocator::{
-    AllocError, Allocator, Event, Observer, OomReport, SegmentChanges, format_bytes,
-};
+pub use allocator::{AllocError, Allocator, SegmentChanges};
 pub use config::{AllocatorConfig, Config, ConfigError, ReusePolicy};
 pub use device::{Device, DeviceError, MemInfo};
+pub use events::{Event, Observer};
+pub use oom::{OomReport, format_bytes};
 pub use pools::{
     AddressInfo, Allocation, BlockState, FreeError, Freed, NO_STREAM, SegmentSnapshot,
 };

@@ -1,12 +1,11 @@
 //! [`OomReport`]: everything known about a request that could not be served, and how it is
-//! printed; [`format_bytes`].
+//! printed; [`format_bytes`]. The allocator fills it in at the last rung of its ladder (see
+//! [Note [The allocation ladder and the lock]](crate::allocator#note-the-allocation-ladder-and-the-lock));
+//! [`Event::Oom`](crate::events::Event::Oom) carries it to the observer.
 
 use std::fmt;
 
-use crate::allocator::Request;
-use crate::device::MemInfo;
-use crate::pools::Pools;
-use crate::sizes::{self, PoolKind};
+use crate::sizes::PoolKind;
 
 /// Everything known about a request that could not be served, for the stderr paragraph, the
 /// trace's `oom` record and the tools.
@@ -40,39 +39,6 @@ pub struct OomReport {
     pub limit: u64,
     /// The request's tag (the recorder's stack id).
     pub tag: u64,
-}
-
-impl OomReport {
-    /// The report on `request`, which the pools and the device (`info`) could not serve within
-    /// `limit`.
-    pub(crate) fn of<F: Clone>(
-        pools: &Pools<F>,
-        request: &Request,
-        info: MemInfo,
-        limit: u64,
-    ) -> OomReport {
-        let cached_free = pools.cached_free_bytes();
-        let largest = pools.largest_free_block();
-        OomReport {
-            requested: request.size,
-            rounded: request.rounded,
-            pool: sizes::pool_for(request.rounded),
-            segment_size: request.segment_size,
-            allocated: pools.stats.allocated_bytes.all.current as u64,
-            reserved: pools.stats.reserved_bytes.all.current as u64,
-            cached_free,
-            largest_free_block: largest,
-            fragmentation: if cached_free == 0 {
-                0.0
-            } else {
-                1.0 - largest as f64 / cached_free as f64
-            },
-            device_free: info.free,
-            device_total: info.total,
-            limit,
-            tag: request.tag,
-        }
-    }
 }
 
 impl fmt::Display for OomReport {

@@ -261,30 +261,27 @@ pub struct Stats {
 impl Stats {
     /// Set every peak to its current value (`torch.cuda.reset_peak_memory_stats`).
     pub fn reset_peaks(&mut self) {
-        for array in self.arrays_mut() {
-            for stat in array.each_mut() {
-                stat.reset_peak();
-            }
-        }
-        self.oversize_allocations.reset_peak();
-        self.oversize_segments.reset_peak();
+        self.for_each_stat(Stat::reset_peak);
     }
 
     /// Zero the accumulated counters (`torch.cuda.reset_accumulated_memory_stats`).
     pub fn reset_accumulated(&mut self) {
-        for array in self.arrays_mut() {
-            for stat in array.each_mut() {
-                stat.reset_accumulated();
-            }
-        }
-        self.oversize_allocations.reset_accumulated();
-        self.oversize_segments.reset_accumulated();
+        self.for_each_stat(Stat::reset_accumulated);
         self.num_alloc_retries = 0;
         self.num_ooms = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
         self.num_fence_waits = 0;
         self.num_cache_hits = 0;
+    }
+
+    /// Apply `f` to every [`Stat`]: the three of each array, then the two oversize stats.
+    fn for_each_stat(&mut self, f: impl Fn(&mut Stat)) {
+        for array in self.arrays_mut() {
+            array.each_mut().into_iter().for_each(&f);
+        }
+        f(&mut self.oversize_allocations);
+        f(&mut self.oversize_segments);
     }
 
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {

@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use super::{When, replay_at};
+use super::{When, walk_to};
 use crate::commands::flamegraph::{Kind, folded, options, write_svg};
 use crate::format::parse_time;
 use crate::{Error, one_trace};
@@ -66,8 +66,8 @@ pub fn run(args: &CompareArgs, out: &mut dyn Write) -> Result<(), Error> {
             )
         }
     };
-    let (before, before_label) = replay_at(&before_dir, &before_when)?;
-    let (after, after_label) = replay_at(&after_dir, &after_when)?;
+    let (before, before_label) = walk_to(&before_dir, &before_when)?;
+    let (after, after_label) = walk_to(&after_dir, &after_when)?;
     let before = folded(&before.state, Kind::Memory).join("\n");
     let after = folded(&after.state, Kind::Memory).join("\n");
     let mut diff = vec![];

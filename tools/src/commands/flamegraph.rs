@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 
 use cachealloc_recorder::LiveState;
 
-use super::{When, replay_at};
+use super::{When, walk_to};
 use crate::format::bytes;
-use crate::replay::{frame_label, stack_frames};
+use crate::walk::{frame_label, stack_frames};
 use crate::{Error, one_trace};
 
 /// `cachealloc flamegraph`'s arguments.
@@ -116,8 +116,8 @@ pub fn write_svg(
 pub fn run(args: &FlamegraphArgs, out: &mut dyn Write) -> Result<(), Error> {
     let (kind, output) = (args.kind, &args.output);
     let dir = one_trace(&args.trace)?;
-    let (replay, label) = replay_at(&dir, &args.when)?;
-    let lines = folded(&replay.state, kind);
+    let (walk, label) = walk_to(&dir, &args.when)?;
+    let lines = folded(&walk.state, kind);
     let total: u64 = lines
         .iter()
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use crate::format::{bytes, percent, seconds};
-use crate::replay::{Replay, frame_label, stack_frames};
+use crate::walk::{TraceWalk, frame_label, stack_frames};
 use crate::{Error, one_trace};
 
 /// The arguments of `cachealloc leaks` and `cachealloc peak`.
@@ -20,8 +20,8 @@ pub struct GroupsArgs {
 
 /// Print the blocks allocated (not pending) in `replay`'s state, grouped by stack, largest
 /// first: per group its bytes, share, block count and the stack.
-fn by_stack(replay: &Replay, top: usize, out: &mut dyn Write) -> Result<(), Error> {
-    let state = &replay.state;
+fn by_stack(walk: &TraceWalk, top: usize, out: &mut dyn Write) -> Result<(), Error> {
+    let state = &walk.state;
     let mut groups: HashMap<(u32, u32), (u64, u64)> = HashMap::new();
     let mut total = 0;
     for b in state.blocks.values().filter(|b| b.pending == 0) {
@@ -72,10 +72,10 @@ fn by_stack(replay: &Replay, top: usize, out: &mut dyn Write) -> Result<(), Erro
 /// `leaks`: what is still allocated at the end.
 pub fn leaks(args: &GroupsArgs, out: &mut dyn Write) -> Result<(), Error> {
     let dir = one_trace(&args.trace)?;
-    let mut replay = Replay::open(&dir)?;
-    replay.run_through(u64::MAX)?;
-    writeln!(out, "allocated at the end ({}):", seconds(replay.t))?;
-    by_stack(&replay, args.top, out)
+    let mut walk = TraceWalk::open(&dir)?;
+    walk.run_through(u64::MAX)?;
+    writeln!(out, "allocated at the end ({}):", seconds(walk.t))?;
+    by_stack(&walk, args.top, out)
 }
 
 /// `peak`: what was allocated when allocated memory peaked, per device.
@@ -86,17 +86,17 @@ pub fn peak(args: &GroupsArgs, out: &mut dyn Write) -> Result<(), Error> {
         if i > 0 {
             writeln!(out)?;
         }
-        let mut replay = Replay::open(&dir)?;
-        replay.run_through(d.peak_allocated.index)?;
+        let mut walk = TraceWalk::open(&dir)?;
+        walk.run_through(d.peak_allocated.index)?;
         // Only this device's blocks.
-        replay.state.blocks.retain(|(dev, _), _| dev == device);
+        walk.state.blocks.retain(|(dev, _), _| dev == device);
         writeln!(
             out,
             "device {device}: peak allocated {} at {}:",
             bytes(d.peak_allocated.bytes),
             seconds(d.peak_allocated.t)
         )?;
-        by_stack(&replay, args.top, out)?;
+        by_stack(&walk, args.top, out)?;
     }
     Ok(())
 }

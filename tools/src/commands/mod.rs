@@ -117,16 +117,16 @@ fn resolve_when(dir: &std::path::Path, when: &When) -> Result<(u64, String), Err
     match when.at {
         None => Ok((u64::MAX, "at the end".into())),
         Some(t) => Ok((
-            crate::replay::last_index_at(dir, t)?,
+            crate::walk::last_index_at(dir, t)?,
             format!("at {}", crate::format::seconds(t)),
         )),
     }
 }
 
-/// The replay through the moment `when` names, and a label for it.
-fn replay_at(dir: &std::path::Path, when: &When) -> Result<(crate::replay::Replay, String), Error> {
+/// The trace walked through the moment `when` names, and a label for it.
+fn walk_to(dir: &std::path::Path, when: &When) -> Result<(crate::walk::TraceWalk, String), Error> {
     let (index, label) = resolve_when(dir, when)?;
-    let mut replay = crate::replay::Replay::open(dir)?;
-    replay.run_through(index)?;
-    Ok((replay, label))
+    let mut walk = crate::walk::TraceWalk::open(dir)?;
+    walk.run_through(index)?;
+    Ok((walk, label))
 }

@@ -15,7 +15,7 @@ use serde_json::json;
 
 use crate::format::bytes;
 use crate::progress::Progress;
-use crate::replay::Replay;
+use crate::walk::TraceWalk;
 use crate::{Error, one_trace};
 
 /// `cachealloc perfetto`'s arguments.
@@ -45,7 +45,7 @@ pub fn run(args: &PerfettoArgs, out: &mut dyn Write) -> Result<(), Error> {
     let file = std::fs::File::create(output)
         .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
     let mut w = std::io::BufWriter::new(file);
-    let mut replay = Replay::open(&dir)?;
+    let mut walk = TraceWalk::open(&dir)?;
     let progress = Progress::new("converting");
     let mut events = 0u64;
     let mut first = true;
@@ -65,7 +65,7 @@ pub fn run(args: &PerfettoArgs, out: &mut dyn Write) -> Result<(), Error> {
         json!({"name": format!("device {device} memory"), "ph": "C", "ts": us(t), "pid": pid,
                "args": {"allocated": v[0], "active": v[1], "reserved": v[2]}})
     };
-    while let Some(step) = replay.step() {
+    while let Some(step) = walk.step() {
         let step = step?;
         if step.index % 65536 == 0 {
             progress.tick(step.index);
@@ -121,7 +121,7 @@ pub fn run(args: &PerfettoArgs, out: &mut dyn Write) -> Result<(), Error> {
         let Some(device) = step.record.device() else {
             continue;
         };
-        let totals = replay.state.device_totals(device);
+        let totals = walk.state.device_totals(device);
         let values = [totals.allocated, totals.active, totals.reserved];
         let entry = last.entry(device).or_insert((0, None));
         if t >= entry.0 + resolution || entry.0 == 0 {

@@ -21,7 +21,7 @@ use crate::analysis::scan;
 use crate::commands::summary::sites_live;
 use crate::format::bytes;
 use crate::progress::Progress;
-use crate::replay::{Replay, site};
+use crate::walk::{TraceWalk, site};
 use crate::{Error, trace_dirs};
 
 /// `cachealloc plot`'s arguments.
@@ -110,11 +110,11 @@ struct Builder {
 }
 
 impl Builder {
-    fn site_index(&mut self, replay: &Replay, stack: u32) -> usize {
+    fn site_index(&mut self, walk: &TraceWalk, stack: u32) -> usize {
         if let Some(&i) = self.site_of_stack.get(&stack) {
             return i;
         }
-        let name = site(&replay.state, stack);
+        let name = site(&walk.state, stack);
         let i = self
             .sites
             .iter()
@@ -134,10 +134,10 @@ impl Builder {
     }
 }
 
-fn snapshot(replay: &Replay, device: u32, b: &mut Builder) -> Snapshot {
-    let state = &replay.state;
+fn snapshot(walk: &TraceWalk, device: u32, b: &mut Builder) -> Snapshot {
+    let state = &walk.state;
     let mut out = Snapshot {
-        t: replay.t as f64 / 1e9,
+        t: walk.t as f64 / 1e9,
         ..Snapshot::default()
     };
     let mut kept = 0;
@@ -161,7 +161,7 @@ fn snapshot(replay: &Replay, device: u32, b: &mut Builder) -> Snapshot {
                 break;
             }
             kept += 1;
-            let site = b.site_index(replay, blk.stack) as u64;
+            let site = b.site_index(walk, blk.stack) as u64;
             segment.blocks.push([
                 blk.address - seg.address,
                 blk.size,
@@ -181,7 +181,7 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
     let mut builders: HashMap<u32, Builder> = HashMap::new();
     for (&device, d) in &scan.devices {
         // The top sites: those holding the most at this device's peak.
-        let mut at_peak = Replay::open(dir)?;
+        let mut at_peak = TraceWalk::open(dir)?;
         at_peak.run_through(d.peak_allocated.index)?;
         let mut sites: Vec<String> = sites_live(&at_peak, device)
             .into_iter()
@@ -238,9 +238,9 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
     }
     // Allocated blocks: (device, address) → (site index, size).
     let mut live: HashMap<(u32, u64), (usize, u64)> = HashMap::new();
-    let mut replay = Replay::open(dir)?;
+    let mut walk = TraceWalk::open(dir)?;
     let progress = Progress::new("plotting");
-    while let Some(step) = replay.step() {
+    while let Some(step) = walk.step() {
         let step = step?;
         if step.index % 65536 == 0 {
             progress.tick(step.index);
@@ -251,9 +251,9 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
             for b in builders.values_mut() {
                 b.current.iter_mut().for_each(|v| *v = 0);
             }
-            for blk in replay.state.blocks.values().filter(|b| b.pending == 0) {
+            for blk in walk.state.blocks.values().filter(|b| b.pending == 0) {
                 if let Some(b) = builders.get_mut(&blk.device) {
-                    let i = b.site_index(&replay, blk.stack);
+                    let i = b.site_index(&walk, blk.stack);
                     b.current[i] += blk.size;
                     live.insert((blk.device, blk.address), (i, blk.size));
                 }
@@ -271,7 +271,7 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
         };
         match &step.record {
             Record::Alloc(a) => {
-                let i = b.site_index(&replay, a.stack);
+                let i = b.site_index(&walk, a.stack);
                 b.current[i] += a.size;
                 live.insert((device, a.address), (i, a.size));
             }
@@ -282,7 +282,7 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
             }
             _ => {}
         }
-        let totals = replay.state.device_totals(device);
+        let totals = walk.state.device_totals(device);
         let index = (t.saturating_sub(t0)) / width;
         if b.bucket.as_ref().is_some_and(|(i, _)| *i != index) {
             b.flush();
@@ -307,7 +307,7 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
         bucket.reserved = bucket.reserved.max(totals.reserved);
         while b.snapshot_at.first().is_some_and(|&at| at <= t) {
             b.snapshot_at.remove(0);
-            let s = snapshot(&replay, device, b);
+            let s = snapshot(&walk, device, b);
             b.panel.snapshots.push(s);
         }
     }
@@ -318,7 +318,7 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
         let mut b = builders.remove(&device).expect("present");
         b.flush();
         if !b.snapshot_at.is_empty() {
-            let s = snapshot(&replay, device, &mut b);
+            let s = snapshot(&walk, device, &mut b);
             b.panel.snapshots.push(s);
         }
         b.panel.sites = b.sites.clone();

@@ -70,7 +70,7 @@
 //! its pattern: a block overwritten by another one means the allocator handed out overlapping
 //! memory.
 
-pub mod cuda;
+pub mod gpu;
 pub mod worker;
 pub mod workload;
 

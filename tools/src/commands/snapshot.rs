@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use super::{When, resolve_when};
 use crate::format::bytes;
-use crate::replay::{Replay, stack_frames};
+use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
 
 /// `cachealloc snapshot`'s arguments.
@@ -284,19 +284,19 @@ fn settings(conf: &str) -> Settings {
     }
 }
 
-/// Replay `dir` through record `index`, keeping the last `events` events, each with the stack
+/// Walk `dir` through record `index`, keeping the last `events` events, each with the stack
 /// its entry shows.
-fn replay_with_window(
+fn walk_with_window(
     dir: &Path,
     index: u64,
     events: usize,
-) -> Result<(Replay, VecDeque<(Record, u32)>), Error> {
-    let mut replay = Replay::open(dir)?;
+) -> Result<(TraceWalk, VecDeque<(Record, u32)>), Error> {
+    let mut walk = TraceWalk::open(dir)?;
     let mut window: VecDeque<(Record, u32)> = VecDeque::new();
     // The allocation stack of each live block: the shim does not capture a stack at free, so a
     // free's entries get their block's (as PyTorch does when it records no free context).
     let mut allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
-    while let Some(step) = replay.step() {
+    while let Some(step) = walk.step() {
         let step = step?;
         let stack = match &step.record {
             Record::Alloc(a) => {
@@ -346,25 +346,24 @@ fn replay_with_window(
             break;
         }
     }
-    Ok((replay, window))
+    Ok((walk, window))
 }
 
 /// Write the snapshot of `dir` through record `index`, with up to `events` trace entries per
-/// device, to `output`. Returns the replay (the state at that moment).
-pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Replay, Error> {
-    let (replay, window) = replay_with_window(dir, index, events)?;
-    let header = replay.header.clone();
+/// device, to `output`. Returns the walk (the state at that moment).
+pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<TraceWalk, Error> {
+    let (walk, window) = walk_with_window(dir, index, events)?;
+    let header = walk.header.clone();
     let wall = header.as_ref().map_or(0, |h| h.wall_clock_base_ns);
     let device_count = header.as_ref().map_or(0, |h| h.devices.len()).max(
-        replay
-            .state
+        walk.state
             .segments
             .keys()
             .map(|(d, _)| *d as usize + 1)
             .max()
             .unwrap_or(1),
     );
-    let state = &replay.state;
+    let state = &walk.state;
     let stacks = window
         .iter()
         .map(|(_, stack)| *stack)
@@ -395,7 +394,7 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Rep
         .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
     file.flush()?;
     drop(snapshot);
-    Ok(replay)
+    Ok(walk)
 }
 
 /// Run the command.
@@ -403,15 +402,15 @@ pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
     let (events, output) = (args.events, &args.output);
     let dir = one_trace(&args.trace)?;
     let (index, label) = resolve_when(&dir, &args.when)?;
-    let replay = write(&dir, index, events, output)?;
-    let reserved: u64 = replay.state.segments.values().map(|s| s.size).sum();
+    let walk = write(&dir, index, events, output)?;
+    let reserved: u64 = walk.state.segments.values().map(|s| s.size).sum();
     writeln!(
         out,
         "wrote {} ({label}: {} segments, {} reserved, {} blocks)",
         output.display(),
-        replay.state.segments.len(),
+        walk.state.segments.len(),
         bytes(reserved),
-        replay.state.blocks.len()
+        walk.state.blocks.len()
     )?;
     Ok(())
 }

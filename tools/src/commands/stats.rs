@@ -10,8 +10,8 @@ use cachealloc_recorder::LiveState;
 use crate::format::parse_time;
 use crate::format::{bytes, percent, seconds};
 use crate::progress::Progress;
-use crate::replay::Replay;
 use crate::replayed_stats::{DeviceStats, StatsTracker};
+use crate::walk::TraceWalk;
 use crate::{Error, one_trace};
 
 /// `cachealloc stats`'s arguments.
@@ -27,16 +27,16 @@ pub struct StatsArgs {
     pub json: bool,
 }
 
-/// Replay `dir` through every event at or before `at` (the end if `None`), keeping stats.
-pub fn replay_with_stats(dir: &Path, at: Option<u64>) -> Result<(Replay, StatsTracker), Error> {
+/// Walk `dir` through every event at or before `at` (the end if `None`), keeping stats.
+pub fn walk_with_stats(dir: &Path, at: Option<u64>) -> Result<(TraceWalk, StatsTracker), Error> {
     let last = match at {
         None => u64::MAX,
-        Some(t) => crate::replay::last_index_at(dir, t)?,
+        Some(t) => crate::walk::last_index_at(dir, t)?,
     };
     let progress = Progress::new("replaying");
-    let mut replay = Replay::open(dir)?;
+    let mut walk = TraceWalk::open(dir)?;
     let mut tracker = StatsTracker::default();
-    while let Some(step) = replay.step() {
+    while let Some(step) = walk.step() {
         let step = step?;
         tracker.apply(&step);
         if step.index % 65536 == 0 {
@@ -47,13 +47,13 @@ pub fn replay_with_stats(dir: &Path, at: Option<u64>) -> Result<(Replay, StatsTr
         }
     }
     tracker.finish();
-    Ok((replay, tracker))
+    Ok((walk, tracker))
 }
 
 /// Run the command.
 pub fn run(args: &StatsArgs, out: &mut dyn Write) -> Result<(), Error> {
     let dir = one_trace(&args.trace)?;
-    let (replay, tracker) = replay_with_stats(&dir, args.at)?;
+    let (walk, tracker) = walk_with_stats(&dir, args.at)?;
     if args.json {
         let devices: serde_json::Map<String, serde_json::Value> = tracker
             .devices
@@ -64,12 +64,12 @@ pub fn run(args: &StatsArgs, out: &mut dyn Write) -> Result<(), Error> {
         writeln!(out)?;
         return Ok(());
     }
-    writeln!(out, "at {} ({})", seconds(replay.t), dir.display())?;
+    writeln!(out, "at {} ({})", seconds(walk.t), dir.display())?;
     for (device, stats) in &tracker.devices {
         writeln!(out)?;
         summary_table(*device, stats, out)?;
         writeln!(out)?;
-        segment_map(&replay.state, *device, out)?;
+        segment_map(&walk.state, *device, out)?;
         writeln!(out)?;
         writeln!(out, "memory_stats() of device {device}:")?;
         for (key, value) in stats.to_map() {

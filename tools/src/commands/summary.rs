@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use crate::analysis::{Scan, scan};
 use crate::format::{bytes, percent, seconds};
 use crate::progress::Progress;
-use crate::replay::{Replay, site};
+use crate::walk::{TraceWalk, site};
 use crate::{Error, trace_dirs};
 
 /// `cachealloc summary`'s arguments.
@@ -23,9 +23,9 @@ pub struct SummaryArgs {
 const TOP_SITES: usize = 10;
 
 /// Bytes and block counts of the sites live at one moment, largest first.
-pub fn sites_live(replay: &Replay, device: u32) -> Vec<(String, u64, u64)> {
+pub fn sites_live(walk: &TraceWalk, device: u32) -> Vec<(String, u64, u64)> {
     let mut by_site: HashMap<String, (u64, u64)> = HashMap::new();
-    let state = &replay.state;
+    let state = &walk.state;
     for block in state.blocks.values() {
         if block.device == device && block.pending == 0 {
             let e = by_site.entry(site(state, block.stack)).or_default();
@@ -156,9 +156,9 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
             bytes(d.allocated_at_end),
             bytes(d.reserved_at_end)
         )?;
-        let mut replay = Replay::open(dir)?;
-        replay.run_through(d.peak_allocated.index)?;
-        let sites = sites_live(&replay, *device);
+        let mut walk = TraceWalk::open(dir)?;
+        walk.run_through(d.peak_allocated.index)?;
+        let sites = sites_live(&walk, *device);
         if !sites.is_empty() {
             writeln!(out, "  top allocation sites live at peak allocated:")?;
             writeln!(

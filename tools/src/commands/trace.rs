@@ -8,7 +8,7 @@ use cachealloc_recorder::Record;
 
 use crate::format::bytes;
 use crate::format::parse_time;
-use crate::replay::{Replay, frame_label, site, stack_frames};
+use crate::walk::{TraceWalk, frame_label, site, stack_frames};
 use crate::{Error, one_trace};
 
 /// `cachealloc trace`'s arguments.
@@ -111,8 +111,8 @@ pub fn run(args: &TraceArgs, out: &mut dyn Write) -> Result<(), Error> {
         ..
     } = args;
     let dir = one_trace(&args.trace)?;
-    let mut replay = Replay::open(&dir)?;
-    while let Some(step) = replay.step() {
+    let mut walk = TraceWalk::open(&dir)?;
+    while let Some(step) = walk.step() {
         let step = step?;
         if step.in_checkpoint {
             continue;
@@ -137,9 +137,9 @@ pub fn run(args: &TraceArgs, out: &mut dyn Write) -> Result<(), Error> {
         write!(out, "{:>14.6} s  dev {dev:>2}  {line}", t as f64 / 1e9)?;
         match &step.record {
             Record::Alloc(a) if a.stack != 0 => {
-                writeln!(out, "  at {}", site(&replay.state, a.stack))?;
+                writeln!(out, "  at {}", site(&walk.state, a.stack))?;
                 if stacks {
-                    for f in stack_frames(&replay.state, a.stack) {
+                    for f in stack_frames(&walk.state, a.stack) {
                         writeln!(out, "{:>24}{}", "", frame_label(f))?;
                     }
                 }
@@ -147,7 +147,7 @@ pub fn run(args: &TraceArgs, out: &mut dyn Write) -> Result<(), Error> {
             _ => writeln!(out)?,
         }
     }
-    for tear in replay.tears() {
+    for tear in walk.tears() {
         writeln!(
             out,
             "(torn: {} at byte {}: {}; read up to there)",

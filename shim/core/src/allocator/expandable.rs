@@ -3,12 +3,12 @@
 //! allocation and release are. See
 //! [Note [Expandable segments]](crate::pools::expandable#note-expandable-segments).
 
-use super::{Allocator, Locked, Request, SegmentChanges};
+use super::{Allocator, Locked, Request, SegmentChanges, Served};
 use crate::device::{Device, DeviceError};
 use crate::events::{Event, Observer};
 use crate::pools::expandable::moves::Flip;
 use crate::pools::expandable::{MapOutcome, MapPlan, Unmapping};
-use crate::pools::{Allocation, BlockState, SegmentSnapshot};
+use crate::pools::{BlockState, SegmentSnapshot};
 use crate::sizes::PoolKind;
 
 /// How many times a request maps memory before it gives up on this rung: a map is repeated
@@ -27,10 +27,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         request: &Request,
         changes: &mut SegmentChanges,
         is_retry: bool,
-    ) -> (
-        Result<Option<Allocation>, DeviceError>,
-        Locked<'a, D::Fence>,
-    ) {
+    ) -> Served<'a, D::Fence> {
         if is_retry {
             pools.stats.num_alloc_retries += 1;
         }

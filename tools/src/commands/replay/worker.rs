@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::cuda::{self, Context, CudaError, Driver, Stream};
+use super::gpu::{self, Context, CudaError, Driver, Stream};
 use super::workload::{Op, Skipped, Workload};
 use super::{Backend, Options};
 use crate::Error;
@@ -215,7 +215,7 @@ impl Shared<'_> {
                     };
                     let start = Instant::now();
                     let result = match on {
-                        None => cuda::alloc(size),
+                        None => gpu::alloc(size),
                         Some(s) => s.alloc_async(size),
                     };
                     let ns = start.elapsed().as_nanos() as u64;
@@ -282,7 +282,7 @@ impl Shared<'_> {
                     };
                     let start = Instant::now();
                     let result = match on {
-                        None => cuda::free(ptr),
+                        None => gpu::free(ptr),
                         Some(s) => s.free_async(ptr),
                     };
                     let ns = start.elapsed().as_nanos() as u64;
@@ -306,7 +306,7 @@ impl Shared<'_> {
             let err = |e: CudaError| e.to_string();
             self.stream(info.stream)?.synchronize().map_err(err)?;
             for offset in [0, info.size - 1] {
-                let byte = cuda::read_byte(ptr + offset).map_err(err)?;
+                let byte = gpu::read_byte(ptr + offset).map_err(err)?;
                 if byte != pattern(slot) {
                     return Ok(Some((offset, byte)));
                 }
@@ -360,7 +360,7 @@ pub fn replay(workload: &Workload, backend: Backend, options: Options) -> Result
     let ctx = driver.primary_context(0).map_err(|e| e.to_string())?;
     ctx.make_current().map_err(|e| e.to_string())?;
     let shim_before = match backend {
-        Backend::Cachealloc => Some(cuda::shim_stats_json().ok_or_else(|| {
+        Backend::Cachealloc => Some(gpu::shim_stats_json().ok_or_else(|| {
             "--backend cachealloc: libcachealloc.so is not loaded in the replay process (its \
              cachealloc_stats_json is not found)"
                 .to_string()
@@ -425,7 +425,7 @@ pub fn replay(workload: &Workload, backend: Backend, options: Options) -> Result
             None,
         ),
         (Backend::Cachealloc, Some(before)) => {
-            let after = cuda::shim_stats_json().unwrap_or_default();
+            let after = gpu::shim_stats_json().unwrap_or_default();
             let delta = |key: &str| -> Result<u64, Error> {
                 Ok(shim_counter(&after, key)?.saturating_sub(shim_counter(&before, key)?))
             };

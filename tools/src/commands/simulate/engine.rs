@@ -11,7 +11,7 @@ use cachealloc_core::{AllocError, Allocator};
 
 use super::recording::{Op, Recording, record};
 use crate::Error;
-use crate::replay::site;
+use crate::walk::site;
 
 /// CUDA's allocation granularity on current GPUs.
 pub(super) const DEFAULT_GRANULARITY: u64 = 2 << 20;

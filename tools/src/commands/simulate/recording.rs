@@ -9,7 +9,7 @@ use cachealloc_recorder::{LiveState, Record};
 
 use crate::Error;
 use crate::progress::Progress;
-use crate::replay::Replay;
+use crate::walk::TraceWalk;
 
 /// A request, as the trace recorded it.
 #[derive(Debug, Clone, Copy)]
@@ -65,7 +65,7 @@ pub(super) struct Recording {
 }
 
 pub(super) fn record(dir: &Path) -> Result<Recording, Error> {
-    let mut replay = Replay::open(dir)?;
+    let mut walk = TraceWalk::open(dir)?;
     let progress = Progress::new("reading requests");
     let mut ops = vec![];
     // The segment the last allocator event of each device allocated, if it was one.
@@ -75,14 +75,14 @@ pub(super) fn record(dir: &Path) -> Result<Recording, Error> {
     let mut map_change: HashMap<u32, (bool, i64)> = HashMap::new();
     let mut segments: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
     let mut live_at_start = None;
-    while let Some(step) = replay.step() {
+    while let Some(step) = walk.step() {
         let step = step?;
         if step.index % 65536 == 0 {
             progress.tick(step.index);
         }
         if step.in_checkpoint {
             if matches!(step.record, Record::CheckpointEnd(_)) && live_at_start.is_none() {
-                live_at_start = Some(replay.state.blocks.len());
+                live_at_start = Some(walk.state.blocks.len());
             }
             continue;
         }
@@ -140,8 +140,8 @@ pub(super) fn record(dir: &Path) -> Result<Recording, Error> {
             _ => continue,
         });
     }
-    let header = replay.header.clone();
-    let mut names = replay.state;
+    let header = walk.header.clone();
+    let mut names = walk.state;
     names.blocks.clear();
     names.segments.clear();
     Ok(Recording {

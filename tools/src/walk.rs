@@ -1,9 +1,10 @@
-//! Replaying a trace directory: records in order, with the live state (segments, blocks, stacks)
-//! after each one. Every command is built on [`Replay`].
+//! Walking a trace directory: its records in order, each applied to the live state (segments,
+//! blocks, stacks) that the recorder's [`LiveState`] keeps. Every command is built on
+//! [`TraceWalk`].
 //!
 //! A trace may span rotated files. Each file opens with its header and a checkpoint of the live
 //! state; the first file's checkpoint seeds the state, and a later file's checkpoint replaces it
-//! (it is the truth after a tear, and equal to the replayed state otherwise). Records inside a
+//! (it is the truth after a tear, and equal to the walked state otherwise). Records inside a
 //! checkpoint are not events: [`Step::in_checkpoint`] says so, and peaks ignore them.
 
 use std::path::Path;
@@ -11,10 +12,10 @@ use std::path::Path;
 use cachealloc_recorder::schema::{FRAME_PYTHON, FrameDef, Header};
 use cachealloc_recorder::{LiveState, Record, Tear, TraceReader};
 
-/// One replayed record.
+/// One record of the walk.
 #[derive(Debug)]
 pub struct Step {
-    /// The record (already applied to [`Replay::state`]).
+    /// The record (already applied to [`TraceWalk::state`]).
     pub record: Record,
     /// Ordinal of the record in the trace (0-based).
     pub index: u64,
@@ -22,9 +23,9 @@ pub struct Step {
     pub in_checkpoint: bool,
 }
 
-/// A trace directory being replayed.
+/// A trace directory being walked.
 #[derive(Debug)]
-pub struct Replay {
+pub struct TraceWalk {
     reader: TraceReader,
     /// The live state after the last record returned.
     pub state: LiveState,
@@ -37,11 +38,11 @@ pub struct Replay {
     in_checkpoint: bool,
 }
 
-impl Replay {
+impl TraceWalk {
     /// Open `dir` (a per-process trace directory).
-    pub fn open(dir: &Path) -> Result<Replay, String> {
+    pub fn open(dir: &Path) -> Result<TraceWalk, String> {
         let reader = TraceReader::open(dir).map_err(|e| e.to_string())?;
-        Ok(Replay {
+        Ok(TraceWalk {
             reader,
             state: LiveState::default(),
             header: None,
@@ -57,7 +58,7 @@ impl Replay {
         self.reader.files().len()
     }
 
-    /// Where files stopped being readable (complete once the replay has ended).
+    /// Where files stopped being readable (complete once the walk has ended).
     pub fn tears(&self) -> &[Tear] {
         self.reader.tears()
     }
@@ -101,7 +102,7 @@ impl Replay {
         Some(Ok(step))
     }
 
-    /// Replay through the record of ordinal `index` (inclusive).
+    /// Walk through the record of ordinal `index` (inclusive).
     pub fn run_through(&mut self, index: u64) -> Result<(), String> {
         while self.next_index <= index {
             match self.step() {
@@ -114,9 +115,9 @@ impl Replay {
     }
 }
 
-/// The ordinal of the last record at or before time `t` (events after it are not replayed).
+/// The ordinal of the last record at or before time `t` (events after it are not walked).
 pub fn last_index_at(dir: &Path, t: u64) -> Result<u64, String> {
-    let mut scan = Replay::open(dir)?;
+    let mut scan = TraceWalk::open(dir)?;
     let mut last = None;
     while let Some(step) = scan.step() {
         let step = step?;
