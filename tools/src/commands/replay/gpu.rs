@@ -352,7 +352,7 @@ pub fn shim_stats_json() -> Option<String> {
         return None;
     }
     // SAFETY: the shim exports `cachealloc_stats_json` with this signature
-    // (shim/preload/src/ffi.rs).
+    // (shim/preload/src/ffi/runtime.rs).
     let stats_json: StatsJson = unsafe { std::mem::transmute::<*mut c_void, StatsJson>(symbol) };
     let mut buf = vec![0 as c_char; 1 << 16];
     for _ in 0..4 {
