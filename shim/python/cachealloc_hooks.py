@@ -16,6 +16,15 @@ it has to adjust:
   `make_graphed_callables`). `CUDAGraph.capture_begin` is wrapped to tell the library which
   pool the capture uses (`cachealloc_use_capture_pool`); a capture given no pool gets a handle
   of its own from `graph_pool_handle()` first, so that a later `pool=graph.pool()` names it.
+* `torch.cuda.memory` — on the `cudaMallocAsync` route PyTorch's own statistics, history and
+  snapshots are not kept (its backend has none); the entry points of `torch._C` that the memory
+  API calls are replaced by ones served from the library: `_cuda_memoryStats` (every key of
+  `memory_stats()`, from `cachealloc_device_stats_json`), `_cuda_resetAccumulatedMemoryStats`,
+  `_cuda_record_memory_history` and `_cuda_memorySnapshot` (segments, blocks, frames and
+  `device_traces` read from the trace the recorder keeps anyway, by the `cachealloc snapshot`
+  command beside the library). So `memory_stats`, `memory_summary`, `_record_memory_history`,
+  `_snapshot`, `memory_snapshot` and `_dump_snapshot` work unchanged, and a snapshot has history
+  even when the program never asked for it.
 * `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
   Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
   they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
@@ -155,6 +164,134 @@ def _graphs(graphs):
 
     capture_begin._cachealloc_wrapped = True
     graph_class.capture_begin = capture_begin
+
+
+def _memory_api():
+    """The library's C API for the memory replacements, or None."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)
+        stats = lib.cachealloc_device_stats_json
+        flush = lib.cachealloc_trace_flush
+        reset = lib.cachealloc_reset_accumulated_stats
+    except (OSError, AttributeError):
+        return None
+    stats.restype = flush.restype = ctypes.c_size_t
+    stats.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    flush.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    reset.restype = None
+    reset.argtypes = [ctypes.c_int]
+    return stats, flush, reset
+
+
+def _text(fn, *args):
+    """The text a `cachealloc_*` function writes into a buffer ("" when it writes none)."""
+    import ctypes
+
+    size = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        need = fn(*args, buf, size)
+        if need <= size:
+            return buf.value.decode() if need else ""
+        size = need
+
+
+def nested_stats(flat):
+    """PyTorch's nested statistics (`memoryStats`) from flat `a.b.c` keys."""
+    out = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        level = out
+        for part in parts[:-1]:
+            level = level.setdefault(part, {})
+        level[parts[-1]] = value
+    return out
+
+
+def _cachealloc_binary():
+    """The `cachealloc` command beside the preloaded library."""
+    for entry in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+        if os.path.basename(entry).startswith("libcachealloc"):
+            candidate = os.path.join(os.path.dirname(os.path.abspath(entry)), "cachealloc")
+            if os.access(candidate, os.X_OK):
+                return candidate
+    return None
+
+
+class _History:
+    """What `_record_memory_history` asked for: the recorder keeps the history anyway; a
+    snapshot shows its last `max_entries` events, none after an explicit `enabled=None`."""
+
+    enabled = True
+    max_entries = 100_000
+
+
+def _record_history(enabled="all", context="all", stacks="all", max_entries=None, *rest, **kw):
+    _History.enabled = enabled is not None and enabled is not False
+    if isinstance(max_entries, int) and max_entries > 0:
+        _History.max_entries = max_entries
+
+
+def _snapshot_from_trace(flush):
+    import pickle
+    import subprocess
+    import tempfile
+
+    trace = _text(flush)
+    if not trace:
+        raise RuntimeError(
+            "cachealloc: no trace to take a snapshot from (CACHEALLOC_CONF has trace:off, "
+            "or the trace could not be written)"
+        )
+    tool = _cachealloc_binary()
+    if tool is None:
+        raise RuntimeError(
+            "cachealloc: the `cachealloc` command was not found beside the preloaded library"
+        )
+    events = min(_History.max_entries, 10_000_000) if _History.enabled else 0
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "snapshot.pickle")
+        done = subprocess.run(
+            [tool, "snapshot", trace, "--events", str(events), "-o", out],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"cachealloc snapshot failed: {done.stderr.strip()}")
+        with open(out, "rb") as f:
+            snapshot = pickle.load(f)
+    if not _History.enabled:
+        snapshot["device_traces"] = [[] for _ in snapshot.get("device_traces", [])]
+    return snapshot
+
+
+@_adjusts("torch.cuda.memory")
+def _memory(memory):
+    if _torch_backend() != "cudaMallocAsync":
+        return
+    api = _memory_api()
+    native = sys.modules.get("torch._C")
+    if api is None or native is None:
+        return
+    stats, flush, reset = api
+    import json
+
+    def memory_stats(device):
+        return nested_stats(json.loads(_text(stats, int(device))))
+
+    def reset_accumulated(device):
+        reset(int(device))
+
+    def memory_snapshot(*args, **kwargs):
+        return _snapshot_from_trace(flush)
+
+    native._cuda_memoryStats = memory_stats
+    native._cuda_resetAccumulatedMemoryStats = reset_accumulated
+    native._cuda_record_memory_history = _record_history
+    native._cuda_memorySnapshot = memory_snapshot
+    _say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")
 
 
 @_adjusts("torch.autograd")

@@ -1,7 +1,10 @@
 """The shim's Python integration, run under LD_PRELOAD=libcachealloc.so (no torch needed): the
-sitecustomize the integration shadows still runs, and importing torch._inductor.config (a
-stand-in package made here) turns CUDA graph trees off on the cudaMallocAsync route.
-Usage: python_integration.py EXPECTED_TREES   (True or False). Prints "OK python_integration"."""
+sitecustomize the integration shadows still runs; importing torch._inductor.config (a stand-in
+package made here) turns CUDA graph trees off on the cudaMallocAsync route; and importing
+torch.cuda.memory replaces torch._C's memory statistics, history and snapshot entry points on
+that route (checked against an allocation made through the runtime, with fakecuda).
+Usage: python_integration.py EXPECTED_TREES   (True or False: False means the integration acts).
+Prints "OK python_integration"."""
 import os
 import sys
 import tempfile
@@ -24,6 +27,19 @@ for d in (os.path.join(root, "torch"), package):
     open(os.path.join(d, "__init__.py"), "w").close()
 with open(os.path.join(package, "config.py"), "w") as f:
     f.write("class triton:\n    cudagraph_trees = True\n    cudagraphs = False\n")
+# torch._C's memory entry points as the cudaMallocAsync backend answers them, and the module
+# that calls them.
+with open(os.path.join(root, "torch", "_C.py"), "w") as f:
+    f.write(
+        "def _cuda_memoryStats(device):\n    return 'native'\n"
+        "def _cuda_memorySnapshot(*args):\n    raise RuntimeError('native')\n"
+        "def _cuda_record_memory_history(*args):\n    raise RuntimeError('native')\n"
+        "def _cuda_resetAccumulatedMemoryStats(device):\n    return 'native'\n"
+    )
+os.makedirs(os.path.join(root, "torch", "cuda"))
+open(os.path.join(root, "torch", "cuda", "__init__.py"), "w").close()
+with open(os.path.join(root, "torch", "cuda", "memory.py"), "w") as f:
+    f.write("import torch._C\n")
 sys.path.insert(0, root)
 
 import torch._inductor.config as config  # noqa: E402
@@ -31,4 +47,55 @@ import torch._inductor.config as config  # noqa: E402
 expected = sys.argv[1] == "True"
 if config.triton.cudagraph_trees is not expected:
     fail(f"cudagraph_trees is {config.triton.cudagraph_trees}, expected {expected}")
+import ctypes  # noqa: E402
+
+import torch._C  # noqa: E402
+import torch.cuda.memory  # noqa: E402
+
+if expected:
+    if torch._C._cuda_memoryStats(0) != "native":
+        fail("the memory entry points were replaced where the integration must not act")
+else:
+    ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
+    glob = ctypes.CDLL(None)
+    glob.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    ptr = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(ptr), 3 << 20) != 0:
+        fail("cudaMalloc failed")
+
+    stats = torch._C._cuda_memoryStats(0)
+    if not isinstance(stats, dict):
+        fail(f"memory stats are {stats!r}")
+    leaves = []
+
+    def walk(prefix, d):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(prefix + k + ".", v)
+            else:
+                leaves.append(prefix + k)
+
+    walk("", stats)
+    if len(leaves) < 100:
+        fail(f"memory_stats has {len(leaves)} keys: {leaves}")
+    if stats["allocated_bytes"]["all"]["current"] < 3 << 20:
+        fail(f"allocated_bytes.all.current is {stats['allocated_bytes']['all']['current']}")
+    if stats["allocation"]["large_pool"]["current"] != 1 or "num_alloc_retries" not in stats:
+        fail(f"the allocation is not counted as PyTorch would: {stats}")
+    torch._C._cuda_resetAccumulatedMemoryStats(0)
+    if torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["allocated"] != 0:
+        fail("reset_accumulated_memory_stats left the accumulated bytes")
+
+    torch._C._cuda_record_memory_history("all", "all", "all", 1000)
+    snapshot = torch._C._cuda_memorySnapshot(None)
+    blocks = [b for seg in snapshot["segments"] for b in seg["blocks"]]
+    mine = [b for b in blocks if b["address"] == ptr.value]
+    if len(mine) != 1 or mine[0]["state"] != "active_allocated" or mine[0]["size"] < 3 << 20:
+        fail(f"the snapshot does not hold the allocation at {ptr.value:#x}: {blocks}")
+    actions = [e["action"] for trace in snapshot["device_traces"] for e in trace]
+    if "alloc" not in actions:
+        fail(f"the snapshot's history has no alloc: {actions}")
+    torch._C._cuda_record_memory_history(None, None, "all", 1000)
+    if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
+        fail("history was shown after _record_memory_history(None)")
 print("OK python_integration")

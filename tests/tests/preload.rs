@@ -342,7 +342,7 @@ fn graph_and_stream_programs_pass_without_the_shim() {
 }
 
 #[test]
-fn python_integration_turns_graph_trees_off_and_keeps_the_users_sitecustomize() {
+fn python_integration_keeps_the_users_sitecustomize_and_serves_graph_trees_stats_and_snapshots() {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),

@@ -244,6 +244,16 @@ pub fn degrade(what: &str) {
 }
 
 impl Shim {
+    /// Write everything traced so far to the trace files (waiting up to `timeout`) and return
+    /// the trace's directory; `None` without a trace.
+    pub fn flush_trace(&self, timeout: std::time::Duration) -> Option<std::path::PathBuf> {
+        let trace = self.trace.as_ref().ok()?;
+        if !trace.flush(timeout) {
+            log::error!("the trace could not be flushed in {timeout:?}");
+        }
+        Some(trace.dir.clone())
+    }
+
     /// Record an annotation (`cachealloc_annotate`) in the trace; returns the seconds since the
     /// shim started.
     pub fn annotation(&self, name: &str) -> f64 {

@@ -111,6 +111,20 @@ pub fn annotate(name: &str) {
     log::info!("{}", line.trim_end_matches(';'));
 }
 
+/// `device`'s stats as one flat JSON object of PyTorch's `memory_stats()` keys (zeros when the
+/// device has no pool yet).
+pub fn device_stats_json(device: i32) -> String {
+    let stats = shim()
+        .and_then(|s| s.device_stats(device))
+        .unwrap_or_default();
+    let fields: Vec<String> = stats
+        .to_flat()
+        .into_iter()
+        .map(|(key, value)| format!("\"{key}\":{value}"))
+        .collect();
+    format!("{{{}}}", fields.join(","))
+}
+
 /// The stats of every pooled device as JSON: `{"version": …, "devices": {"0": {key: value}}}`
 /// with PyTorch's `memory_stats()` keys.
 pub fn stats_json() -> String {

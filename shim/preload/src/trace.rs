@@ -169,6 +169,12 @@ impl Trace {
         self.recorder.note_stack_shed();
     }
 
+    /// Write every record sent so far to the trace files; whether that happened within
+    /// `timeout`.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        self.recorder.flush(timeout)
+    }
+
     /// Write a checkpoint of the live state now (after an OOM).
     pub fn checkpoint(&self) {
         self.recorder.checkpoint();

@@ -28,6 +28,77 @@ pub unsafe extern "C" fn cachealloc_stats_json(buf: *mut c_char, len: usize) -> 
         crate::report::stats_json,
         String::new,
     );
+    // SAFETY: the caller's contract.
+    unsafe { write_text(&text, buf, len) }
+}
+
+/// Write `device`'s stats as one flat JSON object of PyTorch's `memory_stats()` keys (its
+/// capture pools counted; zeros before its first allocation) into `buf`, as
+/// [`cachealloc_stats_json`] does. What the Python integration answers `memory_stats()` with.
+///
+/// # Safety
+/// `buf` must be null or valid for `len` bytes of writes.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_device_stats_json(
+    device: c_int,
+    buf: *mut c_char,
+    len: usize,
+) -> usize {
+    let text = guarded(
+        "cachealloc_device_stats_json",
+        || crate::report::device_stats_json(device),
+        String::new,
+    );
+    // SAFETY: the caller's contract.
+    unsafe { write_text(&text, buf, len) }
+}
+
+/// Write every record traced so far to the trace files (waiting up to five seconds), and the
+/// trace directory's path into `buf`, as [`cachealloc_stats_json`] writes its text. Returns 0
+/// when there is no trace (`trace:off`, or it could not be written). What the Python
+/// integration's `torch.cuda.memory._snapshot()` reads the state and history from.
+///
+/// # Safety
+/// `buf` must be null or valid for `len` bytes of writes.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_trace_flush(buf: *mut c_char, len: usize) -> usize {
+    let dir = guarded(
+        "cachealloc_trace_flush",
+        || {
+            process::shim()
+                .and_then(|s| s.flush_trace(std::time::Duration::from_secs(5)))
+                .map(|d| d.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        },
+        String::new,
+    );
+    if dir.is_empty() {
+        return 0;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { write_text(&dir, buf, len) }
+}
+
+/// Zero `device`'s accumulated stats (`torch.cuda.reset_accumulated_memory_stats`).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_reset_accumulated_stats(device: c_int) {
+    guarded(
+        "cachealloc_reset_accumulated_stats",
+        || {
+            if let Some(shim) = process::shim() {
+                shim.reset_accumulated_stats(device);
+            }
+        },
+        || (),
+    );
+}
+
+/// Write `text` into `buf`, NUL-terminated and truncated to `len` bytes; returns the length the
+/// whole text needs, NUL included.
+///
+/// # Safety
+/// `buf` must be null or valid for `len` bytes of writes.
+unsafe fn write_text(text: &str, buf: *mut c_char, len: usize) -> usize {
     if !buf.is_null() && len > 0 {
         let n = text.len().min(len - 1);
         // SAFETY: `buf` is valid for `len` bytes and `n + 1 <= len`; source and destination

@@ -159,7 +159,8 @@ impl Shim {
         self.devices
             .iter()
             .enumerate()
-            .filter_map(|(d, slot)| slot.get().map(|p| (d, p.alloc.stats())))
+            .filter(|(_, slot)| slot.get().is_some())
+            .filter_map(|(d, _)| Some((d, self.device_stats(d as i32)?)))
             .collect()
     }
 }

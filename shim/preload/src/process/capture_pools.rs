@@ -377,6 +377,27 @@ impl Shim {
         }
     }
 
+    /// Run `f` on the allocator of each capture pool of `device`.
+    pub(super) fn for_each_capture_pool(
+        &self,
+        device: i32,
+        mut f: impl FnMut(&Allocator<CudaDevice, DeviceObserver>),
+    ) {
+        if !self.capture_pools.any.load(Ordering::Acquire) {
+            return;
+        }
+        for pool in self
+            .capture_pools
+            .pools
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|p| p.device == device)
+        {
+            f(&pool.alloc);
+        }
+    }
+
     /// How many capture pools exist, and their reserved bytes (for the exit summary and tests).
     pub fn capture_pool_count(&self) -> (usize, i64) {
         let pools = self

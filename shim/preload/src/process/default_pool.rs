@@ -38,11 +38,21 @@ impl Shim {
         Some(stats)
     }
 
-    /// Reset `device`'s peak stats.
+    /// Reset `device`'s peak stats (its capture pools' too).
     pub fn reset_peak_stats(&self, device: i32) {
         if let Some(a) = self.allocator_of(device) {
             a.reset_peak_stats();
         }
+        self.for_each_capture_pool(device, |a| a.reset_peak_stats());
+    }
+
+    /// Zero `device`'s accumulated stats (its capture pools' too):
+    /// `torch.cuda.reset_accumulated_memory_stats`.
+    pub fn reset_accumulated_stats(&self, device: i32) {
+        if let Some(a) = self.allocator_of(device) {
+            a.reset_accumulated_stats();
+        }
+        self.for_each_capture_pool(device, |a| a.reset_accumulated_stats());
     }
 
     /// Release `device`'s cached free segments (PyTorch's `empty_cache` through
