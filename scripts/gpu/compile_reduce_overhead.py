@@ -1,7 +1,8 @@
 """torch.compile(mode="reduce-overhead") on a real transformers model: a 6-layer GPT-2 (random
 weights, fp16, inference, batch 8 x 128 tokens), the workload of issue 22's table.
 
-Checks that the compiled (CUDA-graphed) model's logits equal eager's, then times CALLS calls
+TREES=0 turns Inductor's CUDA graph trees off (what the shim's Python integration does), to
+compare with PyTorch's allocator on the same graphs. Checks that the compiled (CUDA-graphed) model's logits equal eager's, then times CALLS calls
 with CUDA events and prints one line:
     workload=compile_gpt2 label=L step_ms=X peak_reserved_mb=R peak_allocated_mb=A max_err=E ok=B
 (`step_ms` is the median time per call over ROUNDS rounds of CALLS calls; the same seed in every
@@ -16,6 +17,8 @@ warnings.simplefilter("ignore")
 label = os.environ.get("LABEL", "-")
 rounds = int(os.environ.get("ROUNDS", "20"))
 calls = int(os.environ.get("CALLS", "50"))
+# TREES=0: Inductor records its CUDA graphs without graph trees, as it does under the shim.
+trees = os.environ.get("TREES", "1") != "0"
 
 
 def main():
@@ -25,6 +28,10 @@ def main():
     config = GPT2Config(n_layer=6, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)
     model = GPT2LMHeadModel(config).cuda().half().eval()
     ids = torch.randint(0, config.vocab_size, (8, 128), device="cuda")
+    if not trees:
+        import torch._inductor.config
+
+        torch._inductor.config.triton.cudagraph_trees = False
     compiled = torch.compile(model, mode="reduce-overhead")
     with torch.no_grad():
         eager = model(ids).logits.float()
