@@ -29,9 +29,9 @@ def main():
     model = GPT2LMHeadModel(config).cuda().half().eval()
     ids = torch.randint(0, config.vocab_size, (8, 128), device="cuda")
     if not trees:
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.triton.cudagraph_trees = False
+        inductor_config.triton.cudagraph_trees = False
     compiled = torch.compile(model, mode="reduce-overhead")
     with torch.no_grad():
         eager = model(ids).logits.float()
