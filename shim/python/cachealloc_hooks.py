@@ -146,6 +146,8 @@ def pool_key(pool):
 
 @_adjusts("torch.cuda.graphs")
 def _graphs(graphs):
+    if _torch_backend() != "cudaMallocAsync":
+        return
     use = _capture_pool_api()
     graph_class = getattr(graphs, "CUDAGraph", None)
     if use is None or graph_class is None:

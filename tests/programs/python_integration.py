@@ -40,6 +40,14 @@ os.makedirs(os.path.join(root, "torch", "cuda"))
 open(os.path.join(root, "torch", "cuda", "__init__.py"), "w").close()
 with open(os.path.join(root, "torch", "cuda", "memory.py"), "w") as f:
     f.write("import torch._C\n")
+with open(os.path.join(root, "torch", "cuda", "graphs.py"), "w") as f:
+    f.write(
+        "handles = []\n"
+        "def graph_pool_handle():\n    handles.append((0, len(handles) + 1))\n    return handles[-1]\n"
+        "class CUDAGraph:\n"
+        "    def capture_begin(self, pool=None, capture_error_mode='global'):\n"
+        "        self.pool_used = (pool, capture_error_mode)\n"
+    )
 sys.path.insert(0, root)
 
 import torch._inductor.config as config  # noqa: E402
@@ -51,6 +59,17 @@ import ctypes  # noqa: E402
 
 import torch._C  # noqa: E402
 import torch.cuda.memory  # noqa: E402
+
+import torch.cuda.graphs as graphs  # noqa: E402
+
+graph = graphs.CUDAGraph()
+graph.capture_begin(capture_error_mode="thread_local")
+named = (None, "thread_local") if expected else ((0, 1), "thread_local")
+if graph.pool_used != named:
+    fail(f"a capture without a pool began with {graph.pool_used}, expected {named}")
+graph.capture_begin((0, 7))
+if graph.pool_used != ((0, 7), "global"):
+    fail(f"a capture given a pool began with {graph.pool_used}")
 
 if expected:
     if torch._C._cuda_memoryStats(0) != "native":
