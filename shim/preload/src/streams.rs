@@ -27,8 +27,9 @@
 //! that batch while the stream exists (`Allocator::stream_destroying`), so no fence is recorded
 //! later on its dangling handle.
 //!
-//! Not seen: streams created, and captures begun, through the driver API (`cuStreamCreate`,
-//! `cuStreamBeginCapture`) by libraries that bypass the runtime; see the README's limitations.
+//! Streams created and captures begun through the driver API (`cuStreamCreate*`,
+//! `cuStreamBeginCapture_v2*`, through any door) are seen as the runtime's are; not seen: CUDA
+//! 10.0's `cuStreamBeginCapture` and captures into an existing graph (the README's limitations).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
