@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# PyTorch's own allocator, graph and MemPool tests from its test/test_cuda.py, natively and under
+# the shim, each test in its own process (an abort kills only that test):
+#   scripts/gpu/pytorch_allocator_tests.sh TEST_CUDA_PY LIBDIR [JOBS]
+# TEST_CUDA_PY is PyTorch's test/test_cuda.py (at the machine's torch version where it can be
+# had); LIBDIR holds the release libcachealloc.so and the cachealloc binary. Selection: every
+# test of TestCudaMallocAsync, TestBlockStateAbsorption and TestMemPool, and TestCuda's tests
+# whose names concern device memory (memory, oom, out_of_memory, fraction, record_stream, graph,
+# cublas_workspace, caching, allocator, empty_cache, snapshot, mem_get_info, expandable), not
+# host (pinned) memory. Writes $OUT/pytorch_tests.tsv (test, native, shim) and prints the table's
+# counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout.
+set -uo pipefail
+TEST="$(realpath "$1")"
+LIB="$(realpath "$2")/libcachealloc.so"
+JOBS=${3:-6}
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+[ -f "$LIB" ] || { echo "no $LIB"; exit 1; }
+cd "$(dirname "$TEST")" || exit 1
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+EXPR='TestCudaMallocAsync or TestBlockStateAbsorption or TestMemPool or (TestCuda and (memory or oom or out_of_memory or fraction or record_stream or graph or cublas_workspace or caching or allocator or empty_cache or snapshot or mem_get_info or expandable) and not pinned and not host)'
+python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" 2>/dev/null \
+    | grep '::' > "$OUT/selected.txt"
+echo "selected $(wc -l < "$OUT/selected.txt") tests"
+
+# one ID LABEL: run one test, print "ID<TAB>LABEL<TAB>OUTCOME".
+one() {
+    local id=$1 label=$2 log rc outcome
+    log=$(mktemp)
+    if [ "$label" = shim ]; then
+        CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 180 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
+    else
+        timeout 180 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
+    fi
+    rc=$?
+    if [ $rc -eq 124 ]; then outcome=timeout
+    elif [ $rc -gt 128 ] || grep -qE "Fatal Python error|core dumped|terminate called" "$log"; then outcome=abort
+    elif [ $rc -eq 0 ] && grep -qE "[0-9]+ passed" "$log"; then outcome=pass
+    elif [ $rc -eq 0 ] && grep -qE "[0-9]+ skipped" "$log"; then outcome=skip
+    else outcome=fail
+    fi
+    printf '%s\t%s\t%s\n' "$id" "$label" "$outcome"
+    if [ "$outcome" != pass ] && [ "$outcome" != skip ]; then
+        { echo "=== $id $label $outcome"; tail -15 "$log"; } >> "$OUT/failures_$label.log"
+    fi
+    rm -f "$log"
+}
+export -f one
+export LIB OUT
+while read -r id; do printf '%s native\n%s shim\n' "$id" "$id"; done < "$OUT/selected.txt" \
+    | xargs -P "$JOBS" -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
+python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" <<'PY'
+import collections, sys
+rows = collections.defaultdict(dict)
+for line in open(sys.argv[1]):
+    test, label, outcome = line.rstrip("\n").split("\t")
+    rows[test][label] = outcome
+with open(sys.argv[2], "w") as f:
+    f.write("test\tnative\tshim\n")
+    for test in sorted(rows):
+        f.write(f"{test}\t{rows[test].get('native', '-')}\t{rows[test].get('shim', '-')}\n")
+native = collections.Counter(r.get("native") for r in rows.values())
+shim = collections.Counter(r.get("shim") for r in rows.values())
+both = sum(1 for r in rows.values() if r.get("native") == "pass" and r.get("shim") == "pass")
+lost = sorted(t for t, r in rows.items() if r.get("native") == "pass" and r.get("shim") != "pass")
+print("lost (native pass, shim not):")
+for t in lost:
+    print(f"  {t.split('::', 1)[1]}: {rows[t]['shim']}")
+print(f"tests={len(rows)} native={dict(native)} shim={dict(shim)}")
+print(f"pass natively={native['pass']} pass under the shim={shim['pass']} both={both} aborts under the shim={shim['abort']}")
+PY
