@@ -20,11 +20,12 @@ it has to adjust:
   snapshots are not kept (its backend has none); the entry points of `torch._C` that the memory
   API calls are replaced by ones served from the library: `_cuda_memoryStats` (every key of
   `memory_stats()`, from `cachealloc_device_stats_json`), `_cuda_resetAccumulatedMemoryStats`,
-  `_cuda_record_memory_history` and `_cuda_memorySnapshot` (segments, blocks, frames and
+  `_cuda_record_memory_history`, `_cuda_memorySnapshot` (segments, blocks, frames and
   `device_traces` read from the trace the recorder keeps anyway, by the `cachealloc snapshot`
-  command beside the library). So `memory_stats`, `memory_summary`, `_record_memory_history`,
-  `_snapshot`, `memory_snapshot` and `_dump_snapshot` work unchanged, and a snapshot has history
-  even when the program never asked for it.
+  command beside the library), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
+  `_accelerator_resetAccumulatedStats`. So `memory_stats`, `memory_summary`,
+  `_record_memory_history`, `_snapshot`, `memory_snapshot` and `_dump_snapshot` work unchanged,
+  and a snapshot has history even when the program never asked for it.
 * `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
   Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
   they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
@@ -291,6 +292,11 @@ def _memory(memory):
 
     native._cuda_memoryStats = memory_stats
     native._cuda_resetAccumulatedMemoryStats = reset_accumulated
+    # torch.accelerator's memory functions read the same statistics through these.
+    if hasattr(native, "_accelerator_getDeviceStats"):
+        native._accelerator_getDeviceStats = memory_stats
+    if hasattr(native, "_accelerator_resetAccumulatedStats"):
+        native._accelerator_resetAccumulatedStats = reset_accumulated
     native._cuda_record_memory_history = _record_history
     native._cuda_memorySnapshot = memory_snapshot
     _say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")
