@@ -255,12 +255,15 @@ pub unsafe extern "C" fn cudaStreamEndCapture(
 /// graph's capture pool too.
 ///
 /// # Safety
-/// `exec` must be valid for a write of a pointer.
+/// `exec` must be null or valid for a write of a pointer.
 unsafe fn instantiate(
     exec: *mut *mut c_void,
     graph: *mut c_void,
     instantiate: impl FnOnce() -> Result<usize, CudaError>,
 ) -> CudaError {
+    if exec.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
     let result = instantiate();
     if let Ok(made) = result {
         guarded(
@@ -269,7 +272,7 @@ unsafe fn instantiate(
             || (),
         );
     }
-    // SAFETY: valid for a write, per the caller's contract.
+    // SAFETY: non-null, and valid for a write per the caller's contract.
     unsafe { put_allocation(exec, result.map(|e| e as u64)) }
 }
 
@@ -283,11 +286,8 @@ pub unsafe extern "C" fn cudaGraphInstantiate(
     graph: *mut c_void,
     flags: u64,
 ) -> CudaError {
-    if exec.is_null() {
-        return cuda::ERROR_INVALID_VALUE;
-    }
     let real = || crate::real::runtime::graph_instantiate(graph as usize, flags, false);
-    // SAFETY: checked non-null; valid for a write per CUDA's contract.
+    // SAFETY: null or valid for a write, per CUDA's contract.
     unsafe { instantiate(exec, graph, real) }
 }
 
@@ -301,11 +301,8 @@ pub unsafe extern "C" fn cudaGraphInstantiateWithFlags(
     graph: *mut c_void,
     flags: u64,
 ) -> CudaError {
-    if exec.is_null() {
-        return cuda::ERROR_INVALID_VALUE;
-    }
     let real = || crate::real::runtime::graph_instantiate(graph as usize, flags, true);
-    // SAFETY: checked non-null; valid for a write per CUDA's contract.
+    // SAFETY: null or valid for a write, per CUDA's contract.
     unsafe { instantiate(exec, graph, real) }
 }
 
@@ -320,9 +317,6 @@ pub unsafe extern "C" fn cudaGraphInstantiateWithParams(
     graph: *mut c_void,
     params: *mut c_void,
 ) -> CudaError {
-    if exec.is_null() {
-        return cuda::ERROR_INVALID_VALUE;
-    }
     // SAFETY: the application's parameters, passed on.
     let real =
         || unsafe { crate::real::runtime::graph_instantiate_with_params(graph as usize, params) };

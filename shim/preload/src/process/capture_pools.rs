@@ -349,18 +349,8 @@ impl Shim {
     /// Add the capture pools of `device` to its stats (PyTorch counts private pools in a
     /// device's allocated and reserved memory): current values and, as an upper bound, peaks.
     pub(super) fn add_capture_pools(&self, device: i32, stats: &mut Stats) {
-        if !self.capture_pools.any.load(Ordering::Acquire) {
-            return;
-        }
-        for pool in self
-            .capture_pools
-            .pools
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|p| p.device == device)
-        {
-            let theirs = pool.alloc.stats();
+        self.for_each_capture_pool(device, |alloc| {
+            let theirs = alloc.stats();
             for (ours, theirs) in [
                 (&mut stats.allocated_bytes.all, &theirs.allocated_bytes.all),
                 (&mut stats.reserved_bytes.all, &theirs.reserved_bytes.all),
@@ -374,7 +364,7 @@ impl Shim {
                 ours.allocated += theirs.allocated;
                 ours.freed += theirs.freed;
             }
-        }
+        });
     }
 
     /// Run `f` on the allocator of each capture pool of `device`.
