@@ -23,9 +23,11 @@ it has to adjust:
   `_cuda_record_memory_history`, `_cuda_memorySnapshot` (segments, blocks, frames and
   `device_traces` read from the trace the recorder keeps anyway, by the `cachealloc snapshot`
   command beside the library), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
-  `_accelerator_resetAccumulatedStats`. So `memory_stats`, `memory_summary`,
-  `_record_memory_history`, `_snapshot`, `memory_snapshot` and `_dump_snapshot` work unchanged,
-  and a snapshot has history even when the program never asked for it.
+  `_accelerator_resetAccumulatedStats`; `_cuda_getMemoryFraction` answers 1.0, not the
+  backend's "unlimited" over the device's memory, while no fraction is set. So `memory_stats`,
+  `memory_summary`, `_record_memory_history`, `_snapshot`, `memory_snapshot` and
+  `_dump_snapshot` work unchanged, and a snapshot has history even when the program never asked
+  for it.
 * `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
   Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
   they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
@@ -292,6 +294,12 @@ def _memory(memory):
 
     native._cuda_memoryStats = memory_stats
     native._cuda_resetAccumulatedMemoryStats = reset_accumulated
+    # The backend answers the memory fraction as its limit over the device's memory, and its
+    # limit is "unlimited" (2**64 - 1) until one is set: a "fraction" of millions, which
+    # set_per_process_memory_fraction then refuses to take back. Unset is 1.0, as natively.
+    get_fraction = getattr(native, "_cuda_getMemoryFraction", None)
+    if get_fraction is not None:
+        native._cuda_getMemoryFraction = lambda device: min(get_fraction(device), 1.0)
     # torch.accelerator's memory functions read the same statistics through these.
     if hasattr(native, "_accelerator_getDeviceStats"):
         native._accelerator_getDeviceStats = memory_stats

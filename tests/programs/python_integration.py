@@ -36,6 +36,7 @@ with open(os.path.join(root, "torch", "_C.py"), "w") as f:
         "def _cuda_record_memory_history(*args):\n    raise RuntimeError('native')\n"
         "def _cuda_resetAccumulatedMemoryStats(device):\n    return 'native'\n"
         "def _accelerator_getDeviceStats(device):\n    return 'native'\n"
+        "def _cuda_getMemoryFraction(device):\n    return 216975863.59\n"
     )
 os.makedirs(os.path.join(root, "torch", "cuda"))
 open(os.path.join(root, "torch", "cuda", "__init__.py"), "w").close()
@@ -100,6 +101,8 @@ else:
         fail(f"memory_stats has {len(leaves)} keys: {leaves}")
     if stats["allocated_bytes"]["all"]["current"] < 3 << 20:
         fail(f"allocated_bytes.all.current is {stats['allocated_bytes']['all']['current']}")
+    if torch._C._cuda_getMemoryFraction(0) != 1.0:
+        fail(f"an unset memory fraction reads {torch._C._cuda_getMemoryFraction(0)}")
     if torch._C._accelerator_getDeviceStats(0) != stats:
         fail("torch.accelerator's statistics are not the library's")
     if stats["allocation"]["large_pool"]["current"] != 1 or "num_alloc_retries" not in stats:
