@@ -4,11 +4,12 @@
 #   scripts/gpu/pytorch_allocator_tests.sh TEST_CUDA_PY LIBDIR [JOBS]
 # TEST_CUDA_PY is PyTorch's test/test_cuda.py (at the machine's torch version where it can be
 # had); LIBDIR holds the release libcachealloc.so and the cachealloc binary. Selection: every
-# test of TestCudaMallocAsync, TestBlockStateAbsorption and TestMemPool, and TestCuda's tests
+# test of TestCudaMallocAsync, TestBlockStateAbsorption and TestMemPool, TestCudaOptims' graph
+# tests, and TestCuda's tests
 # whose names concern device memory (memory, oom, out_of_memory, fraction, record_stream, graph,
 # cublas_workspace, caching, allocator, empty_cache, snapshot, mem_get_info, expandable), not
-# host (pinned) memory. Writes $OUT/pytorch_tests.tsv (test, native, shim) and prints the table's
-# counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout.
+# host (pinned) memory (SELECT=EXPR replaces that pytest -k expression). Writes
+# $OUT/pytorch_tests.tsv (test, native, shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout.
 set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 [ -f "$LIB" ] || { echo "no $LIB"; exit 1; }
 cd "$(dirname "$TEST")" || exit 1
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
-EXPR='TestCudaMallocAsync or TestBlockStateAbsorption or TestMemPool or (TestCuda and (memory or oom or out_of_memory or fraction or record_stream or graph or cublas_workspace or caching or allocator or empty_cache or snapshot or mem_get_info or expandable) and not pinned and not host)'
+EXPR=${SELECT:-'TestCudaMallocAsync or TestBlockStateAbsorption or TestMemPool or (TestCudaOptims and graph) or (TestCuda and (memory or oom or out_of_memory or fraction or record_stream or graph or cublas_workspace or caching or allocator or empty_cache or snapshot or mem_get_info or expandable) and not pinned and not host)'}
 python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" 2>/dev/null \
     | grep '::' > "$OUT/selected.txt"
 echo "selected $(wc -l < "$OUT/selected.txt") tests"
