@@ -5,11 +5,11 @@
 # TEST_CUDA_PY is PyTorch's test/test_cuda.py (at the machine's torch version where it can be
 # had); LIBDIR holds the release libcachealloc.so and the cachealloc binary. Selection: every
 # test of TestCudaMallocAsync, TestBlockStateAbsorption and TestMemPool, TestCudaOptims' graph
-# tests, and TestCuda's tests
-# whose names concern device memory (memory, oom, out_of_memory, fraction, record_stream, graph,
-# cublas_workspace, caching, allocator, empty_cache, snapshot, mem_get_info, expandable), not
-# host (pinned) memory (SELECT=EXPR replaces that pytest -k expression). Writes
-# $OUT/pytorch_tests.tsv (test, native, shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout.
+# tests, and TestCuda's tests whose names concern device memory (memory, oom, out_of_memory,
+# fraction, record_stream, graph, cublas_workspace, caching, allocator, empty_cache, snapshot,
+# mem_get_info, expandable), not host (pinned) memory; SELECT=EXPR replaces that pytest -k
+# expression. Writes $OUT/pytorch_tests.tsv (test, native, shim) and prints the table's counts
+# last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout.
 set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
