@@ -53,6 +53,9 @@ use crate::stats::Stats;
 
 mod expandable;
 mod maintenance;
+mod request;
+
+use request::Request;
 
 /// Why `malloc` failed.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -84,34 +87,6 @@ pub struct SegmentChanges {
     pub unmapped: Vec<(u64, u64)>,
     /// Unmaps the device refused (the memory stays in the pools): (address, size), error.
     pub unmap_errors: Vec<((u64, u64), DeviceError)>,
-}
-
-/// A request on its way down the ladder.
-#[derive(Clone, Copy, Debug)]
-struct Request {
-    /// The application's size.
-    size: u64,
-    /// Its rounded size.
-    rounded: u64,
-    /// The size of a new segment for it.
-    segment_size: u64,
-    /// The caller's tag.
-    tag: u64,
-    /// The stream it is for, or [`NO_STREAM`].
-    stream: u64,
-}
-
-impl Request {
-    fn new(size: u64, stream: u64, tag: u64, config: &AllocatorConfig) -> Self {
-        let rounded = sizes::round_size(size, &config.roundup);
-        Request {
-            size,
-            rounded,
-            segment_size: sizes::segment_size(rounded),
-            tag,
-            stream,
-        }
-    }
 }
 
 /// The allocator's lock: a spin lock whose waiters yield the CPU. It is held only for
