@@ -9,7 +9,9 @@
 # fraction, record_stream, graph, cublas_workspace, caching, allocator, empty_cache, snapshot,
 # mem_get_info, expandable), not host (pinned) memory; SELECT=EXPR replaces that pytest -k
 # expression. Writes $OUT/pytorch_tests.tsv (test, native, shim) and prints the table's counts
-# last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout.
+# last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (150 s). The whole run
+# stops after DEADLINE seconds (520), so that it fits one device command; the table then has
+# what finished.
 set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
@@ -29,9 +31,9 @@ one() {
     local id=$1 label=$2 log rc outcome
     log=$(mktemp)
     if [ "$label" = shim ]; then
-        CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 180 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
+        CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
     else
-        timeout 180 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
+        timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
     fi
     rc=$?
     if [ $rc -eq 124 ]; then outcome=timeout
@@ -49,7 +51,7 @@ one() {
 export -f one
 export LIB OUT
 while read -r id; do printf '%s native\n%s shim\n' "$id" "$id"; done < "$OUT/selected.txt" \
-    | xargs -P "$JOBS" -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
+    | timeout "${DEADLINE:-520}" xargs -P "$JOBS" -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
 python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" <<'PY'
 import collections, sys
 rows = collections.defaultdict(dict)
@@ -66,7 +68,7 @@ both = sum(1 for r in rows.values() if r.get("native") == "pass" and r.get("shim
 lost = sorted(t for t, r in rows.items() if r.get("native") == "pass" and r.get("shim") != "pass")
 print("lost (native pass, shim not):")
 for t in lost:
-    print(f"  {t.split('::', 1)[1]}: {rows[t]['shim']}")
+    print(f"  {t.split('::', 1)[1]}: {rows[t].get('shim', 'not run')}")
 print(f"tests={len(rows)} native={dict(native)} shim={dict(shim)}")
 print(f"pass natively={native['pass']} pass under the shim={shim['pass']} both={both} aborts under the shim={shim['abort']}")
 PY
