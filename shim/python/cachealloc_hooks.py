@@ -28,6 +28,15 @@ it has to adjust:
   `memory_summary`, `_record_memory_history`, `_snapshot`, `memory_snapshot` and
   `_dump_snapshot` work unchanged, and a snapshot has history even when the program never asked
   for it.
+* `torch.cuda.memory`, again — `torch.cuda.MemPool` and `use_mem_pool` need PyTorch's native
+  allocator (its `_MemPool` refuses the `cudaMallocAsync` backend). `MemPool` is replaced by a
+  class of the same interface whose pool is one of the library's private pools
+  (`cachealloc_mem_pool_retain`/`_release`/`_use_count`/`_snapshot_json`; a
+  `CUDAPluggableAllocator` given to it provides the pool's segments), and `use_mem_pool`'s
+  entry points `_cuda_beginAllocateCurrentThreadToPool`, `_cuda_endAllocateToPool` and
+  `_cuda_releasePool` route the calling thread's allocations to it
+  (`cachealloc_mem_pool_begin_thread`/`_end_thread`). `memory_snapshot(pool.id)` and
+  `pool.snapshot()` read the pool's segments from the library.
 * `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
   Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
   they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
@@ -272,6 +281,144 @@ def _snapshot_from_trace(flush):
     return snapshot
 
 
+def _mem_pool_api():
+    """The library's C API for MemPools, as a namespace of ctypes functions, or None."""
+    import ctypes
+    import types
+
+    try:
+        lib = ctypes.CDLL(None)
+        api = types.SimpleNamespace(
+            retain=lib.cachealloc_mem_pool_retain,
+            release=lib.cachealloc_mem_pool_release,
+            use_count=lib.cachealloc_mem_pool_use_count,
+            begin=lib.cachealloc_mem_pool_begin_thread,
+            end=lib.cachealloc_mem_pool_end_thread,
+            snapshot=lib.cachealloc_mem_pool_snapshot_json,
+        )
+    except (OSError, AttributeError):
+        return None
+    api.retain.restype = ctypes.c_int
+    api.retain.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+    for fn in (api.release, api.use_count, api.begin):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    api.end.restype = None
+    api.end.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    api.snapshot.restype = ctypes.c_size_t
+    api.snapshot.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
+    return api
+
+
+#: PyTorch's pool id -> the device of a MemPool made under the library (for snapshots).
+_POOL_DEVICES = {}
+#: id() of each `_cuda_CUDAAllocator` made by `CUDAPluggableAllocator` -> (allocator, its
+#: alloc and free function addresses): what a `MemPool(allocator)` takes its segments from.
+_FOREIGN_ALLOCATORS = {}
+
+
+def _mem_pool_class(api, torch_c, original):
+    """`torch.cuda.MemPool` served by the library's private pools (Note [MemPools])."""
+
+    class MemPool:
+        def __init__(self, allocator=None, use_on_oom=False, no_split=False):
+            import torch
+
+            self._allocator = allocator
+            # PyTorch's own counter, shared with graph_pool_handle(): ids never collide.
+            self._id = tuple(torch_c._graph_pool_handle())
+            self._device = torch.cuda.current_device()
+            alloc_fn = free_fn = None
+            if allocator is not None:
+                known = _FOREIGN_ALLOCATORS.get(id(allocator))
+                if known is None or known[0] is not allocator:
+                    raise RuntimeError(
+                        "cachealloc: MemPool(allocator) takes the allocator() of a "
+                        "torch.cuda.memory.CUDAPluggableAllocator"
+                    )
+                alloc_fn, free_fn = known[1], known[2]
+            flags = (1 if use_on_oom else 0) | (2 if no_split else 0)
+            if api.retain(self._device, pool_key(self._id), flags, alloc_fn, free_fn) < 0:
+                raise RuntimeError("cachealloc: MemPool needs the library's pools (pool:on)")
+            _POOL_DEVICES[self._id] = self._device
+
+        @property
+        def id(self):
+            return self._id
+
+        @property
+        def allocator(self):
+            return self._allocator
+
+        def use_count(self):
+            return api.use_count(self._device, pool_key(self._id))
+
+        def snapshot(self, include_traces=True):
+            import torch
+
+            return torch.cuda.memory_snapshot(self._id, include_traces=include_traces)
+
+        def __del__(self):
+            try:
+                api.release(self._device, pool_key(self._id))
+            except Exception:  # interpreter shutdown: the library frees at exit anyway
+                pass
+
+    MemPool.__doc__ = getattr(original, "__doc__", None)
+    MemPool.__module__ = getattr(original, "__module__", "torch.cuda.memory")
+    return MemPool
+
+
+def _pool_snapshot(api, pool_id):
+    """PyTorch's snapshot of one pool: its segments now, read from the library."""
+    import json
+
+    device = _POOL_DEVICES.get(tuple(pool_id), 0)
+    segments = json.loads(_text(api.snapshot, device, pool_key(pool_id)))
+    for segment in segments:
+        segment["segment_pool_id"] = tuple(segment["segment_pool_id"])
+    return {"segments": segments, "device_traces": []}
+
+
+def _mem_pools(memory, native):
+    """Replace MemPool and use_mem_pool's entry points (see the module's docs)."""
+    api = _mem_pool_api()
+    if api is None:
+        return None
+    native_custom = getattr(native, "_cuda_customAllocator", None)
+    if native_custom is not None and not getattr(native_custom, "_cachealloc_wrapped", False):
+
+        def custom_allocator(alloc_fn, free_fn):
+            allocator = native_custom(alloc_fn, free_fn)
+            _FOREIGN_ALLOCATORS[id(allocator)] = (allocator, alloc_fn, free_fn)
+            return allocator
+
+        custom_allocator._cachealloc_wrapped = True
+        native._cuda_customAllocator = custom_allocator
+
+    def begin_allocate_to_pool(device, pool_id):
+        code = api.begin(int(device), pool_key(pool_id))
+        if code != 0:
+            raise RuntimeError(f"cachealloc: cannot allocate to MemPool {tuple(pool_id)} (error {code})")
+
+    def end_allocate_to_pool(device, pool_id):
+        api.end(int(device), pool_key(pool_id))
+
+    def release_pool(device, pool_id):
+        api.release(int(device), pool_key(pool_id))
+
+    for module in (native, memory):
+        module._cuda_beginAllocateCurrentThreadToPool = begin_allocate_to_pool
+        module._cuda_endAllocateToPool = end_allocate_to_pool
+        module._cuda_releasePool = release_pool
+    pool_class = _mem_pool_class(api, native, getattr(memory, "MemPool", None))
+    memory.MemPool = pool_class
+    native._MemPool = pool_class
+    if "torch.cuda" in sys.modules and hasattr(sys.modules["torch.cuda"], "MemPool"):
+        sys.modules["torch.cuda"].MemPool = pool_class
+    return api
+
+
 @_adjusts("torch.cuda.memory")
 def _memory(memory):
     if _torch_backend() != "cudaMallocAsync":
@@ -281,6 +428,7 @@ def _memory(memory):
     if api is None or native is None:
         return
     stats, flush, reset = api
+    pools = _mem_pools(memory, native)
     import json
 
     def memory_stats(device):
@@ -289,7 +437,11 @@ def _memory(memory):
     def reset_accumulated(device):
         reset(int(device))
 
-    def memory_snapshot(*args, **kwargs):
+    def memory_snapshot(which=None, *args, **kwargs):
+        # memory_snapshot(mempool_id) passes (first, second, include_traces); (0, 0) is the
+        # whole allocator.
+        if pools is not None and isinstance(which, tuple) and len(which) >= 2 and tuple(which[:2]) != (0, 0):
+            return _pool_snapshot(pools, which[:2])
         return _snapshot_from_trace(flush)
 
     native._cuda_memoryStats = memory_stats

@@ -2,7 +2,9 @@
 sitecustomize the integration shadows still runs; importing torch._inductor.config (a stand-in
 package made here) turns CUDA graph trees off on the cudaMallocAsync route; and importing
 torch.cuda.memory replaces torch._C's memory statistics, history and snapshot entry points on
-that route (checked against an allocation made through the runtime, with fakecuda).
+that route (checked against an allocation made through the runtime, with fakecuda), and
+torch.cuda.MemPool and use_mem_pool with the library's private pools (a pool of the program's
+own allocator among them).
 Usage: python_integration.py EXPECTED_TREES   (True or False: False means the integration acts).
 Prints "OK python_integration"."""
 import os
@@ -37,11 +39,43 @@ with open(os.path.join(root, "torch", "_C.py"), "w") as f:
         "def _cuda_resetAccumulatedMemoryStats(device):\n    return 'native'\n"
         "def _accelerator_getDeviceStats(device):\n    return 'native'\n"
         "def _cuda_getMemoryFraction(device):\n    return 216975863.59\n"
+        "_handles = [0]\n"
+        "def _graph_pool_handle():\n    _handles[0] += 1\n    return (0, _handles[0])\n"
+        "class _cuda_CUDAAllocator:\n    pass\n"
+        "def _cuda_customAllocator(alloc, free):\n    return _cuda_CUDAAllocator()\n"
+        "class _MemPool:\n    def __init__(self, *args):\n        raise RuntimeError('native')\n"
+        "def _cuda_beginAllocateCurrentThreadToPool(device, pool):\n    raise RuntimeError('native')\n"
+        "def _cuda_endAllocateToPool(device, pool):\n    raise RuntimeError('native')\n"
+        "def _cuda_releasePool(device, pool):\n    raise RuntimeError('native')\n"
     )
 os.makedirs(os.path.join(root, "torch", "cuda"))
-open(os.path.join(root, "torch", "cuda", "__init__.py"), "w").close()
+with open(os.path.join(root, "torch", "cuda", "__init__.py"), "w") as f:
+    f.write(
+        "def current_device():\n    return 0\n"
+        "def memory_snapshot(*args, **kwargs):\n"
+        "    from torch.cuda.memory import memory_snapshot\n"
+        "    return memory_snapshot(*args, **kwargs)\n"
+    )
+# What torch/cuda/memory.py does with those entry points (PyTorch 2.11's MemPool, use_mem_pool
+# and memory_snapshot, in short).
 with open(os.path.join(root, "torch", "cuda", "memory.py"), "w") as f:
-    f.write("import torch._C\n")
+    f.write(
+        "import contextlib\nimport torch._C\n"
+        "from torch._C import _MemPool, _cuda_beginAllocateCurrentThreadToPool, "
+        "_cuda_endAllocateToPool, _cuda_releasePool\n"
+        "class MemPool(_MemPool):\n"
+        "    def __init__(self, allocator=None, use_on_oom=False, no_split=False):\n"
+        "        super().__init__(allocator, True, use_on_oom, no_split)\n"
+        "@contextlib.contextmanager\n"
+        "def use_mem_pool(pool, device=None):\n"
+        "    _cuda_beginAllocateCurrentThreadToPool(0, pool.id)\n"
+        "    try:\n        yield\n"
+        "    finally:\n"
+        "        _cuda_endAllocateToPool(0, pool.id)\n        _cuda_releasePool(0, pool.id)\n"
+        "def memory_snapshot(mempool_id=None, include_traces=True):\n"
+        "    which = (0, 0) if mempool_id is None else mempool_id\n"
+        "    return torch._C._cuda_memorySnapshot((which[0], which[1], include_traces))['segments']\n"
+    )
 with open(os.path.join(root, "torch", "cuda", "graphs.py"), "w") as f:
     f.write(
         "handles = []\n"
@@ -123,4 +157,65 @@ else:
     torch._C._cuda_record_memory_history(None, None, "all", 1000)
     if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
         fail("history was shown after _record_memory_history(None)")
+
+    # MemPool and use_mem_pool.
+    memory = torch.cuda.memory
+
+    def blocks_of(segments):
+        return {b["address"] for seg in segments for b in seg["blocks"] if b["state"] != "inactive"}
+
+    pool = memory.MemPool()
+    if pool.use_count() != 1 or pool.allocator is not None or pool.id[0] != 0:
+        fail(f"a new MemPool: use count {pool.use_count()}, id {pool.id}")
+    inside = ctypes.c_void_p()
+    with memory.use_mem_pool(pool):
+        if pool.use_count() != 2:
+            fail(f"use_mem_pool's use count is {pool.use_count()}")
+        if glob.cudaMalloc(ctypes.byref(inside), 1 << 20) != 0:
+            fail("cudaMalloc in a MemPool failed")
+    if pool.use_count() != 1:
+        fail(f"after use_mem_pool the use count is {pool.use_count()}")
+    in_pool = blocks_of(pool.snapshot())
+    if in_pool != {inside.value}:
+        fail(f"the pool's blocks are {in_pool}, expected {{{inside.value}}}")
+    if any(seg["segment_pool_id"] != pool.id for seg in memory.memory_snapshot(pool.id)):
+        fail("memory_snapshot(pool.id) shows segments of another pool")
+    if memory.MemPool().id[1] <= pool.id[1]:
+        fail("MemPool ids do not follow graph_pool_handle's counter")
+
+    # A pool of the program's own allocator: segments from its functions, whose own
+    # cudaMalloc/cudaFree reach CUDA.
+    calls = []
+    ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+    FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+    @ALLOC
+    def own_alloc(size, device, stream):
+        p = ctypes.c_void_p()
+        calls.append(("alloc", size))
+        return p.value if glob.cudaMalloc(ctypes.byref(p), size) == 0 else None
+
+    @FREE
+    def own_free(ptr, size, device, stream):
+        calls.append(("free", size))
+        glob.cudaFree.argtypes = [ctypes.c_void_p]
+        glob.cudaFree(ptr)
+
+    addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    allocator = torch._C._cuda_customAllocator(addr(own_alloc), addr(own_free))
+    own = memory.MemPool(allocator)
+    if own.allocator is not allocator:
+        fail("MemPool.allocator is not the allocator it was given")
+    mine = ctypes.c_void_p()
+    with memory.use_mem_pool(own):
+        glob.cudaMalloc(ctypes.byref(mine), 4096)
+    if [c[0] for c in calls] != ["alloc"] or blocks_of(own.snapshot()) != {mine.value}:
+        fail(f"the pool's segment did not come from its allocator: {calls}, {own.snapshot()}")
+    del own
+    if len(calls) != 1:
+        fail("a MemPool's segment with a live block was freed when the pool was deleted")
+    glob.cudaFree.argtypes = [ctypes.c_void_p]
+    glob.cudaFree(mine)
+    if [c[0] for c in calls] != ["alloc", "free"]:
+        fail(f"the last block's segment did not go back through the allocator: {calls}")
 print("OK python_integration")

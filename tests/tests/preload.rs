@@ -335,6 +335,15 @@ fn a_graphs_memory_comes_from_a_private_pool_it_keeps_until_the_graph_goes() {
 }
 
 #[test]
+fn mem_pools_route_their_threads_allocations_keep_their_memory_and_lend_it_on_oom() {
+    let out = Run::c("mem_pools", &[])
+        .env("FAKECUDA_CAPACITY_MB", "100")
+        .output();
+    out.assert_pooled("mem_pools");
+    assert_no_shim_failure(&out.stderr);
+}
+
+#[test]
 fn graph_and_stream_programs_pass_without_the_shim() {
     for name in ["stream_ordered", "graph_capture", "capture_pools"] {
         Run::c(name, &[]).without_shim().output().assert_ok(name);

@@ -300,6 +300,19 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         )
     }
 
+    /// Serve `size` bytes for `stream` from cached blocks alone (those whose fences completed):
+    /// no wait, no new segment, `None` when none fits. A pool lends its free memory so when
+    /// another pool of the device is out of memory (PyTorch's `MemPool(use_on_oom=True)`).
+    pub fn malloc_from_cache(&self, size: u64, stream: u64, tag: u64) -> Option<Allocation> {
+        let rounded = sizes::round_size(size, &self.config.roundup);
+        let mut pools = self.pools.lock();
+        if pools.has_pending() {
+            self.collect_completed(&mut pools, &mut SegmentChanges::default());
+        }
+        let served = pools.alloc_cached(rounded, size, tag, stream);
+        served.map(|a| self.served(a))
+    }
+
     /// Allocate `size` bytes from a new segment without looking in the cache first (falling
     /// back to the whole ladder if the device refuses).
     ///

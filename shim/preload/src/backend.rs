@@ -17,8 +17,10 @@
 //! unmap synchronizes the context first, like a release, and is refused while a capture is
 //! under way (the memory then stays cached and mapped; the allocator takes it back).
 
+use std::cell::Cell;
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM};
 
@@ -35,6 +37,42 @@ mod vmm;
 
 pub use vmm::note_peer_access;
 
+/// A program's own allocator for a private pool's segments: PyTorch's `CUDAPluggableAllocator`
+/// pair given to `MemPool(allocator)` (say, `ncclMemAlloc` for NCCL's registered buffers). Its
+/// functions are called for whole segments; the pool splits and caches them as any other.
+#[derive(Clone, Copy, Debug)]
+pub struct ForeignAllocator {
+    /// `void* alloc(ssize_t size, int device, cudaStream_t stream)`: null when it cannot.
+    pub alloc: unsafe extern "C" fn(isize, c_int, *mut c_void) -> *mut c_void,
+    /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`.
+    pub free: unsafe extern "C" fn(*mut c_void, isize, c_int, *mut c_void),
+}
+
+thread_local! {
+    /// Whether the calling thread is inside a [`ForeignAllocator`]'s function.
+    static IN_FOREIGN_ALLOCATOR: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether any private pool has a [`ForeignAllocator`] (the hooks skip the thread-local
+/// otherwise).
+static ANY_FOREIGN: AtomicBool = AtomicBool::new(false);
+
+/// Whether the calling thread runs a program's own allocator for one of our pools: its CUDA
+/// calls (a `cudaMalloc` or `cudaFree` of the segment itself) go to CUDA, never to our pools.
+pub fn in_foreign_allocator() -> bool {
+    ANY_FOREIGN.load(Ordering::Relaxed) && IN_FOREIGN_ALLOCATOR.try_with(Cell::get).unwrap_or(false)
+}
+
+/// Run `f` marked as inside a foreign allocator (see [`in_foreign_allocator`]).
+fn as_foreign<T>(f: impl FnOnce() -> T) -> T {
+    let outer = IN_FOREIGN_ALLOCATOR
+        .try_with(|c| c.replace(true))
+        .unwrap_or(false);
+    let result = f();
+    let _ = IN_FOREIGN_ALLOCATOR.try_with(|c| c.set(outer));
+    result
+}
+
 /// One GPU as the allocator core sees it.
 #[derive(Debug)]
 pub struct CudaDevice {
@@ -43,11 +81,14 @@ pub struct CudaDevice {
     streams: Arc<StreamRegistry>,
     /// Virtual memory, when expandable segments were asked for and the device has it.
     vmm: Option<vmm::Vmm>,
-    /// Segments released while a capture was under way, to free when it ends; and every
-    /// segment released by a capture pool's allocator, to free when the pool is no longer used.
-    deferred_releases: std::sync::Mutex<Vec<u64>>,
-    /// A capture pool's device: holds every release until [`CudaDevice::release_deferred`].
+    /// Segments (address, size) released while a capture was under way, to free when it ends;
+    /// and every segment released by a private pool's allocator, to free when the pool is no
+    /// longer used.
+    deferred_releases: std::sync::Mutex<Vec<(u64, u64)>>,
+    /// A private pool's device: holds every release until [`CudaDevice::release_deferred`].
     holds_releases: bool,
+    /// Where segments come from when not from the driver (a private pool's own allocator).
+    foreign: Option<ForeignAllocator>,
     /// The addresses this device's memory has spanned: see [`CudaDevice::may_contain`].
     lowest: AtomicU64,
     highest: AtomicU64,
@@ -81,21 +122,27 @@ impl CudaDevice {
             vmm,
             deferred_releases: std::sync::Mutex::new(Vec::new()),
             holds_releases: false,
+            foreign: None,
             lowest: AtomicU64::new(u64::MAX),
             highest: AtomicU64::new(0),
         }
     }
 
-    /// The device of a capture pool (see Note [Capture pools] in the shim's `process`): fixed
-    /// segments, and a release is held until the pool is no longer used
-    /// ([`CudaDevice::release_deferred`]), since a graph may still write the memory.
-    pub fn for_capture_pool(
+    /// The device of a private pool (see Note [Private pools] in the shim's `process`): fixed
+    /// segments, from `foreign` when given, and a release is held until the pool is no longer
+    /// used ([`CudaDevice::release_deferred`]), since a graph may still write the memory.
+    pub fn for_private_pool(
         driver: LoadedDriver,
         ordinal: i32,
         streams: Arc<StreamRegistry>,
+        foreign: Option<ForeignAllocator>,
     ) -> Self {
+        if foreign.is_some() {
+            ANY_FOREIGN.store(true, Ordering::Relaxed);
+        }
         CudaDevice {
             holds_releases: true,
+            foreign,
             ..CudaDevice::new(driver, ordinal, streams, false)
         }
     }
@@ -136,13 +183,33 @@ impl CudaDevice {
         );
         segments
             .into_iter()
-            .filter(|&address| self.free_now(address).is_err())
+            .filter(|&(address, size)| self.free_now(address, size).is_err())
             .count()
     }
 
-    fn free_now(&self, address: u64) -> Result<(), DeviceError> {
-        let free = real_driver::cuMemFree_v2().ok_or_else(|| missing("cuMemFree_v2"))?;
+    fn free_now(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let sync = real_driver::cuCtxSynchronize().ok_or_else(|| missing("cuCtxSynchronize"))?;
+        if let Some(foreign) = self.foreign {
+            self.fences.on_own_context(|| {
+                // SAFETY: no arguments; this device's context is current.
+                unsafe { sync() };
+            })?;
+            as_foreign(|| {
+                // SAFETY: the program's free function, given a segment its alloc function
+                // returned with this size and device, as PyTorch's pluggable allocator does
+                // (null stream: the segment is idle after the synchronization).
+                unsafe {
+                    (foreign.free)(
+                        address as *mut c_void,
+                        size as isize,
+                        self.ordinal,
+                        std::ptr::null_mut(),
+                    )
+                }
+            });
+            return Ok(());
+        }
+        let free = real_driver::cuMemFree_v2().ok_or_else(|| missing("cuMemFree_v2"))?;
         let code = self.fences.on_own_context(|| {
             // SAFETY: no arguments; this device's context is current. An error here is a
             // broken context, which cuMemFree below reports again.
@@ -194,6 +261,18 @@ impl Device for CudaDevice {
     }
 
     fn allocate_segment(&self, size: u64) -> Result<u64, DeviceError> {
+        if let Some(foreign) = self.foreign {
+            let ptr = as_foreign(|| {
+                // SAFETY: the program's alloc function with PyTorch's pluggable signature
+                // (size, device, stream); it returns memory it owns until its free function.
+                unsafe { (foreign.alloc)(size as isize, self.ordinal, std::ptr::null_mut()) }
+            }) as u64;
+            if ptr == 0 {
+                return Err(DeviceError::OutOfMemory);
+            }
+            self.cover(ptr, size);
+            return Ok(ptr);
+        }
         let malloc = real_driver::cuMemAlloc_v2().ok_or_else(|| missing("cuMemAlloc_v2"))?;
         let mut ptr: u64 = 0;
         let code = self.capture_safe(|| {
@@ -214,15 +293,15 @@ impl Device for CudaDevice {
         }
     }
 
-    fn free_segment(&self, address: u64, _size: u64) -> Result<(), DeviceError> {
+    fn free_segment(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         if self.holds_releases || self.streams.captures_active() {
             self.deferred_releases
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push(address);
+                .push((address, size));
             return Ok(());
         }
-        self.free_now(address)
+        self.free_now(address, size)
     }
 
     fn record_fence(&self) -> Result<Fence, DeviceError> {

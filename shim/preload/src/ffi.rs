@@ -64,6 +64,12 @@ impl OnPanic for () {
     fn on_panic() -> Self {}
 }
 
+impl OnPanic for std::ffi::c_int {
+    fn on_panic() -> Self {
+        -1
+    }
+}
+
 impl OnPanic for String {
     fn on_panic() -> Self {
         String::new()

@@ -23,7 +23,7 @@
 //! | `allocations` | serves allocations and frees (pooled or passed through and traced), cached free bytes, empty cache, stats |
 //! | `stream_lifecycle` | a stream's pool key, whether it captures, its creation and destruction |
 //! | `graph_capture` | the barrier fence and the private pool at a capture's start, deferred releases at the last one's end |
-//! | `capture_pools` | the private pools allocations on capturing streams come from (Note [Capture pools]) |
+//! | `private_pools` | private pools (Note [Private pools]): those of graph captures (Note [Capture pools]) and PyTorch's `MemPool`s (Note [MemPools]) |
 //! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
 //! | `backward` | the stack of the Python thread in `backward()` for the autograd engine's threads |
 //! | `peer_access` | peer access to pooled memory |
@@ -49,17 +49,18 @@ use crate::trace::{DeviceObserver, Trace};
 
 mod allocations;
 mod backward;
-mod capture_pools;
 mod default_pool;
 mod exit;
 mod graph_capture;
 mod peer_access;
 mod pointers;
+mod private_pools;
 mod stream_lifecycle;
 
 pub use exit::ExitFacts;
 
 pub use pointers::PooledBlock;
+pub use private_pools::{PoolKey, PoolSettings};
 
 /// Most devices a process can have (CUDA's own limit is lower in practice).
 const MAX_DEVICES: usize = 64;
@@ -118,8 +119,8 @@ pub struct Shim {
     stacks: Option<Stacks>,
     /// Default memory pools seen (`cudaDeviceGetDefaultMemPool`): `(pool, device)`.
     default_pools: std::sync::Mutex<Vec<(usize, i32)>>,
-    /// The private pools of graph captures.
-    capture_pools: capture_pools::CapturePools,
+    /// The private pools of graph captures and `MemPool`s.
+    private_pools: private_pools::PrivatePools,
 }
 
 /// What runs at the shim's first CUDA use, set by the constructor ([`at_start`]).
@@ -138,7 +139,8 @@ pub fn after_fork_in_child() {
 
 /// The shim, built at first use; `None` in passthrough and in a forked child.
 pub fn shim() -> Option<&'static Shim> {
-    if FORKED_CHILD.load(Ordering::Acquire) {
+    // A pool's own allocator (MemPool(allocator)) reaches CUDA, not our pools.
+    if FORKED_CHILD.load(Ordering::Acquire) || crate::backend::in_foreign_allocator() {
         return None;
     }
     SHIM.get_or_init(start).as_ref()
@@ -230,7 +232,7 @@ fn start() -> Option<Shim> {
         passthrough: std::sync::Mutex::new(std::collections::HashMap::new()),
         started: std::time::Instant::now(),
         default_pools: std::sync::Mutex::new(Vec::new()),
-        capture_pools: capture_pools::CapturePools::default(),
+        private_pools: private_pools::PrivatePools::default(),
     })
 }
 

@@ -1,6 +1,7 @@
 //! The C API: `cachealloc_*` functions for ctypes and applications (the library must be
 //! preloaded; `dlsym` them): version, stats as JSON, empty the cache, annotations, the Python
-//! integration's backward-pass markers, and PyTorch's `CUDAPluggableAllocator` pair.
+//! integration's backward-pass markers and private pools (graph captures, `MemPool`s), and
+//! PyTorch's `CUDAPluggableAllocator` pair.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
@@ -171,6 +172,144 @@ pub extern "C" fn cachealloc_use_capture_pool(id: u64) {
         },
         || (),
     );
+}
+
+/// `MemPool(use_on_oom=True)`: see [`cachealloc_mem_pool_retain`].
+pub const MEM_POOL_USE_ON_OOM: c_uint = 1;
+/// `MemPool(no_split=True)`: see [`cachealloc_mem_pool_retain`].
+pub const MEM_POOL_NO_SPLIT: c_uint = 2;
+
+/// Make the private pool `id` of `device` if it does not exist — with `flags`
+/// ([`MEM_POOL_USE_ON_OOM`], [`MEM_POOL_NO_SPLIT`]) and, when both are non-null, segments from
+/// `alloc` and `free` (a `CUDAPluggableAllocator`'s functions) — and add a reference to it
+/// (PyTorch's `createOrIncrefPool`; see Note [MemPools] in the shim's `process`). Returns the
+/// pool's use count, or -1 when the library does not pool. Called by the Python integration's
+/// `MemPool`.
+///
+/// # Safety
+/// `alloc` and `free` are null, or functions with the signatures of PyTorch's pluggable
+/// allocator (`void* alloc(ssize_t, int, cudaStream_t)`, `void free(void*, ssize_t, int,
+/// cudaStream_t)`) that stay loaded while the pool has memory.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_mem_pool_retain(
+    device: c_int,
+    id: u64,
+    flags: c_uint,
+    alloc: *const c_void,
+    free: *const c_void,
+) -> c_int {
+    let foreign = (!alloc.is_null() && !free.is_null()).then(|| {
+        // SAFETY: non-null, and the caller's contract gives them these signatures.
+        unsafe {
+            crate::backend::ForeignAllocator {
+                alloc: std::mem::transmute::<
+                    *const c_void,
+                    unsafe extern "C" fn(isize, c_int, *mut c_void) -> *mut c_void,
+                >(alloc),
+                free: std::mem::transmute::<
+                    *const c_void,
+                    unsafe extern "C" fn(*mut c_void, isize, c_int, *mut c_void),
+                >(free),
+            }
+        }
+    });
+    let settings = process::PoolSettings {
+        use_on_oom: flags & MEM_POOL_USE_ON_OOM != 0,
+        no_split: flags & MEM_POOL_NO_SPLIT != 0,
+        foreign,
+    };
+    guarded(
+        "cachealloc_mem_pool_retain",
+        || match process::shim().filter(|s| s.pooling()) {
+            Some(shim) => shim
+                .mem_pool_retain((id, device), settings)
+                .map_or(-1, |n| n as c_int),
+            None => -1,
+        },
+        || -1,
+    )
+}
+
+/// Take back a reference to the private pool `id` of `device` (PyTorch's `releasePool`).
+/// Returns the use count left; at zero, with no graph using it, the pool's memory goes.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_mem_pool_release(device: c_int, id: u64) -> c_int {
+    guarded(
+        "cachealloc_mem_pool_release",
+        || process::shim().map_or(0, |s| s.mem_pool_release((id, device)) as c_int),
+        || 0,
+    )
+}
+
+/// The use count (references) of the private pool `id` of `device`.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_mem_pool_use_count(device: c_int, id: u64) -> c_int {
+    guarded(
+        "cachealloc_mem_pool_use_count",
+        || process::shim().map_or(0, |s| s.mem_pool_use_count((id, device)) as c_int),
+        || 0,
+    )
+}
+
+/// The calling thread's allocations on `device` go to the private pool `id` until
+/// [`cachealloc_mem_pool_end_thread`] (PyTorch's `beginAllocateCurrentThreadToPool`; adds a
+/// reference, which [`cachealloc_mem_pool_release`] takes back). Returns 0, or
+/// `cudaErrorInitializationError` when the library does not pool.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_mem_pool_begin_thread(device: c_int, id: u64) -> CudaError {
+    guarded(
+        "cachealloc_mem_pool_begin_thread",
+        || match process::shim().filter(|s| s.pooling()) {
+            Some(shim) => match shim.mem_pool_begin_thread((id, device)) {
+                Ok(()) => cuda::SUCCESS,
+                Err(code) => code,
+            },
+            None => cuda::ERROR_INITIALIZATION,
+        },
+        || cuda::ERROR_INITIALIZATION,
+    )
+}
+
+/// The calling thread stops allocating to the private pool `id` of `device` (PyTorch's
+/// `endAllocateToPool`).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_mem_pool_end_thread(device: c_int, id: u64) {
+    guarded(
+        "cachealloc_mem_pool_end_thread",
+        || {
+            if let Some(shim) = process::shim() {
+                shim.mem_pool_end_thread((id, device));
+            }
+        },
+        || (),
+    );
+}
+
+/// Write the segments of the private pool `id` of `device` now — a JSON list of PyTorch's
+/// snapshot `segments`, each with its blocks — into `buf`, as [`cachealloc_stats_json`]
+/// writes its text. What `MemPool.snapshot()` returns under the shim.
+///
+/// # Safety
+/// `buf` must be null or valid for `len` bytes of writes.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_mem_pool_snapshot_json(
+    device: c_int,
+    id: u64,
+    buf: *mut c_char,
+    len: usize,
+) -> usize {
+    let text = guarded(
+        "cachealloc_mem_pool_snapshot_json",
+        || {
+            process::shim().map_or_else(
+                || "[]".to_string(),
+                |s| s.mem_pool_snapshot_json((id, device)),
+            )
+        },
+        || "[]".to_string(),
+    );
+    // SAFETY: the caller's contract.
+    unsafe { write_text(&text, buf, len) }
 }
 
 /// The `backward()` announced by [`cachealloc_backward_begin`] returned.

@@ -20,9 +20,19 @@ impl Shim {
     }
 
     /// Serve an allocation for `stream` from `device`'s pool.
+    /// A thread allocating to a `MemPool` gets its memory there (Note [MemPools]); when the
+    /// ordinary pool is out of memory, a `use_on_oom` pool may lend a cached block.
     pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
+        if let Some(served) = self.thread_pool_malloc(device, size, stream) {
+            return served;
+        }
         let pool = self.pool(device)?;
-        self.serve(&pool.alloc, device, size, stream)
+        match self.serve(&pool.alloc, device, size, stream) {
+            Err(cuda::ERROR_MEMORY_ALLOCATION) => self
+                .oom_fallback(device, size, stream)
+                .ok_or(cuda::ERROR_MEMORY_ALLOCATION),
+            served => served,
+        }
     }
 
     /// Serve an allocation for `stream` from `alloc`, one of `device`'s allocators; report what
@@ -84,7 +94,7 @@ impl Shim {
                 }
             }
         }
-        self.capture_free(address, stream)
+        self.private_free(address, stream)
     }
 
     /// Count (and trace) an allocation that passed through (`pool:off`, or degraded) to
@@ -144,6 +154,7 @@ impl Shim {
     }
 
     /// Release every cached free segment on every device.
+    /// Private pools still in use keep theirs (Note [Private pools]).
     pub fn empty_cache(&self) -> Result<(), CudaError> {
         for alloc in self.allocators() {
             alloc.empty_cache().map_err(|e| {
@@ -151,6 +162,7 @@ impl Shim {
                 cuda::ERROR_INITIALIZATION
             })?;
         }
+        self.release_unused_private_pools();
         Ok(())
     }
 

@@ -34,7 +34,7 @@ impl Shim {
     /// `device`'s stats, if it has a pool.
     pub fn device_stats(&self, device: i32) -> Option<Stats> {
         let mut stats = self.allocator_of(device)?.stats();
-        self.add_capture_pools(device, &mut stats);
+        self.add_private_pools(device, &mut stats);
         Some(stats)
     }
 
@@ -43,7 +43,7 @@ impl Shim {
         if let Some(a) = self.allocator_of(device) {
             a.reset_peak_stats();
         }
-        self.for_each_capture_pool(device, |a| a.reset_peak_stats());
+        self.for_each_private_pool(device, |a| a.reset_peak_stats());
     }
 
     /// Zero `device`'s accumulated stats (its capture pools' too):
@@ -52,7 +52,7 @@ impl Shim {
         if let Some(a) = self.allocator_of(device) {
             a.reset_accumulated_stats();
         }
-        self.for_each_capture_pool(device, |a| a.reset_accumulated_stats());
+        self.for_each_private_pool(device, |a| a.reset_accumulated_stats());
     }
 
     /// Release `device`'s cached free segments (PyTorch's `empty_cache` through

@@ -1,5 +1,5 @@
 //! CUDA graph captures: a barrier fence and a private pool when one begins (see
-//! Note [Capture pools] in `capture_pools`), deferred segment releases when the last one ends
+//! Note [Capture pools] in `private_pools::captures`), deferred segment releases when the last one ends
 //! (see [`crate::streams`] for how fences avoid capturing streams).
 
 use super::Shim;
@@ -27,7 +27,7 @@ impl Shim {
         let last = self.streams.capture_ended(Stream(stream));
         self.capture_pool_end(stream, graph);
         if last {
-            self.release_unused_capture_pools();
+            self.release_unused_private_pools();
             for pool in self.pools() {
                 let failed = pool.alloc.device().release_deferred();
                 if failed > 0 {

@@ -1,0 +1,339 @@
+//! Private pools: device memory that belongs to one user and is never handed to ordinary
+//! allocations — CUDA graph captures ([`captures`], Note [Capture pools]) and PyTorch's
+//! `MemPool`s ([`mem_pools`], Note [MemPools]).
+//!
+//! # Note [Private pools]
+//!
+//! PyTorch's native allocator keeps graph pools and `MemPool`s as one kind, a *private pool*
+//! named by a pool id, and so do we: a graph captured with `pool=mempool.id` allocates from
+//! that `MemPool`, and graphs captured with the same `graph_pool_handle()` share one pool.
+//!
+//! * A [`PrivatePool`] is an [`Allocator`] of its own over segments of its own on one device
+//!   (from the driver, or from the program's allocator for `MemPool(allocator)`).
+//! * Its *users*: captures under way into it, graphs captured into it and executable graphs
+//!   instantiated from those, and references (a `MemPool` object, each `use_mem_pool` context
+//!   under way; PyTorch's `use_count`).
+//! * The pool never releases a segment while it has a user: its device holds every release
+//!   ([`CudaDevice::for_private_pool`]), so neither the out-of-memory ladder nor an
+//!   `empty_cache` can give memory a graph writes back to the driver, and a `MemPool` keeps its
+//!   memory until it is deleted (PyTorch: `empty_cache` does nothing to a live pool).
+//! * When its last user goes, its free segments are released; blocks the program still holds
+//!   (a graph's static outputs, tensors that outlive their `MemPool`) go back when freed, each
+//!   segment as soon as it is free, and the pool is forgotten with its last segment.
+//! * A free finds a private pool's block by the address span of the pool's memory, after the
+//!   device pools (so ordinary frees never look here while no private pool exists).
+//! * A pool is named by its id and its device: PyTorch's pool ids are small pairs packed into
+//!   the low bits of a `u64` (the Python integration's `pool_key`); ours count down from the
+//!   top, so the two never meet.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use cachealloc_core::{Allocator, FreeError, Stats};
+
+use super::Shim;
+use crate::backend::{CudaDevice, ForeignAllocator};
+use crate::cuda::{self, CudaError};
+use crate::log;
+use crate::trace::DeviceObserver;
+
+pub mod captures;
+pub mod mem_pools;
+
+/// A private pool's name: its id and its device.
+pub type PoolKey = (u64, i32);
+
+/// One private pool.
+#[derive(Debug)]
+pub struct PrivatePool {
+    /// The pool's id: the one the Python integration named, or one of ours.
+    id: u64,
+    device: i32,
+    /// Whether allocations of the device's ordinary pool that run out of memory may take this
+    /// pool's free blocks (`MemPool(use_on_oom=True)`).
+    use_on_oom: bool,
+    alloc: Allocator<CudaDevice, DeviceObserver>,
+}
+
+impl PrivatePool {
+    fn key(&self) -> PoolKey {
+        (self.id, self.device)
+    }
+}
+
+/// How a new private pool is made.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PoolSettings {
+    /// See [`PrivatePool::use_on_oom`].
+    pub use_on_oom: bool,
+    /// Never split a block: each allocation has a segment (or a cached block) to itself
+    /// (`MemPool(no_split=True)`).
+    pub no_split: bool,
+    /// Where segments come from, when not from the driver.
+    pub foreign: Option<ForeignAllocator>,
+}
+
+/// Who uses a pool (see Note [Private pools]).
+#[derive(Debug, Default)]
+struct Users {
+    captures: usize,
+    graphs: usize,
+    refs: usize,
+}
+
+impl Users {
+    fn none(&self) -> bool {
+        self.captures == 0 && self.graphs == 0 && self.refs == 0
+    }
+}
+
+/// The book of private pools, owned by the [`Shim`].
+#[derive(Debug, Default)]
+pub struct PrivatePools {
+    /// Whether any pool exists: frees of other memory skip the book while none does.
+    any: AtomicBool,
+    /// Every pool, in use or released with blocks still allocated.
+    pools: RwLock<Vec<Arc<PrivatePool>>>,
+    book: Mutex<Book>,
+}
+
+#[derive(Debug, Default)]
+struct Book {
+    /// The pool of each stream capturing now.
+    capturing: HashMap<usize, Arc<PrivatePool>>,
+    /// The pool of each graph and executable graph (by handle).
+    graphs: HashMap<usize, PoolKey>,
+    /// Each pool's users (a pool no longer in use has none here).
+    users: HashMap<PoolKey, Users>,
+    /// The next id of our own (counting down from the top).
+    next_own_id: u64,
+}
+
+impl Book {
+    fn users(&mut self, key: PoolKey) -> &mut Users {
+        self.users.entry(key).or_default()
+    }
+
+    fn unused(&self, key: PoolKey) -> bool {
+        self.users.get(&key).is_none_or(Users::none)
+    }
+}
+
+impl Shim {
+    fn private_book(&self) -> MutexGuard<'_, Book> {
+        (self.private_pools.book.lock()).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The pool `key`, if it exists.
+    fn find_private_pool(&self, key: PoolKey) -> Option<Arc<PrivatePool>> {
+        if !self.private_pools.any.load(Ordering::Acquire) {
+            return None;
+        }
+        let pools = self.private_pools.pools.read();
+        let pools = pools.unwrap_or_else(|p| p.into_inner());
+        pools.iter().find(|p| p.key() == key).cloned()
+    }
+
+    /// The pool `key`, made with `settings` if it does not exist (the caller holds the book,
+    /// so that two threads cannot make it twice). `None` without a driver.
+    fn private_pool(
+        &self,
+        _book: &mut Book,
+        key: PoolKey,
+        settings: PoolSettings,
+    ) -> Option<Arc<PrivatePool>> {
+        if let Some(pool) = self.find_private_pool(key) {
+            return Some(pool);
+        }
+        let driver = self.driver?;
+        let (id, device) = key;
+        let mut config = crate::settings::get().config.allocator.clone();
+        // A private pool keeps its memory: no collection, and fixed segments (an unmap would
+        // give memory back).
+        config.garbage_collection_threshold = 0.0;
+        config.expandable_segments = false;
+        if settings.no_split {
+            config.max_split_size = 0; // every block is oversize: never split
+        }
+        let observer = DeviceObserver {
+            device: device as u32,
+            trace: self.trace.as_ref().ok().cloned(),
+            oom_checkpoint: false,
+        };
+        let device_handle =
+            CudaDevice::for_private_pool(driver, device, self.streams.clone(), settings.foreign);
+        let alloc = Allocator::with_observer(device_handle, config, observer);
+        if self.streams.any_created() && self.reuse == cachealloc_core::config::ReusePolicy::Auto {
+            // Blocks freed outside any stream's order wait for the device, as in the device's
+            // ordinary pool once streams exist.
+            if let Err(e) = alloc.start_fencing() {
+                log::error!("device {device}: fencing a private pool: {e}");
+            }
+        }
+        log::debug!("device {device}: private pool {id:#x} created");
+        let pool = Arc::new(PrivatePool {
+            id,
+            device,
+            use_on_oom: settings.use_on_oom,
+            alloc,
+        });
+        let mut pools = self.private_pools.pools.write();
+        pools
+            .as_mut()
+            .unwrap_or_else(|p| p.get_mut())
+            .push(pool.clone());
+        self.private_pools.any.store(true, Ordering::Release);
+        Some(pool)
+    }
+
+    /// A new id of our own, for a capture given no pool.
+    fn own_pool_id(book: &mut Book) -> u64 {
+        book.next_own_id += 1;
+        u64::MAX - book.next_own_id
+    }
+
+    /// With no user left, release the pool's free segments, and forget it once it has none
+    /// left.
+    fn release_if_unused(&self, book: &mut Book, pool: &PrivatePool) {
+        if !book.unused(pool.key()) {
+            return;
+        }
+        book.users.remove(&pool.key());
+        if let Err(e) = pool.alloc.empty_cache() {
+            log::error!("device {}: releasing a private pool: {e}", pool.device);
+        }
+        self.release_held(pool);
+    }
+
+    /// Free the segments a pool no longer in use held, now if no capture is under way (a
+    /// device synchronization would break it), else when the last one ends; forget the pool
+    /// once it has no segment left.
+    fn release_held(&self, pool: &PrivatePool) {
+        if self.streams.captures_active() {
+            return;
+        }
+        let failed = pool.alloc.device().release_deferred();
+        if failed > 0 {
+            log::error!(
+                "device {}: {failed} segments of a private pool could not be freed",
+                pool.device
+            );
+        }
+        if pool.alloc.stats().reserved_bytes.all.current <= 0 {
+            let mut all = self.private_pools.pools.write();
+            let all = all.as_mut().unwrap_or_else(|p| p.get_mut());
+            all.retain(|p| !std::ptr::eq(&**p, pool));
+            (self.private_pools.any).store(!all.is_empty(), Ordering::Release);
+        }
+    }
+
+    /// After the last capture of the process ended, or at `empty_cache`: release what pools no
+    /// longer in use hold.
+    pub(super) fn release_unused_private_pools(&self) {
+        if !self.private_pools.any.load(Ordering::Acquire) {
+            return;
+        }
+        let book = self.private_book();
+        let unused: Vec<Arc<PrivatePool>> = self
+            .private_pools
+            .pools
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|p| book.unused(p.key()))
+            .cloned()
+            .collect();
+        drop(book);
+        for pool in unused {
+            let _ = pool.alloc.empty_cache();
+            self.release_held(&pool);
+        }
+    }
+
+    /// Free `address` if a private pool holds it; `None` if none does.
+    pub(super) fn private_free(&self, address: u64, stream: u64) -> Option<CudaError> {
+        if !self.private_pools.any.load(Ordering::Acquire) {
+            return None;
+        }
+        let candidates: Vec<Arc<PrivatePool>> = self
+            .private_pools
+            .pools
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|p| p.alloc.device().may_contain(address))
+            .cloned()
+            .collect();
+        for pool in candidates {
+            match pool.alloc.free_on_stream(address, stream) {
+                Ok(_) => {
+                    let mut book = self.private_book();
+                    if book.unused(pool.key()) {
+                        self.release_if_unused(&mut book, &pool);
+                    }
+                    return Some(cuda::SUCCESS);
+                }
+                Err(FreeError::NotOurs(_)) => continue,
+                Err(bad) => {
+                    log::error!("free refused: {bad}; nothing was changed");
+                    return Some(cuda::ERROR_INVALID_VALUE);
+                }
+            }
+        }
+        None
+    }
+
+    /// Add the private pools of `device` to its stats (PyTorch counts private pools in a
+    /// device's allocated and reserved memory): current values and, as an upper bound, peaks.
+    pub(super) fn add_private_pools(&self, device: i32, stats: &mut Stats) {
+        self.for_each_private_pool(device, |alloc| {
+            let theirs = alloc.stats();
+            for (ours, theirs) in [
+                (&mut stats.allocated_bytes.all, &theirs.allocated_bytes.all),
+                (&mut stats.reserved_bytes.all, &theirs.reserved_bytes.all),
+                (&mut stats.active_bytes.all, &theirs.active_bytes.all),
+                (&mut stats.requested_bytes.all, &theirs.requested_bytes.all),
+                (&mut stats.allocation.all, &theirs.allocation.all),
+                (&mut stats.segment.all, &theirs.segment.all),
+            ] {
+                ours.current += theirs.current;
+                ours.peak += theirs.peak;
+                ours.allocated += theirs.allocated;
+                ours.freed += theirs.freed;
+            }
+        });
+    }
+
+    /// Run `f` on the allocator of each private pool of `device`.
+    pub(super) fn for_each_private_pool(
+        &self,
+        device: i32,
+        mut f: impl FnMut(&Allocator<CudaDevice, DeviceObserver>),
+    ) {
+        if !self.private_pools.any.load(Ordering::Acquire) {
+            return;
+        }
+        for pool in self
+            .private_pools
+            .pools
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|p| p.device == device)
+        {
+            f(&pool.alloc);
+        }
+    }
+
+    /// How many private pools exist, and their reserved bytes (for the exit summary and tests).
+    pub fn private_pool_count(&self) -> (usize, i64) {
+        let pools = self.private_pools.pools.read();
+        let pools = pools.unwrap_or_else(|p| p.into_inner());
+        let reserved = pools
+            .iter()
+            .map(|p| p.alloc.stats().reserved_bytes.all.current)
+            .sum();
+        (pools.len(), reserved)
+    }
+}

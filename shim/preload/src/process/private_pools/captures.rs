@@ -1,0 +1,142 @@
+//! The private pools of CUDA graph captures: where allocations made on a capturing stream come
+//! from.
+//!
+//! # Note [Capture pools]
+//!
+//! A graph captured on a stream replays, later and as often as the program likes, every kernel
+//! that the capture recorded, with the addresses they had at capture time. So memory handed out
+//! during a capture belongs to the graph: nothing else may be given it while the graph can
+//! replay, even after the program has freed it (a temporary freed inside the capture is still
+//! written by every replay). PyTorch's native allocator keeps such memory in a private pool per
+//! capture (or one shared by the graphs captured with the same `pool=`), and so do we (Note
+//! [Private pools]):
+//!
+//! * A capture that begins on a stream gets a private pool. Every allocation on that stream
+//!   until the capture ends comes from it (never from the driver's graph memory, which
+//!   PyTorch's `cudaMallocAsync` backend cannot free outside the graph: the cause of the aborts
+//!   under `torch.compile(mode="reduce-overhead")`).
+//! * A free of a block of a capture's pool, during the capture or after it, returns the block to
+//!   that pool, where only allocations of later captures into the same pool (or of the
+//!   `MemPool` of that id) can get it: a shared pool's graphs replay in their capture order,
+//!   which the program guarantees, as with PyTorch. Within a capture, a block freed on the
+//!   capturing stream is reused at once on that stream: the graph orders the two uses as the
+//!   stream did.
+//! * The capture, then the graph and every executable graph instantiated from it
+//!   (`cudaGraphInstantiate*`, `cudaGraphDestroy`, `cudaGraphExecDestroy`), are the pool's
+//!   users; when the last goes, the pool's memory goes back as Note [Private pools] says.
+//! * Which pool a capture uses: a new one, unless the Python integration named the pool of the
+//!   thread's next capture ([`Shim::use_capture_pool`]: PyTorch's `torch.cuda.graph(pool=…)`,
+//!   `graph_pool_handle()`, a `MemPool`'s id), in which case captures with the same id share it.
+//!
+//! Not covered: allocations on a stream that joined a capture through an event without the
+//! capture beginning on it (they come from the ordinary pool, fenced as before), and graphs
+//! made and destroyed only through the driver API.
+
+use std::cell::Cell;
+use std::sync::Arc;
+
+use super::{PoolSettings, PrivatePool, Shim};
+use crate::cuda::CudaError;
+
+thread_local! {
+    /// The pool the calling thread's next capture allocates from (0: a new pool).
+    static NEXT_POOL: Cell<u64> = const { Cell::new(0) };
+}
+
+impl Shim {
+    /// The Python integration's word: the calling thread's next capture allocates from the
+    /// pool `id` (shared by every capture given the same id); 0 for a new pool of its own.
+    pub fn use_capture_pool(&self, id: u64) {
+        let _ = NEXT_POOL.try_with(|next| next.set(id));
+    }
+
+    /// A capture begins on `stream` of `device`: give it its pool.
+    pub(in crate::process) fn capture_pool_begin(&self, stream: usize, device: i32) {
+        let named = NEXT_POOL.try_with(|next| next.replace(0)).unwrap_or(0);
+        let mut book = self.private_book();
+        let id = if named != 0 {
+            named
+        } else {
+            Self::own_pool_id(&mut book)
+        };
+        let Some(pool) = self.private_pool(&mut book, (id, device), PoolSettings::default()) else {
+            return;
+        };
+        book.users((id, device)).captures += 1;
+        book.capturing.insert(stream, pool);
+    }
+
+    /// The capture on `stream` ended, making `graph` (none if it failed): the graph holds the
+    /// pool from now on, instead of the capture.
+    pub(in crate::process) fn capture_pool_end(&self, stream: usize, graph: Option<usize>) {
+        let mut book = self.private_book();
+        let Some(pool) = book.capturing.remove(&stream) else {
+            return;
+        };
+        let users = book.users(pool.key());
+        users.captures = users.captures.saturating_sub(1);
+        if let Some(graph) = graph.filter(|&g| g != 0) {
+            users.graphs += 1;
+            book.graphs.insert(graph, pool.key());
+        }
+        self.release_if_unused(&mut book, &pool);
+    }
+
+    /// `exec` was instantiated from `graph`: it holds `graph`'s pool too.
+    pub fn graph_instantiated(&self, graph: usize, exec: usize) {
+        if !self
+            .private_pools
+            .any
+            .load(std::sync::atomic::Ordering::Acquire)
+            || exec == 0
+        {
+            return;
+        }
+        let mut book = self.private_book();
+        let Some(&key) = book.graphs.get(&graph) else {
+            return;
+        };
+        book.graphs.insert(exec, key);
+        book.users(key).graphs += 1;
+    }
+
+    /// The graph or executable graph `handle` was destroyed: it no longer holds its pool.
+    pub fn graph_destroyed(&self, handle: usize) {
+        if !self
+            .private_pools
+            .any
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return;
+        }
+        let mut book = self.private_book();
+        let Some(key) = book.graphs.remove(&handle) else {
+            return;
+        };
+        let users = book.users(key);
+        users.graphs = users.graphs.saturating_sub(1);
+        if let Some(pool) = self.find_private_pool(key) {
+            self.release_if_unused(&mut book, &pool);
+        }
+    }
+
+    /// The pool `stream` is capturing into, if it is capturing.
+    fn capturing_pool(&self, stream: usize) -> Option<Arc<PrivatePool>> {
+        if !self
+            .private_pools
+            .any
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return None;
+        }
+        self.private_book().capturing.get(&stream).cloned()
+    }
+
+    /// Serve an allocation on the capturing `stream` from its capture's pool; `None` when the
+    /// capture has no pool of ours (the shim began without a driver, or the capture began
+    /// through a door we do not see).
+    pub fn capture_malloc(&self, stream: usize, size: u64) -> Option<Result<u64, CudaError>> {
+        let pool = self.capturing_pool(stream)?;
+        Some(self.serve(&pool.alloc, pool.device, size, stream as u64))
+    }
+}
