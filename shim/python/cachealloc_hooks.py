@@ -37,6 +37,13 @@ it has to adjust:
   `_cuda_releasePool` route the calling thread's allocations to it
   (`cachealloc_mem_pool_begin_thread`/`_end_thread`). `memory_snapshot(pool.id)` and
   `pool.snapshot()` read the pool's segments from the library.
+* `torch.storage` — sending a CUDA tensor to another process (`torch.multiprocessing`) needs
+  PyTorch's native allocator (its backend refuses `shareIpcHandle`). `UntypedStorage`'s
+  `_share_cuda_`, `_new_shared_cuda` and `_release_ipc_counter_cuda` are replaced by ones served
+  by the library (`cachealloc_ipc_share`/`_open`/`_close`/`_release`): the block's segment's
+  IPC handle and offset, and a reference counter in shared memory that keeps the block from
+  being reused until the receiving process lets go of it, as PyTorch does. Both processes run
+  under the shim (children of `torch.multiprocessing` inherit `LD_PRELOAD`).
 * `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
   Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
   they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
@@ -460,6 +467,113 @@ def _memory(memory):
     native._cuda_record_memory_history = _record_history
     native._cuda_memorySnapshot = memory_snapshot
     _say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")
+
+
+def _ipc_api():
+    """The library's C API for IPC, as a namespace of ctypes functions, or None."""
+    import ctypes
+    import types
+
+    try:
+        lib = ctypes.CDLL(None)
+        api = types.SimpleNamespace(
+            share=lib.cachealloc_ipc_share,
+            open=lib.cachealloc_ipc_open,
+            close=lib.cachealloc_ipc_close,
+            release=lib.cachealloc_ipc_release,
+        )
+    except (OSError, AttributeError):
+        return None
+    api.share.restype = ctypes.c_int
+    api.share.argtypes = [
+        ctypes.c_uint64,
+        ctypes.c_char_p,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_uint64),
+    ]
+    api.open.restype = ctypes.c_uint64
+    api.open.argtypes = [ctypes.c_char_p]
+    api.close.restype = ctypes.c_int
+    api.close.argtypes = [ctypes.c_char_p]
+    api.release.restype = ctypes.c_int
+    api.release.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+    return api
+
+
+class _ReceivedBlock:
+    """Device memory received from another process, as `__cuda_array_interface__`: the
+    tensor made from it holds this object, whose end closes the mapping and releases the
+    sender's counter."""
+
+    def __init__(self, api, handle, address, size, counter, slot):
+        self._api, self._handle, self._counter, self._slot = api, handle, counter, slot
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 2,
+        }
+
+    def __del__(self):
+        try:
+            self._api.close(self._handle)
+            if self._counter:
+                self._api.release(self._counter, self._slot)
+        except Exception:  # interpreter shutdown: the sender's files go with it
+            pass
+
+
+@_adjusts("torch.storage")
+def _storage(storage):
+    if _torch_backend() != "cudaMallocAsync":
+        return
+    api = _ipc_api()
+    untyped = getattr(storage, "UntypedStorage", None)
+    if api is None or untyped is None or getattr(untyped, "_cachealloc_ipc", False):
+        return
+    import ctypes
+
+    def share_cuda(self, *args, **kwargs):
+        import torch
+
+        device = self.device.index
+        if self.data_ptr() == 0 or self.nbytes() == 0:
+            return (device, None, 0, 0, None, None, None, False)
+        handle = ctypes.create_string_buffer(64)
+        offset, slot = ctypes.c_uint64(), ctypes.c_uint64()
+        counter = ctypes.create_string_buffer(128)
+        with torch.cuda.device(device):
+            # The receiver reads what this stream wrote (PyTorch records an event instead).
+            torch.cuda.current_stream().synchronize()
+            code = api.share(self.data_ptr(), handle, ctypes.byref(offset), counter, 128, ctypes.byref(slot))
+        if code != 0:
+            raise RuntimeError(
+                f"cachealloc: this CUDA tensor cannot be shared with another process (error {code}; "
+                "the library said why above)"
+            )
+        return (device, handle.raw, self.nbytes(), offset.value, counter.value, slot.value, None, False)
+
+    def new_shared_cuda(cls, device, handle, size, offset, counter, slot, *rest, **kwargs):
+        import torch
+
+        with torch.cuda.device(device):
+            base = api.open(handle)
+            if base == 0:
+                raise RuntimeError("cachealloc: could not map a CUDA tensor of another process")
+        block = _ReceivedBlock(api, handle, base + offset, size, counter, slot)
+        return torch.as_tensor(block, device=f"cuda:{device}").untyped_storage()
+
+    def release_counter(cls, counter, slot, *rest, **kwargs):
+        if counter:
+            api.release(counter, slot)
+
+    untyped._share_cuda_ = share_cuda
+    untyped._new_shared_cuda = classmethod(new_shared_cuda)
+    untyped._release_ipc_counter_cuda = classmethod(release_counter)
+    untyped._cachealloc_ipc = True
+    _say("CUDA tensors shared between processes go through cachealloc's IPC")
 
 
 @_adjusts("torch.autograd")

@@ -67,6 +67,8 @@
     X(cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", 3020) \
     X(cuLaunchHostFunc, "cuLaunchHostFunc", 10000) \
     X(cuIpcGetMemHandle, "cuIpcGetMemHandle", 4010) \
+    X(cuIpcOpenMemHandle_v2, "cuIpcOpenMemHandle", 11000) \
+    X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", 4010) \
     X(cuStreamCreate, "cuStreamCreate", 2000) \
     X(cuStreamCreateWithPriority, "cuStreamCreateWithPriority", 5050) \
     X(cuStreamDestroy_v2, "cuStreamDestroy", 4000) \
@@ -283,6 +285,15 @@ RT_EXPORT cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void *
 RT_EXPORT cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p) {
     if (!h) return ret(cudaErrorInvalidValue);
     WITH_CONTEXT(drv.cuIpcGetMemHandle((CUipcMemHandle *)h, dptr(p)));
+}
+RT_EXPORT cudaError_t cudaIpcOpenMemHandle(void **p, cudaIpcMemHandle_t h, unsigned flags) {
+    if (!p) return ret(cudaErrorInvalidValue);
+    CUipcMemHandle handle;
+    memcpy(handle.reserved, h.reserved, sizeof handle.reserved);
+    WITH_CONTEXT(drv.cuIpcOpenMemHandle_v2((CUdeviceptr *)p, handle, flags));
+}
+RT_EXPORT cudaError_t cudaIpcCloseMemHandle(void *p) {
+    WITH_CONTEXT(drv.cuIpcCloseMemHandle(dptr(p)));
 }
 
 /* ----- devices ----- */

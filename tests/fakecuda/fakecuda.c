@@ -113,6 +113,7 @@
 #define _GNU_SOURCE
 #define __CUDA_API_VERSION_INTERNAL
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -229,6 +230,11 @@ struct fc_graph {
 typedef struct fc_alloc {
     char *ptr;
     size_t size;
+    /* Allocations of IPC_MIN bytes or more are a shared mapping of a memfd (another process
+     * opens it through /proc/PID/fd for cuIpcOpenMemHandle); -1 for the others. */
+    int fd;
+    /* Mapped from another process by cuIpcOpenMemHandle (not counted against the capacity). */
+    int imported;
     int device;
     fc_ctx *ctx;
     unsigned long long buffer_id;
@@ -270,6 +276,8 @@ static pthread_cond_t g_cond = PTHREAD_COND_INITIALIZER;
 static int g_initialized;
 static int g_devices = 1;
 static size_t g_capacity = (size_t)1024 << 20;
+/* Allocations from this size up can be shared with other processes (cuIpcOpenMemHandle). */
+#define IPC_MIN ((size_t)1 << 20)
 static size_t g_used[MAX_DEVICES];
 static fc_alloc *g_allocs;
 static fc_physical *g_physical;

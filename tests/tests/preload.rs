@@ -344,6 +344,18 @@ fn mem_pools_route_their_threads_allocations_keep_their_memory_and_lend_it_on_oo
 }
 
 #[test]
+fn a_pooled_block_shared_with_another_process_is_kept_until_it_lets_go() {
+    let out = Run::c("ipc_share", &[]).output();
+    out.assert_pooled("ipc_share");
+    assert_no_shim_failure(&out.stderr);
+    assert!(
+        out.stdout.contains("OK ipc_share receiver"),
+        "the receiving process did not finish: {}",
+        out.stdout
+    );
+}
+
+#[test]
 fn graph_and_stream_programs_pass_without_the_shim() {
     for name in ["stream_ordered", "graph_capture", "capture_pools"] {
         Run::c(name, &[]).without_shim().output().assert_ok(name);

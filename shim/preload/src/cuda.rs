@@ -89,6 +89,7 @@ pub const MEM_ACCESS_NONE: i32 = 0;
 
 /// `cudaIpcMemHandle_t`.
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct IpcMemHandle {
     /// Opaque bytes.
     pub reserved: [u8; 64],

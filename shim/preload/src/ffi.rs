@@ -128,6 +128,7 @@ fn register_exit_summary() {
     extern "C" fn at_exit() {
         // No panic may cross this C callback.
         let _ = catch_unwind(crate::report::exit_summary);
+        let _ = catch_unwind(crate::ipc_counters::remove_files);
     }
     // SAFETY: registers a plain `extern "C" fn()` that never unwinds.
     unsafe { libc::atexit(at_exit) };

@@ -23,6 +23,7 @@
 //! | [`python_integration`] | in a Python process, `shim/python/` first on `PYTHONPATH` |
 //! | [`backend`] | the real device behind `cachealloc-core`'s `Device` trait (segments, fences, virtual memory) |
 //! | [`gpu`] | the shim's own driver calls through cudarc: `gpu::contexts` (the primary-context table), `gpu::fences` (reuse fences), `gpu::capture_mode` (relaxed capture), `gpu::device_facts` |
+//! | [`ipc_counters`] | reference counters in shared memory for blocks shared with other processes |
 //! | [`streams`] | the application's streams, for fences and `reuse:auto` |
 //! | [`trace`] | the trace: directory, header, allocator events as records |
 //! | [`stacks`] | stack capture (native and Python) and interning |
@@ -57,6 +58,7 @@ pub mod cuda;
 pub mod ffi;
 pub mod gpu;
 pub mod hooks;
+pub mod ipc_counters;
 pub mod log;
 pub mod process;
 pub mod python_integration;

@@ -27,6 +27,7 @@
 //! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
 //! | `backward` | the stack of the Python thread in `backward()` for the autograd engine's threads |
 //! | `peer_access` | peer access to pooled memory |
+//! | `ipc` | pooled blocks shared with other processes, and blocks received from them (Note [IPC of pooled memory]) |
 //! | `pointers` | which pooled block an address lies in ([`PooledBlock`]) |
 //! | `exit` | the facts of the exit summary ([`ExitFacts`]) |
 
@@ -52,6 +53,7 @@ mod backward;
 mod default_pool;
 mod exit;
 mod graph_capture;
+mod ipc;
 mod peer_access;
 mod pointers;
 mod private_pools;
@@ -59,6 +61,7 @@ mod stream_lifecycle;
 
 pub use exit::ExitFacts;
 
+pub use ipc::{IpcShare, ipc_close, ipc_open, ipc_release};
 pub use pointers::PooledBlock;
 pub use private_pools::{PoolKey, PoolSettings};
 
@@ -121,6 +124,8 @@ pub struct Shim {
     default_pools: std::sync::Mutex<Vec<(usize, i32)>>,
     /// The private pools of graph captures and `MemPool`s.
     private_pools: private_pools::PrivatePools,
+    /// Blocks shared with other processes.
+    ipc: ipc::IpcBook,
 }
 
 /// What runs at the shim's first CUDA use, set by the constructor ([`at_start`]).
@@ -233,6 +238,7 @@ fn start() -> Option<Shim> {
         started: std::time::Instant::now(),
         default_pools: std::sync::Mutex::new(Vec::new()),
         private_pools: private_pools::PrivatePools::default(),
+        ipc: ipc::IpcBook::default(),
     })
 }
 

@@ -27,7 +27,14 @@ impl Shim {
             return served;
         }
         let pool = self.pool(device)?;
-        match self.serve(&pool.alloc, device, size, stream) {
+        let served = match self.serve(&pool.alloc, device, size, stream) {
+            // Blocks other processes let go of since: free them, and try again.
+            Err(cuda::ERROR_MEMORY_ALLOCATION) if self.ipc_collect() > 0 => {
+                self.serve(&pool.alloc, device, size, stream)
+            }
+            served => served,
+        };
+        match served {
             Err(cuda::ERROR_MEMORY_ALLOCATION) => self
                 .oom_fallback(device, size, stream)
                 .ok_or(cuda::ERROR_MEMORY_ALLOCATION),
@@ -82,7 +89,18 @@ impl Shim {
     /// `None`: not ours (pass it on). Pools are found by the address ranges their segments
     /// covered, not by the current device (a pointer may be freed while another device is
     /// current).
+    /// A block another process still holds (IPC) is freed when it lets go.
     pub fn free(&self, address: u64, stream: u64) -> Option<CudaError> {
+        if let Some(held) = self.ipc_hold(address, stream) {
+            return Some(held);
+        }
+        let freed = self.free_pooled(address, stream);
+        self.ipc_collect();
+        freed
+    }
+
+    /// [`Shim::free`] without the IPC check.
+    pub(super) fn free_pooled(&self, address: u64, stream: u64) -> Option<CudaError> {
         let candidates = self.pools().filter(|p| p.may_contain(address));
         for pool in candidates {
             match pool.alloc.free_on_stream(address, stream) {
@@ -156,6 +174,7 @@ impl Shim {
     /// Release every cached free segment on every device.
     /// Private pools still in use keep theirs (Note [Private pools]).
     pub fn empty_cache(&self) -> Result<(), CudaError> {
+        self.ipc_collect();
         for alloc in self.allocators() {
             alloc.empty_cache().map_err(|e| {
                 log::error!("empty_cache: {e}");

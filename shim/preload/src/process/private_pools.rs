@@ -187,6 +187,16 @@ impl Shim {
         Some(pool)
     }
 
+    /// What a private pool knows of `address`.
+    pub(super) fn private_lookup(&self, address: u64) -> Option<cachealloc_core::AddressInfo> {
+        if !self.private_pools.any.load(Ordering::Acquire) {
+            return None;
+        }
+        let pools = self.private_pools.pools.read();
+        let pools = pools.unwrap_or_else(|p| p.into_inner());
+        pools.iter().find_map(|p| p.alloc.lookup(address))
+    }
+
     /// A new id of our own, for a capture given no pool.
     fn own_pool_id(book: &mut Book) -> u64 {
         book.next_own_id += 1;

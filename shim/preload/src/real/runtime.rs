@@ -80,6 +80,9 @@ real_functions! {
     cudaStreamCreateWithPriority: fn(*mut CudaStream, c_uint, c_int) -> CudaError;
     cudaStreamDestroy: fn(CudaStream) -> CudaError;
     cudaIpcGetMemHandle: fn(*mut IpcMemHandle, *mut c_void) -> CudaError;
+    cudaIpcOpenMemHandle: fn(*mut *mut c_void, IpcMemHandle, c_uint) -> CudaError;
+    cudaIpcCloseMemHandle: fn(*mut c_void) -> CudaError;
+    cudaDeviceSynchronize: fn() -> CudaError;
     cudaStreamSynchronize: fn(CudaStream) -> CudaError;
     cudaStreamBeginCapture: fn(CudaStream, c_int) -> CudaError;
     cudaStreamEndCapture: fn(CudaStream, *mut *mut c_void) -> CudaError;
@@ -221,6 +224,34 @@ pub fn ipc_get_mem_handle(address: u64) -> Result<[u8; 64], CudaError> {
     } else {
         Err(code)
     }
+}
+
+/// The real `cudaIpcOpenMemHandle` on the current device (with lazy peer access, as PyTorch
+/// opens them): the segment's address here.
+pub fn ipc_open_mem_handle(handle: [u8; 64]) -> Result<u64, CudaError> {
+    let mut address: *mut c_void = std::ptr::null_mut();
+    const LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+    // Valid out-pointer; the handle is validated by the runtime.
+    let code = call_real!(cudaIpcOpenMemHandle(
+        &mut address,
+        IpcMemHandle { reserved: handle },
+        LAZY_ENABLE_PEER_ACCESS
+    ));
+    if code == crate::cuda::SUCCESS {
+        Ok(address as u64)
+    } else {
+        Err(code)
+    }
+}
+
+/// The real `cudaIpcCloseMemHandle` of an address `ipc_open_mem_handle` returned.
+pub fn ipc_close_mem_handle(address: u64) -> CudaError {
+    call_real!(cudaIpcCloseMemHandle(address as *mut c_void))
+}
+
+/// The real `cudaDeviceSynchronize` (the current device).
+pub fn device_synchronize() -> CudaError {
+    call_real!(cudaDeviceSynchronize())
 }
 
 /// Number of visible devices, through the real runtime (0 when it cannot say).

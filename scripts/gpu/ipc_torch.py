@@ -1,0 +1,105 @@
+"""CUDA tensors sent to another process with torch.multiprocessing, natively and under the shim
+(same command): a producer sends tensors (whole allocations and views into larger ones) through
+a queue, the consumer checks their values, writes into one (the producer sees it), and lets go;
+the producer frees its tensors while the consumer still holds them, then checks that memory is
+reused once the consumer is done (no leak across 200 round trips).
+
+Prints one line per check, `ipc label=L check=NAME ok=True|False detail=...`, and a last
+`ipc label=L passed=N/M`.
+"""
+import os
+import sys
+import warnings
+
+import torch
+import torch.multiprocessing as mp
+
+warnings.simplefilter("ignore")
+label = os.environ.get("LABEL", "-")
+ROUNDS = 200
+
+
+def consumer(queue, done, results):
+    torch.cuda.init()
+    ok = True
+    # 1. Values and a write back.
+    t, expected = queue.get()
+    ok &= bool(torch.equal(t.cpu(), expected))
+    t.mul_(2)
+    torch.cuda.synchronize()
+    del t
+    done.put("wrote")
+    # 2. Views into one allocation.
+    views = queue.get()
+    ok &= all(float(v.sum()) == float(i) * v.numel() for i, v in enumerate(views))
+    del views
+    done.put("views")
+    # 3. Many round trips: hold each tensor until the next arrives.
+    held = None
+    for i in range(ROUNDS):
+        t = queue.get()
+        ok &= float(t[0, 0]) == float(i)
+        held = t
+    del held, t
+    torch.cuda.synchronize()
+    done.put("rounds")
+    results.put(ok)
+
+
+def main():
+    mp.set_start_method("spawn", force=True)
+    results = []
+
+    def check(name, ok, detail=""):
+        results.append(bool(ok))
+        print(f"ipc label={label} check={name} ok={bool(ok)} detail={detail}", flush=True)
+
+    queue, done, out = mp.Queue(), mp.Queue(), mp.Queue()
+    if os.environ.get("EXPECT_REFUSAL"):
+        # Expandable segments under the shim: sharing is refused with a clear error, at once.
+        x = torch.ones(1 << 20, device="cuda")
+        try:
+            x.untyped_storage()._share_cuda_()
+            check("refused_with_message", False, "shared")
+        except RuntimeError as e:
+            check("refused_with_message", "cannot be shared" in str(e), str(e)[:80])
+        print(f"ipc label={label} passed={sum(results)}/{len(results)}", flush=True)
+        return 0 if all(results) else 1
+    p = mp.Process(target=consumer, args=(queue, done, out))
+    p.start()
+    try:
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        queue.put((x, x.cpu()))
+        check("consumer_sees_values", done.get(timeout=60) == "wrote")
+        check("producer_sees_consumer_write", torch.equal(x.cpu(), torch.arange(1 << 20, dtype=torch.float32) * 2))
+        base = torch.zeros(8, 1024, device="cuda")
+        for i in range(8):
+            base[i].fill_(i)
+        queue.put([base[i] for i in range(8)])
+        check("views_into_one_allocation", done.get(timeout=60) == "views")
+        torch.cuda.synchronize()
+        reserved_before = torch.cuda.memory_reserved()
+        for i in range(ROUNDS):
+            t = torch.full((256, 1024), float(i), device="cuda")
+            queue.put(t)
+            del t  # freed here while the consumer may still hold it
+        check("round_trips", done.get(timeout=120) == "rounds")
+        consumer_ok = out.get(timeout=60)
+        check("consumer_checks", consumer_ok)
+        p.join(timeout=60)
+        check("consumer_exit", p.exitcode == 0, f"exitcode={p.exitcode}")
+        torch.cuda.synchronize()
+        # Once the consumer let go, the blocks return: allocating again reserves nothing new.
+        again = [torch.full((256, 1024), 1.0, device="cuda") for _ in range(ROUNDS)]
+        growth = torch.cuda.memory_reserved() - reserved_before
+        check("memory_returns", growth <= 256 * 1024 * 4 * ROUNDS, f"reserved growth {growth >> 20} MiB")
+        del again
+    finally:
+        if p.is_alive():
+            p.kill()
+    print(f"ipc label={label} passed={sum(results)}/{len(results)}", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

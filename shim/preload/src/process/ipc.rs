@@ -1,0 +1,202 @@
+//! Sharing pooled memory with other processes: PyTorch's CUDA tensors sent through
+//! `torch.multiprocessing`.
+//!
+//! # Note [IPC of pooled memory]
+//!
+//! CUDA shares device memory between processes by *segment*: `cudaIpcGetMemHandle` names a
+//! whole `cudaMalloc` allocation from its base, and the other process maps all of it. PyTorch's
+//! native allocator sends a tensor's block as (its segment's handle, the block's offset in it),
+//! with a reference counter in shared memory so that the block is not reused while the other
+//! process holds it. Its `cudaMallocAsync` backend shares nothing; the Python integration
+//! replaces `UntypedStorage._share_cuda_`, `_new_shared_cuda` and `_release_ipc_counter_cuda`
+//! with calls into the C API (`cachealloc_ipc_*`), and the library keeps PyTorch's protocol:
+//!
+//! * **Sending** ([`Shim::ipc_share`]): the block's segment's handle (a fixed segment is one
+//!   `cuMemAlloc_v2` allocation), the block's offset, and a new counter set to 1
+//!   ([`crate::ipc_counters`]). The sending stream is synchronized first by the integration, so
+//!   the receiver reads what was written.
+//! * **Receiving** ([`ipc_open`]): the segment is opened once per process and handle, and
+//!   closed when the last block received through it is let go ([`ipc_close`], after the
+//!   device has finished with it); then the receiver decrements the counter ([`ipc_release`]).
+//! * **The sender's free.** A block freed while any of its counters is above zero is not
+//!   freed: it waits in *limbo*, still allocated (so its segment cannot be released either),
+//!   and is freed once every counter is zero. The limbo is looked at on every free while it is
+//!   not empty, at `empty_cache`, and before an allocation gives up with out of memory.
+//!
+//! Not covered: blocks of expandable segments (mapped memory has no legacy IPC handle; PyTorch
+//! shares those through POSIX file descriptors) — sharing one fails with a message that says
+//! so; receiving in a process that does not run under the shim.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use cachealloc_core::{AddressInfo, BlockState};
+
+use super::Shim;
+use crate::cuda::{self, CudaError};
+use crate::ipc_counters::{self, SlotId};
+use crate::log;
+
+/// What the receiving process needs to map a shared block.
+#[derive(Clone, Debug)]
+pub struct IpcShare {
+    /// The block's segment's `cudaIpcMemHandle_t`.
+    pub handle: [u8; 64],
+    /// The shared address's offset in the segment.
+    pub offset: u64,
+    /// The counter's file and slot, for the receiver's release.
+    pub counter: String,
+    /// See `counter`.
+    pub slot: u64,
+}
+
+/// The blocks this process has shared, and those freed while shared.
+#[derive(Debug, Default)]
+pub struct IpcBook {
+    /// Whether any block has ever been shared (frees skip the book until then).
+    any: AtomicBool,
+    inner: Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    /// Each shared live block (by address): the counters of its shares.
+    shared: HashMap<u64, Vec<SlotId>>,
+    /// Blocks the program freed while shared: (address, stream of the free).
+    limbo: Vec<(u64, u64)>,
+}
+
+impl Shim {
+    /// The live pooled block at `address`, from the device pools or the private ones.
+    fn block_at(&self, address: u64) -> Option<AddressInfo> {
+        self.allocators()
+            .find_map(|a| a.lookup(address))
+            .or_else(|| self.private_lookup(address))
+    }
+
+    /// Share the block at `address` with another process (Note [IPC of pooled memory]).
+    pub fn ipc_share(&self, address: u64) -> Result<IpcShare, String> {
+        let info = self
+            .block_at(address)
+            .filter(|i| i.state == BlockState::Active)
+            .ok_or_else(|| format!("{address:#x} is not a live pooled allocation"))?;
+        if info.expandable {
+            return Err(format!(
+                "{address:#x} lies in an expandable segment (mapped memory), which CUDA's IPC \
+                 handles cannot share; run processes that share CUDA tensors with \
+                 CACHEALLOC_CONF=expandable_segments:False"
+            ));
+        }
+        let handle = crate::real::runtime::ipc_get_mem_handle(info.segment_address)
+            .map_err(|code| format!("cudaIpcGetMemHandle of segment {:#x}: {code}", info.segment_address))?;
+        let (id, counter, slot) =
+            ipc_counters::new_counter().map_err(|e| format!("an IPC counter: {e}"))?;
+        let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
+        held.shared.entry(info.block_address).or_default().push(id);
+        self.ipc.any.store(true, Ordering::Release);
+        drop(held);
+        self.ipc_collect();
+        Ok(IpcShare {
+            handle,
+            offset: address - info.segment_address,
+            counter,
+            slot,
+        })
+    }
+
+    /// At a free of `address` on `stream`: hold it in limbo if another process may still use
+    /// it (answering the free with success), else forget its shares. `None`: free it now.
+    pub(super) fn ipc_hold(&self, address: u64, stream: u64) -> Option<CudaError> {
+        if !self.ipc.any.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let counters = held.shared.get(&address)?;
+        if counters.iter().all(|&id| ipc_counters::released(id)) {
+            held.shared.remove(&address);
+            return None;
+        }
+        held.limbo.push((address, stream));
+        Some(cuda::SUCCESS)
+    }
+
+    /// Free the blocks in limbo that no other process holds any more. Returns how many.
+    pub(super) fn ipc_collect(&self) -> usize {
+        if !self.ipc.any.load(Ordering::Acquire) {
+            return 0;
+        }
+        let ready: Vec<(u64, u64)> = {
+            let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
+            if held.limbo.is_empty() {
+                return 0;
+            }
+            let Held { shared, limbo } = &mut *held;
+            let mut ready = Vec::new();
+            limbo.retain(|&(address, stream)| {
+                let free = shared
+                    .get(&address)
+                    .is_none_or(|ids| ids.iter().all(|&id| ipc_counters::released(id)));
+                if free {
+                    shared.remove(&address);
+                    ready.push((address, stream));
+                }
+                !free
+            });
+            ready
+        };
+        for &(address, stream) in &ready {
+            if let Some(code) = self.free_pooled(address, stream)
+                && code != cuda::SUCCESS
+            {
+                log::error!("freeing {address:#x}, shared by IPC earlier: {code}");
+            }
+        }
+        ready.len()
+    }
+}
+
+/// Segments this process opened from other processes: handle → (address, blocks received).
+fn opened() -> &'static Mutex<HashMap<[u8; 64], (u64, usize)>> {
+    static OPENED: OnceLock<Mutex<HashMap<[u8; 64], (u64, usize)>>> = OnceLock::new();
+    OPENED.get_or_init(Mutex::default)
+}
+
+/// In the receiving process: the address of the segment `handle` names, on the current
+/// device, opened at its first block (Note [IPC of pooled memory]).
+pub fn ipc_open(handle: [u8; 64]) -> Result<u64, CudaError> {
+    let mut opened = opened().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((address, blocks)) = opened.get_mut(&handle) {
+        *blocks += 1;
+        return Ok(*address);
+    }
+    let address = crate::real::runtime::ipc_open_mem_handle(handle)?;
+    opened.insert(handle, (address, 1));
+    Ok(address)
+}
+
+/// In the receiving process: a block received through `handle` is let go; the segment is
+/// closed with the last (once the device has finished with it).
+pub fn ipc_close(handle: [u8; 64]) -> CudaError {
+    let mut opened = opened().lock().unwrap_or_else(|p| p.into_inner());
+    let Some((address, blocks)) = opened.get_mut(&handle) else {
+        return cuda::ERROR_INVALID_VALUE;
+    };
+    *blocks -= 1;
+    if *blocks > 0 {
+        return cuda::SUCCESS;
+    }
+    let address = *address;
+    opened.remove(&handle);
+    drop(opened);
+    let synced = crate::real::runtime::device_synchronize();
+    if synced != cuda::SUCCESS {
+        log::error!("synchronizing before closing an IPC segment: {synced}");
+    }
+    crate::real::runtime::ipc_close_mem_handle(address)
+}
+
+/// In the receiving process: tell the sender its block `slot` of `counter` is let go.
+pub fn ipc_release(counter: &str, slot: u64) -> Result<(), String> {
+    ipc_counters::release(counter, slot)
+}
