@@ -26,6 +26,7 @@ impl Shim {
         if let Some(served) = self.thread_pool_malloc(device, size, stream) {
             return served;
         }
+        self.ipc_collect_now_and_then();
         let pool = self.pool(device)?;
         let served = match self.serve(&pool.alloc, device, size, stream) {
             // Blocks other processes let go of since: free them, and try again.

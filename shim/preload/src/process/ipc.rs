@@ -20,15 +20,17 @@
 //!   device has finished with it); then the receiver decrements the counter ([`ipc_release`]).
 //! * **The sender's free.** A block freed while any of its counters is above zero is not
 //!   freed: it waits in *limbo*, still allocated (so its segment cannot be released either),
-//!   and is freed once every counter is zero. The limbo is looked at on every free while it is
-//!   not empty, at `empty_cache`, and before an allocation gives up with out of memory.
+//!   and is freed once every counter is zero. The limbo is looked at on every free and every
+//!   64th allocation while it is not empty, at `empty_cache`, and before an allocation gives
+//!   up with out of memory (so a program that only allocates after its receivers let go gets
+//!   the memory back, as natively).
 //!
 //! Not covered: blocks of expandable segments (mapped memory has no legacy IPC handle; PyTorch
 //! shares those through POSIX file descriptors) — sharing one fails with a message that says
 //! so; receiving in a process that does not run under the shim.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cachealloc_core::{AddressInfo, BlockState};
@@ -56,6 +58,10 @@ pub struct IpcShare {
 pub struct IpcBook {
     /// Whether any block has ever been shared (frees skip the book until then).
     any: AtomicBool,
+    /// Whether the limbo holds blocks (allocations look at it now and then).
+    limbo_pending: AtomicBool,
+    /// Allocations since the limbo was last looked at by one.
+    ticks: AtomicU64,
     inner: Mutex<Held>,
 }
 
@@ -118,7 +124,17 @@ impl Shim {
             return None;
         }
         held.limbo.push((address, stream));
+        self.ipc.limbo_pending.store(true, Ordering::Release);
         Some(cuda::SUCCESS)
+    }
+
+    /// At an allocation: every 64th while blocks wait in limbo, free those let go of.
+    pub(super) fn ipc_collect_now_and_then(&self) {
+        if self.ipc.limbo_pending.load(Ordering::Relaxed)
+            && self.ipc.ticks.fetch_add(1, Ordering::Relaxed) % 64 == 0
+        {
+            self.ipc_collect();
+        }
     }
 
     /// Free the blocks in limbo that no other process holds any more. Returns how many.
@@ -143,6 +159,9 @@ impl Shim {
                 }
                 !free
             });
+            if limbo.is_empty() {
+                self.ipc.limbo_pending.store(false, Ordering::Release);
+            }
             ready
         };
         for &(address, stream) in &ready {
