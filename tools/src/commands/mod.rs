@@ -2,6 +2,7 @@
 //! (`XxxArgs`, derived with clap) beside the code that runs it.
 
 pub mod compare;
+pub mod export;
 pub mod flamegraph;
 pub mod groups;
 pub mod perfetto;
@@ -59,6 +60,9 @@ pub enum Command {
     /// One self-contained HTML report: memory over time by allocation site, reserved against
     /// allocated, the segments at a chosen time, annotations and OOMs.
     Plot(plot::PlotArgs),
+    /// Traces as a Parquet dataset for DuckDB, Spark and Arrow: events, stacks and memory
+    /// samples, partitioned by job and rank (DIR/job=…/rank=…/events.parquet).
+    Export(export::ExportArgs),
     /// Chrome/Perfetto trace JSON: allocated and reserved counters per device, segment, OOM and
     /// annotation events (open in ui.perfetto.dev or chrome://tracing).
     Perfetto(perfetto::PerfettoArgs),
@@ -87,6 +91,7 @@ pub fn run(command: Command, out: &mut dyn Write) -> Result<ExitCode, Error> {
         Command::Compare(args) => compare::run(&args, out)?,
         Command::Plot(args) => plot::run(&args, out)?,
         Command::Perfetto(args) => perfetto::run(&args, out)?,
+        Command::Export(args) => export::run(&args, out)?,
         Command::Leaks(args) => groups::leaks(&args, out)?,
         Command::Peak(args) => groups::peak(&args, out)?,
         Command::Simulate(args) => simulate::run(&args, out)?,
