@@ -164,6 +164,7 @@ pub fn export_trace(
     let first = walk.step();
     let header = match (&first, &walk.header) {
         (Some(Ok(_)), Some(h)) => h.clone(),
+        (Some(Err(e)), _) => return Err(Error::Message(e.clone())),
         _ => {
             return Err(Error::Message(format!(
                 "{}: the trace has no readable header",

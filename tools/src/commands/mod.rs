@@ -4,6 +4,7 @@
 pub mod compare;
 pub mod export;
 pub mod flamegraph;
+pub mod fleet;
 pub mod groups;
 pub mod perfetto;
 pub mod plot;
@@ -43,6 +44,10 @@ pub enum Command {
     /// Peaks, fragmentation, counts, OOMs, drops and the top allocation sites of one or more
     /// traces (several: one per rank, side by side).
     Summary(summary::SummaryArgs),
+    /// A job of many ranks on one screen: each rank's peaks, fragmentation, OOMs, the time and
+    /// step of its peak; the outlier ranks; the job's top sites at the ranks' peaks. Reads one
+    /// rank at a time (memory does not grow with the number of ranks).
+    Fleet(fleet::FleetArgs),
     /// PyTorch memory_stats() keys, a memory_summary()-style table and the segment map at a time
     /// (default: the end).
     Stats(stats::StatsArgs),
@@ -84,6 +89,7 @@ pub fn run(command: Command, out: &mut dyn Write) -> Result<ExitCode, Error> {
     match command {
         Command::Run(args) => return run::run(&args, out),
         Command::Summary(args) => summary::run(&args, out)?,
+        Command::Fleet(args) => fleet::run(&args, out)?,
         Command::Stats(args) => stats::run(&args, out)?,
         Command::Trace(args) => trace::run(&args, out)?,
         Command::Snapshot(args) => snapshot::run(&args, out)?,

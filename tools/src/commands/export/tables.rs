@@ -64,9 +64,18 @@ impl TableFile {
             ))
             .set_max_row_group_row_count(Some(1 << 20))
             .build();
+        // The schema's own metadata (version, table) also goes into the file's key-value
+        // metadata, where readers that do not decode the Arrow schema find it.
+        let mut pairs: Vec<(String, String)> = schema
+            .metadata()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        pairs.sort();
+        pairs.extend(metadata.iter().cloned());
         let mut writer = ArrowWriter::try_new(file, schema, Some(props)).map_err(parquet_error)?;
-        for (k, v) in metadata {
-            writer.append_key_value_metadata(KeyValue::new(k.clone(), v.clone()));
+        for (k, v) in pairs {
+            writer.append_key_value_metadata(KeyValue::new(k, v));
         }
         Ok(TableFile { writer, rows: 0 })
     }
