@@ -10,7 +10,7 @@
 
 pub mod tables;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -210,7 +210,8 @@ pub fn export_trace(
     let mut stacks = Stacks::new();
     let mut recorded = Samples::new(wall);
     let mut derived = Samples::new(wall);
-    let mut next_derived: HashMap<u32, u64> = HashMap::new();
+    // Per device ordinal: the trace time of its next derived sample.
+    let mut next_derived: Vec<u64> = vec![];
     let mut exported_stacks: HashSet<u32> = HashSet::new();
     let mut torn = None;
     let mut step = first;
@@ -265,8 +266,14 @@ pub fn export_trace(
                     let totals = walk.state.device_totals(device);
                     row.allocated = Some(totals.allocated);
                     row.reserved = Some(totals.reserved);
-                    let next = next_derived.entry(device).or_insert(0);
-                    if row.t_ns >= *next {
+                    // (A device ordinal beyond any machine's gets no derived samples.)
+                    let d = device as usize;
+                    if d < 1024 && next_derived.len() <= d {
+                        next_derived.resize(d + 1, 0);
+                    }
+                    if let Some(next) = next_derived.get_mut(d)
+                        && row.t_ns >= *next
+                    {
                         derived.push(row.t_ns, device, totals.allocated, totals.reserved, None);
                         *next = (row.t_ns / DERIVED_SAMPLE_NS + 1) * DERIVED_SAMPLE_NS;
                     }

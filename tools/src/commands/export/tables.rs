@@ -14,18 +14,23 @@ use std::sync::Arc;
 use arrow_array::builder::{
     ArrayBuilder, BooleanBuilder, Int32Builder, Int64Builder, StringBuilder,
 };
-use arrow_array::{ArrayRef, RecordBatch};
+use arrow_array::{ArrayRef, RecordBatch, new_null_array};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use parquet::arrow::ArrowWriter;
+use parquet::basic::Encoding;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::KeyValue;
-use parquet::file::properties::WriterProperties;
+use parquet::file::properties::{EnabledStatistics, WriterProperties};
+use parquet::schema::types::ColumnPath;
 
 use crate::Error;
 
 /// The version of the dataset's schema, in every file's key-value metadata as
 /// `cachealloc.schema_version`.
 pub const SCHEMA_VERSION: &str = "1";
+
+/// Columns written with delta encoding (where a table has them).
+const DELTA_COLUMNS: &[&str] = &["seq", "t_ns", "wall_ns", "allocated", "reserved"];
 
 /// Rows gathered before they are handed to the Parquet writer as one batch.
 pub const BATCH_ROWS: usize = 64 * 1024;
@@ -58,12 +63,24 @@ impl TableFile {
         metadata: &[(String, String)],
     ) -> Result<Self, Error> {
         let file = File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let props = WriterProperties::builder()
+        // zstd's fastest level; statistics per column chunk (what query engines prune with);
+        // times, ordinals and running totals delta-encoded (they change little from a row to
+        // the next), the rest dictionary-encoded where it repeats.
+        let mut props = WriterProperties::builder()
             .set_compression(Compression::ZSTD(
-                ZstdLevel::try_new(3).expect("a valid level"),
+                ZstdLevel::try_new(1).expect("a valid level"),
             ))
             .set_max_row_group_row_count(Some(1 << 20))
-            .build();
+            .set_statistics_enabled(EnabledStatistics::Chunk);
+        for column in DELTA_COLUMNS {
+            if schema.column_with_name(column).is_some() {
+                let path = ColumnPath::from(*column);
+                props = props
+                    .set_column_dictionary_enabled(path.clone(), false)
+                    .set_column_encoding(path, Encoding::DELTA_BINARY_PACKED);
+            }
+        }
+        let props = props.build();
         // The schema's own metadata (version, table) also goes into the file's key-value
         // metadata, where readers that do not decode the Arrow schema find it.
         let mut pairs: Vec<(String, String)> = schema
@@ -164,8 +181,6 @@ pub struct Events {
     allocated: Int64Builder,
     reserved: Int64Builder,
     name: StringBuilder,
-    category: StringBuilder,
-    module: StringBuilder,
 }
 
 impl Events {
@@ -216,8 +231,6 @@ impl Events {
             allocated: Int64Builder::with_capacity(n),
             reserved: Int64Builder::with_capacity(n),
             name: StringBuilder::new(),
-            category: StringBuilder::new(),
-            module: StringBuilder::new(),
         }
     }
 
@@ -250,13 +263,11 @@ impl Events {
         self.allocated.append_option(opt_i64(e.allocated));
         self.reserved.append_option(opt_i64(e.reserved));
         self.name.append_option(e.name);
-        // Not recorded by this trace format: null until a record kind carries them.
-        self.category.append_null();
-        self.module.append_null();
     }
 
     /// The rows gathered as one batch (the builders start again empty).
     pub fn batch(&mut self) -> Result<RecordBatch, Error> {
+        let rows = self.len();
         let columns: Vec<ArrayRef> = vec![
             Arc::new(self.seq.finish()),
             Arc::new(self.t_ns.finish()),
@@ -273,8 +284,10 @@ impl Events {
             Arc::new(self.allocated.finish()),
             Arc::new(self.reserved.finish()),
             Arc::new(self.name.finish()),
-            Arc::new(self.category.finish()),
-            Arc::new(self.module.finish()),
+            // `category`, `module`: not recorded by this trace format, null until a record kind
+            // carries them.
+            new_null_array(&DataType::Utf8, rows),
+            new_null_array(&DataType::Utf8, rows),
         ];
         RecordBatch::try_new(Self::schema(), columns).map_err(arrow_error)
     }
