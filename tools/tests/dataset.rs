@@ -220,6 +220,89 @@ fn a_torn_trace_is_exported_up_to_the_tear_and_says_so() {
 }
 
 #[test]
+fn a_rotated_trace_is_exported_from_its_oldest_file_and_says_so() {
+    let dir = scratch("dataset-rotated");
+    let trace = dir.join("rotated");
+    // Small files, two kept: the first ones are deleted as the run goes on.
+    let mut config = WriterConfig::new(&trace, 4096, 2, false);
+    config.flush_bytes = 512;
+    let header = Header {
+        version: FORMAT_VERSION,
+        file_index: 0,
+        pid: 7,
+        host: "h".into(),
+        rank: -1,
+        local_rank: -1,
+        world_size: -1,
+        cmdline: vec![],
+        wall_clock_base_ns: 0,
+        monotonic_base_ns: 0,
+        config: String::new(),
+        devices: vec![],
+        modules: vec![],
+    };
+    let mut w = TraceWriter::create(config, header, MonotonicClock).unwrap();
+    let base = 1u64 << 40;
+    w.write(&Record::SegmentAlloc(SegmentEvent {
+        t: 1,
+        device: 0,
+        address: base,
+        size: 1 << 30,
+        pool: POOL_LARGE,
+        stack: 0,
+    }))
+    .unwrap();
+    for i in 0..2000u64 {
+        let (t, address, size) = (10 + i, base + (i % 50) * 4096, 4096);
+        if i >= 50 {
+            w.write(&Record::Free(FreeRequested {
+                t,
+                device: 0,
+                stream: 0,
+                address,
+                size,
+                stack: 0,
+                thread: 1,
+            }))
+            .unwrap();
+        }
+        w.write(&Record::Alloc(Alloc {
+            t,
+            device: 0,
+            stream: 0,
+            address,
+            requested: size,
+            size,
+            stack: 0,
+            thread: 1,
+        }))
+        .unwrap();
+    }
+    w.finish().unwrap();
+    assert!(
+        !trace.join("trace-000000.cat").exists(),
+        "the first file was rotated away"
+    );
+    let root = dir.join("ds");
+    let out = cachealloc(
+        &dir,
+        &[
+            "export",
+            &trace.display().to_string(),
+            "-o",
+            &root.display().to_string(),
+        ],
+    );
+    assert!(out.contains("  rotated: files before trace-0000"), "{out}");
+    assert!(!out.contains("  torn: "), "{out}");
+    if python_ready() {
+        let v = python(READ_BACK, &[&root.display().to_string()]);
+        let devices: Vec<Vec<i64>> = serde_json::from_value(v["devices"].clone()).unwrap();
+        assert_eq!(devices, summary_of(&trace, 0));
+    }
+}
+
+#[test]
 fn bad_arguments_are_clear_errors() {
     let dir = scratch("dataset-args");
     let trace = data("oom").display().to_string();
