@@ -313,3 +313,55 @@ pub fn run(args: &FleetArgs, out: &mut dyn Write) -> Result<(), Error> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(rank: i64, peak_reserved: u64) -> RankRow {
+        RankRow {
+            rank,
+            device: 0,
+            peak_allocated: peak_reserved,
+            peak_allocated_t: 0,
+            peak_reserved,
+            fragmentation: 0.0,
+            ooms: 0,
+            step: None,
+            top_site: None,
+        }
+    }
+
+    #[test]
+    fn medians_of_odd_and_even_counts() {
+        assert_eq!(median(&mut []), 0.0);
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+
+    #[test]
+    fn outliers_are_far_from_the_median_in_scaled_mads_either_way() {
+        let mut rows: Vec<RankRow> = (0..20)
+            .map(|r| row(r, 1000 + (r as u64 % 5) * 10))
+            .collect();
+        rows.push(row(20, 2000));
+        rows.push(row(21, 100));
+        let (found, m, scale) = outliers(&rows, 3.0);
+        assert_eq!(m, 1020.0);
+        assert!((scale - 1.4826 * 10.0).abs() < 1e-9, "{scale}");
+        let ranks: Vec<i64> = found.iter().map(|(i, _)| rows[*i].rank).collect();
+        assert_eq!(ranks, [20, 21], "largest |z| first");
+        assert!(found[0].1 > 0.0 && found[1].1 < 0.0);
+    }
+
+    #[test]
+    fn identical_ranks_have_no_outliers() {
+        let mut rows: Vec<RankRow> = (0..10).map(|r| row(r, 1 << 30)).collect();
+        assert!(outliers(&rows, 3.0).0.is_empty());
+        // Within 1 % of the median: still none, though the MAD is 0.
+        rows[3].peak_reserved += (1 << 30) / 200;
+        assert!(outliers(&rows, 3.0).0.is_empty());
+        rows[4].peak_reserved *= 2;
+        assert_eq!(outliers(&rows, 3.0).0.len(), 1);
+    }
+}
