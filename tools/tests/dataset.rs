@@ -317,6 +317,7 @@ fn bad_arguments_are_clear_errors() {
         ),
         (vec!["export", &trace], "--output"),
         (vec!["fleet", &trace, "--k", "0"], "not a positive number"),
+        (vec!["fleet", &trace, "--above", "lots"], "is not a size"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
             .current_dir(&dir)
@@ -504,10 +505,18 @@ fn a_job_of_1000_ranks_is_exported_and_summarised_in_memory_that_does_not_grow()
             .map(|l| l.split_whitespace().next().unwrap().parse::<u64>().unwrap())
             .sum();
         assert_eq!(allocs, u64::from(ranks) * ALLOCS * STEPS);
-        let (fleet, fleet_rss) = measured(&dir, &["fleet", &job_arg]);
+        let (fleet, fleet_rss) = measured(&dir, &["fleet", &job_arg, "--above", "300MiB"]);
         let planted: Vec<u32> = (0..ranks).filter(|&r| outlier(r)).collect();
         assert!(
             fleet.contains(&format!("outliers  {} by peak reserved", planted.len())),
+            "{fleet}"
+        );
+        // Ordinary ranks reserve about 212 MiB, the planted ones about 422 MiB.
+        assert!(
+            fleet.contains(&format!(
+                "above     {} rank-devices peaked above 300.00 MiB",
+                planted.len()
+            )),
             "{fleet}"
         );
         // The library's view: each planted rank is above the others, with its step and site.

@@ -1,6 +1,7 @@
 //! `cachealloc fleet TRACE…`: a job of many ranks on one screen — each rank's peak allocated
 //! and reserved, fragmentation, OOMs and the time and step (the last annotation before it) of
-//! its peak; the outlier ranks; and the job's top allocation sites at each rank's peak.
+//! its peak; the outlier ranks; the ranks above a size (`--above 70GB`); and the job's top
+//! allocation sites at each rank's peak.
 //!
 //! Ranks are read one after the other and each is reduced to one small row per device
 //! ([`RankRow`]) before the next is opened, so memory does not grow with the job's size beyond
@@ -18,7 +19,7 @@ use std::path::PathBuf;
 
 use crate::analysis::scan;
 use crate::commands::summary::sites_live;
-use crate::format::{bytes, percent, seconds};
+use crate::format::{bytes, parse_size, percent, seconds};
 use crate::progress::Progress;
 use crate::walk::TraceWalk;
 use crate::{Error, trace_dirs};
@@ -39,6 +40,9 @@ pub struct FleetArgs {
     /// an outlier.
     #[arg(long, default_value_t = 3.0, value_parser = parse_k)]
     pub k: f64,
+    /// Also list every rank whose peak reserved exceeds this size (70GB, 64GiB, bytes).
+    #[arg(long, value_parser = parse_size)]
+    pub above: Option<u64>,
 }
 
 fn parse_k(value: &str) -> Result<f64, String> {
@@ -274,6 +278,26 @@ pub fn run(args: &FleetArgs, out: &mut dyn Write) -> Result<(), Error> {
             .cmp(&rows[a].peak_reserved)
             .then(rows[a].rank.cmp(&rows[b].rank))
     });
+    if let Some(limit) = args.above {
+        let above: Vec<usize> = order
+            .iter()
+            .copied()
+            .filter(|&i| rows[i].peak_reserved > limit)
+            .collect();
+        writeln!(out)?;
+        writeln!(
+            out,
+            "above     {} rank-devices peaked above {} reserved",
+            above.len(),
+            bytes(limit)
+        )?;
+        if !above.is_empty() {
+            writeln!(out, "{}", header())?;
+            for i in above {
+                write_row(out, &rows[i], z_of.get(&i).copied())?;
+            }
+        }
+    }
     let listed = if args.all { rows.len() } else { args.top };
     writeln!(out)?;
     writeln!(
