@@ -51,6 +51,7 @@
 #![deny(missing_docs)]
 
 pub mod chunk;
+pub mod private;
 pub mod reader;
 pub mod recorder;
 pub mod schema;

@@ -6,7 +6,9 @@
 //! be read alone. Records are gathered and written as one chunk when 64 KiB have accumulated or
 //! 100 ms have passed (by the injected [`Clock`]); a file past `file_bytes` is finished and a new
 //! one begun; files beyond `max_files` are deleted oldest first, which bounds disk use to about
-//! `file_bytes × max_files`.
+//! `file_bytes × max_files`. Directories and files are private unless the configuration widens
+//! them ([`private`]): created `0700` and `0600`, files opened without following a symbolic
+//! link.
 
 use std::collections::VecDeque;
 use std::fs::{self, File};
@@ -14,6 +16,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use crate::chunk::encode_chunk;
+use crate::private::{self, DEFAULT_FILE_MODE};
 use crate::schema::{FORMAT_VERSION, Header, MAGIC, Record};
 use crate::state::LiveState;
 
@@ -48,6 +51,11 @@ pub struct WriterConfig {
     pub flush_bytes: usize,
     /// … or once this much time has passed since the last chunk.
     pub flush_interval_ns: u64,
+    /// The files' mode ([`DEFAULT_FILE_MODE`], `0600`, unless widened); directories get
+    /// [`private::dir_mode`] of it.
+    pub file_mode: u32,
+    /// The effective user id an existing trace directory must belong to (`None`: not checked).
+    pub owner: Option<u32>,
 }
 
 impl WriterConfig {
@@ -60,6 +68,8 @@ impl WriterConfig {
             compress,
             flush_bytes: 64 << 10,
             flush_interval_ns: 100_000_000,
+            file_mode: DEFAULT_FILE_MODE,
+            owner: None,
         }
     }
 }
@@ -93,8 +103,8 @@ impl<C: Clock> TraceWriter<C> {
 
     /// Create the directory and the first file. `header.file_index` is set per file.
     pub fn create(config: WriterConfig, header: Header, clock: C) -> io::Result<Self> {
-        fs::create_dir_all(&config.dir)?;
-        let (file, file_path) = open_file(&config.dir, 0)?;
+        private::prepare_dir(&config.dir, config.file_mode, config.owner)?;
+        let (file, file_path) = open_file(&config.dir, 0, config.file_mode)?;
         let now = clock.now_ns();
         let mut writer = TraceWriter {
             config,
@@ -189,7 +199,7 @@ impl<C: Clock> TraceWriter<C> {
         fs::rename(&self.file_path, &done)?;
         self.finished.push_back(done);
         self.file_index += 1;
-        let (file, path) = open_file(&self.config.dir, self.file_index)?;
+        let (file, path) = open_file(&self.config.dir, self.file_index, self.config.file_mode)?;
         self.file = file;
         self.file_path = path;
         self.file_len = 0;
@@ -228,13 +238,9 @@ impl<C: Clock> TraceWriter<C> {
     }
 }
 
-fn open_file(dir: &Path, index: u32) -> io::Result<(File, PathBuf)> {
+fn open_file(dir: &Path, index: u32, mode: u32) -> io::Result<(File, PathBuf)> {
     let path = dir.join(format!("{}.part", file_name(index)));
-    let file = File::options()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&path)?;
+    let file = private::create_file(&path, mode)?;
     Ok((file, path))
 }
 

@@ -2,7 +2,7 @@
 //! real allocator (`cachealloc-core` on a `SimDevice`), recorded as the shim records it.
 //!
 //! ```text
-//! cargo run --release -p cachealloc-tools --example synthetic_trace -- DIR [EVENTS]
+//! cargo run --release -p cachealloc-tools --example synthetic_trace -- DIR [EVENTS [RANKS]]
 //! ```
 //!
 //! Each "step" allocates a forward pass's activations (sizes from a layer table, scaled by a
@@ -11,6 +11,11 @@
 //! sites with 20-frame Python stacks; a stats sample per 100 ms of simulated time, an
 //! annotation per step. Records are written with zstd to 64 MiB files (all kept). EVENTS
 //! (default 10 000 000) counts allocation and free records.
+//!
+//! With RANKS, DIR becomes a job: one trace per rank, `DIR/synthetic-<pid>-rank<R>/`, each with
+//! EVENTS records, `RANK` and `WORLD_SIZE` in its header. Ranks differ a little in their
+//! activations (a per-rank scale of 1.00 to 1.30), and every 101st rank from rank 37 on is an
+//! outlier (scale 1.8): what `cachealloc fleet` should find.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -118,19 +123,44 @@ impl Observer for Recording {
 
 fn main() -> std::io::Result<()> {
     let mut args = std::env::args().skip(1);
-    let dir = PathBuf::from(args.next().expect("usage: synthetic_trace DIR [EVENTS]"));
-    let events: u64 = args
-        .next()
-        .map_or(10_000_000, |n| n.parse().expect("EVENTS"));
+    let usage = "usage: synthetic_trace DIR [EVENTS [RANKS]]";
+    let dir = PathBuf::from(args.next().expect(usage));
+    let events: u64 = args.next().map_or(10_000_000, |n| n.parse().expect(usage));
+    let ranks: Option<u32> = args.next().map(|n| n.parse().expect(usage));
     let _ = std::fs::remove_dir_all(&dir);
+    let Some(ranks) = ranks else {
+        return write_trace(&dir, events, None, 1.0);
+    };
+    for rank in 0..ranks {
+        let scale = if rank % 101 == 37 {
+            1.8
+        } else {
+            1.0 + f64::from(rank % 7) * 0.05
+        };
+        let pid = 10_000 + rank;
+        let trace = dir.join(format!("synthetic-{pid}-rank{rank}"));
+        write_trace(&trace, events, Some((rank, ranks)), scale)?;
+    }
+    Ok(())
+}
+
+/// One trace of `events` alloc/free records; `rank`: (rank, world size); `scale` multiplies the
+/// activations' sizes.
+fn write_trace(
+    dir: &std::path::Path,
+    events: u64,
+    rank: Option<(u32, u32)>,
+    scale: f64,
+) -> std::io::Result<()> {
+    NOW.store(1_000_000, Ordering::Relaxed);
     let header = Header {
         version: FORMAT_VERSION,
         file_index: 0,
-        pid: 4242,
+        pid: rank.map_or(4242, |(r, _)| 10_000 + r),
         host: "synthetic".into(),
-        rank: -1,
-        local_rank: -1,
-        world_size: -1,
+        rank: rank.map_or(-1, |(r, _)| r as i32),
+        local_rank: rank.map_or(-1, |(r, _)| (r % 8) as i32),
+        world_size: rank.map_or(-1, |(_, n)| n as i32),
         cmdline: vec!["python".into(), "train.py".into()],
         wall_clock_base_ns: 1_790_000_000_000_000_000,
         monotonic_base_ns: 0,
@@ -142,7 +172,7 @@ fn main() -> std::io::Result<()> {
         }],
         modules: vec![],
     };
-    let config = WriterConfig::new(&dir, 64 << 20, 100_000, true);
+    let config = WriterConfig::new(dir, 64 << 20, 100_000, true);
     let mut writer = TraceWriter::create(config, header, cachealloc_recorder::MonotonicClock)?;
 
     // Fifty sites, each a 20-frame Python stack sharing its outer frames.
@@ -230,7 +260,7 @@ fn main() -> std::io::Result<()> {
             rng ^= rng >> 7;
             rng ^= rng << 17;
             let base = LAYERS[(layer % 12) as usize];
-            let size = (base * seq / 512).max(512) + rng % 4096;
+            let size = (((base * seq / 512) as f64 * scale) as u64).max(512) + rng % 4096;
             let site = 1 + ((layer * 7 + rng % 3) % 50) as u32;
             tick(400 + rng % 800);
             live.push(
@@ -267,10 +297,12 @@ fn main() -> std::io::Result<()> {
         writer.tick()?;
     }
     let last = writer.finish()?;
-    println!(
-        "wrote {written} alloc/free records in {step} steps to {} (last file {})",
-        dir.display(),
-        last.display()
-    );
+    if rank.is_none() {
+        println!(
+            "wrote {written} alloc/free records in {step} steps to {} (last file {})",
+            dir.display(),
+            last.display()
+        );
+    }
     Ok(())
 }

@@ -45,6 +45,33 @@ pub fn parse_time(text: &str) -> Result<u64, String> {
     Ok((value * scale).round() as u64)
 }
 
+/// Parse a size given on the command line: bytes (`1048576`), or a number with a unit —
+/// `KB`, `MB`, `GB`, `TB` (powers of 1000) or `KiB`, `MiB`, `GiB`, `TiB` (powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let units: [(&str, f64); 9] = [
+        ("KiB", 1024.0),
+        ("MiB", 1024.0 * 1024.0),
+        ("GiB", 1024.0 * 1024.0 * 1024.0),
+        ("TiB", 1024.0 * 1024.0 * 1024.0 * 1024.0),
+        ("KB", 1e3),
+        ("MB", 1e6),
+        ("GB", 1e9),
+        ("TB", 1e12),
+        ("B", 1.0),
+    ];
+    let (number, scale) = units
+        .iter()
+        .find_map(|(unit, scale)| Some((t.strip_suffix(unit)?, *scale)))
+        .unwrap_or((t, 1.0));
+    match number.trim().parse::<f64>() {
+        Ok(v) if v >= 0.0 && v.is_finite() => Ok((v * scale).round() as u64),
+        _ => Err(format!(
+            "{text:?} is not a size (examples: 70GB, 64GiB, 512MiB, 1048576)"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -57,5 +84,9 @@ mod tests {
         assert_eq!(parse_time("300ms").unwrap(), 300_000_000);
         assert_eq!(parse_time("1.5").unwrap(), 1_500_000_000);
         assert!(parse_time("soon").is_err());
+        assert_eq!(parse_size("70GB").unwrap(), 70_000_000_000);
+        assert_eq!(parse_size("1.5 GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("-1GB").is_err() && parse_size("big").is_err());
     }
 }

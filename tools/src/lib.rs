@@ -7,6 +7,8 @@
 //! cachealloc snapshot TRACE --at-peak -o snap.pickle   # for PyTorch's memory viewer
 //! cachealloc simulate TRACE --conf max_split_size_mb:128
 //! cachealloc replay TRACE --backend raw,async,cachealloc   # on a GPU: real allocators compared
+//! cachealloc fleet cachealloc-trace/                       # a job of many ranks
+//! cachealloc export cachealloc-trace/ --format parquet -o dataset/   # for DuckDB, Spark, Arrow
 //! ```
 //!
 //! # Where things are

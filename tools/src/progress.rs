@@ -20,6 +20,13 @@ impl Progress {
         Progress { bar }
     }
 
+    /// No spinner (a pass among many, which its caller reports).
+    pub fn hidden() -> Progress {
+        Progress {
+            bar: ProgressBar::hidden(),
+        }
+    }
+
     /// Records done so far.
     pub fn tick(&self, records: u64) {
         self.bar.set_position(records);

@@ -31,7 +31,7 @@ fn commands(trace: &Path, out: &Path) -> Vec<Vec<String>> {
     // `replay` refuses a damaged trace before it needs a GPU, or replays what is readable (over
     // a GPU's driver; without one it fails naming the trace).
     let plain = [
-        "summary", "stats", "trace", "leaks", "peak", "simulate", "replay",
+        "summary", "stats", "trace", "leaks", "peak", "simulate", "replay", "fleet",
     ];
     let mut all: Vec<Vec<String>> = plain
         .iter()
@@ -42,6 +42,7 @@ fn commands(trace: &Path, out: &Path) -> Vec<Vec<String>> {
         ("flamegraph", "f.svg"),
         ("plot", "p.html"),
         ("perfetto", "p.json"),
+        ("export", "dataset"),
     ] {
         all.push(vec![command.into(), "-o".into(), o(file), t.clone()]);
     }

@@ -114,6 +114,9 @@ pub struct Config {
     pub trace_file_mb: u64,
     /// `trace_files`: trace files kept per process (older ones are deleted).
     pub trace_files: u32,
+    /// `trace_mode`: the trace files' mode (`0600`: the user's alone); trace directories get an
+    /// `x` bit wherever it gives an `r` bit.
+    pub trace_mode: u32,
     /// `stacks`.
     pub stacks: StackMode,
     /// `stack_depth`: frames captured per stack.
@@ -161,6 +164,7 @@ impl Default for Config {
             trace_dir: PathBuf::from("cachealloc-trace"),
             trace_file_mb: 64,
             trace_files: 8,
+            trace_mode: 0o600,
             stacks: StackMode::Auto,
             stack_depth: 64,
             compress: true,

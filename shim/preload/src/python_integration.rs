@@ -109,6 +109,7 @@ fn write_if_changed(dir: &Path, name: &str, text: &str) -> Result<(), String> {
             .create(true)
             .truncate(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)?;
         f.write_all(text.as_bytes())?;
         std::fs::rename(&tmp, &path)

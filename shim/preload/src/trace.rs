@@ -7,6 +7,10 @@
 //! lock, so records reach the channel in the order things happened; the recorder's worker
 //! thread writes them. At exit the recorder is flushed and stopped (with a timeout); a forked
 //! child records nothing.
+//!
+//! Traces are private: directories `0700`, files `0600` (`trace_mode` widens them), an existing
+//! directory that is another user's, a symbolic link, or writable by others is refused with one
+//! message and the program runs on untraced (`cachealloc_recorder::private`).
 
 use std::cell::Cell;
 use std::path::PathBuf;
@@ -57,12 +61,27 @@ impl Trace {
             devices,
             modules: modules(),
         };
-        let writer = WriterConfig::new(
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let owner = Some(unsafe { libc::geteuid() });
+        // The trace directory (shared by the processes of a job) and then this process's own
+        // are checked or created private (`recorder::private`); a refusal is one message.
+        let refused = |e: std::io::Error| {
+            if cachealloc_recorder::private::is_refusal(&e) {
+                e.to_string()
+            } else {
+                format!("cannot write the trace in {}: {e}", dir.display())
+            }
+        };
+        cachealloc_recorder::private::prepare_dir(&config.trace_dir, config.trace_mode, owner)
+            .map_err(refused)?;
+        let mut writer = WriterConfig::new(
             &dir,
             config.trace_file_mb << 20,
             config.trace_files,
             config.compress,
         );
+        writer.file_mode = config.trace_mode;
+        writer.owner = owner;
         // A file-size limit (`ulimit -f`) answers a write beyond it with SIGXFSZ, whose default
         // action kills the process: our trace must never be the reason. The recorder's thread
         // is started with the signal blocked (a new thread inherits the mask), so its writes fail
@@ -74,7 +93,7 @@ impl Trace {
                 );
             })
         })
-        .map_err(|e| format!("cannot write the trace in {}: {e}", dir.display()))?;
+        .map_err(refused)?;
         Ok(Trace { recorder, dir })
     }
 

@@ -2,7 +2,9 @@
 //! (`XxxArgs`, derived with clap) beside the code that runs it.
 
 pub mod compare;
+pub mod export;
 pub mod flamegraph;
+pub mod fleet;
 pub mod groups;
 pub mod perfetto;
 pub mod plot;
@@ -42,6 +44,10 @@ pub enum Command {
     /// Peaks, fragmentation, counts, OOMs, drops and the top allocation sites of one or more
     /// traces (several: one per rank, side by side).
     Summary(summary::SummaryArgs),
+    /// A job of many ranks on one screen: each rank's peaks, fragmentation, OOMs, the time and
+    /// step of its peak; the outlier ranks; the job's top sites at the ranks' peaks. Reads one
+    /// rank at a time (memory does not grow with the number of ranks).
+    Fleet(fleet::FleetArgs),
     /// PyTorch memory_stats() keys, a memory_summary()-style table and the segment map at a time
     /// (default: the end).
     Stats(stats::StatsArgs),
@@ -59,6 +65,9 @@ pub enum Command {
     /// One self-contained HTML report: memory over time by allocation site, reserved against
     /// allocated, the segments at a chosen time, annotations and OOMs.
     Plot(plot::PlotArgs),
+    /// Traces as a Parquet dataset for DuckDB, Spark and Arrow: events, stacks and memory
+    /// samples, partitioned by job and rank (DIR/job=…/rank=…/events.parquet).
+    Export(export::ExportArgs),
     /// Chrome/Perfetto trace JSON: allocated and reserved counters per device, segment, OOM and
     /// annotation events (open in ui.perfetto.dev or chrome://tracing).
     Perfetto(perfetto::PerfettoArgs),
@@ -80,6 +89,7 @@ pub fn run(command: Command, out: &mut dyn Write) -> Result<ExitCode, Error> {
     match command {
         Command::Run(args) => return run::run(&args, out),
         Command::Summary(args) => summary::run(&args, out)?,
+        Command::Fleet(args) => fleet::run(&args, out)?,
         Command::Stats(args) => stats::run(&args, out)?,
         Command::Trace(args) => trace::run(&args, out)?,
         Command::Snapshot(args) => snapshot::run(&args, out)?,
@@ -87,6 +97,7 @@ pub fn run(command: Command, out: &mut dyn Write) -> Result<ExitCode, Error> {
         Command::Compare(args) => compare::run(&args, out)?,
         Command::Plot(args) => plot::run(&args, out)?,
         Command::Perfetto(args) => perfetto::run(&args, out)?,
+        Command::Export(args) => export::run(&args, out)?,
         Command::Leaks(args) => groups::leaks(&args, out)?,
         Command::Peak(args) => groups::peak(&args, out)?,
         Command::Simulate(args) => simulate::run(&args, out)?,

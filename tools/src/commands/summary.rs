@@ -1,5 +1,6 @@
 //! `cachealloc summary TRACE...`: what a run did with GPU memory, on one screen per trace, and
-//! a side-by-side table when several traces (ranks) are given.
+//! a side-by-side table when several traces (ranks) are given. Traces are read one at a time;
+//! for a job of many ranks, `cachealloc fleet` is the shorter view.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -39,17 +40,47 @@ pub fn sites_live(walk: &TraceWalk, device: u32) -> Vec<(String, u64, u64)> {
     sites
 }
 
-/// Run the command.
+/// One device of one trace in the side-by-side table of several traces.
+struct TableRow {
+    name: String,
+    device: u32,
+    peak_allocated: u64,
+    peak_reserved: u64,
+    allocated_at_peak_reserved: u64,
+    allocs: u64,
+    ooms: usize,
+}
+
+/// Run the command. Traces are read one after the other, each reduced to its table rows before
+/// the next is opened: memory does not grow with the number of traces (ranks) beyond those rows.
 pub fn run(args: &SummaryArgs, out: &mut dyn Write) -> Result<(), Error> {
     let dirs = trace_dirs(&args.traces)?;
-    let mut scans = vec![];
+    let mut table = vec![];
     for (i, dir) in dirs.iter().enumerate() {
         if i > 0 {
             writeln!(out)?;
         }
         let scan = scan(dir, &Progress::new("scanning"))?;
         write_one(dir, &scan, out)?;
-        scans.push(scan);
+        if dirs.len() > 1 {
+            let name = dir.display().to_string();
+            // The end of the path says which trace it is.
+            let name = match name.char_indices().rev().nth(31) {
+                Some((i, _)) => format!("…{}", &name[i + 1..]),
+                None => name,
+            };
+            for (device, d) in &scan.devices {
+                table.push(TableRow {
+                    name: name.clone(),
+                    device: *device,
+                    peak_allocated: d.peak_allocated.bytes,
+                    peak_reserved: d.peak_reserved.bytes,
+                    allocated_at_peak_reserved: d.allocated_at_peak_reserved,
+                    allocs: d.allocs,
+                    ooms: scan.ooms.iter().filter(|o| o.device == *device).count(),
+                });
+            }
+        }
     }
     if dirs.len() > 1 {
         writeln!(out)?;
@@ -58,30 +89,21 @@ pub fn run(args: &SummaryArgs, out: &mut dyn Write) -> Result<(), Error> {
             "{:<32} {:>6} {:>12} {:>12} {:>8} {:>10} {:>5}",
             "trace", "device", "peak alloc", "peak resv", "frag", "allocs", "OOMs"
         )?;
-        for (dir, scan) in dirs.iter().zip(&scans) {
-            let name = dir.display().to_string();
-            // The end of the path says which trace it is.
-            let name = match name.char_indices().rev().nth(31) {
-                Some((i, _)) => format!("…{}", &name[i + 1..]),
-                None => name,
-            };
-            for (device, d) in &scan.devices {
-                let ooms = scan.ooms.iter().filter(|o| o.device == *device).count();
-                writeln!(
-                    out,
-                    "{:<32} {:>6} {:>12} {:>12} {:>8} {:>10} {:>5}",
-                    name,
-                    device,
-                    bytes(d.peak_allocated.bytes),
-                    bytes(d.peak_reserved.bytes),
-                    percent(
-                        d.peak_reserved.bytes - d.allocated_at_peak_reserved,
-                        d.peak_reserved.bytes
-                    ),
-                    d.allocs,
-                    ooms
-                )?;
-            }
+        for r in &table {
+            writeln!(
+                out,
+                "{:<32} {:>6} {:>12} {:>12} {:>8} {:>10} {:>5}",
+                r.name,
+                r.device,
+                bytes(r.peak_allocated),
+                bytes(r.peak_reserved),
+                percent(
+                    r.peak_reserved - r.allocated_at_peak_reserved,
+                    r.peak_reserved
+                ),
+                r.allocs,
+                r.ooms
+            )?;
         }
     }
     Ok(())

@@ -2,6 +2,8 @@
 //! directories, and running the `cachealloc` binary.
 #![allow(dead_code)] // each test file uses some of them
 
+pub mod job;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -5,7 +5,8 @@ use std::fmt;
 use std::path::PathBuf;
 
 use super::values::{
-    bad, bad_because, choose, parse_bool, parse_fraction, parse_int, parse_max_split, parse_roundup,
+    bad, bad_because, choose, parse_bool, parse_file_mode, parse_fraction, parse_int,
+    parse_max_split, parse_roundup,
 };
 use super::{Config, LogLevel, ReusePolicy, StackMode, TorchCaching};
 
@@ -173,6 +174,15 @@ pub const KEYS: &[Key] = &[
         from_pytorch: false,
         set: |c, k, v| {
             c.trace_files = parse_int(k, v, 1, 10000)? as u32;
+            Ok(())
+        },
+    },
+    Key {
+        name: "trace_mode",
+        valid: "an octal file mode from 0600 to 0666, e.g. 0640 (directories get x where r is given)",
+        from_pytorch: false,
+        set: |c, k, v| {
+            c.trace_mode = parse_file_mode(v).ok_or_else(|| bad(k, v))?;
             Ok(())
         },
     },

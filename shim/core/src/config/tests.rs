@@ -117,6 +117,7 @@ fn every_keys_bad_value_names_the_key_the_value_and_the_valid_values() {
         "driver_doors:off",
         "expandable_segments:True",
         "report_cached_as_free:false",
+        "trace_mode:0640",
     ] {
         Config::parse(good, "t").unwrap_or_else(|e| panic!("{good}: {e}"));
     }
@@ -146,4 +147,21 @@ fn conf_string_round_trips() {
     let c = Config::parse(text, "t").unwrap();
     let again = Config::parse(&c.allocator.to_conf_string(), "t").unwrap();
     assert_eq!(c.allocator, again.allocator);
+}
+
+#[test]
+fn trace_mode_is_an_octal_mode_of_read_and_write_bits_keeping_the_owners() {
+    for (value, mode) in [
+        ("0600", 0o600),
+        ("640", 0o640),
+        ("0o660", 0o660),
+        ("0666", 0o666),
+    ] {
+        let c = Config::parse(&format!("trace_mode:{value}"), "t").unwrap();
+        assert_eq!(c.trace_mode, mode, "{value}");
+    }
+    assert_eq!(Config::default().trace_mode, 0o600);
+    for bad in ["0700", "0400", "0644x", "", "0o", "1600", "0601", "9"] {
+        Config::parse(&format!("trace_mode:{bad}"), "t").unwrap_err();
+    }
 }

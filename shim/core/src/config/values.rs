@@ -93,6 +93,18 @@ pub(super) fn parse_int(key: &str, value: &str, min: u64, max: u64) -> Result<u6
     }
 }
 
+/// An octal file mode that keeps the owner's read and write and adds only read and write bits
+/// (`0600` to `0666`; a leading `0` or `0o` is optional).
+pub(super) fn parse_file_mode(value: &str) -> Option<u32> {
+    let digits = value.strip_prefix("0o").unwrap_or(value);
+    if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| (b'0'..=b'7').contains(&b))
+    {
+        return None;
+    }
+    let mode = u32::from_str_radix(digits, 8).ok()?;
+    (mode & !0o666 == 0 && mode & 0o600 == 0o600).then_some(mode)
+}
+
 pub(super) fn parse_fraction(key: &str, value: &str, one_allowed: bool) -> Result<f64, String> {
     let ok = |f: f64| f > 0.0 && (f < 1.0 || (one_allowed && f == 1.0));
     match value.parse::<f64>() {

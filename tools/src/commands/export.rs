@@ -1,0 +1,432 @@
+//! `cachealloc export TRACE… --format parquet -o DIR`: traces as a Parquet dataset that DuckDB,
+//! Spark and Arrow read as one table per kind of row.
+//!
+//! Each trace (one per rank) becomes `DIR/job=<job>/rank=<rank>/` holding `events.parquet`,
+//! `stacks.parquet` and `samples.parquet` ([`tables`] has their schemas; docs/design.md, "The
+//! exported dataset", is the reference). Traces are exported one after the other, each in one
+//! streaming pass, so memory does not grow with the number of ranks. A trace that is torn (a
+//! process killed mid-write) or corrupt is exported up to the tear, and the command says so;
+//! one whose first files were rotated away is exported from its oldest remaining file.
+
+pub mod tables;
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use cachealloc_recorder::Record;
+use cachealloc_recorder::schema::{FRAME_PYTHON, pool_name};
+
+use crate::walk::{TraceWalk, site, stack_frames};
+use crate::{Error, trace_dirs};
+use tables::{BATCH_ROWS, EventRow, Events, FrameRow, Samples, Stacks, TableFile};
+
+/// Trace time between derived samples (for traces without stats samples): 100 ms, the
+/// recorder's own sampling interval.
+pub const DERIVED_SAMPLE_NS: u64 = 100_000_000;
+
+/// The output formats.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// Apache Parquet files in a hive-partitioned directory (`job=…/rank=…/`).
+    Parquet,
+}
+
+/// `cachealloc export`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct ExportArgs {
+    /// Trace directories (a directory of per-rank traces stands for all of them).
+    #[arg(required = true)]
+    pub traces: Vec<PathBuf>,
+    /// The output format.
+    #[arg(long, value_enum, default_value = "parquet")]
+    pub format: Format,
+    /// The dataset's root directory (created if missing; a rank already there is replaced).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// The job's name, the `job=` partition (default: the host name in the first trace).
+    #[arg(long, value_parser = parse_job)]
+    pub job: Option<String>,
+}
+
+/// A job name usable as a directory name and a partition value.
+pub fn parse_job(value: &str) -> Result<String, String> {
+    if value.is_empty()
+        || value.len() > 200
+        || !value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.+@:".contains(c))
+        || value.starts_with('.')
+    {
+        return Err(format!(
+            "'{value}' is not a job name: use letters, digits and - _ . + @ : (not first '.')"
+        ));
+    }
+    Ok(value.to_string())
+}
+
+/// A host name as a job name: characters a partition value cannot hold become `_`.
+fn job_from_host(host: &str) -> String {
+    let job: String = host
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.+@:".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    match job.trim_start_matches('.') {
+        "" => "job".to_string(),
+        j => j.to_string(),
+    }
+}
+
+/// What one trace's export wrote.
+#[derive(Debug, Clone, Default)]
+pub struct RankExport {
+    /// The rank (the trace's `RANK`, else its position among the traces given).
+    pub rank: i64,
+    /// Its partition directory.
+    pub dir: PathBuf,
+    /// Rows of `events`.
+    pub events: u64,
+    /// Rows of `stacks`.
+    pub frames: u64,
+    /// Rows of `samples`.
+    pub samples: u64,
+    /// Whether the samples were derived from the events (the trace has none).
+    pub derived_samples: bool,
+    /// Where reading stopped early (a tear or an undecodable record), if it did.
+    pub torn: Option<String>,
+    /// The index of the oldest file left (older ones were rotated away).
+    pub first_file: u32,
+}
+
+/// Run the command.
+pub fn run(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Error> {
+    let dirs = trace_dirs(&args.traces)?;
+    let mut job = args.job.clone();
+    let mut ranks: HashSet<i64> = HashSet::new();
+    let mut events = 0;
+    for (index, dir) in dirs.iter().enumerate() {
+        let r = export_trace(dir, index, &mut job, &args.output, &mut ranks)?;
+        events += r.events;
+        writeln!(
+            out,
+            "{}: rank {}: {} events, {} stack frames, {} samples{}",
+            dir.display(),
+            r.rank,
+            r.events,
+            r.frames,
+            r.samples,
+            if r.derived_samples {
+                " (derived: the trace has no stats samples)"
+            } else {
+                ""
+            }
+        )?;
+        if r.first_file > 0 {
+            writeln!(
+                out,
+                "  rotated: files before trace-{:06}.cat were rotated away; exported from there",
+                r.first_file
+            )?;
+        }
+        if let Some(tear) = &r.torn {
+            writeln!(out, "  torn: {tear}; exported up to the tear")?;
+        }
+    }
+    writeln!(
+        out,
+        "exported {} trace{} ({events} events) to {} (schema version {})",
+        dirs.len(),
+        if dirs.len() == 1 { "" } else { "s" },
+        args.output
+            .join(format!("job={}", job.unwrap_or_default()))
+            .display(),
+        tables::SCHEMA_VERSION
+    )?;
+    Ok(())
+}
+
+/// Export one trace into `root/job=<job>/rank=<rank>/`. `job` is set from the trace's host when
+/// still unknown; `ranks` holds the ranks already exported (two traces of one rank are refused).
+pub fn export_trace(
+    dir: &Path,
+    index: usize,
+    job: &mut Option<String>,
+    root: &Path,
+    ranks: &mut HashSet<i64>,
+) -> Result<RankExport, Error> {
+    let mut walk = TraceWalk::open(dir)?;
+    let first = walk.step();
+    let header = match (&first, &walk.header) {
+        (Some(Ok(_)), Some(h)) => h.clone(),
+        (Some(Err(e)), _) => return Err(Error::Message(e.clone())),
+        _ => {
+            return Err(Error::Message(format!(
+                "{}: the trace has no readable header",
+                dir.display()
+            )));
+        }
+    };
+    let rank = if header.rank >= 0 {
+        i64::from(header.rank)
+    } else {
+        index as i64
+    };
+    if !ranks.insert(rank) {
+        return Err(Error::Message(format!(
+            "{}: a second trace of rank {rank} (export the runs of one rank under different --job names)",
+            dir.display()
+        )));
+    }
+    let job = job
+        .get_or_insert_with(|| job_from_host(&header.host))
+        .clone();
+    let part = root.join(format!("job={job}")).join(format!("rank={rank}"));
+    std::fs::create_dir_all(&part).map_err(|e| format!("{}: {e}", part.display()))?;
+    let metadata = vec![
+        ("cachealloc.job".to_string(), job.clone()),
+        ("cachealloc.rank".to_string(), rank.to_string()),
+        ("cachealloc.trace".to_string(), dir.display().to_string()),
+        ("cachealloc.host".to_string(), header.host.clone()),
+        ("cachealloc.pid".to_string(), header.pid.to_string()),
+        (
+            "cachealloc.world_size".to_string(),
+            header.world_size.to_string(),
+        ),
+    ];
+    let wall = header.wall_clock_base_ns;
+    let mut events_file =
+        TableFile::create(&part.join("events.parquet"), Events::schema(), &metadata)?;
+    let mut stacks_file =
+        TableFile::create(&part.join("stacks.parquet"), Stacks::schema(), &metadata)?;
+    let mut samples_file =
+        TableFile::create(&part.join("samples.parquet"), Samples::schema(), &metadata)?;
+    let mut events = Events::new(wall);
+    let mut stacks = Stacks::new();
+    let mut recorded = Samples::new(wall);
+    let mut derived = Samples::new(wall);
+    // Per device ordinal: the trace time of its next derived sample.
+    let mut next_derived: Vec<u64> = vec![];
+    let mut exported_stacks: HashSet<u32> = HashSet::new();
+    let mut torn = None;
+    let mut step = first;
+    while let Some(item) = step {
+        let s = match item {
+            Ok(s) => s,
+            Err(e) => {
+                torn = Some(format!(
+                    "an undecodable record after {:.3} s of the trace: {e}",
+                    walk.t as f64 / 1e9
+                ));
+                break;
+            }
+        };
+        if let Record::StackDef(def) = &s.record
+            && exported_stacks.insert(def.id)
+        {
+            let label = site(&walk.state, def.id);
+            for (depth, f) in stack_frames(&walk.state, def.id).into_iter().enumerate() {
+                stacks.push(&FrameRow {
+                    stack_id: def.id,
+                    site: &label,
+                    depth: depth as u32,
+                    frame_id: f.id,
+                    kind: if f.kind == FRAME_PYTHON {
+                        "python"
+                    } else {
+                        "native"
+                    },
+                    name: &f.name,
+                    file: &f.file,
+                    line: f.line,
+                    address: f.address,
+                });
+            }
+            if stacks.len() >= BATCH_ROWS {
+                stacks_file.write(&stacks.batch()?)?;
+            }
+        }
+        if !s.in_checkpoint {
+            if let Record::StatsSample(x) = &s.record {
+                recorded.push(
+                    x.t,
+                    x.device,
+                    x.allocated,
+                    x.reserved,
+                    Some((x.active, x.requested)),
+                );
+            } else if let Some(mut row) = event_row(&s.record) {
+                row.seq = s.index;
+                if let Some(device) = row.device {
+                    let totals = walk.state.device_totals(device);
+                    row.allocated = Some(totals.allocated);
+                    row.reserved = Some(totals.reserved);
+                    // (A device ordinal beyond any machine's gets no derived samples.)
+                    let d = device as usize;
+                    if d < 1024 && next_derived.len() <= d {
+                        next_derived.resize(d + 1, 0);
+                    }
+                    if let Some(next) = next_derived.get_mut(d)
+                        && row.t_ns >= *next
+                    {
+                        derived.push(row.t_ns, device, totals.allocated, totals.reserved, None);
+                        *next = (row.t_ns / DERIVED_SAMPLE_NS + 1) * DERIVED_SAMPLE_NS;
+                    }
+                }
+                events.push(&row);
+                if events.len() >= BATCH_ROWS {
+                    events_file.write(&events.batch()?)?;
+                }
+            }
+        }
+        step = walk.step();
+    }
+    if !events.is_empty() {
+        events_file.write(&events.batch()?)?;
+    }
+    if !stacks.is_empty() {
+        stacks_file.write(&stacks.batch()?)?;
+    }
+    let derived_samples = recorded.is_empty();
+    let samples = if derived_samples {
+        &mut derived
+    } else {
+        &mut recorded
+    };
+    if !samples.is_empty() {
+        samples_file.write(&samples.batch()?)?;
+    }
+    if torn.is_none()
+        && let Some(t) = walk.tears().first()
+    {
+        torn = Some(format!(
+            "{} at byte {}: {}",
+            t.path.display(),
+            t.offset,
+            t.error
+        ));
+    }
+    for file in [&mut events_file, &mut stacks_file, &mut samples_file] {
+        file.note(
+            "cachealloc.torn",
+            torn.clone().unwrap_or_else(|| "no".to_string()),
+        );
+        file.note("cachealloc.first_file", header.file_index.to_string());
+    }
+    samples_file.note(
+        "cachealloc.samples",
+        if derived_samples {
+            format!(
+                "derived every {} ms of trace time",
+                DERIVED_SAMPLE_NS / 1_000_000
+            )
+        } else {
+            "recorded".to_string()
+        },
+    );
+    Ok(RankExport {
+        rank,
+        dir: part,
+        events: events_file.close()?,
+        frames: stacks_file.close()?,
+        samples: samples_file.close()?,
+        derived_samples,
+        torn,
+        first_file: header.file_index,
+    })
+}
+
+/// The `events` row of a record (without its ordinal and device totals), `None` for records
+/// that are not events (definitions, checkpoints, samples, drop counts).
+fn event_row(record: &Record) -> Option<EventRow<'_>> {
+    let row = match record {
+        Record::Alloc(a) => EventRow {
+            t_ns: a.t,
+            kind: "alloc",
+            device: Some(a.device),
+            stream: Some(a.stream),
+            size: Some(a.size),
+            requested: Some(a.requested),
+            address: Some(a.address),
+            stack_id: Some(a.stack),
+            thread: Some(a.thread),
+            ..EventRow::default()
+        },
+        Record::Free(f) | Record::FreeRequested(f) => EventRow {
+            t_ns: f.t,
+            kind: if matches!(record, Record::Free(_)) {
+                "free"
+            } else {
+                "free_requested"
+            },
+            device: Some(f.device),
+            stream: Some(f.stream),
+            size: Some(f.size),
+            address: Some(f.address),
+            stack_id: Some(f.stack),
+            thread: Some(f.thread),
+            ..EventRow::default()
+        },
+        Record::FreeCompleted(f) => EventRow {
+            t_ns: f.t,
+            kind: "free_completed",
+            device: Some(f.device),
+            size: Some(f.size),
+            address: Some(f.address),
+            ..EventRow::default()
+        },
+        Record::SegmentAlloc(s)
+        | Record::SegmentFree(s)
+        | Record::SegmentMap(s)
+        | Record::SegmentUnmap(s) => EventRow {
+            t_ns: s.t,
+            kind: match record {
+                Record::SegmentAlloc(_) => "segment_alloc",
+                Record::SegmentFree(_) => "segment_free",
+                Record::SegmentMap(_) => "segment_map",
+                _ => "segment_unmap",
+            },
+            device: Some(s.device),
+            pool: Some(pool_name(s.pool)),
+            size: Some(s.size),
+            address: Some(s.address),
+            stack_id: Some(s.stack),
+            ..EventRow::default()
+        },
+        Record::Oom(o) => EventRow {
+            t_ns: o.t,
+            kind: "oom",
+            device: Some(o.device),
+            size: Some(o.rounded),
+            requested: Some(o.requested),
+            stack_id: Some(o.stack),
+            thread: Some(o.thread),
+            ..EventRow::default()
+        },
+        Record::StreamCreated(s) | Record::StreamDestroyed(s) => EventRow {
+            t_ns: s.t,
+            kind: if matches!(record, Record::StreamCreated(_)) {
+                "stream_created"
+            } else {
+                "stream_destroyed"
+            },
+            device: matches!(record, Record::StreamCreated(_)).then_some(s.device),
+            stream: Some(s.stream),
+            ..EventRow::default()
+        },
+        Record::Annotation(a) => EventRow {
+            t_ns: a.t,
+            kind: "annotation",
+            thread: Some(a.thread),
+            name: Some(&a.name),
+            ..EventRow::default()
+        },
+        _ => return None,
+    };
+    Some(row)
+}
