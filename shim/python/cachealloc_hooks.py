@@ -20,6 +20,8 @@ it has to adjust:
   snapshots are not kept (its backend has none); the entry points of `torch._C` that the memory
   API calls are replaced by ones served from the library: `_cuda_memoryStats` (every key of
   `memory_stats()`, from `cachealloc_device_stats_json`), `_cuda_resetAccumulatedMemoryStats`,
+  `_cuda_attach_out_of_memory_observer` (the library calls the observer before an allocation
+  fails for lack of memory: `cachealloc_attach_oom_observer`),
   `_cuda_record_memory_history`, `_cuda_memorySnapshot` (segments, blocks, frames and
   `device_traces` read from the trace the recorder keeps anyway, by the `cachealloc snapshot`
   command beside the library), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
@@ -317,6 +319,33 @@ def _mem_pool_api():
     return api
 
 
+#: The ctypes callbacks of the out-of-memory observers (kept alive for the library).
+_OOM_CALLBACKS = []
+
+
+def _oom_observers(native):
+    """Replace `_cuda_attach_out_of_memory_observer` with the library's observers."""
+    import ctypes
+
+    try:
+        attach = ctypes.CDLL(None).cachealloc_attach_oom_observer
+    except (OSError, AttributeError):
+        return
+    callback_type = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
+    attach.restype = ctypes.c_int
+    attach.argtypes = [callback_type]
+
+    def attach_out_of_memory_observer(observer):
+        def call(device, requested, limit, free):
+            observer(device, requested, limit, free)
+
+        callback = callback_type(call)
+        _OOM_CALLBACKS.append(callback)
+        attach(callback)
+
+    native._cuda_attach_out_of_memory_observer = attach_out_of_memory_observer
+
+
 #: PyTorch's pool id -> the device of a MemPool made under the library (for snapshots).
 _POOL_DEVICES = {}
 #: id() of each `_cuda_CUDAAllocator` made by `CUDAPluggableAllocator` -> (allocator, its
@@ -436,6 +465,7 @@ def _memory(memory):
         return
     stats, flush, reset = api
     pools = _mem_pools(memory, native)
+    _oom_observers(native)
     import json
 
     def memory_stats(device):

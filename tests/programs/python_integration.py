@@ -158,6 +158,15 @@ else:
     if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
         fail("history was shown after _record_memory_history(None)")
 
+    # Out-of-memory observers hear of an allocation that fails.
+    heard = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: heard.append(args))
+    huge = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(huge), 1 << 44) == 0:
+        fail("a 16 TiB allocation succeeded")
+    if len(heard) != 1 or heard[0][0] != 0 or heard[0][1] != 1 << 44:
+        fail(f"the out-of-memory observer heard {heard}")
+
     # MemPool and use_mem_pool.
     memory = torch.cuda.memory
 

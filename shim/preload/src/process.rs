@@ -61,6 +61,7 @@ mod stream_lifecycle;
 
 pub use exit::ExitFacts;
 
+pub use allocations::OOM_OBSERVERS;
 pub use ipc::{IpcShare, ipc_close, ipc_open, ipc_release};
 pub use pointers::PooledBlock;
 pub use private_pools::{PoolKey, PoolSettings};

@@ -432,6 +432,51 @@ pub unsafe extern "C" fn cachealloc_ipc_release(counter: *const c_char, slot: u6
     )
 }
 
+/// An out-of-memory observer: `(device, requested bytes, the device's limit, its free bytes)`.
+pub type OomObserver = extern "C" fn(c_int, u64, u64, u64);
+
+fn oom_observers() -> &'static std::sync::Mutex<Vec<OomObserver>> {
+    static OBSERVERS: std::sync::OnceLock<std::sync::Mutex<Vec<OomObserver>>> =
+        std::sync::OnceLock::new();
+    OBSERVERS.get_or_init(Default::default)
+}
+
+/// Call every attached observer (what [`process::OOM_OBSERVERS`] holds once one is attached).
+fn notify_oom_observers(device: i32, size: u64, limit: u64, free: u64) {
+    let observers = oom_observers()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    for observer in observers {
+        // No panic or unwinding crosses back: the observer is C (a ctypes callback catches
+        // Python's exceptions itself).
+        observer(device, size, limit, free);
+    }
+}
+
+/// Call `observer` whenever an allocation fails for lack of memory, before the failure is
+/// returned (PyTorch's `_cuda_attach_out_of_memory_observer`, served through the Python
+/// integration): with the device, the request's bytes, the device's limit and its free bytes.
+/// The observer must not allocate device memory through the pools of the failing device.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_attach_oom_observer(observer: Option<OomObserver>) -> CudaError {
+    let Some(observer) = observer else {
+        return cuda::ERROR_INVALID_VALUE;
+    };
+    guarded(
+        "cachealloc_attach_oom_observer",
+        || {
+            oom_observers()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(observer);
+            let _ = process::OOM_OBSERVERS.set(notify_oom_observers);
+            cuda::SUCCESS
+        },
+        || cuda::ERROR_INITIALIZATION,
+    )
+}
+
 /// The `backward()` announced by [`cachealloc_backward_begin`] returned.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn cachealloc_backward_end(token: c_uint) {

@@ -12,6 +12,10 @@ use crate::cuda::{self, CudaError};
 use crate::log;
 use crate::trace::DeviceObserver;
 
+/// What tells the program's out-of-memory observers, set by the C API when the first observer
+/// is attached (this module does not call foreign code itself).
+pub static OOM_OBSERVERS: std::sync::OnceLock<fn(i32, u64, u64, u64)> = std::sync::OnceLock::new();
+
 impl Shim {
     /// Serve `cudaMalloc(size)` ([`NO_STREAM`](cachealloc_core::NO_STREAM)) or
     /// `cudaMallocAsync(size, stream)` from the current device's pool.
@@ -24,7 +28,7 @@ impl Shim {
     /// ordinary pool is out of memory, a `use_on_oom` pool may lend a cached block.
     pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
         if let Some(served) = self.thread_pool_malloc(device, size, stream) {
-            return served;
+            return self.observed(device, size, served);
         }
         self.ipc_collect_now_and_then();
         let pool = self.pool(device)?;
@@ -35,12 +39,32 @@ impl Shim {
             }
             served => served,
         };
-        match served {
+        let served = match served {
             Err(cuda::ERROR_MEMORY_ALLOCATION) => self
                 .oom_fallback(device, size, stream)
                 .ok_or(cuda::ERROR_MEMORY_ALLOCATION),
             served => served,
+        };
+        self.observed(device, size, served)
+    }
+
+    /// `served`, after telling the program's out-of-memory observers when it is out of memory
+    /// (PyTorch's `_cuda_attach_out_of_memory_observer`): the device, the request, the device's
+    /// limit and its free memory.
+    pub(super) fn observed(
+        &self,
+        device: i32,
+        size: u64,
+        served: Result<u64, CudaError>,
+    ) -> Result<u64, CudaError> {
+        if served == Err(cuda::ERROR_MEMORY_ALLOCATION)
+            && let Some(notify) = OOM_OBSERVERS.get()
+            && let Some(alloc) = self.allocator_of(device)
+        {
+            let info = cachealloc_core::Device::mem_info(alloc.device());
+            notify(device, size, alloc.limit().min(info.total), info.free);
         }
+        served
     }
 
     /// Serve an allocation for `stream` from `alloc`, one of `device`'s allocators; report what

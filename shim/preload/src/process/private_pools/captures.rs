@@ -137,6 +137,7 @@ impl Shim {
     /// through a door we do not see).
     pub fn capture_malloc(&self, stream: usize, size: u64) -> Option<Result<u64, CudaError>> {
         let pool = self.capturing_pool(stream)?;
-        Some(self.serve(&pool.alloc, pool.device, size, stream as u64))
+        let served = self.serve(&pool.alloc, pool.device, size, stream as u64);
+        Some(self.observed(pool.device, size, served))
     }
 }
