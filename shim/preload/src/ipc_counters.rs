@@ -145,7 +145,9 @@ pub fn remove_files() {
 /// In the receiving process: let go of slot `slot` of the sharer's counter file `name`.
 pub fn release(name: &str, slot: u64) -> Result<(), String> {
     if !valid_name(name) || slot as usize >= SLOTS {
-        return Err(format!("not a cachealloc IPC counter: {name:?} slot {slot}"));
+        return Err(format!(
+            "not a cachealloc IPC counter: {name:?} slot {slot}"
+        ));
     }
     static OPENED: OnceLock<Mutex<HashMap<String, Mapped>>> = OnceLock::new();
     let mut opened = OPENED
@@ -162,7 +164,9 @@ pub fn release(name: &str, slot: u64) -> Result<(), String> {
             Err(e) => return Err(format!("opening the IPC counter {name}: {e}")),
         }
     }
-    opened[name].slot(slot as usize).fetch_sub(1, Ordering::AcqRel);
+    opened[name]
+        .slot(slot as usize)
+        .fetch_sub(1, Ordering::AcqRel);
     Ok(())
 }
 

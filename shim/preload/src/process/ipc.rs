@@ -94,8 +94,13 @@ impl Shim {
                  CACHEALLOC_CONF=expandable_segments:False"
             ));
         }
-        let handle = crate::real::runtime::ipc_get_mem_handle(info.segment_address)
-            .map_err(|code| format!("cudaIpcGetMemHandle of segment {:#x}: {code}", info.segment_address))?;
+        let handle =
+            crate::real::runtime::ipc_get_mem_handle(info.segment_address).map_err(|code| {
+                format!(
+                    "cudaIpcGetMemHandle of segment {:#x}: {code}",
+                    info.segment_address
+                )
+            })?;
         let (id, counter, slot) =
             ipc_counters::new_counter().map_err(|e| format!("an IPC counter: {e}"))?;
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -131,7 +136,11 @@ impl Shim {
     /// At an allocation: every 64th while blocks wait in limbo, free those let go of.
     pub(super) fn ipc_collect_now_and_then(&self) {
         if self.ipc.limbo_pending.load(Ordering::Relaxed)
-            && self.ipc.ticks.fetch_add(1, Ordering::Relaxed) % 64 == 0
+            && self
+                .ipc
+                .ticks
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(64)
         {
             self.ipc_collect();
         }
@@ -176,8 +185,10 @@ impl Shim {
 }
 
 /// Segments this process opened from other processes: handle → (address, blocks received).
-fn opened() -> &'static Mutex<HashMap<[u8; 64], (u64, usize)>> {
-    static OPENED: OnceLock<Mutex<HashMap<[u8; 64], (u64, usize)>>> = OnceLock::new();
+type Opened = Mutex<HashMap<[u8; 64], (u64, usize)>>;
+
+fn opened() -> &'static Opened {
+    static OPENED: OnceLock<Opened> = OnceLock::new();
     OPENED.get_or_init(Mutex::default)
 }
 

@@ -163,14 +163,10 @@ impl Shim {
         };
         let device_handle =
             CudaDevice::for_private_pool(driver, device, self.streams.clone(), settings.foreign);
+        // Never fenced (unlike the device's ordinary pool once streams exist): a capture into
+        // the pool frees synchronously, and a fence is an event, which a capture cannot take.
+        // Frees in a stream's order (PyTorch's) are reused in that order, as everywhere.
         let alloc = Allocator::with_observer(device_handle, config, observer);
-        if self.streams.any_created() && self.reuse == cachealloc_core::config::ReusePolicy::Auto {
-            // Blocks freed outside any stream's order wait for the device, as in the device's
-            // ordinary pool once streams exist.
-            if let Err(e) = alloc.start_fencing() {
-                log::error!("device {device}: fencing a private pool: {e}");
-            }
-        }
         log::debug!("device {device}: private pool {id:#x} created");
         let pool = Arc::new(PrivatePool {
             id,
