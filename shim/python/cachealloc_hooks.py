@@ -354,7 +354,7 @@ _FOREIGN_ALLOCATORS = {}
 
 
 def _mem_pool_class(api, torch_c, original):
-    """`torch.cuda.MemPool` served by the library's private pools (Note [MemPools])."""
+    """`torch.cuda.MemPool` served by the library's private pools (Note [PyTorch MemPools])."""
 
     class MemPool:
         def __init__(self, allocator=None, use_on_oom=False, no_split=False):

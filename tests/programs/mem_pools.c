@@ -1,5 +1,5 @@
 /* PyTorch's MemPools through the library's C API, as the Python integration's MemPool and
- * use_mem_pool call it (Note [MemPools] in the shim's process/private_pools/mem_pools.rs):
+ * use_mem_pool call it (Note [PyTorch MemPools] in the shim's process/private_pools/mem_pools.rs):
  *  - a pool's use count is its references; routing the thread adds one, releasing takes it;
  *  - while a thread allocates to a pool, its allocations on the pool's device come from the
  *    pool (innermost of nested pools), other threads' do not, and the pool's snapshot lists

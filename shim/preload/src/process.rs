@@ -23,7 +23,7 @@
 //! | `allocations` | serves allocations and frees (pooled or passed through and traced), cached free bytes, empty cache, stats |
 //! | `stream_lifecycle` | a stream's pool key, whether it captures, its creation and destruction |
 //! | `graph_capture` | the barrier fence and the private pool at a capture's start, deferred releases at the last one's end |
-//! | `private_pools` | private pools (Note [Private pools]): those of graph captures (Note [Capture pools]) and PyTorch's `MemPool`s (Note [MemPools]) |
+//! | `private_pools` | private pools (Note [Private pools]): those of graph captures (Note [Capture pools]) and PyTorch's `MemPool`s (Note [PyTorch MemPools]) |
 //! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
 //! | `backward` | the stack of the Python thread in `backward()` for the autograd engine's threads |
 //! | `peer_access` | peer access to pooled memory |

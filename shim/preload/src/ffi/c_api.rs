@@ -182,7 +182,7 @@ pub const MEM_POOL_NO_SPLIT: c_uint = 2;
 /// Make the private pool `id` of `device` if it does not exist — with `flags`
 /// ([`MEM_POOL_USE_ON_OOM`], [`MEM_POOL_NO_SPLIT`]) and, when both are non-null, segments from
 /// `alloc` and `free` (a `CUDAPluggableAllocator`'s functions) — and add a reference to it
-/// (PyTorch's `createOrIncrefPool`; see Note [MemPools] in the shim's `process`). Returns the
+/// (PyTorch's `createOrIncrefPool`; see Note [PyTorch MemPools] in the shim's `process`). Returns the
 /// pool's use count, or -1 when the library does not pool. Called by the Python integration's
 /// `MemPool`.
 ///

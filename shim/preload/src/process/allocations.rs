@@ -24,7 +24,7 @@ impl Shim {
     }
 
     /// Serve an allocation for `stream` from `device`'s pool.
-    /// A thread allocating to a `MemPool` gets its memory there (Note [MemPools]); when the
+    /// A thread allocating to a `MemPool` gets its memory there (Note [PyTorch MemPools]); when the
     /// ordinary pool is out of memory, a `use_on_oom` pool may lend a cached block.
     pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
         if let Some(served) = self.thread_pool_malloc(device, size, stream) {

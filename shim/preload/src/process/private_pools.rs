@@ -1,6 +1,6 @@
 //! Private pools: device memory that belongs to one user and is never handed to ordinary
 //! allocations — CUDA graph captures ([`captures`], Note [Capture pools]) and PyTorch's
-//! `MemPool`s ([`mem_pools`], Note [MemPools]).
+//! `MemPool`s ([`mem_pools`], Note [PyTorch MemPools]).
 //!
 //! # Note [Private pools]
 //!

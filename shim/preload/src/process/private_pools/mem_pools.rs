@@ -1,7 +1,7 @@
 //! PyTorch's `MemPool`s as private pools: pools a program makes, routes its thread's
 //! allocations to, and deletes.
 //!
-//! # Note [MemPools]
+//! # Note [PyTorch MemPools]
 //!
 //! `torch.cuda.MemPool()` names a private pool (Note [Private pools]); `use_mem_pool(pool)`
 //! sends the calling thread's allocations on the pool's device to it until the context ends;
