@@ -65,7 +65,8 @@ impl PrivatePool {
 /// How a new private pool is made.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PoolSettings {
-    /// See [`PrivatePool::use_on_oom`].
+    /// Whether allocations of the device's ordinary pool that run out of memory may take this
+    /// pool's free blocks (`MemPool(use_on_oom=True)`).
     pub use_on_oom: bool,
     /// Never split a block: each allocation has a segment (or a cached block) to itself
     /// (`MemPool(no_split=True)`).
