@@ -290,22 +290,32 @@ def _snapshot_from_trace(flush):
     return snapshot
 
 
-def _mem_pool_api():
-    """The library's C API for MemPools, as a namespace of ctypes functions, or None."""
+def _c_functions(**names):
+    """The preloaded library's functions `names` (short name -> `cachealloc_…` symbol) as a
+    namespace of ctypes functions, or None when the library is not there."""
     import ctypes
     import types
 
     try:
         lib = ctypes.CDLL(None)
-        api = types.SimpleNamespace(
-            retain=lib.cachealloc_mem_pool_retain,
-            release=lib.cachealloc_mem_pool_release,
-            use_count=lib.cachealloc_mem_pool_use_count,
-            begin=lib.cachealloc_mem_pool_begin_thread,
-            end=lib.cachealloc_mem_pool_end_thread,
-            snapshot=lib.cachealloc_mem_pool_snapshot_json,
-        )
+        return types.SimpleNamespace(**{short: getattr(lib, symbol) for short, symbol in names.items()})
     except (OSError, AttributeError):
+        return None
+
+
+def _mem_pool_api():
+    """The library's C API for MemPools, as a namespace of ctypes functions, or None."""
+    import ctypes
+
+    api = _c_functions(
+        retain="cachealloc_mem_pool_retain",
+        release="cachealloc_mem_pool_release",
+        use_count="cachealloc_mem_pool_use_count",
+        begin="cachealloc_mem_pool_begin_thread",
+        end="cachealloc_mem_pool_end_thread",
+        snapshot="cachealloc_mem_pool_snapshot_json",
+    )
+    if api is None:
         return None
     api.retain.restype = ctypes.c_int
     api.retain.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
@@ -502,17 +512,14 @@ def _memory(memory):
 def _ipc_api():
     """The library's C API for IPC, as a namespace of ctypes functions, or None."""
     import ctypes
-    import types
 
-    try:
-        lib = ctypes.CDLL(None)
-        api = types.SimpleNamespace(
-            share=lib.cachealloc_ipc_share,
-            open=lib.cachealloc_ipc_open,
-            close=lib.cachealloc_ipc_close,
-            release=lib.cachealloc_ipc_release,
-        )
-    except (OSError, AttributeError):
+    api = _c_functions(
+        share="cachealloc_ipc_share",
+        open="cachealloc_ipc_open",
+        close="cachealloc_ipc_close",
+        release="cachealloc_ipc_release",
+    )
+    if api is None:
         return None
     api.share.restype = ctypes.c_int
     api.share.argtypes = [
