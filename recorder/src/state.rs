@@ -1,12 +1,14 @@
 //! [`LiveState`]: the writer's mirror of what is live — segments (an expandable segment's
 //! mapped memory as one segment per contiguous run, see [`crate::spans`]), blocks and the stack
-//! and frame definitions they use — kept by applying every record written. Each new trace file
-//! begins with it as a checkpoint, so any file can be read alone.
+//! and frame definitions they use, and the program's context (its phase, each thread's
+//! module scope, each live block's scope, phase and category) — kept by applying every record
+//! written. Each new trace file begins with it as a checkpoint, so any file can be read alone.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::schema::{
-    BlockState, CheckpointEnd, FrameDef, FreeCompleted, Record, SegmentState, StackDef,
+    BlockContext, BlockState, CheckpointEnd, FrameDef, FreeCompleted, PhaseEvent, Record,
+    ScopeEvent, ScopeName, SegmentState, StackDef,
 };
 use crate::spans::{self, Span};
 
@@ -55,6 +57,37 @@ pub struct LiveState {
     pub frames: HashMap<u32, FrameDef>,
     /// Byte totals per device, kept with the maps above.
     pub totals: BTreeMap<u32, DeviceTotals>,
+    /// The program's context: its phase, the threads' scopes, the live blocks' contexts.
+    pub context: ProgramContext,
+}
+
+/// What the Python integration said about the program (`Scope`, `Phase` and `Tag` records):
+/// its phase, each thread's innermost module, and for each live block where it was allocated
+/// and what it holds. Empty for programs that say nothing.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ProgramContext {
+    /// The phase now, and the step.
+    pub phase: PhaseEvent,
+    /// Each thread's innermost module (threads outside any are absent).
+    pub thread_scopes: BTreeMap<u32, u32>,
+    /// Every scope name seen.
+    pub scope_names: HashMap<u32, ScopeName>,
+    /// Live blocks allocated inside a scope, in a phase, or tagged, by `(device, address)`.
+    pub blocks: BTreeMap<(u32, u64), BlockContext>,
+}
+
+impl ProgramContext {
+    /// The context of a block allocated now by `thread` (`None`: nothing known).
+    fn at_allocation(&self, device: u32, address: u64, thread: u32) -> Option<BlockContext> {
+        let scope = self.thread_scopes.get(&thread).copied().unwrap_or(0);
+        (scope != 0 || self.phase.phase != 0).then_some(BlockContext {
+            device,
+            address,
+            scope,
+            phase: self.phase.phase,
+            category: 0,
+        })
+    }
 }
 
 impl LiveState {
@@ -66,14 +99,19 @@ impl LiveState {
     /// Apply one record.
     pub fn apply(&mut self, record: &Record) {
         match record {
-            Record::Alloc(a) => self.put_block(BlockState {
-                device: a.device,
-                address: a.address,
-                size: a.size,
-                requested: a.requested,
-                stack: a.stack,
-                pending: 0,
-            }),
+            Record::Alloc(a) => {
+                self.put_block(BlockState {
+                    device: a.device,
+                    address: a.address,
+                    size: a.size,
+                    requested: a.requested,
+                    stack: a.stack,
+                    pending: 0,
+                });
+                if let Some(c) = self.context.at_allocation(a.device, a.address, a.thread) {
+                    self.context.blocks.insert((a.device, a.address), c);
+                }
+            }
             Record::FreeRequested(f) => {
                 if let Some(mut b) = self.blocks.get(&(f.device, f.address)).copied() {
                     b.pending = 1;
@@ -125,6 +163,39 @@ impl LiveState {
             Record::FrameDef(f) => {
                 self.frames.insert(f.id, (**f).clone());
             }
+            Record::ScopeName(n) => {
+                self.context.scope_names.insert(n.id, (**n).clone());
+            }
+            Record::Scope(ScopeEvent { thread, scope, .. }) => {
+                if *scope == 0 {
+                    self.context.thread_scopes.remove(thread);
+                } else {
+                    self.context.thread_scopes.insert(*thread, *scope);
+                }
+            }
+            Record::Phase(p) => self.context.phase = *p,
+            Record::Tag(g) => {
+                if let Some(&BlockState {
+                    device, address, ..
+                }) = self.block_holding(g.device, g.address)
+                {
+                    let c = self
+                        .context
+                        .blocks
+                        .entry((device, address))
+                        .or_insert(BlockContext {
+                            device,
+                            address,
+                            scope: 0,
+                            phase: 0,
+                            category: 0,
+                        });
+                    c.category = g.category;
+                }
+            }
+            Record::CheckpointBlockContext(c) => {
+                self.context.blocks.insert((c.device, c.address), *c);
+            }
             _ => {}
         }
     }
@@ -141,8 +212,24 @@ impl LiveState {
         self.blocks.insert((block.device, block.address), block);
     }
 
+    /// The live block of `device` that holds `address` (its start or inside it).
+    pub fn block_holding(&self, device: u32, address: u64) -> Option<&BlockState> {
+        let (_, b) = self.blocks.range(..=(device, address)).next_back()?;
+        (b.device == device && address < b.address + b.size.max(1)).then_some(b)
+    }
+
+    /// Forget the memory (segments, blocks, totals, blocks' contexts), keeping definitions and
+    /// the program's phase and scopes: a new file's checkpoint is about to say what is live.
+    pub fn clear_memory(&mut self) {
+        self.segments.clear();
+        self.blocks.clear();
+        self.totals.clear();
+        self.context.blocks.clear();
+    }
+
     /// Remove a block, keeping the totals.
     fn take_block(&mut self, device: u32, address: u64) {
+        self.context.blocks.remove(&(device, address));
         if let Some(old) = self.blocks.remove(&(device, address)) {
             let t = self.totals.entry(device).or_default();
             if old.pending == 0 {
@@ -166,7 +253,8 @@ impl LiveState {
     }
 
     /// The checkpoint records: the frames and stacks in use, then segments, then blocks, then
-    /// the end marker.
+    /// the program's context (the scope names in use, the phase, each thread's scope, each live
+    /// block's context), then the end marker.
     pub fn checkpoint(&self, t: u64) -> Vec<Record> {
         let used_stacks: BTreeSet<u32> = self
             .segments
@@ -199,7 +287,40 @@ impl LiveState {
                 .map(|s| Record::CheckpointSegment(*s)),
         );
         out.extend(self.blocks.values().map(|b| Record::CheckpointBlock(*b)));
+        self.context_checkpoint(t, &mut out);
         out.push(Record::CheckpointEnd(CheckpointEnd { t }));
         out
+    }
+}
+
+impl LiveState {
+    /// The program's context as checkpoint records (nothing for a program that said nothing).
+    fn context_checkpoint(&self, t: u64, out: &mut Vec<Record>) {
+        let c = &self.context;
+        let used: BTreeSet<u32> = c
+            .thread_scopes
+            .values()
+            .copied()
+            .chain(c.blocks.values().map(|b| b.scope))
+            .filter(|&id| id != 0)
+            .collect();
+        out.extend(
+            used.iter()
+                .filter_map(|id| c.scope_names.get(id))
+                .map(|n| Record::ScopeName(Box::new(n.clone()))),
+        );
+        if c.phase != PhaseEvent::default() {
+            out.push(Record::Phase(PhaseEvent { t, ..c.phase }));
+        }
+        out.extend(
+            c.thread_scopes
+                .iter()
+                .map(|(&thread, &scope)| Record::Scope(ScopeEvent { t, thread, scope })),
+        );
+        out.extend(
+            c.blocks
+                .values()
+                .map(|b| Record::CheckpointBlockContext(*b)),
+        );
     }
 }

@@ -25,7 +25,7 @@ fn rotation_bounds_files_and_each_file_reads_alone() {
     let mut config = WriterConfig::new(&dir, 64 << 10, 3, false);
     config.flush_bytes = 4 << 10;
     let mut w = TraceWriter::create(config, header(), clock.clone()).unwrap();
-    let records = workload(30_000);
+    let records = with_program_context(workload(30_000));
     // The live state when each file began, to compare with its checkpoint.
     let mut expected_at_file_start = vec![LiveState::default()];
     let mut mirror = LiveState::default();
@@ -68,8 +68,70 @@ fn rotation_bounds_files_and_each_file_reads_alone() {
         let expected = &expected_at_file_start[index];
         assert_eq!(from_checkpoint.segments, expected.segments, "file {index}");
         assert_eq!(from_checkpoint.blocks, expected.blocks, "file {index}");
+        let (got, want) = (&from_checkpoint.context, &expected.context);
+        assert_eq!(got.blocks, want.blocks, "file {index}");
+        assert!(!got.blocks.is_empty(), "file {index}: blocks in scopes");
+        assert_eq!(got.thread_scopes, want.thread_scopes, "file {index}");
+        assert_eq!(got.phase.phase, want.phase.phase, "file {index}");
+        assert_eq!(got.phase.step, want.phase.step, "file {index}");
+        for id in got
+            .blocks
+            .values()
+            .map(|b| b.scope)
+            .chain(got.thread_scopes.values().copied())
+        {
+            assert_eq!(
+                got.scope_names.get(&id),
+                want.scope_names.get(&id),
+                "file {index}"
+            );
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `records` with what the Python integration says woven in: every 100th record a phase, a
+/// scope for thread 1 (one of 7 names, defined at first use) and a tag of the last allocation.
+fn with_program_context(records: Vec<Record>) -> Vec<Record> {
+    use cachealloc_recorder::schema::{PhaseEvent, ScopeEvent, ScopeName, TagEvent};
+    let mut out = Vec::new();
+    let mut last_alloc = None;
+    for (i, r) in records.into_iter().enumerate() {
+        let t = r.time().unwrap_or(0);
+        if let Record::Alloc(a) = &r {
+            last_alloc = Some(a.address);
+        }
+        out.push(r);
+        if i % 100 == 99 {
+            let n = (i / 100) as u32;
+            let scope = n % 7 + 1;
+            if n < 7 {
+                out.push(Record::ScopeName(Box::new(ScopeName {
+                    id: scope,
+                    name: format!("Net.layers.{scope}"),
+                })));
+            }
+            out.push(Record::Phase(PhaseEvent {
+                t,
+                phase: (n % 4) as u8,
+                step: u64::from(n / 4),
+            }));
+            out.push(Record::Scope(ScopeEvent {
+                t,
+                thread: 1,
+                scope: if n % 5 == 0 { 0 } else { scope },
+            }));
+            if let Some(address) = last_alloc {
+                out.push(Record::Tag(TagEvent {
+                    t,
+                    device: 0,
+                    address: address + 8,
+                    category: (n % 5 + 1) as u8,
+                }));
+            }
+        }
+    }
+    out
 }
 
 #[test]

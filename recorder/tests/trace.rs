@@ -139,6 +139,33 @@ fn one_of_each() -> Vec<Record> {
             stack: 0,
             thread: 3,
         }),
+        Record::ScopeName(Box::new(ScopeName {
+            id: 1,
+            name: "Net.layers.0".into(),
+        })),
+        Record::Scope(ScopeEvent {
+            t: 20,
+            thread: 1,
+            scope: 1,
+        }),
+        Record::Phase(PhaseEvent {
+            t: 21,
+            phase: PHASE_BACKWARD,
+            step: 3,
+        }),
+        Record::Tag(TagEvent {
+            t: 22,
+            device: 0,
+            address: 0x7f00_0000_0010,
+            category: TAG_GRADIENT,
+        }),
+        Record::CheckpointBlockContext(BlockContext {
+            device: 0,
+            address: 1 << 30,
+            scope: 1,
+            phase: PHASE_FORWARD,
+            category: TAG_ACTIVATION,
+        }),
     ]
 }
 

@@ -72,9 +72,7 @@ impl TraceWalk {
         if self.file != Some(item.file) {
             // A new file: its checkpoint replaces the state (stacks and frames are kept).
             if self.file.is_some() {
-                self.state.segments.clear();
-                self.state.blocks.clear();
-                self.state.totals.clear();
+                self.state.clear_memory();
             }
             self.file = Some(item.file);
         }
