@@ -119,7 +119,7 @@ fn with_program_context(records: Vec<Record>) -> Vec<Record> {
             out.push(Record::Scope(ScopeEvent {
                 t,
                 thread: 1,
-                scope: if n % 5 == 0 { 0 } else { scope },
+                scope: if n.is_multiple_of(5) { 0 } else { scope },
             }));
             if let Some(address) = last_alloc {
                 out.push(Record::Tag(TagEvent {
