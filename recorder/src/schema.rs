@@ -365,7 +365,8 @@ pub struct ScopeEvent {
     pub scope: u32,
 }
 
-/// The program's phase changed (for every thread: backward runs on autograd's threads).
+/// The program's phase changed (for every thread: backward runs on autograd's threads). It
+/// ends every thread's scope: a thread's [`ScopeEvent`]s after it say where it is now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PhaseEvent {
     /// Time.

@@ -173,7 +173,12 @@ impl LiveState {
                     self.context.thread_scopes.insert(*thread, *scope);
                 }
             }
-            Record::Phase(p) => self.context.phase = *p,
+            Record::Phase(p) => {
+                // A phase ends every thread's scope (autograd's threads keep none from the
+                // last backward).
+                self.context.phase = *p;
+                self.context.thread_scopes.clear();
+            }
             Record::Tag(g) => {
                 if let Some(&BlockState {
                     device, address, ..

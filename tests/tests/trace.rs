@@ -492,3 +492,91 @@ fn stream_ordered_records_carry_their_stream() {
     );
     replay_checking_frees(&records);
 }
+
+/// The program-context C API (module scopes, phases, tags) becomes trace records that give each
+/// block the scope and phase it was allocated in and its tag: replayed into the live state just
+/// before each block is freed.
+#[test]
+fn scopes_phases_and_tags_reach_the_trace() {
+    use cachealloc_recorder::schema::{
+        PHASE_BACKWARD, PHASE_FORWARD, TAG_GRADIENT, TAG_INPUT, TAG_PARAMETER,
+    };
+    let out = Run::c("program_context", &[]).output();
+    out.assert_ok("program_context");
+    let (records, _) = read_trace(&out.one_trace());
+    let block = |name: &str| out.number_after(&format!("block {name}"));
+    // Nothing from before the first CUDA call: the first scope record follows an allocation.
+    let first_alloc = records.iter().position(|r| r.kind() == kinds::ALLOC);
+    let first_scope = records.iter().position(|r| r.kind() == kinds::SCOPE);
+    assert!(
+        first_scope > first_alloc,
+        "scopes only once the trace exists"
+    );
+    let mut state = LiveState::default();
+    // (address, scope name, phase and category) of each block, read just before its free (an
+    // address may be reused).
+    let mut at_free = Vec::new();
+    for r in &records {
+        if let Record::ScopeName(n) = r {
+            assert!(
+                !state.context.scope_names.contains_key(&n.id),
+                "each name defined once: {n:?}"
+            );
+        }
+        if let Record::Scope(s) = r {
+            assert!(
+                s.scope == 0 || state.context.scope_names.contains_key(&s.scope),
+                "a scope's name is defined before its use: {s:?}"
+            );
+        }
+        if let Record::Free(f) | Record::FreeRequested(f) = r {
+            let c = state.context.blocks.get(&(f.device, f.address)).copied();
+            let name = c.and_then(|c| {
+                state
+                    .context
+                    .scope_names
+                    .get(&c.scope)
+                    .map(|n| n.name.clone())
+            });
+            at_free.push((f.address, (name, c.map(|c| (c.phase, c.category)))));
+        }
+        state.apply(r);
+    }
+    let last_of = |address: u64| {
+        let found = at_free.iter().rev().find(|(a, _)| *a == address);
+        found.map(|(_, c)| c.clone()).expect("freed")
+    };
+    let weights = last_of(block("weights"));
+    assert_eq!(
+        weights,
+        (None, Some((0, TAG_PARAMETER))),
+        "weights: tagged inside"
+    );
+    assert_eq!(
+        last_of(block("input")),
+        (None, Some((0, TAG_INPUT))),
+        "input"
+    );
+    assert_eq!(
+        last_of(block("grad")),
+        (
+            Some("Net.layers.0".into()),
+            Some((PHASE_BACKWARD, TAG_GRADIENT))
+        ),
+        "the second thread's block: its own scope, the program's phase"
+    );
+    let in_forward: Vec<_> = at_free
+        .iter()
+        .filter(|(_, (_, c))| matches!(c, Some((PHASE_FORWARD, 0))))
+        .map(|(_, (name, _))| name.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(in_forward.len(), 2, "hidden and temporary: {at_free:?}");
+    assert!(in_forward.contains(&"Net".to_string()), "{in_forward:?}");
+    assert!(
+        in_forward.contains(&"Net.layers.0".to_string()),
+        "{in_forward:?}"
+    );
+    assert_eq!(count(&records, kinds::TAG), 3, "refused tags write nothing");
+    assert_eq!(count(&records, kinds::PHASE), 3, "forward, backward, none");
+    assert!(state.context.blocks.is_empty(), "every block freed");
+}

@@ -128,6 +128,10 @@ pub struct Config {
     /// `python:on|off`: in a Python process, put the shim's Python integration on
     /// `PYTHONPATH` (it adjusts what PyTorch cannot do on the `cudaMallocAsync` route).
     pub python: bool,
+    /// `categories:on|off`: in a Python process, the integration's hooks that tell the trace
+    /// each thread's module, the phase of the step and what blocks hold (memory by category and
+    /// module); off, the trace has none of it.
+    pub categories: bool,
     /// `unwinder:auto|system`: how native stacks are unwound — `auto` is a caching DWARF
     /// unwinder on x86-64 Linux (the system unwinder elsewhere); `system` always uses the
     /// system unwinder (a diagnostic).
@@ -170,6 +174,7 @@ impl Default for Config {
             compress: true,
             oom_checkpoint: true,
             python: true,
+            categories: true,
             driver_doors: true,
             system_unwinder: false,
             log: LogLevel::Info,

@@ -26,6 +26,7 @@
 //! | `private_pools` | private pools (Note [Private pools]): those of graph captures (Note [Capture pools]) and PyTorch's `MemPool`s (Note [PyTorch MemPools]) |
 //! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
 //! | `backward` | the stack of the Python thread in `backward()` for the autograd engine's threads |
+//! | `program_context` | what the Python integration says of the program: module scopes, phases, what blocks hold (for memory by category) |
 //! | `peer_access` | peer access to pooled memory |
 //! | `ipc` | pooled blocks shared with other processes, and blocks received from them (Note [IPC of pooled memory]) |
 //! | `pointers` | which pooled block an address lies in ([`PooledBlock`]) |
@@ -57,6 +58,7 @@ mod ipc;
 mod peer_access;
 mod pointers;
 mod private_pools;
+pub mod program_context;
 mod stream_lifecycle;
 
 pub use exit::ExitFacts;

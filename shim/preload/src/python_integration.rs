@@ -1,5 +1,5 @@
 //! The Python integration: in a Python process, the constructor puts a directory holding
-//! `sitecustomize.py` and `cachealloc_hooks.py` (`shim/python/`, embedded in the library)
+//! `sitecustomize.py`, `cachealloc_hooks.py` and `cachealloc_categories.py` (`shim/python/`, embedded in the library)
 //! first on `PYTHONPATH`, so that Python runs them at start-up with no change to the program.
 //! They adjust what PyTorch cannot do on the `cudaMallocAsync` route (see
 //! `cachealloc_hooks.py`); nothing on the allocation path, no import of torch.
@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use crate::log;
 
 /// The files of the integration: name and text.
-const FILES: [(&str, &str); 2] = [
+const FILES: [(&str, &str); 3] = [
     (
         "sitecustomize.py",
         include_str!("../../python/sitecustomize.py"),
@@ -26,6 +26,10 @@ const FILES: [(&str, &str); 2] = [
     (
         "cachealloc_hooks.py",
         include_str!("../../python/cachealloc_hooks.py"),
+    ),
+    (
+        "cachealloc_categories.py",
+        include_str!("../../python/cachealloc_categories.py"),
     ),
 ];
 

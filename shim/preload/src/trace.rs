@@ -24,6 +24,8 @@ use cachealloc_recorder::{Record, Recorder, WriterConfig, monotonic_ns};
 
 use crate::log;
 
+pub mod scopes;
+
 /// Records the channel holds before producers wait (under 5 MB).
 const CHANNEL_CAPACITY: usize = 1 << 16;
 
@@ -100,6 +102,7 @@ impl Trace {
     /// A raw allocation that passed through (`pool:off`, or degraded): a segment holding one
     /// block, both recorded.
     pub fn raw_allocation(&self, device: u32, address: u64, size: u64, stack: u32) {
+        self.announce_scope();
         let t = now();
         let pool = pool_byte(cachealloc_core::sizes::pool_for(size));
         self.send(Record::SegmentAlloc(schema::SegmentEvent {
@@ -247,6 +250,9 @@ fn pool_byte(pool: PoolKind) -> u8 {
 impl Observer for DeviceObserver {
     fn on_event(&self, event: Event<'_>) {
         let Some(trace) = &self.trace else { return };
+        if let Event::Alloc(_) = event {
+            trace.announce_scope();
+        }
         let t = now();
         let device = self.device;
         let record = match event {

@@ -242,6 +242,15 @@ pub const KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "categories",
+        valid: "on or off",
+        from_pytorch: false,
+        set: |c, k, v| {
+            c.categories = parse_bool(k, v)?;
+            Ok(())
+        },
+    },
+    Key {
         name: "driver_doors",
         valid: "on or off",
         from_pytorch: false,

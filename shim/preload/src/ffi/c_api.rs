@@ -1,9 +1,13 @@
 //! The C API: `cachealloc_*` functions for ctypes and applications (the library must be
 //! preloaded; `dlsym` them): version, stats as JSON, empty the cache, annotations, the Python
 //! integration's backward-pass markers and private pools (graph captures, `MemPool`s), and
-//! PyTorch's `CUDAPluggableAllocator` pair.
+//! PyTorch's `CUDAPluggableAllocator` pair; [`program_context`]: module scopes, phases and
+//! what blocks hold, for memory by category.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+
+mod program_context;
+pub use program_context::*;
 
 use super::guarded;
 use crate::cuda::{self, CudaError, CudaStream};

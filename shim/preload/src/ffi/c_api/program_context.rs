@@ -1,0 +1,123 @@
+//! The C API's calls that tell the library about the program (see
+//! [`crate::process::program_context`]): module scopes, phases and what blocks hold. Called by
+//! the Python integration's hooks; each is one trace record, nothing without a trace.
+
+use std::ffi::{CStr, c_char, c_int, c_uint};
+
+use crate::cuda::{self, CudaError};
+use crate::ffi::guarded;
+use crate::process::{self, program_context};
+
+/// The id (≥ 1) of the module path `name` (`LlamaForCausalLM.model.layers.3.mlp`), the same
+/// for the same name for the life of the process; 0 for a null or non-UTF-8 name.
+///
+/// # Safety
+/// `name` must be null or a valid NUL-terminated string.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_scope_define(name: *const c_char) -> c_uint {
+    if name.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null and NUL-terminated per the caller's contract.
+    let Ok(name) = unsafe { CStr::from_ptr(name) }.to_str() else {
+        return 0;
+    };
+    guarded(
+        "cachealloc_scope_define",
+        || Ok::<_, CudaError>(program_context::define_scope(name)),
+        || Ok(0),
+    )
+    .unwrap_or(0)
+}
+
+/// The calling thread is now inside the module `scope` (an id of [`cachealloc_scope_define`]; 0:
+/// outside any module), as its next allocation will say in the trace. Returns 0, or
+/// `cudaErrorInvalidValue` for an unknown id. (The Python integration writes the thread's
+/// slot instead: [`cachealloc_scope_slot`].)
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_scope_set(scope: c_uint) -> CudaError {
+    guarded(
+        "cachealloc_scope_set",
+        || {
+            if program_context::scope_known(scope) {
+                program_context::scope_set(scope);
+                cuda::SUCCESS
+            } else {
+                cuda::ERROR_INVALID_VALUE
+            }
+        },
+        || cuda::SUCCESS,
+    )
+}
+
+/// The address of the calling thread's scope slot: a 32-bit word, valid while the thread
+/// lives, that only this thread may write, with a scope id of [`cachealloc_scope_define`] (0:
+/// none). Writing it is [`cachealloc_scope_set`] without a call: what the Python integration's
+/// module hooks do at each module call (see `trace::scopes`).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_scope_slot() -> *mut c_uint {
+    guarded(
+        "cachealloc_scope_slot",
+        || Ok::<_, CudaError>(program_context::scope_slot().cast_mut().cast::<c_uint>()),
+        || Ok(std::ptr::null_mut()),
+    )
+    .unwrap_or(std::ptr::null_mut())
+}
+
+/// The program's phase is now `phase` — 0 none, 1 forward, 2 backward, 3 an optimizer's step —
+/// in training step `step` (optimizer steps taken so far); every thread's scope ends with it.
+/// Returns 0, or `cudaErrorInvalidValue` for another phase.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_phase_set(phase: c_uint, step: u64) -> CudaError {
+    let Ok(phase) = u8::try_from(phase) else {
+        return cuda::ERROR_INVALID_VALUE;
+    };
+    fact("cachealloc_phase_set", |shim: &process::Shim| {
+        shim.set_phase(phase, step)
+    })
+}
+
+/// The blocks of `device` that hold the `count` addresses at `addresses` (a block's start or
+/// inside it) hold tensors of `category` — 1 parameter (or buffer), 2 optimizer state, 3
+/// gradient, 4 input, 5 saved for backward — for their whole life. Returns 0, or
+/// `cudaErrorInvalidValue` for another category, a negative device or null addresses.
+///
+/// # Safety
+/// `addresses` must be valid for `count` reads of `u64` (or `count` is 0).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_tag(
+    device: c_int,
+    category: c_uint,
+    addresses: *const u64,
+    count: usize,
+) -> CudaError {
+    let (Ok(device), Ok(category)) = (u32::try_from(device), u8::try_from(category)) else {
+        return cuda::ERROR_INVALID_VALUE;
+    };
+    if count == 0 {
+        return cuda::SUCCESS;
+    }
+    if addresses.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    // SAFETY: non-null and valid for `count` reads per the caller's contract.
+    let addresses = unsafe { std::slice::from_raw_parts(addresses, count) };
+    fact("cachealloc_tag", |shim: &process::Shim| {
+        shim.tag(device, category, addresses)
+    })
+}
+
+/// Tell the started shim one fact (nothing before the first CUDA call: no trace yet).
+fn fact(
+    what: &str,
+    tell: impl FnOnce(&process::Shim) -> Result<(), program_context::BadFact>,
+) -> CudaError {
+    guarded(
+        what,
+        || match process::started_shim().map(tell) {
+            Some(Err(_)) => cuda::ERROR_INVALID_VALUE,
+            _ => cuda::SUCCESS,
+        },
+        || cuda::SUCCESS,
+    )
+}
