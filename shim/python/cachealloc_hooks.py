@@ -50,6 +50,10 @@ it has to adjust:
   Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
   they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
   attributed to it. One call into the library per `backward()`, none per allocation.
+* `torch.nn.modules.module`, `torch.optim.optimizer` (and `backward()`, above) — for memory by
+  category and module, global module and optimizer hooks tell the trace each thread's module,
+  the step's phase and what blocks hold (`cachealloc_categories`; `categories:off` turns them
+  off).
 
 `CACHEALLOC_CONF=python:off` switches the integration off (the library then leaves
 `PYTHONPATH` alone).
@@ -129,17 +133,22 @@ def _library():
     return begin, end
 
 
-def _attributed(fn, begin, end):
+def _attributed(fn, begin, end, gradients):
     """`fn`, telling the library that the calling thread's stack owns what is allocated on
-    frameless threads while it runs."""
+    frameless threads while it runs, and (with the category hooks on) that it is the backward
+    phase; after it, with `gradients`, the parameters' gradients are tagged."""
     import functools
+
+    import cachealloc_categories as categories
 
     @functools.wraps(fn)
     def backward_with_stack(*args, **kwargs):
         token = begin()
+        phase = categories.backward_begin()
         try:
             return fn(*args, **kwargs)
         finally:
+            categories.backward_end(phase, gradients)
             end(token)
 
     backward_with_stack._cachealloc_wrapped = True
@@ -621,7 +630,23 @@ def _autograd(autograd):
     for name in ("backward", "grad"):
         fn = getattr(autograd, name, None)
         if fn is not None and not getattr(fn, "_cachealloc_wrapped", False):
-            setattr(autograd, name, _attributed(fn, *api))
+            setattr(autograd, name, _attributed(fn, *api, gradients=name == "backward"))
+
+
+@_adjusts("torch.nn.modules.module")
+def _module_hooks(module):
+    import cachealloc_categories as categories
+
+    if categories.wanted(_conf()) and categories.install_module_hooks(module):
+        _say("nn.Module calls tell the trace each thread's module and the forward phase")
+
+
+@_adjusts("torch.optim.optimizer")
+def _optimizer_hooks(optimizer):
+    import cachealloc_categories as categories
+
+    if categories.wanted(_conf()) and categories.install_optimizer_hooks(optimizer):
+        _say("optimizer hooks tell the trace the optimizer's phase and state")
 
 
 class _Wrapped(importlib.abc.Loader):

@@ -1,0 +1,444 @@
+"""cachealloc's view of a PyTorch program for memory by category and module: what the tools
+need to sort each allocation into PyTorch's memory profiler's categories (parameter, optimizer
+state, input, temporary, activation, gradient, autograd detail) and name the `nn.Module` that
+made it, for the whole run, without a profiler.
+
+Installed by `cachealloc_hooks` when the program imports `torch.nn.modules.module` and
+`torch.optim.optimizer` (`categories:off` or `trace:off` in `CACHEALLOC_CONF` leave them alone).
+It observes; it changes no result, no autograd graph and no module's state, and holds no tensor
+or module alive:
+
+* `nn.Module._call_impl`, what every `module(...)` runs, is wrapped: a stack of modules per
+  thread, and the innermost one's path written to the thread's *scope slot* in the library
+  (`cachealloc_scope_slot`: a store, no call; the library says it in the trace before the
+  thread's next allocation), the root named by its class
+  (`LlamaForCausalLM.model.layers.3.mlp.down_proj`). The outermost module's entry and exit are
+  the forward phase (`cachealloc_phase_set`). Its positional tensor arguments are tagged
+  inputs, and its parameters and buffers are tagged when first seen and whenever they move
+  (`cachealloc_tag`). A leaf module (no children; most calls) only sets the slot around its
+  call. Not global module hooks: with any global hook PyTorch takes its slow path for every
+  module call, which alone cost 1.8 % of a Llama step (design.md, Note [Categories by
+  lifetime]); and not per-module hooks, which `torch.save(model)` would pickle.
+* For the backward pass, each output of a module with children gets, on its autograd node, a
+  pre-hook (the innermost module claims it) that names the module on the autograd thread when
+  backward reaches it.
+* `backward()` (wrapped by `cachealloc_hooks`) is the backward phase; afterwards the known
+  parameters' `.grad`s are tagged gradients.
+* Global optimizer step hooks mark the optimizer phase, count steps, and tag the optimizer's
+  state tensors (again when their number changes) and its parameters.
+* Inside `torch.compile`'s tracing the wrapper and hooks do nothing (nothing is traced into a
+  graph);
+  compiled regions are then one scope, their categories still right by tags and lifetimes.
+
+What a hook cannot tell (temporaries, activations) the tools find from lifetimes: see
+design.md, Note [Categories by lifetime].
+"""
+import ctypes
+import sys
+import threading
+import weakref
+
+PHASE_NONE, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
+TAG_PARAMETER, TAG_OPTIMIZER_STATE, TAG_GRADIENT, TAG_INPUT = 1, 2, 3, 4
+
+
+class _Api:
+    """The library's calls, or None when it is not preloaded."""
+
+    def __init__(self, lib):
+        self.define = lib.cachealloc_scope_define
+        self.define.restype = ctypes.c_uint
+        self.define.argtypes = [ctypes.c_char_p]
+        self._slot = lib.cachealloc_scope_slot
+        self._slot.restype = ctypes.c_void_p
+        self._slot.argtypes = []
+        self.phase = lib.cachealloc_phase_set
+        self.phase.restype = ctypes.c_int
+        self.phase.argtypes = [ctypes.c_uint, ctypes.c_uint64]
+        self._tag = lib.cachealloc_tag
+        self._tag.restype = ctypes.c_int
+        self._tag.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t]
+
+    def slot(self):
+        """The calling thread's scope slot in the library: its `.value` is the thread's scope."""
+        return ctypes.c_uint32.from_address(self._slot())
+
+    def tag(self, category, tensors):
+        """Tag the blocks of the CUDA tensors among `tensors`, grouped by device."""
+        by_device = {}
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                by_device.setdefault(t.get_device(), []).append(t.data_ptr())
+        for device, pointers in by_device.items():
+            array = (ctypes.c_uint64 * len(pointers))(*pointers)
+            self._tag(device, category, array, len(pointers))
+
+
+def _api():
+    try:
+        return _Api(ctypes.CDLL(None))
+    except (OSError, AttributeError):
+        return None
+
+
+class _State:
+    """What the hooks remember: module paths, roots and their parameters (weakly), the phase."""
+
+    def __init__(self, api):
+        self.api = api
+        self.is_grad_enabled = self.tensor = None
+        self.threads = threading.local()
+        # id(module) -> (weak ref, scope id, whether it has no children); module -> its path.
+        self.scopes = {}
+        self.paths = weakref.WeakKeyDictionary()
+        # root module -> (first parameter's address, weak refs to its parameters and buffers).
+        self.roots = weakref.WeakKeyDictionary()
+        # optimizer -> number of state entries tagged.
+        self.optimizers = weakref.WeakKeyDictionary()
+        self.phase = PHASE_NONE
+        self.step = 0
+        self.lock = threading.Lock()
+        self.enabled = True
+        # Whether a module's output's autograd node names it in backward.
+        self.backward_scopes = True
+
+    def is_compiling(self):
+        """Whether torch.compile is tracing. At the first call (torch is imported by then, not
+        when the hooks are installed) the instance's attributes take torch's functions."""
+        torch = sys.modules["torch"]
+        self.is_compiling = torch.compiler.is_compiling
+        self.is_grad_enabled = torch.is_grad_enabled
+        self.tensor = torch.Tensor
+        return self.is_compiling()
+
+    def thread(self):
+        """The calling thread's module stack and scope slot, made at its first use."""
+        t = self.threads
+        t.stack = []
+        t.slot = self.api.slot()
+        t.claimed = None
+        return t.stack, t.slot
+
+    def slot(self):
+        try:
+            return self.threads.slot
+        except AttributeError:
+            return self.thread()[1]
+
+    def set_phase(self, phase):
+        self.phase = phase
+        self.api.phase(phase, self.step)
+
+    # Module paths.
+
+    def scope_of(self, module, stack):
+        """(weak ref, scope id, leaf) of `module`, naming its subtree when first seen."""
+        if stack:
+            parent = stack[-1][0]
+            prefix = self.paths.get(parent, type(parent).__name__)
+            prefix += "." + _child_name(parent, module)
+        else:
+            prefix = type(module).__name__
+        with self.lock:
+            for name, sub in module.named_modules(remove_duplicate=True):
+                known = self.scopes.get(id(sub))
+                if known is not None and known[0]() is sub:
+                    continue
+                path = prefix + "." + name if name else prefix
+                self.paths[sub] = path
+                key = id(sub)
+                ref = weakref.ref(sub, lambda _, key=key, scopes=self.scopes: scopes.pop(key, None))
+                leaf = not sub._modules
+                self.scopes[key] = (ref, self.api.define(path.encode()), leaf)
+        return self.scopes[id(module)]
+
+    # Parameters.
+
+    def tag_parameters(self, root):
+        """Tag `root`'s parameters and buffers when first seen or moved."""
+        params = list(root.parameters()) + list(root.buffers())
+        first = params[0].data_ptr() if params else 0
+        known = self.roots.get(root)
+        if known is not None and known[0] == first:
+            return
+        self.roots[root] = (first, [weakref.ref(p) for p in params])
+        self.api.tag(TAG_PARAMETER, params)
+
+    def first_parameter_moved(self, root):
+        known = self.roots.get(root)
+        if known is None:
+            return True
+        for p in root.parameters():
+            return p.data_ptr() != known[0]
+        return False
+
+    def gradients(self):
+        grads = []
+        for _, refs in list(self.roots.values()):
+            for r in refs:
+                p = r()
+                if p is not None:
+                    grads.append(p.grad)
+        return grads
+
+
+def _child_name(parent, module):
+    for name, sub in parent._modules.items():
+        if sub is module:
+            return name
+    return type(module).__name__
+
+
+def _tensors(values):
+    tensor = sys.modules["torch"].Tensor
+    return [v for v in values if isinstance(v, tensor)]
+
+
+_state = None
+
+
+def _make_call_impl(original):
+    """`nn.Module._call_impl` (what `module(...)` runs) with scopes: a module with children
+    enters and leaves a scope (`_enter`, `_leave`); a leaf only sets its thread's scope slot
+    around the call (its cost is kept to a few loads and stores: most module calls are leaves).
+    Inside torch.compile's tracing it is the original."""
+
+    def _call_impl(self, *args, **kwargs):
+        s = _state
+        if s.is_compiling():
+            return original(self, *args, **kwargs)
+        entry = s.scopes.get(id(self))
+        if entry is not None and entry[2] and entry[0]() is self:
+            try:
+                slot = s.threads.slot
+            except AttributeError:
+                slot = s.thread()[1]
+            outer = slot.value
+            slot.value = entry[1]
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                slot.value = outer
+        _enter(s, self, entry, args)
+        output = None
+        try:
+            output = original(self, *args, **kwargs)
+            return output
+        finally:
+            _leave(s, self, output)
+
+    _call_impl._cachealloc_original = original
+    return _call_impl
+
+
+def _enter(s, module, entry, args):
+    """A module with children (or one not seen before) is called: push its scope; the
+    outermost one begins the forward phase, tags the inputs, and tags the parameters when new
+    or moved."""
+    t = s.threads
+    try:
+        stack, slot = t.stack, t.slot
+    except AttributeError:
+        stack, slot = s.thread()
+    if entry is None or entry[0]() is not module:
+        entry = s.scope_of(module, stack)
+    began = False
+    if not stack:
+        if s.phase == PHASE_NONE:
+            s.set_phase(PHASE_FORWARD)
+            began = True
+        if s.first_parameter_moved(module):
+            s.tag_parameters(module)
+        s.api.tag(TAG_INPUT, [a for a in args if isinstance(a, s.tensor)])
+        t.claimed = set()
+    stack.append((module, entry[1], began, entry[2]))
+    slot.value = entry[1]
+
+
+def _leave(s, module, output):
+    """The module returned (or raised: `output` None): pop its scope; its output's autograd
+    node, unless an inner module's claimed it, names it in backward; the outermost one ends
+    the forward phase."""
+    t = s.threads
+    stack = t.stack
+    # Pop to this module (one whose leave was skipped is dropped with it).
+    while stack:
+        top, sid, began, leaf = stack.pop()
+        if top is module:
+            break
+    else:
+        t.slot.value = 0
+        return
+    if not leaf and s.backward_scopes and output is not None and s.is_grad_enabled():
+        out = output
+        if isinstance(out, (tuple, list)) and out:
+            out = out[0]
+        node = out.grad_fn if isinstance(out, s.tensor) else None
+        claimed = t.claimed
+        if node is not None and claimed is not None and id(node) not in claimed:
+            claimed.add(id(node))
+            node.register_prehook(_backward_scope(s, sid))
+    t.slot.value = stack[-1][1] if stack else 0
+    if began and not stack:
+        s.set_phase(PHASE_NONE)
+        t.claimed = None
+
+
+def _backward_scope(s, sid):
+    """A pre-hook of a module's output's autograd node: the autograd thread is in the module."""
+
+    def enter(grad_outputs):
+        s.slot().value = sid
+
+    return enter
+
+
+def backward_begin():
+    """The program calls `backward()`: the backward phase, until `backward_end`. Returns what
+    `backward_end` needs."""
+    s = _state
+    if s is None or not s.enabled or s.is_compiling():
+        return None
+    previous = s.phase
+    if previous != PHASE_BACKWARD:
+        s.set_phase(PHASE_BACKWARD)
+    return previous
+
+
+def backward_end(previous, gradients=True):
+    """`backward()` returned: tag the known parameters' gradients, put back the phase."""
+    s = _state
+    if s is None or previous is None:
+        return
+    if gradients:
+        s.api.tag(TAG_GRADIENT, s.gradients())
+    if previous != PHASE_BACKWARD:
+        s.set_phase(previous)
+
+
+def _optimizer_pre(optimizer, args, kwargs):
+    s = _state
+    if not s.is_compiling():
+        s.set_phase(PHASE_OPTIMIZER)
+
+
+def _optimizer_post(optimizer, args, kwargs):
+    s = _state
+    if s.is_compiling():
+        return
+    count = len(optimizer.state)
+    if s.optimizers.get(optimizer) != count:
+        s.optimizers[optimizer] = count
+        state = []
+        for per_param in optimizer.state.values():
+            if isinstance(per_param, dict):
+                state.extend(_tensors(per_param.values()))
+        s.api.tag(TAG_OPTIMIZER_STATE, state)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        s.api.tag(TAG_PARAMETER, _tensors(params))
+    s.step += 1
+    s.set_phase(PHASE_NONE)
+
+
+def wanted(conf):
+    """Whether the hooks should be installed under the configuration text `conf`."""
+    return "categories:off" not in conf and "trace:off" not in conf
+
+
+def _ensure_state():
+    global _state
+    if _state is None:
+        api = _api()
+        if api is None:
+            return None
+        _state = _State(api)
+    return _state
+
+
+_installers = {}
+_handles = []
+
+
+def install_module_hooks(module_module):
+    """Give scopes to the classes of modules with children (`torch.nn.modules.module` just
+    loaded): each class gets a `_call_impl` of its own when one of its instances gains its
+    first child (a global module-registration hook, run only while models are built). Leaf
+    classes (`Linear`, `Conv2d`, norms: most module calls) keep PyTorch's, at no cost."""
+    if _ensure_state() is None:
+        return False
+    patched = []  # (class, the _call_impl it had)
+
+    def patch(cls):
+        inherited = cls._call_impl
+        if getattr(inherited, "_cachealloc_original", None) is not None:
+            return  # the class, or a base class, has scopes already
+        patched.append((cls, inherited))
+        wrap(cls, inherited)
+
+    def wrap(cls, inherited):
+        restore = _Restore(cls, "_call_impl", inherited)
+        cls._call_impl = _make_call_impl(inherited)
+        _handles.append(restore)
+
+    def on_child(module, name, submodule):
+        if _state.enabled:
+            patch(type(module))
+        return None
+
+    def install():
+        for cls, inherited in patched:
+            wrap(cls, inherited)
+        return []
+
+    module_module.register_module_module_registration_hook(on_child)
+    _installers["module"] = install
+    return True
+
+
+class _Restore:
+    """A handle that gives a class back the `_call_impl` it had (its own, or inherited)."""
+
+    def __init__(self, owner, name, original):
+        self.owner, self.name, self.original = owner, name, original
+        self.had_own = name in owner.__dict__
+
+    def remove(self):
+        if self.had_own:
+            setattr(self.owner, self.name, self.original)
+        else:
+            delattr(self.owner, self.name)
+
+
+def install_optimizer_hooks(optimizer_module):
+    """Register the global optimizer step hooks (`torch.optim.optimizer` just loaded)."""
+    if _ensure_state() is None:
+        return False
+
+    def install():
+        return [
+            optimizer_module.register_optimizer_step_pre_hook(_optimizer_pre),
+            optimizer_module.register_optimizer_step_post_hook(_optimizer_post),
+        ]
+
+    _installers["optimizer"] = install
+    _handles.extend(install())
+    return True
+
+
+def enable(on):
+    """Turn the hooks off (removed, as if never installed) or back on, between steps: what a
+    benchmark alternates within one process to measure their cost. Returns whether they were
+    installed at all."""
+    s = _state
+    if s is None or not _installers:
+        return False
+    if on and not s.enabled:
+        for install in _installers.values():
+            _handles.extend(install())
+    elif not on and s.enabled:
+        while _handles:
+            _handles.pop().remove()
+        if s.phase != PHASE_NONE:
+            s.set_phase(PHASE_NONE)
+    s.enabled = on
+    return True
