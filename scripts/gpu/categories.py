@@ -1,0 +1,245 @@
+"""Memory by category on a GPU (issue 23): two models trained under bf16 autocast with fused
+AdamW — a transformers Llama (8 layers x 1024, variable sequence lengths) and a CNN (residual
+blocks with batch norm, channels_last) — in one of three modes:
+
+  categories.py MODEL truth STEPS OUT.json      (under the shim) at three instants of each step
+      (after forward, after backward, after the optimizer's step) annotate the trace
+      (`cachealloc_annotate("after_forward 3")`) and write the truth there, from the program's
+      own objects: the bytes of its parameters and buffers, of the optimizer's state, of the
+      `.grad`s, and of the tensors autograd saved (`saved_tensors_hooks`, during the forward;
+      parameters and inputs left out). Bytes are counted per storage, each rounded as the
+      allocator rounds a request (512 bytes), so they compare with blocks.
+  categories.py MODEL time ROUNDS LOG           (under the shim) alternate, within the process,
+      step by step, the category hooks on and off (`cachealloc_categories.enable`): each round
+      runs the same step both ways; writes `workload=MODEL label=on|off step_ms=X` per step for
+      ratio_ci.py.
+  categories.py MODEL profiler STEPS OUT.json   (natively) PyTorch's memory profiler on the same
+      steps (`profile_memory`, `record_shapes`, `with_stack`): step time while profiling and
+      not, `export_memory_timeline`'s categories at the peak, its time and its size.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+dev = torch.device("cuda")
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048,
+    )
+    model = LlamaForCausalLM(config).to(dev)
+    lengths = [256, 512, 384, 1024, 640, 768]
+
+    def batch(step):
+        ids = torch.randint(0, 32000, (8, lengths[step % len(lengths)]), device=dev)
+        return (ids,), {"labels": ids}
+
+    def loss_of(out):
+        return out.loss
+
+    return model, batch, loss_of
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class Cnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layers = [nn.Conv2d(3, 64, 7, stride=2, padding=3), nn.BatchNorm2d(64), nn.ReLU()]
+        c = 64
+        for stage in range(4):
+            layers += [Block(c), Block(c)]
+            if stage < 3:
+                layers += [nn.Conv2d(c, c * 2, 3, stride=2, padding=1), nn.BatchNorm2d(c * 2)]
+                c *= 2
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c, 1000)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def cnn():
+    model = Cnn().to(dev).to(memory_format=torch.channels_last)
+    sizes = [128, 160, 192, 224]
+
+    def batch(step):
+        s = sizes[step % len(sizes)]
+        x = torch.randn(64, 3, s, s, device=dev).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (64,), device=dev)
+        return (x,), {"target": y}
+
+    return model, batch, None
+
+
+def rounded(n):
+    return 0 if n == 0 else max(512, (n + 511) // 512 * 512)
+
+
+def storages(tensors, leave_out=()):
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            s = t.untyped_storage()
+            if s.data_ptr() not in leave_out:
+                seen[s.data_ptr()] = rounded(s.nbytes())
+    return seen
+
+
+def step_fn(model, batch, loss_of, opt):
+    def step(i, saved=None, at=None):
+        args, kwargs = batch(i)
+        target = kwargs.pop("target", None)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if saved is not None:
+                def pack(t):
+                    saved.append(t)
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(*args, **kwargs)
+                    loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
+            else:
+                out = model(*args, **kwargs)
+                loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
+        if at:
+            at("after_forward", i, args)
+        loss.backward()
+        if at:
+            at("after_backward", i, args)
+        opt.step()
+        if at:
+            at("after_optimizer", i, args)
+        opt.zero_grad(set_to_none=True)
+        del out, loss
+        if saved is not None:
+            saved.clear()
+
+    return step
+
+
+def main():
+    MODEL, MODE = sys.argv[1], sys.argv[2]
+    COUNT, OUT = int(sys.argv[3]), sys.argv[4]
+    torch.manual_seed(0)
+    model, batch, loss_of = llama() if MODEL == "llama" else cnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step = step_fn(model, batch, loss_of, opt)
+    if MODE == "truth":
+        import ctypes
+
+        annotate = ctypes.CDLL(None).cachealloc_annotate
+        annotate.argtypes = [ctypes.c_char_p]
+        truths, saved = [], []
+
+        def at(name, i, args):
+            torch.cuda.synchronize()
+            params = storages(list(model.parameters()) + list(model.buffers()))
+            inputs = storages(args)
+            state = storages(
+                [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            )
+            grads = storages([p.grad for p in model.parameters() if p.grad is not None])
+            row = {
+                "annotation": f"{name} {i}",
+                "parameter": sum(params.values()),
+                "optimizer_state": sum(state.values()),
+                "gradient": sum(grads.values()),
+                "input": sum(inputs.values()),
+            }
+            if name == "after_forward":
+                acts = storages(saved, leave_out=set(params) | set(inputs))
+                row["activation"] = sum(acts.values())
+            row["allocated"] = torch.cuda.memory_allocated()
+            annotate(row["annotation"].encode())
+            truths.append(row)
+
+        for i in range(COUNT):
+            step(i, saved=saved, at=at)
+        torch.cuda.synchronize()
+        json.dump({"model": MODEL, "truth": truths}, open(OUT, "w"), indent=1)
+        print(f"OK truth {MODEL}: {len(truths)} instants")
+    elif MODE == "time":
+        import cachealloc_categories
+
+        for i in range(6):
+            step(i)
+        log = open(OUT, "a")
+        # Step by step: each round runs the same step (the same sequence length) with the hooks
+        # on and off, in alternating order.
+        for r in range(COUNT):
+            for label in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                if not cachealloc_categories.enable(label == "on"):
+                    sys.exit("FAIL: the category hooks are not installed")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(r)
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) * 1000
+                print(f"workload={MODEL} label={label} round={r} step_ms={ms:.4f}", file=log)
+        log.close()
+        print(f"OK time {MODEL}: {COUNT} rounds")
+    elif MODE == "profiler":
+        from torch.profiler import ProfilerActivity, profile
+
+        for i in range(6):
+            step(i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(COUNT):
+            step(i)
+        torch.cuda.synchronize()
+        plain_ms = (time.perf_counter() - t0) * 1000 / COUNT
+        with profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+            profile_memory=True, record_shapes=True, with_stack=True,
+        ) as prof:
+            t0 = time.perf_counter()
+            for i in range(COUNT):
+                step(i)
+            torch.cuda.synchronize()
+            profiled_ms = (time.perf_counter() - t0) * 1000 / COUNT
+        t0 = time.perf_counter()
+        path = OUT + ".timeline.json"
+        prof.export_memory_timeline(path, device="cuda:0")
+        export_s = time.perf_counter() - t0
+        times, sizes = json.load(open(path))
+        totals = [sum(s) for s in sizes]
+        peak = max(range(len(totals)), key=totals.__getitem__)
+        # export_memory_timeline's columns: one always 0, then torch.profiler's
+        # _CATEGORY_TO_COLORS order, unknown (None) last.
+        names = ["_", "PARAMETER", "OPTIMIZER_STATE", "INPUT", "TEMPORARY", "ACTIVATION",
+                 "GRADIENT", "AUTOGRAD_DETAIL", "UNKNOWN"]
+        at_peak = dict(zip(names, sizes[peak]))
+        json.dump(
+            {
+                "model": MODEL, "plain_ms": plain_ms, "profiled_ms": profiled_ms,
+                "export_s": export_s, "peak_bytes": totals[peak], "at_peak": at_peak,
+                "timeline_bytes": os.path.getsize(path),
+            },
+            open(OUT, "w"), indent=1,
+        )
+        print(f"OK profiler {MODEL}: {plain_ms:.2f} ms plain, {profiled_ms:.2f} ms profiled")
+
+
+if __name__ == "__main__":
+    main()
