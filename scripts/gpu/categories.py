@@ -11,7 +11,7 @@ blocks with batch norm, channels_last) — in one of three modes:
       allocator rounds a request (512 bytes), so they compare with blocks.
   categories.py MODEL time ROUNDS LOG           (under the shim) alternate, within the process,
       step by step, the category hooks on and off (`cachealloc_categories.enable`): each round
-      runs the same step both ways; writes `workload=MODEL label=on|off step_ms=X` per step for
+      runs the same step both ways, each after an untimed one; writes `workload=MODEL label=on|off step_ms=X` per step for
       ratio_ci.py.
   categories.py MODEL profiler STEPS OUT.json   (natively) PyTorch's memory profiler on the same
       steps (`profile_memory`, `record_shapes`, `with_stack`): step time while profiling and
@@ -190,6 +190,7 @@ def main():
             for label in (("on", "off") if r % 2 == 0 else ("off", "on")):
                 if not cachealloc_categories.enable(label == "on"):
                     sys.exit("FAIL: the category hooks are not installed")
+                step(r)  # untimed: switching patches classes; Python's caches re-warm
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 step(r)

@@ -1,8 +1,13 @@
 """Where the category hooks' time goes (a diagnostic for issue 23's cost target): variants of
-the hooks alternated round by round within one process, on the Llama of categories.py, under
-the shim; each round runs one step of each variant, the same step. Prints
-`workload=llama label=VARIANT step_ms=X` lines for ratio_ci.py.
-Usage: categories_cost.py ROUNDS LOG"""
+the hooks alternated within one process, on a model of categories.py, under the shim; each
+round runs one step of each variant, the same step, after an untimed one (switching patches
+classes, which costs Python's attribute caches a step to re-warm). Prints `workload=MODEL label=VARIANT
+step_ms=X` lines for ratio_ci.py, then a profile of three steps with the hooks on.
+Variants: off; empty (global module hooks that do nothing: PyTorch's slow path alone); full;
+no_backward_scopes; no_tags and no_phases (the library's calls replaced by a Python no-op);
+only_modules, only_optimizer (the other part's hooks off; backward's phase and gradients stay);
+no_backward (no backward phase, no gradients' tags).
+Usage: categories_cost.py MODEL ROUNDS LOG [VARIANT,VARIANT,...]"""
 import os
 import sys
 import time
@@ -14,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cachealloc_categories as cc  # noqa: E402
 import categories  # noqa: E402
 
-ROUNDS, LOG = int(sys.argv[1]), sys.argv[2]
+MODEL, ROUNDS, LOG = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
-model, batch, loss_of = categories.llama()
+model, batch, loss_of = categories.llama() if MODEL == "llama" else categories.cnn()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 step = categories.step_fn(model, batch, loss_of, opt)
 def empty_hooks(on):
@@ -30,13 +35,27 @@ def empty_hooks(on):
     return handles
 
 
+api = cc._state.api
+real_phase, real_tag = api.phase, api._tag
+real_backward_begin = cc.backward_begin
+
+
+def nothing(*args):
+    return 0
+
+
 def variant(name):
-    cc.enable(name not in ("off", "empty"))
+    parts = {"only_modules": ["module"], "only_optimizer": ["optimizer"]}.get(name)
+    cc.enable(name not in ("off", "empty"), parts)
     cc._state.backward_scopes = name != "no_backward_scopes"
+    api.phase = nothing if name == "no_phases" else real_phase
+    api._tag = nothing if name == "no_tags" else real_tag
+    cc.backward_begin = (lambda: None) if name == "no_backward" else real_backward_begin
     return empty_hooks(name == "empty")
 
 
-VARIANTS = ["off", "empty", "no_backward_scopes", "full"]
+VARIANTS = sys.argv[4].split(",") if len(sys.argv) > 4 else [
+    "off", "empty", "no_backward_scopes", "no_tags", "no_phases", "full"]
 for i in range(6):
     step(i)
 with open(LOG, "a") as log:
@@ -45,6 +64,7 @@ with open(LOG, "a") as log:
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
         for name in order:
             handles = variant(name)
+            step(r)  # untimed: the interpreter re-warms after a class changed
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             step(r)
@@ -52,7 +72,7 @@ with open(LOG, "a") as log:
             ms = (time.perf_counter() - t0) * 1000
             for h in handles:
                 h.remove()
-            print(f"workload=llama label={name} round={r} step_ms={ms:.4f}", file=log)
+            print(f"workload={MODEL} label={name} round={r} step_ms={ms:.4f}", file=log)
 cc.enable(True)
 import cProfile  # noqa: E402
 import pstats  # noqa: E402
@@ -63,5 +83,5 @@ for i in range(3):
     step(i)
 torch.cuda.synchronize()
 profile.disable()
-pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 print("OK categories_cost")

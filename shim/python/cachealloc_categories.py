@@ -19,16 +19,16 @@ or module alive:
   call. Not global module hooks: with any global hook PyTorch takes its slow path for every
   module call, which alone cost 1.8 % of a Llama step (design.md, Note [Categories by
   lifetime]); and not per-module hooks, which `torch.save(model)` would pickle.
-* For the backward pass, each output of a module with children gets, on its autograd node, a
-  pre-hook (the innermost module claims it) that names the module on the autograd thread when
-  backward reaches it.
+* For the backward pass, the output of a module whose children have children (a decoder
+  layer, not its MLP) gets, on its autograd node, a pre-hook (the innermost such module claims
+  it) that names the module on the autograd thread when backward reaches it.
 * `backward()` (wrapped by `cachealloc_hooks`) is the backward phase; afterwards the known
   parameters' `.grad`s are tagged gradients.
 * Global optimizer step hooks mark the optimizer phase, count steps, and tag the optimizer's
   state tensors (again when their number changes) and its parameters.
 * Inside `torch.compile`'s tracing the wrapper and hooks do nothing (nothing is traced into a
-  graph);
-  compiled regions are then one scope, their categories still right by tags and lifetimes.
+  graph); compiled regions are then one scope, their categories still right by tags and
+  lifetimes.
 
 What a hook cannot tell (temporaries, activations) the tools find from lifetimes: see
 design.md, Note [Categories by lifetime].
@@ -58,6 +58,9 @@ class _Api:
         self._tag = lib.cachealloc_tag
         self._tag.restype = ctypes.c_int
         self._tag.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t]
+        self.hide_code = lib.cachealloc_python_hide_code
+        self.hide_code.restype = ctypes.c_int
+        self.hide_code.argtypes = [ctypes.c_size_t]
 
     def slot(self):
         """The calling thread's scope slot in the library: its `.value` is the thread's scope."""
@@ -70,8 +73,12 @@ class _Api:
             if t is not None and t.is_cuda:
                 by_device.setdefault(t.get_device(), []).append(t.data_ptr())
         for device, pointers in by_device.items():
-            array = (ctypes.c_uint64 * len(pointers))(*pointers)
-            self._tag(device, category, array, len(pointers))
+            self.tag_pointers(category, device, pointers)
+
+    def tag_pointers(self, category, device, pointers):
+        """Tag the blocks of `device` holding `pointers`."""
+        array = (ctypes.c_uint64 * len(pointers))(*pointers)
+        self._tag(device, category, array, len(pointers))
 
 
 def _api():
@@ -132,7 +139,11 @@ class _State:
     # Module paths.
 
     def scope_of(self, module, stack):
-        """(weak ref, scope id, leaf) of `module`, naming its subtree when first seen."""
+        """(weak ref, scope id, leaf, claims) of `module`, naming its subtree when first seen:
+        `leaf`, it has no children; `claims`, a child of it has children of its own, so its
+        output's autograd node names it in backward (a decoder layer does, its MLP does not:
+        a pre-hook costs microseconds on the autograd thread, so backward is named at the
+        coarser grain)."""
         if stack:
             parent = stack[-1][0]
             prefix = self.paths.get(parent, type(parent).__name__)
@@ -149,7 +160,8 @@ class _State:
                 key = id(sub)
                 ref = weakref.ref(sub, lambda _, key=key, scopes=self.scopes: scopes.pop(key, None))
                 leaf = not sub._modules
-                self.scopes[key] = (ref, self.api.define(path.encode()), leaf)
+                claims = any(c is not None and c._modules for c in sub._modules.values())
+                self.scopes[key] = (ref, self.api.define(path.encode()), leaf, claims)
         return self.scopes[id(module)]
 
     # Parameters.
@@ -161,7 +173,11 @@ class _State:
         known = self.roots.get(root)
         if known is not None and known[0] == first:
             return
-        self.roots[root] = (first, [weakref.ref(p) for p in params])
+        # Each parameter weakly, with its device (-1: not CUDA), for its gradients.
+        self.roots[root] = (
+            first,
+            [(weakref.ref(p), p.get_device() if p.is_cuda else -1) for p in root.parameters()],
+        )
         self.api.tag(TAG_PARAMETER, params)
 
     def first_parameter_moved(self, root):
@@ -172,14 +188,18 @@ class _State:
             return p.data_ptr() != known[0]
         return False
 
-    def gradients(self):
-        grads = []
+    def tag_gradients(self):
+        """Tag the `.grad`s of the roots' CUDA parameters: one call per device."""
+        by_device = {}
         for _, refs in list(self.roots.values()):
-            for r in refs:
-                p = r()
-                if p is not None:
-                    grads.append(p.grad)
-        return grads
+            for r, device in refs:
+                if device >= 0:
+                    p = r()
+                    g = p.grad if p is not None else None
+                    if g is not None:
+                        by_device.setdefault(device, []).append(g.data_ptr())
+        for device, pointers in by_device.items():
+            self.api.tag_pointers(TAG_GRADIENT, device, pointers)
 
 
 def _child_name(parent, module):
@@ -228,6 +248,8 @@ def _make_call_impl(original):
             _leave(s, self, output)
 
     _call_impl._cachealloc_original = original
+    # Stacks leave this frame out: a program's stacks are the same with the wrapper as without.
+    _state.api.hide_code(id(_call_impl.__code__))
     return _call_impl
 
 
@@ -251,7 +273,7 @@ def _enter(s, module, entry, args):
             s.tag_parameters(module)
         s.api.tag(TAG_INPUT, [a for a in args if isinstance(a, s.tensor)])
         t.claimed = set()
-    stack.append((module, entry[1], began, entry[2]))
+    stack.append((module, entry[1], began, entry[3]))
     slot.value = entry[1]
 
 
@@ -263,13 +285,13 @@ def _leave(s, module, output):
     stack = t.stack
     # Pop to this module (one whose leave was skipped is dropped with it).
     while stack:
-        top, sid, began, leaf = stack.pop()
+        top, sid, began, claims = stack.pop()
         if top is module:
             break
     else:
         t.slot.value = 0
         return
-    if not leaf and s.backward_scopes and output is not None and s.is_grad_enabled():
+    if claims and s.backward_scopes and output is not None and s.is_grad_enabled():
         out = output
         if isinstance(out, (tuple, list)) and out:
             out = out[0]
@@ -311,7 +333,7 @@ def backward_end(previous, gradients=True):
     if s is None or previous is None:
         return
     if gradients:
-        s.api.tag(TAG_GRADIENT, s.gradients())
+        s.tag_gradients()
     if previous != PHASE_BACKWARD:
         s.set_phase(previous)
 
@@ -425,20 +447,21 @@ def install_optimizer_hooks(optimizer_module):
     return True
 
 
-def enable(on):
+def enable(on, parts=None):
     """Turn the hooks off (removed, as if never installed) or back on, between steps: what a
-    benchmark alternates within one process to measure their cost. Returns whether they were
-    installed at all."""
+    benchmark alternates within one process to measure their cost. `parts` (with `on`) keeps
+    only some on: "module", "optimizer" (a diagnostic of where the cost goes). Returns whether
+    they were installed at all."""
     s = _state
     if s is None or not _installers:
         return False
-    if on and not s.enabled:
-        for install in _installers.values():
-            _handles.extend(install())
-    elif not on and s.enabled:
-        while _handles:
-            _handles.pop().remove()
-        if s.phase != PHASE_NONE:
-            s.set_phase(PHASE_NONE)
+    while _handles:
+        _handles.pop().remove()
+    if s.phase != PHASE_NONE:
+        s.set_phase(PHASE_NONE)
+    if on:
+        for name, install in _installers.items():
+            if parts is None or name in parts:
+                _handles.extend(install())
     s.enabled = on
     return True

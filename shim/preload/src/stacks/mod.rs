@@ -22,6 +22,10 @@
 //! With `stacks:all` a stack is the native frames, innermost first, followed by the Python frames
 //! (the Python code is what called into the native code).
 //!
+//! Frames of code objects the Python integration hides ([`hide_python_code`]: its wrapper of
+//! `nn.Module._call_impl`) are dropped right after the walk, before anything is read of them:
+//! a stack is the same with the integration's wrapper as without it, and costs no more.
+//!
 //! A thread with no frame to record (in PyTorch, the autograd engine's device threads, which run
 //! the backward pass while the Python thread that called `backward()` waits) gets the stack of
 //! the Python thread currently in `backward()`, which the Python integration announces through
@@ -31,7 +35,7 @@ pub mod native;
 pub mod python;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cachealloc_core::config::StackMode;
@@ -46,6 +50,38 @@ use python::{CodeCheck, CodeInfo, Python, RawFrame};
 
 /// Deepest stack captured, whatever `stack_depth` says.
 const MAX_DEPTH: usize = 256;
+
+/// Code objects whose frames stacks leave out (0: an empty place).
+static HIDDEN_CODE: [AtomicUsize; 4] = [const { AtomicUsize::new(0) }; 4];
+
+/// Leave the frames of the Python code object at `code` out of every stack from now on (the
+/// Python integration's own wrappers, which sit between a program's frames). Returns false
+/// when the places for such code objects are all taken (four).
+pub fn hide_python_code(code: usize) -> bool {
+    HIDDEN_CODE.iter().any(|place| {
+        place.load(Ordering::Relaxed) == code
+            || place
+                .compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    })
+}
+
+/// Drop the frames of hidden code objects from `frames` in place; returns how many are left.
+fn without_hidden(frames: &mut [RawFrame]) -> usize {
+    let hidden = HIDDEN_CODE.each_ref().map(|p| p.load(Ordering::Relaxed));
+    if hidden[0] == 0 {
+        return frames.len();
+    }
+    let mut kept = 0;
+    for i in 0..frames.len() {
+        let code = frames[i].code;
+        if !hidden.contains(&code) {
+            frames[kept] = frames[i];
+            kept += 1;
+        }
+    }
+    kept
+}
 
 /// A thread's capture buffers: return addresses, Python frames, and the raw stack key (the
 /// addresses, then per Python frame its code object, offset and [`CodeCheck`]).
@@ -259,7 +295,10 @@ impl Stacks {
             None => 0,
         };
         let python = match &self.python {
-            Some(p) => p.walk(&mut py[..self.depth]),
+            Some(p) => {
+                let walked = p.walk(&mut py[..self.depth]);
+                without_hidden(&mut py[..walked])
+            }
             None => 0,
         };
         let skip = skip.min(python);

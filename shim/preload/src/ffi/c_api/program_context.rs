@@ -121,3 +121,25 @@ fn fact(
         || cuda::SUCCESS,
     )
 }
+
+/// Leave the frames of the Python code object at `code` (`id(fn.__code__)`) out of every stack
+/// recorded from now on: the Python integration's wrapper of `nn.Module._call_impl`, which would
+/// otherwise sit between each module's frames. Returns 0, or `cudaErrorInvalidValue` for a null
+/// address or when four code objects are hidden already.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_python_hide_code(code: usize) -> CudaError {
+    if code == 0 {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    guarded(
+        "cachealloc_python_hide_code",
+        || {
+            if crate::stacks::hide_python_code(code) {
+                cuda::SUCCESS
+            } else {
+                cuda::ERROR_INVALID_VALUE
+            }
+        },
+        || cuda::SUCCESS,
+    )
+}
