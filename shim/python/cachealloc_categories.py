@@ -108,6 +108,8 @@ class _State:
         self.enabled = True
         # Whether a module's output's autograd node names it in backward.
         self.backward_scopes = True
+        # The scope slots backward's pre-hooks wrote (autograd's threads'), cleared at its end.
+        self.backward_slots = {}
 
     def is_compiling(self):
         """Whether torch.compile is tracing. At the first call (torch is imported by then, not
@@ -310,7 +312,9 @@ def _backward_scope(s, sid):
     """A pre-hook of a module's output's autograd node: the autograd thread is in the module."""
 
     def enter(grad_outputs):
-        s.slot().value = sid
+        slot = s.slot()
+        slot.value = sid
+        s.backward_slots[id(slot)] = slot
 
     return enter
 
@@ -324,7 +328,7 @@ def backward_begin():
     previous = s.phase
     if previous != PHASE_BACKWARD:
         s.set_phase(PHASE_BACKWARD)
-    return previous
+    return previous, s.slot().value
 
 
 def backward_end(previous, gradients=True):
@@ -332,10 +336,17 @@ def backward_end(previous, gradients=True):
     s = _state
     if s is None or previous is None:
         return
+    phase, scope = previous
+    # The threads that ran backward leave its modules (they are idle now); the caller is back
+    # where it was.
+    for slot in s.backward_slots.values():
+        slot.value = 0
+    s.backward_slots.clear()
+    s.slot().value = scope
     if gradients:
         s.tag_gradients()
-    if previous != PHASE_BACKWARD:
-        s.set_phase(previous)
+    if phase != PHASE_BACKWARD:
+        s.set_phase(phase)
 
 
 def _optimizer_pre(optimizer, args, kwargs):

@@ -252,3 +252,110 @@ fn backward_allocations_get_the_stack_that_called_backward() {
         );
     }
 }
+
+/// What the Python integration tells the trace about a training loop (a stand-in torch, two
+/// steps; `python_categories.py` gives each kind of allocation its own size): every allocation
+/// in the module, phase and category the program's structure says, read from the live state
+/// just before each block is freed; and with `categories:off`, none of it.
+#[test]
+fn the_integration_tells_each_allocations_module_phase_and_category() {
+    use cachealloc_recorder::LiveState;
+    use cachealloc_recorder::schema::{
+        PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, TAG_GRADIENT, TAG_INPUT,
+        TAG_OPTIMIZER_STATE, TAG_PARAMETER, kinds,
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/python_categories.py");
+    let out = Run::new("python3", &[script]).output();
+    out.assert_ok("python_categories");
+    let (records, _) = read_trace(&out.trace_dirs()[0]);
+    let mut state = LiveState::default();
+    // requested size -> every (scope, phase, tag) seen for it at its frees (or at the end).
+    let mut seen: HashMap<u64, Vec<(String, u8, u8)>> = HashMap::new();
+    let mut note = |state: &LiveState, device: u32, address: u64| {
+        let Some(block) = state.blocks.get(&(device, address)) else {
+            return;
+        };
+        let c = state.context.blocks.get(&(device, address)).copied();
+        let scope = c
+            .and_then(|c| state.context.scope_names.get(&c.scope))
+            .map_or(String::new(), |n| n.name.clone());
+        let (phase, tag) = c.map_or((0, 0), |c| (c.phase, c.category));
+        seen.entry(block.requested)
+            .or_default()
+            .push((scope, phase, tag));
+    };
+    for r in &records {
+        if let Record::Free(f) | Record::FreeRequested(f) = r {
+            note(&state, f.device, f.address);
+        }
+        state.apply(r);
+    }
+    let live: Vec<_> = state.blocks.keys().copied().collect();
+    for (device, address) in live {
+        note(&state, device, address);
+    }
+    let only = |size: u64| -> (String, u8, u8) {
+        let all = &seen[&size];
+        assert!(
+            all.iter().all(|c| c == &all[0]),
+            "size {size}: one context for all: {all:?}"
+        );
+        all[0].clone()
+    };
+    let s = |x: &str| x.to_string();
+    assert_eq!(only(3072), (s(""), 0, TAG_INPUT), "the input");
+    // Weights (three, alive at the end) and gradients (three a step, made in backward after
+    // the head's node named Net), by their tags.
+    let mut weights_and_grads = seen[&65536].clone();
+    weights_and_grads.sort();
+    let mut expected = vec![(s(""), 0, TAG_PARAMETER); 3];
+    expected.extend(vec![(s("Net"), PHASE_BACKWARD, TAG_GRADIENT); 6]);
+    assert_eq!(weights_and_grads, expected);
+    // Leaves are named by the module with children they run in.
+    let outputs = &seen[&32768];
+    assert!(
+        outputs.contains(&(s("Net.layer0"), PHASE_FORWARD, 0)),
+        "{outputs:?}"
+    );
+    assert!(
+        outputs.contains(&(s("Net"), PHASE_FORWARD, 0)),
+        "the head's: {outputs:?}"
+    );
+    assert_eq!(
+        only(1024),
+        (s("Net.layer0"), PHASE_FORWARD, 0),
+        "the Block's temporary"
+    );
+    // Backward: named by the module whose children have children (Net), from its node on.
+    assert_eq!(
+        only(5120),
+        (s("Net"), PHASE_BACKWARD, 0),
+        "backward's temporaries"
+    );
+    assert_eq!(
+        only(131072),
+        (s(""), PHASE_OPTIMIZER, TAG_OPTIMIZER_STATE),
+        "optimizer state"
+    );
+    assert_eq!(
+        only(2048),
+        (s(""), PHASE_OPTIMIZER, 0),
+        "the optimizer's temporary"
+    );
+    assert_eq!(
+        records.iter().filter(|r| r.kind() == kinds::PHASE).count(),
+        12,
+        "forward, none, backward, none, optimizer, none: twice"
+    );
+
+    let out = Run::new("python3", &[script])
+        .env("CACHEALLOC_CONF", "categories:off")
+        .output();
+    out.assert_ok("python_categories");
+    let (records, _) = read_trace(&out.trace_dirs()[0]);
+    let context = [kinds::SCOPE, kinds::SCOPE_NAME, kinds::PHASE, kinds::TAG];
+    assert!(
+        !records.iter().any(|r| context.contains(&r.kind())),
+        "categories:off: no scope, phase or tag"
+    );
+}

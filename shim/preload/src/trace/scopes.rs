@@ -11,9 +11,10 @@
 //! time) before the allocation's record. The cost on the allocation path is a thread-local load
 //! and a compare.
 //!
-//! A slot is written and read only by its own thread (the integration writes the slot of the
-//! thread its hook runs on), so there is no race; it is atomic so that the compiler never
-//! assumes it unchanged across the foreign writes.
+//! A slot is written by its own thread (the integration writes the slot of the thread its hook
+//! runs on), and by the thread that called `backward()` when that returns, to clear the slots
+//! of the autograd threads (idle by then) that backward's hooks named; it is atomic so that the
+//! compiler never assumes it unchanged across the foreign writes.
 
 use std::cell::Cell;
 use std::collections::HashMap;

@@ -1,0 +1,243 @@
+"""The Python integration's view of a program for memory by category (cachealloc_categories),
+run under LD_PRELOAD=libcachealloc.so over fakecuda with a stand-in torch made here: the parts
+of PyTorch's API the integration uses (nn.Module's `_call_impl` and module-registration hook,
+autograd nodes' pre-hooks, `torch.autograd.backward`, the optimizer's step hooks), with tensors
+whose storage is cudaMalloc'd. A small model (Net: a Block of two Linears, and a Linear head)
+trains two steps; each kind of allocation has its own size, so the trace can be checked
+(tests/tests/python.rs):
+
+    input 3072, Linear outputs 32768, the Block's temporary 1024, weights 65536,
+    backward's temporaries 5120, gradients 65536 (like the weights), optimizer state 131072,
+    the optimizer's temporary 2048.
+
+Here it checks what the trace cannot show: the model's results are unchanged, the hooks keep
+nothing alive, a pickled model names nothing of cachealloc's, and `enable(False)` gives the
+classes back their own `_call_impl`. Usage: python_categories.py. Prints "OK python_categories".
+"""
+import ctypes
+import gc
+import os
+import pickle
+import sys
+import tempfile
+import weakref
+
+root = tempfile.mkdtemp()
+files = {
+    "torch/__init__.py": '''
+import ctypes, types
+ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
+_rt = ctypes.CDLL(None)
+_rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+_rt.cudaFree.argtypes = [ctypes.c_void_p]
+class Tensor:
+    is_cuda = True
+    def __init__(self, nbytes, param=False):
+        p = ctypes.c_void_p()
+        if _rt.cudaMalloc(ctypes.byref(p), nbytes) != 0:
+            raise RuntimeError("cudaMalloc")
+        self._ptr, self.nbytes, self.param = p.value, nbytes, param
+        self.grad = None
+        self.grad_fn = None
+    def data_ptr(self):
+        return self._ptr
+    def get_device(self):
+        return 0
+    def __del__(self):
+        _rt.cudaFree(self._ptr)
+    def __reduce__(self):
+        return (Tensor, (self.nbytes, self.param))
+_grad = [True]
+def is_grad_enabled():
+    return _grad[0]
+compiler = types.SimpleNamespace(is_compiling=lambda: False)
+from torch import nn, optim, autograd
+''',
+    "torch/nn/__init__.py": "from torch.nn.modules.module import Module\n",
+    "torch/nn/modules/__init__.py": "",
+    "torch/nn/modules/module.py": '''
+import torch
+_registration_hooks = []
+def register_module_module_registration_hook(hook):
+    _registration_hooks.append(hook)
+class Module:
+    def __init__(self):
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_parameters", {})
+    def __setattr__(self, name, value):
+        if isinstance(value, Module):
+            for hook in _registration_hooks:
+                hook(self, name, value)
+            self._modules[name] = value
+        elif isinstance(value, torch.Tensor) and value.param:
+            self._parameters[name] = value
+        object.__setattr__(self, name, value)
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        yield prefix, self
+        for name, m in self._modules.items():
+            yield from m.named_modules(prefix=prefix + ("." if prefix else "") + name)
+    def parameters(self):
+        for _, m in self.named_modules():
+            yield from m._parameters.values()
+    def buffers(self):
+        return iter(())
+    def _call_impl(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        return self._call_impl(*args, **kwargs)
+''',
+    "torch/autograd/__init__.py": '''
+import torch
+_graph = []
+class Node:
+    """An autograd node: what backward runs, holding what the forward saved."""
+    def __init__(self, saved):
+        self.saved, self.prehooks = saved, []
+        _graph.append(self)
+    def register_prehook(self, fn):
+        self.prehooks.append(fn)
+    def run(self):
+        for hook in self.prehooks:
+            hook((None,))
+        temporary = torch.Tensor(5120)
+        del temporary
+        self.saved = None
+def backward(loss, params=()):
+    while _graph:
+        _graph.pop().run()
+    for p in params:
+        p.grad = torch.Tensor(p.nbytes)
+def grad(*args):
+    return None
+''',
+    "torch/optim/__init__.py": "from torch.optim.optimizer import Optimizer\n",
+    "torch/optim/optimizer.py": '''
+import torch
+_pre, _post = [], []
+class _Handle:
+    def __init__(self, hooks, hook):
+        self.hooks, self.hook = hooks, hook
+    def remove(self):
+        self.hooks.remove(self.hook)
+def register_optimizer_step_pre_hook(hook):
+    _pre.append(hook)
+    return _Handle(_pre, hook)
+def register_optimizer_step_post_hook(hook):
+    _post.append(hook)
+    return _Handle(_post, hook)
+class Optimizer:
+    def __init__(self, params):
+        self.param_groups = [{"params": list(params)}]
+        self.state = {}
+    def step(self):
+        for hook in _pre:
+            hook(self, (), {})
+        temporary = torch.Tensor(2048)
+        for p in self.param_groups[0]["params"]:
+            if p not in self.state:
+                self.state[p] = {"exp_avg": torch.Tensor(2 * p.nbytes)}
+        del temporary
+        for hook in _post:
+            hook(self, (), {})
+    def zero_grad(self):
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+''',
+}
+for name, text in files.items():
+    path = os.path.join(root, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+sys.path.insert(0, root)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.autograd import Node  # noqa: E402
+
+
+def fail(why):
+    print(f"FAIL: {why}")
+    sys.exit(1)
+
+
+class Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.Tensor(65536, param=True)
+
+    def forward(self, x):
+        out = torch.Tensor(32768)
+        out.grad_fn = Node(saved=x)
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = Linear()
+        self.fc2 = Linear()
+
+    def forward(self, x):
+        h = self.fc1(x)
+        temporary = torch.Tensor(1024)
+        del temporary
+        return self.fc2(h)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer0 = Block()
+        self.head = Linear()
+
+    def forward(self, x):
+        return self.head(self.layer0(x))
+
+
+net = Net()
+params = list(net.parameters())
+opt = torch.optim.Optimizer(params)
+outputs = []
+for step in range(2):
+    x = torch.Tensor(3072)
+    loss = net(x)
+    outputs.append(type(loss).__name__)
+    torch.autograd.backward(loss, params)
+    del loss
+    opt.step()
+    opt.zero_grad()
+    del x
+
+if outputs != ["Tensor", "Tensor"]:
+    fail(f"the model's results changed: {outputs}")
+if "categories:off" in os.environ.get("CACHEALLOC_CONF", ""):
+    categories = sys.modules.get("cachealloc_categories")
+    if categories is not None and categories._state is not None:
+        fail("categories:off, yet the categories hooks were installed")
+    if "_call_impl" in Net.__dict__:
+        fail("categories:off, yet a class was patched")
+    print("OK python_categories")
+    sys.exit(0)
+import cachealloc_categories  # noqa: E402
+
+if "_call_impl" not in Net.__dict__ or "_call_impl" not in Block.__dict__:
+    fail("the classes with children have no scoped _call_impl")
+if "_call_impl" in Linear.__dict__:
+    fail("a leaf class was patched")
+if b"cachealloc" in pickle.dumps(net):
+    fail("a pickled model names cachealloc")
+if not cachealloc_categories.enable(False):
+    fail("enable(False) found no hooks")
+if "_call_impl" in Net.__dict__ or "_call_impl" in Block.__dict__:
+    fail("enable(False) left a class patched")
+cachealloc_categories.enable(True)
+if "_call_impl" not in Net.__dict__:
+    fail("enable(True) did not patch again")
+# The hooks keep nothing alive: the model and its tensors go when the program lets go.
+alive = weakref.ref(net)
+del net, params, opt
+gc.collect()
+if alive() is not None:
+    fail("the model outlived the program's references")
+print("OK python_categories")
