@@ -112,7 +112,11 @@ def step_fn(model, batch, loss_of, opt):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if saved is not None:
                 def pack(t):
-                    saved.append(t)
+                    # The storage's address and size, not the tensor: holding it here would
+                    # keep it alive past the backward that frees it.
+                    if t.is_cuda:
+                        st = t.untyped_storage()
+                        saved[st.data_ptr()] = rounded(st.nbytes())
                     return t
 
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -149,7 +153,7 @@ def main():
 
         annotate = ctypes.CDLL(None).cachealloc_annotate
         annotate.argtypes = [ctypes.c_char_p]
-        truths, saved = [], []
+        truths, saved = [], {}
 
         def at(name, i, args):
             torch.cuda.synchronize()
@@ -167,8 +171,8 @@ def main():
                 "input": sum(inputs.values()),
             }
             if name == "after_forward":
-                acts = storages(saved, leave_out=set(params) | set(inputs))
-                row["activation"] = sum(acts.values())
+                leave_out = set(params) | set(inputs)
+                row["activation"] = sum(n for p, n in saved.items() if p not in leave_out)
             row["allocated"] = torch.cuda.memory_allocated()
             annotate(row["annotation"].encode())
             truths.append(row)

@@ -386,6 +386,9 @@ impl Shim {
         let (Some(stacks), Ok(trace)) = (&self.stacks, &self.trace) else {
             return 0;
         };
+        if crate::stacks::paused() {
+            return 0;
+        }
         if trace.congested() {
             trace.note_stack_shed();
             return 0;

@@ -35,7 +35,7 @@ pub mod native;
 pub mod python;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cachealloc_core::config::StackMode;
@@ -50,6 +50,20 @@ use python::{CodeCheck, CodeInfo, Python, RawFrame};
 
 /// Deepest stack captured, whatever `stack_depth` says.
 const MAX_DEPTH: usize = 256;
+
+/// Whether stack capture is paused (`cachealloc_stacks_pause`): records go on, with stack 0.
+static PAUSED: AtomicBool = AtomicBool::new(false);
+
+/// Pause (or resume) stack capture; returns whether it was paused. A benchmark's switch: the
+/// cost of stacks measured within one process, step by step (issue 25).
+pub fn pause(paused: bool) -> bool {
+    PAUSED.swap(paused, Ordering::Relaxed)
+}
+
+/// Whether stack capture is paused.
+pub fn paused() -> bool {
+    PAUSED.load(Ordering::Relaxed)
+}
 
 /// Code objects whose frames stacks leave out (0: an empty place).
 static HIDDEN_CODE: [AtomicUsize; 4] = [const { AtomicUsize::new(0) }; 4];

@@ -1,6 +1,8 @@
 //! The C API's calls that tell the library about the program (see
-//! [`crate::process::program_context`]): module scopes, phases and what blocks hold. Called by
-//! the Python integration's hooks; each is one trace record, nothing without a trace.
+//! [`crate::process::program_context`]): module scopes, phases and what blocks hold, called by
+//! the Python integration's hooks (each is one trace record, nothing without a trace); and
+//! what is left out of stacks: the integration's own frames, and every stack while a benchmark
+//! pauses them.
 
 use std::ffi::{CStr, c_char, c_int, c_uint};
 
@@ -141,5 +143,17 @@ pub extern "C" fn cachealloc_python_hide_code(code: usize) -> CudaError {
             }
         },
         || cuda::SUCCESS,
+    )
+}
+
+/// Pause stack capture (`paused` non-zero) or resume it; returns 1 if it was paused before, 0
+/// if not. While paused, records go on with no stack. A benchmark's switch: the cost of stacks
+/// measured step by step within one process (`scripts/gpu/recorder_cost.py`).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_stacks_pause(paused: c_int) -> c_int {
+    guarded(
+        "cachealloc_stacks_pause",
+        || c_int::from(crate::stacks::pause(paused != 0)),
+        || 0,
     )
 }
