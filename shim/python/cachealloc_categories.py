@@ -43,7 +43,7 @@ TAG_PARAMETER, TAG_OPTIMIZER_STATE, TAG_GRADIENT, TAG_INPUT = 1, 2, 3, 4
 
 
 class _Api:
-    """The library's calls, or None when it is not preloaded."""
+    """The library's calls (`_api()` is None when the library is not preloaded)."""
 
     def __init__(self, lib):
         self.define = lib.cachealloc_scope_define
@@ -95,10 +95,11 @@ class _State:
         self.api = api
         self.is_grad_enabled = self.tensor = None
         self.threads = threading.local()
-        # id(module) -> (weak ref, scope id, whether it has no children); module -> its path.
+        # id(module) -> (weak ref, scope id, leaf, claims: see scope_of); module -> its path.
         self.scopes = {}
         self.paths = weakref.WeakKeyDictionary()
-        # root module -> (first parameter's address, weak refs to its parameters and buffers).
+        # root module -> (first parameter's address, [(weak ref to a parameter, its device or
+        # -1 when not on CUDA)]).
         self.roots = weakref.WeakKeyDictionary()
         # optimizer -> number of state entries tagged.
         self.optimizers = weakref.WeakKeyDictionary()
