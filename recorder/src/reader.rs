@@ -10,7 +10,7 @@ use std::fs::{self, File};
 use std::io::{self, BufReader, Read};
 use std::path::{Path, PathBuf};
 
-use crate::chunk::{CHUNK_HEADER, ChunkError, decode_payload, parse_header, verify};
+use crate::chunk::{CHUNK_HEADER, ChunkError, PayloadDecoder, parse_header, verify};
 use crate::schema::{FORMAT_VERSION, MAGIC, Record};
 
 /// Where and why a file stopped being readable.
@@ -79,6 +79,10 @@ struct Chunks<R> {
     len: u64,
     /// Offset of the next chunk.
     at: u64,
+    /// The current chunk's payload (a buffer kept from chunk to chunk).
+    payload: Vec<u8>,
+    /// Its zstd context and decompression buffer, also kept.
+    decoder: PayloadDecoder,
 }
 
 impl<R: Read> Chunks<R> {
@@ -111,12 +115,14 @@ impl<R: Read> Chunks<R> {
             source,
             len,
             at: 12,
+            payload: Vec::new(),
+            decoder: PayloadDecoder::default(),
         }))
     }
 
-    /// The next chunk's records; `Ok(None)` at the end of the file, `Err` at a tear (after
-    /// which the file is not read further).
-    fn next_chunk(&mut self) -> Result<Option<Vec<Record>>, Tear> {
+    /// The next chunk's records, appended to `records`; `Ok(false)` at the end of the file,
+    /// `Err` at a tear (after which the file is not read further; `records` is then as it was).
+    fn next_chunk(&mut self, records: &mut Vec<Record>) -> Result<bool, Tear> {
         let tear = |at: u64, error| Tear {
             path: self.path.clone(),
             offset: at,
@@ -126,7 +132,7 @@ impl<R: Read> Chunks<R> {
         let mut header = [0u8; CHUNK_HEADER];
         let got = read_up_to(&mut self.source, &mut header).unwrap_or(0);
         if got == 0 {
-            return Ok(None);
+            return Ok(false);
         }
         if got < CHUNK_HEADER {
             let error = ChunkError::Truncated {
@@ -136,8 +142,8 @@ impl<R: Read> Chunks<R> {
             return Err(tear(self.at, error));
         }
         let (len, crc, flags) = parse_header(&header).map_err(|e| tear(self.at, e))?;
-        let mut payload = vec![0u8; len];
-        let got = read_up_to(&mut self.source, &mut payload).unwrap_or(0);
+        self.payload.resize(len, 0);
+        let got = read_up_to(&mut self.source, &mut self.payload).unwrap_or(0);
         if got < len {
             let error = ChunkError::Truncated {
                 needed: CHUNK_HEADER + len,
@@ -145,11 +151,15 @@ impl<R: Read> Chunks<R> {
             };
             return Err(tear(self.at, error));
         }
-        let records = verify(crc, flags, &payload)
-            .and_then(|()| decode_payload(&payload, flags))
-            .map_err(|e| tear(self.at, e))?;
+        let before = records.len();
+        verify(crc, flags, &self.payload)
+            .and_then(|()| self.decoder.decode(&self.payload, flags, records))
+            .map_err(|e| {
+                records.truncate(before);
+                tear(self.at, e)
+            })?;
         self.at += (CHUNK_HEADER + len) as u64;
-        Ok(Some(records))
+        Ok(true)
     }
 }
 
@@ -237,9 +247,9 @@ pub fn read_file(path: &Path, bytes: &[u8]) -> Result<(Vec<Record>, Option<Tear>
     };
     let mut records = Vec::new();
     loop {
-        match chunks.next_chunk() {
-            Ok(Some(chunk)) => records.extend(chunk),
-            Ok(None) => return Ok((records, None)),
+        match chunks.next_chunk(&mut records) {
+            Ok(true) => {}
+            Ok(false) => return Ok((records, None)),
             Err(tear) => return Ok((records, Some(tear))),
         }
     }
@@ -257,13 +267,13 @@ impl Iterator for TraceReader {
                 }));
             }
             if let Some(chunks) = &mut self.current {
-                match chunks.next_chunk() {
-                    Ok(Some(mut records)) => {
-                        records.reverse();
-                        self.buffer = records;
+                // (`buffer` is empty here: its allocation is reused.)
+                match chunks.next_chunk(&mut self.buffer) {
+                    Ok(true) => {
+                        self.buffer.reverse();
                         continue;
                     }
-                    Ok(None) => self.current = None,
+                    Ok(false) => self.current = None,
                     Err(tear) => {
                         self.tears.push(tear);
                         self.current = None;
