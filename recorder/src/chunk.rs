@@ -115,9 +115,10 @@ pub fn decode_payload(payload: &[u8], flags: u8) -> Result<Vec<Record>, ChunkErr
     Ok(records)
 }
 
-/// Largest decompressed payload decoded in one piece into [`PayloadDecoder`]'s buffer (a frame
-/// claiming more, or not saying its size, is decompressed as a stream).
-const MAX_DECOMPRESSED: usize = 4 * MAX_PAYLOAD;
+/// Largest decompressed payload decoded in one piece into [`PayloadDecoder`]'s buffer, which
+/// reserves what the frame's header claims: no more than a plain chunk may hold (a frame
+/// claiming more, or not saying its size, is decompressed as a stream, as before).
+const MAX_DECOMPRESSED: usize = MAX_PAYLOAD;
 
 /// Decodes chunk after chunk, keeping its zstd context and buffer between them (what a reader
 /// of many chunks uses: a fresh context per chunk cost as much as a tenth of the decompression).
