@@ -51,6 +51,7 @@
 #![deny(missing_docs)]
 
 pub mod chunk;
+mod decode;
 pub mod private;
 pub mod reader;
 pub mod recorder;

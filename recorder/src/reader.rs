@@ -10,8 +10,8 @@ use std::fs::{self, File};
 use std::io::{self, BufReader, Read};
 use std::path::{Path, PathBuf};
 
-use crate::chunk::{CHUNK_HEADER, ChunkError, decode_payload, parse_header, verify};
-use crate::schema::{FORMAT_VERSION, MAGIC, Record};
+use crate::chunk::{CHUNK_HEADER, ChunkError, PayloadDecoder, parse_header, verify};
+use crate::schema::{CheckpointEnd, FORMAT_VERSION, MAGIC, Record};
 
 /// Where and why a file stopped being readable.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,8 +64,11 @@ pub struct TraceReader {
     next_file: usize,
     /// The file being read, a chunk at a time.
     current: Option<Chunks<BufReader<File>>>,
-    /// The current chunk's records not yet returned, in reverse (to pop from the end).
+    /// The current chunk's records (a buffer kept from chunk to chunk) …
     buffer: Vec<Record>,
+    /// … and the index of the next one to return (those before it may have been taken out by
+    /// [`Iterator::next`], leaving a placeholder).
+    cursor: usize,
     tears: Vec<Tear>,
 }
 
@@ -79,6 +82,10 @@ struct Chunks<R> {
     len: u64,
     /// Offset of the next chunk.
     at: u64,
+    /// The current chunk's payload (a buffer kept from chunk to chunk).
+    payload: Vec<u8>,
+    /// Its zstd context and decompression buffer, also kept.
+    decoder: PayloadDecoder,
 }
 
 impl<R: Read> Chunks<R> {
@@ -111,12 +118,14 @@ impl<R: Read> Chunks<R> {
             source,
             len,
             at: 12,
+            payload: Vec::new(),
+            decoder: PayloadDecoder::default(),
         }))
     }
 
-    /// The next chunk's records; `Ok(None)` at the end of the file, `Err` at a tear (after
-    /// which the file is not read further).
-    fn next_chunk(&mut self) -> Result<Option<Vec<Record>>, Tear> {
+    /// The next chunk's records, appended to `records`; `Ok(false)` at the end of the file,
+    /// `Err` at a tear (after which the file is not read further; `records` is then as it was).
+    fn next_chunk(&mut self, records: &mut Vec<Record>) -> Result<bool, Tear> {
         let tear = |at: u64, error| Tear {
             path: self.path.clone(),
             offset: at,
@@ -126,7 +135,7 @@ impl<R: Read> Chunks<R> {
         let mut header = [0u8; CHUNK_HEADER];
         let got = read_up_to(&mut self.source, &mut header).unwrap_or(0);
         if got == 0 {
-            return Ok(None);
+            return Ok(false);
         }
         if got < CHUNK_HEADER {
             let error = ChunkError::Truncated {
@@ -136,8 +145,8 @@ impl<R: Read> Chunks<R> {
             return Err(tear(self.at, error));
         }
         let (len, crc, flags) = parse_header(&header).map_err(|e| tear(self.at, e))?;
-        let mut payload = vec![0u8; len];
-        let got = read_up_to(&mut self.source, &mut payload).unwrap_or(0);
+        self.payload.resize(len, 0);
+        let got = read_up_to(&mut self.source, &mut self.payload).unwrap_or(0);
         if got < len {
             let error = ChunkError::Truncated {
                 needed: CHUNK_HEADER + len,
@@ -145,11 +154,15 @@ impl<R: Read> Chunks<R> {
             };
             return Err(tear(self.at, error));
         }
-        let records = verify(crc, flags, &payload)
-            .and_then(|()| decode_payload(&payload, flags))
-            .map_err(|e| tear(self.at, e))?;
+        let before = records.len();
+        verify(crc, flags, &self.payload)
+            .and_then(|()| self.decoder.decode(&self.payload, flags, records))
+            .map_err(|e| {
+                records.truncate(before);
+                tear(self.at, e)
+            })?;
         self.at += (CHUNK_HEADER + len) as u64;
-        Ok(Some(records))
+        Ok(true)
     }
 }
 
@@ -202,6 +215,7 @@ impl TraceReader {
             next_file: 0,
             current: None,
             buffer: Vec::new(),
+            cursor: 0,
             tears: Vec::new(),
         })
     }
@@ -237,33 +251,26 @@ pub fn read_file(path: &Path, bytes: &[u8]) -> Result<(Vec<Record>, Option<Tear>
     };
     let mut records = Vec::new();
     loop {
-        match chunks.next_chunk() {
-            Ok(Some(chunk)) => records.extend(chunk),
-            Ok(None) => return Ok((records, None)),
+        match chunks.next_chunk(&mut records) {
+            Ok(true) => {}
+            Ok(false) => return Ok((records, None)),
             Err(tear) => return Ok((records, Some(tear))),
         }
     }
 }
 
-impl Iterator for TraceReader {
-    type Item = Result<Item, ReadError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            if let Some(record) = self.buffer.pop() {
-                return Some(Ok(Item {
-                    file: self.next_file - 1,
-                    record,
-                }));
-            }
+impl TraceReader {
+    /// Make `buffer[cursor]` the next record: `None` at the end of the trace, `Err` for a file
+    /// that cannot be opened.
+    fn advance(&mut self) -> Option<Result<(), ReadError>> {
+        while self.cursor >= self.buffer.len() {
+            // (The buffer's allocation is reused for the next chunk.)
+            self.buffer.clear();
+            self.cursor = 0;
             if let Some(chunks) = &mut self.current {
-                match chunks.next_chunk() {
-                    Ok(Some(mut records)) => {
-                        records.reverse();
-                        self.buffer = records;
-                        continue;
-                    }
-                    Ok(None) => self.current = None,
+                match chunks.next_chunk(&mut self.buffer) {
+                    Ok(true) => continue,
+                    Ok(false) => self.current = None,
                     Err(tear) => {
                         self.tears.push(tear);
                         self.current = None;
@@ -279,5 +286,35 @@ impl Iterator for TraceReader {
                 return Some(Err(e));
             }
         }
+        Some(Ok(()))
+    }
+
+    /// The next record, borrowed, and the index of its file: [`Iterator::next`] without moving
+    /// the record out (what a walk that only looks at each record uses; a record is about 64
+    /// bytes, and moving it through the layers of a walk cost a tenth of `cachealloc export`).
+    pub fn next_ref(&mut self) -> Option<Result<(usize, &Record), ReadError>> {
+        if let Err(e) = self.advance()? {
+            return Some(Err(e));
+        }
+        self.cursor += 1;
+        Some(Ok((self.next_file - 1, &self.buffer[self.cursor - 1])))
+    }
+}
+
+impl Iterator for TraceReader {
+    type Item = Result<Item, ReadError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Err(e) = self.advance()? {
+            return Some(Err(e));
+        }
+        // Taken out, a cheap placeholder left behind (the buffer is cleared before refilling).
+        let placeholder = Record::CheckpointEnd(CheckpointEnd { t: 0 });
+        let record = std::mem::replace(&mut self.buffer[self.cursor], placeholder);
+        self.cursor += 1;
+        Some(Ok(Item {
+            file: self.next_file - 1,
+            record,
+        }))
     }
 }

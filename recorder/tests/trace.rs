@@ -2,6 +2,7 @@
 //!
 //! * every record kind round-trips;
 //! * a torn tail or flipped bytes: the reader stops at the tear and keeps everything before;
+//! * records borrowed (`next_ref`) are the records taken (the iterator);
 //! * unknown record kinds are skipped;
 //! * golden files of format version 1 still read exactly.
 //!
@@ -278,6 +279,38 @@ fn a_torn_tail_keeps_everything_before_it() {
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+/// Borrowing the records (`next_ref`, the export's walk) reads what taking them (the iterator)
+/// reads, tears included, also when the two are mixed.
+#[test]
+fn borrowed_records_are_the_records() {
+    let dir = temp_dir("borrowed");
+    let mut config = WriterConfig::new(&dir, 40 << 10, 16, false);
+    config.flush_bytes = 2 << 10;
+    write_trace(config, &workload(6000));
+    let files = cachealloc_recorder::reader::trace_files(&dir).unwrap();
+    assert!(files.len() >= 3, "{} files", files.len());
+    let full = std::fs::read(&files[1]).unwrap();
+    std::fs::write(&files[1], &full[..full.len() - 100]).unwrap();
+    let (taken, reader) = read_all(&dir);
+    let mut borrowing = cachealloc_recorder::TraceReader::open(&dir).unwrap();
+    let mut borrowed = vec![];
+    while let Some(item) = borrowing.next_ref() {
+        let (file, record) = item.unwrap();
+        borrowed.push((file, record.clone()));
+        // Every third record taken instead, between two borrowed ones.
+        if borrowed.len() % 3 == 0
+            && let Some(item) = borrowing.next()
+        {
+            let item = item.unwrap();
+            borrowed.push((item.file, item.record));
+        }
+    }
+    assert_eq!(borrowed, taken);
+    assert_eq!(borrowing.tears(), reader.tears());
+    assert_eq!(reader.tears().len(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -23,6 +23,19 @@ pub struct Step {
     pub in_checkpoint: bool,
 }
 
+/// One record of the walk, borrowed ([`TraceWalk::step_ref`]).
+#[derive(Debug, Clone, Copy)]
+pub struct StepRef<'a> {
+    /// The record (already applied to `state`).
+    pub record: &'a Record,
+    /// Ordinal of the record in the trace (0-based).
+    pub index: u64,
+    /// Part of a file's opening checkpoint (live state, not an event).
+    pub in_checkpoint: bool,
+    /// The live state after the record ([`TraceWalk::state`]).
+    pub state: &'a LiveState,
+}
+
 /// A trace directory being walked.
 #[derive(Debug)]
 pub struct TraceWalk {
@@ -65,18 +78,28 @@ impl TraceWalk {
 
     /// The next record, applied; `Err` for a record that cannot be decoded.
     pub fn step(&mut self) -> Option<Result<Step, String>> {
-        let item = match self.reader.next()? {
+        Some(self.step_ref()?.map(|s| Step {
+            record: s.record.clone(),
+            index: s.index,
+            in_checkpoint: s.in_checkpoint,
+        }))
+    }
+
+    /// [`TraceWalk::step`] with the record borrowed, not moved out of the reader (the export's
+    /// hot loop), and the state it was applied to.
+    pub fn step_ref(&mut self) -> Option<Result<StepRef<'_>, String>> {
+        let (file, record) = match self.reader.next_ref()? {
             Ok(item) => item,
             Err(e) => return Some(Err(e.to_string())),
         };
-        if self.file != Some(item.file) {
+        if self.file != Some(file) {
             // A new file: its checkpoint replaces the state (stacks and frames are kept).
             if self.file.is_some() {
                 self.state.clear_memory();
             }
-            self.file = Some(item.file);
+            self.file = Some(file);
         }
-        match &item.record {
+        match record {
             Record::Header(h) => {
                 self.in_checkpoint = true;
                 if self.header.is_none() {
@@ -90,11 +113,12 @@ impl TraceWalk {
                 }
             }
         }
-        self.state.apply(&item.record);
-        let step = Step {
-            in_checkpoint: self.in_checkpoint || matches!(item.record, Record::CheckpointEnd(_)),
-            record: item.record,
+        self.state.apply(record);
+        let step = StepRef {
+            in_checkpoint: self.in_checkpoint || matches!(record, Record::CheckpointEnd(_)),
+            record,
             index: self.next_index,
+            state: &self.state,
         };
         self.next_index += 1;
         Some(Ok(step))

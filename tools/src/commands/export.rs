@@ -8,6 +8,7 @@
 //! process killed mid-write) or corrupt is exported up to the tear, and the command says so;
 //! one whose first files were rotated away is exported from its oldest remaining file.
 
+mod column;
 pub mod tables;
 
 use std::collections::HashSet;
@@ -214,11 +215,14 @@ pub fn export_trace(
     let mut next_derived: Vec<u64> = vec![];
     let mut exported_stacks: HashSet<u32> = HashSet::new();
     let mut torn = None;
-    let mut step = first;
-    while let Some(item) = step {
-        let s = match item {
-            Ok(s) => s,
-            Err(e) => {
+    // The first record was the header (`walk.header` is set): nothing to export. The rest are
+    // walked borrowed, not moved (`step_ref`): this loop is the export's whole reading cost.
+    drop(first);
+    loop {
+        let s = match walk.step_ref() {
+            None => break,
+            Some(Ok(s)) => s,
+            Some(Err(e)) => {
                 torn = Some(format!(
                     "an undecodable record after {:.3} s of the trace: {e}",
                     walk.t as f64 / 1e9
@@ -226,11 +230,11 @@ pub fn export_trace(
                 break;
             }
         };
-        if let Record::StackDef(def) = &s.record
+        if let Record::StackDef(def) = s.record
             && exported_stacks.insert(def.id)
         {
-            let label = site(&walk.state, def.id);
-            for (depth, f) in stack_frames(&walk.state, def.id).into_iter().enumerate() {
+            let label = site(s.state, def.id);
+            for (depth, f) in stack_frames(s.state, def.id).into_iter().enumerate() {
                 stacks.push(&FrameRow {
                     stack_id: def.id,
                     site: &label,
@@ -251,40 +255,40 @@ pub fn export_trace(
                 stacks_file.write(&stacks.batch()?)?;
             }
         }
-        if !s.in_checkpoint {
-            if let Record::StatsSample(x) = &s.record {
-                recorded.push(
-                    x.t,
-                    x.device,
-                    x.allocated,
-                    x.reserved,
-                    Some((x.active, x.requested)),
-                );
-            } else if let Some(mut row) = event_row(&s.record) {
-                row.seq = s.index;
-                if let Some(device) = row.device {
-                    let totals = walk.state.device_totals(device);
-                    row.allocated = Some(totals.allocated);
-                    row.reserved = Some(totals.reserved);
-                    // (A device ordinal beyond any machine's gets no derived samples.)
-                    let d = device as usize;
-                    if d < 1024 && next_derived.len() <= d {
-                        next_derived.resize(d + 1, 0);
-                    }
-                    if let Some(next) = next_derived.get_mut(d)
-                        && row.t_ns >= *next
-                    {
-                        derived.push(row.t_ns, device, totals.allocated, totals.reserved, None);
-                        *next = (row.t_ns / DERIVED_SAMPLE_NS + 1) * DERIVED_SAMPLE_NS;
-                    }
+        if s.in_checkpoint {
+            continue;
+        }
+        if let Record::StatsSample(x) = s.record {
+            recorded.push(
+                x.t,
+                x.device,
+                x.allocated,
+                x.reserved,
+                Some((x.active, x.requested)),
+            );
+        } else if let Some(mut row) = event_row(s.record) {
+            row.seq = s.index;
+            if let Some(device) = row.device {
+                let totals = s.state.device_totals(device);
+                row.allocated = Some(totals.allocated);
+                row.reserved = Some(totals.reserved);
+                // (A device ordinal beyond any machine's gets no derived samples.)
+                let d = device as usize;
+                if d < 1024 && next_derived.len() <= d {
+                    next_derived.resize(d + 1, 0);
                 }
-                events.push(&row);
-                if events.len() >= BATCH_ROWS {
-                    events_file.write(&events.batch()?)?;
+                if let Some(next) = next_derived.get_mut(d)
+                    && row.t_ns >= *next
+                {
+                    derived.push(row.t_ns, device, totals.allocated, totals.reserved, None);
+                    *next = (row.t_ns / DERIVED_SAMPLE_NS + 1) * DERIVED_SAMPLE_NS;
                 }
             }
+            events.push(&row);
+            if events.len() >= BATCH_ROWS {
+                events_file.write(&events.batch()?)?;
+            }
         }
-        step = walk.step();
     }
     if !events.is_empty() {
         events_file.write(&events.batch()?)?;
@@ -342,7 +346,10 @@ pub fn export_trace(
 }
 
 /// The `events` row of a record (without its ordinal and device totals), `None` for records
-/// that are not events (definitions, checkpoints, samples, drop counts).
+/// that are not events (definitions, checkpoints, samples, drop counts). Inlined, with
+/// [`Events::push`], so that the row is never built in memory (copying it cost more than
+/// appending it).
+#[inline(always)]
 fn event_row(record: &Record) -> Option<EventRow<'_>> {
     let row = match record {
         Record::Alloc(a) => EventRow {

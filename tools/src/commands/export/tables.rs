@@ -14,7 +14,8 @@ use std::sync::Arc;
 use arrow_array::builder::{
     ArrayBuilder, BooleanBuilder, Int32Builder, Int64Builder, StringBuilder,
 };
-use arrow_array::{ArrayRef, RecordBatch, new_null_array};
+use arrow_array::types::{Int32Type, Int64Type};
+use arrow_array::{ArrayRef, Int64Array, RecordBatch, new_null_array};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Encoding;
@@ -23,6 +24,7 @@ use parquet::file::metadata::KeyValue;
 use parquet::file::properties::{EnabledStatistics, WriterProperties};
 use parquet::schema::types::ColumnPath;
 
+use super::column::Column;
 use crate::Error;
 
 /// The version of the dataset's schema, in every file's key-value metadata as
@@ -166,20 +168,20 @@ fn opt_i64(v: Option<u64>) -> Option<i64> {
 /// The `events` table: one row per event of the trace.
 pub struct Events {
     wall_base: i64,
-    seq: Int64Builder,
-    t_ns: Int64Builder,
-    wall_ns: Int64Builder,
+    seq: Vec<i64>,
+    t_ns: Vec<i64>,
+    wall_ns: Vec<i64>,
     kind: StringBuilder,
-    device: Int32Builder,
-    stream: Int64Builder,
+    device: Column<Int32Type>,
+    stream: Column<Int64Type>,
     pool: StringBuilder,
-    size: Int64Builder,
-    requested: Int64Builder,
-    address: Int64Builder,
-    stack_id: Int64Builder,
-    thread: Int32Builder,
-    allocated: Int64Builder,
-    reserved: Int64Builder,
+    size: Column<Int64Type>,
+    requested: Column<Int64Type>,
+    address: Column<Int64Type>,
+    stack_id: Column<Int64Type>,
+    thread: Column<Int32Type>,
+    allocated: Column<Int64Type>,
+    reserved: Column<Int64Type>,
     name: StringBuilder,
 }
 
@@ -216,20 +218,20 @@ impl Events {
         let n = BATCH_ROWS;
         Events {
             wall_base: wall_base as i64,
-            seq: Int64Builder::with_capacity(n),
-            t_ns: Int64Builder::with_capacity(n),
-            wall_ns: Int64Builder::with_capacity(n),
+            seq: Vec::with_capacity(n),
+            t_ns: Vec::with_capacity(n),
+            wall_ns: Vec::with_capacity(n),
             kind: StringBuilder::with_capacity(n, n * 8),
-            device: Int32Builder::with_capacity(n),
-            stream: Int64Builder::with_capacity(n),
+            device: Column::with_capacity(n),
+            stream: Column::with_capacity(n),
             pool: StringBuilder::new(),
-            size: Int64Builder::with_capacity(n),
-            requested: Int64Builder::with_capacity(n),
-            address: Int64Builder::with_capacity(n),
-            stack_id: Int64Builder::with_capacity(n),
-            thread: Int32Builder::with_capacity(n),
-            allocated: Int64Builder::with_capacity(n),
-            reserved: Int64Builder::with_capacity(n),
+            size: Column::with_capacity(n),
+            requested: Column::with_capacity(n),
+            address: Column::with_capacity(n),
+            stack_id: Column::with_capacity(n),
+            thread: Column::with_capacity(n),
+            allocated: Column::with_capacity(n),
+            reserved: Column::with_capacity(n),
             name: StringBuilder::new(),
         }
     }
@@ -244,24 +246,25 @@ impl Events {
         self.len() == 0
     }
 
-    /// Add a row.
+    /// Add a row (inlined into the export's loop, with its `event_row`).
+    #[inline(always)]
     pub fn push(&mut self, e: &EventRow<'_>) {
-        self.seq.append_value(e.seq as i64);
-        self.t_ns.append_value(e.t_ns as i64);
+        self.seq.push(e.seq as i64);
+        self.t_ns.push(e.t_ns as i64);
         self.wall_ns
-            .append_value(self.wall_base.wrapping_add(e.t_ns as i64));
+            .push(self.wall_base.wrapping_add(e.t_ns as i64));
         self.kind.append_value(e.kind);
-        self.device.append_option(e.device.map(|d| d as i32));
-        self.stream.append_option(opt_i64(e.stream));
+        self.device.push(e.device.map(|d| d as i32));
+        self.stream.push(opt_i64(e.stream));
         self.pool.append_option(e.pool);
-        self.size.append_option(opt_i64(e.size));
-        self.requested.append_option(opt_i64(e.requested));
-        self.address.append_option(opt_i64(e.address));
+        self.size.push(opt_i64(e.size));
+        self.requested.push(opt_i64(e.requested));
+        self.address.push(opt_i64(e.address));
         self.stack_id
-            .append_option(e.stack_id.filter(|&s| s != 0).map(i64::from));
-        self.thread.append_option(e.thread.map(|t| t as i32));
-        self.allocated.append_option(opt_i64(e.allocated));
-        self.reserved.append_option(opt_i64(e.reserved));
+            .push(e.stack_id.filter(|&s| s != 0).map(i64::from));
+        self.thread.push(e.thread.map(|t| t as i32));
+        self.allocated.push(opt_i64(e.allocated));
+        self.reserved.push(opt_i64(e.reserved));
         self.name.append_option(e.name);
     }
 
@@ -269,20 +272,20 @@ impl Events {
     pub fn batch(&mut self) -> Result<RecordBatch, Error> {
         let rows = self.len();
         let columns: Vec<ArrayRef> = vec![
-            Arc::new(self.seq.finish()),
-            Arc::new(self.t_ns.finish()),
-            Arc::new(self.wall_ns.finish()),
+            plain(&mut self.seq),
+            plain(&mut self.t_ns),
+            plain(&mut self.wall_ns),
             Arc::new(self.kind.finish()),
-            Arc::new(self.device.finish()),
-            Arc::new(self.stream.finish()),
+            self.device.finish(),
+            self.stream.finish(),
             Arc::new(self.pool.finish()),
-            Arc::new(self.size.finish()),
-            Arc::new(self.requested.finish()),
-            Arc::new(self.address.finish()),
-            Arc::new(self.stack_id.finish()),
-            Arc::new(self.thread.finish()),
-            Arc::new(self.allocated.finish()),
-            Arc::new(self.reserved.finish()),
+            self.size.finish(),
+            self.requested.finish(),
+            self.address.finish(),
+            self.stack_id.finish(),
+            self.thread.finish(),
+            self.allocated.finish(),
+            self.reserved.finish(),
             Arc::new(self.name.finish()),
             // `category`, `module`: not recorded by this trace format, null until a record kind
             // carries them.
@@ -291,6 +294,15 @@ impl Events {
         ];
         RecordBatch::try_new(Self::schema(), columns).map_err(arrow_error)
     }
+}
+
+/// A column without nulls as an array; the vector starts again empty, with the same room.
+fn plain(values: &mut Vec<i64>) -> ArrayRef {
+    let rows = values.len();
+    Arc::new(Int64Array::from(std::mem::replace(
+        values,
+        Vec::with_capacity(rows),
+    )))
 }
 
 /// One frame of a stack, for the `stacks` table.
