@@ -1,6 +1,5 @@
-"""Memory by category on a GPU (issue 23): two models trained under bf16 autocast with fused
-AdamW — a transformers Llama (8 layers x 1024, variable sequence lengths) and a CNN (residual
-blocks with batch norm, channels_last) — in one of three modes:
+"""Memory by category on a GPU (issue 23): the two models of models.py (a transformers Llama,
+a CNN) trained under bf16 autocast with fused AdamW, in one of three modes:
 
   categories.py MODEL truth STEPS OUT.json      (under the shim) at three instants of each step
       (after forward, after backward, after the optimizer's step) annotate the trace
@@ -11,8 +10,8 @@ blocks with batch norm, channels_last) — in one of three modes:
       allocator rounds a request (512 bytes), so they compare with blocks.
   categories.py MODEL time ROUNDS LOG           (under the shim) alternate, within the process,
       step by step, the category hooks on and off (`cachealloc_categories.enable`): each round
-      runs the same step both ways, each after an untimed one; writes `workload=MODEL label=on|off step_ms=X` per step for
-      ratio_ci.py.
+      runs the same step both ways, each after an untimed one; writes
+      `workload=MODEL label=on|off step_ms=X` per step for ratio_ci.py.
   categories.py MODEL profiler STEPS OUT.json   (natively) PyTorch's memory profiler on the same
       steps (`profile_memory`, `record_shapes`, `with_stack`): step time while profiling and
       not, `export_memory_timeline`'s categories at the peak, its time and its size.
@@ -23,72 +22,9 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 
-dev = torch.device("cuda")
-
-
-def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-        num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048,
-    )
-    model = LlamaForCausalLM(config).to(dev)
-    lengths = [256, 512, 384, 1024, 640, 768]
-
-    def batch(step):
-        ids = torch.randint(0, 32000, (8, lengths[step % len(lengths)]), device=dev)
-        return (ids,), {"labels": ids}
-
-    def loss_of(out):
-        return out.loss
-
-    return model, batch, loss_of
-
-
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(x + self.bn2(self.conv2(y)))
-
-
-class Cnn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        layers = [nn.Conv2d(3, 64, 7, stride=2, padding=3), nn.BatchNorm2d(64), nn.ReLU()]
-        c = 64
-        for stage in range(4):
-            layers += [Block(c), Block(c)]
-            if stage < 3:
-                layers += [nn.Conv2d(c, c * 2, 3, stride=2, padding=1), nn.BatchNorm2d(c * 2)]
-                c *= 2
-        self.features = nn.Sequential(*layers)
-        self.head = nn.Linear(c, 1000)
-
-    def forward(self, x):
-        return self.head(self.features(x).mean((2, 3)))
-
-
-def cnn():
-    model = Cnn().to(dev).to(memory_format=torch.channels_last)
-    sizes = [128, 160, 192, 224]
-
-    def batch(step):
-        s = sizes[step % len(sizes)]
-        x = torch.randn(64, 3, s, s, device=dev).to(memory_format=torch.channels_last)
-        y = torch.randint(0, 1000, (64,), device=dev)
-        return (x,), {"target": y}
-
-    return model, batch, None
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import cnn, llama, step_fn  # noqa: E402
 
 
 def rounded(n):
@@ -105,42 +41,6 @@ def storages(tensors, leave_out=()):
     return seen
 
 
-def step_fn(model, batch, loss_of, opt):
-    def step(i, saved=None, at=None):
-        args, kwargs = batch(i)
-        target = kwargs.pop("target", None)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            if saved is not None:
-                def pack(t):
-                    # The storage's address and size, not the tensor: holding it here would
-                    # keep it alive past the backward that frees it.
-                    if t.is_cuda:
-                        st = t.untyped_storage()
-                        saved[st.data_ptr()] = rounded(st.nbytes())
-                    return t
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = model(*args, **kwargs)
-                    loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
-            else:
-                out = model(*args, **kwargs)
-                loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
-        if at:
-            at("after_forward", i, args)
-        loss.backward()
-        if at:
-            at("after_backward", i, args)
-        opt.step()
-        if at:
-            at("after_optimizer", i, args)
-        opt.zero_grad(set_to_none=True)
-        del out, loss
-        if saved is not None:
-            saved.clear()
-
-    return step
-
-
 def main():
     MODEL, MODE = sys.argv[1], sys.argv[2]
     COUNT, OUT = int(sys.argv[3]), sys.argv[4]
@@ -154,6 +54,15 @@ def main():
         annotate = ctypes.CDLL(None).cachealloc_annotate
         annotate.argtypes = [ctypes.c_char_p]
         truths, saved = [], {}
+
+        def pack(t):
+            # The storage's address and size, not the tensor: holding it here would keep it
+            # alive past the backward that frees it.
+            if t.is_cuda:
+                st = t.untyped_storage()
+                saved[st.data_ptr()] = rounded(st.nbytes())
+            return t
+
 
         def at(name, i, args):
             torch.cuda.synchronize()
@@ -178,7 +87,8 @@ def main():
             truths.append(row)
 
         for i in range(COUNT):
-            step(i, saved=saved, at=at)
+            step(i, pack=pack, at=at)
+            saved.clear()
         torch.cuda.synchronize()
         json.dump({"model": MODEL, "truth": truths}, open(OUT, "w"), indent=1)
         print(f"OK truth {MODEL}: {len(truths)} instants")

@@ -1,5 +1,5 @@
 """Where the category hooks' time goes (a diagnostic for issue 23's cost target): variants of
-the hooks alternated within one process, on a model of categories.py, under the shim; each
+the hooks alternated within one process, on a model of models.py, under the shim; each
 round runs one step of each variant, the same step, after an untimed one (switching patches
 classes, which costs Python's attribute caches a step to re-warm). Prints `workload=MODEL label=VARIANT
 step_ms=X` lines for ratio_ci.py, then a profile of three steps with the hooks on.
@@ -17,13 +17,13 @@ import torch.nn.modules.module as module_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cachealloc_categories as cc  # noqa: E402
-import categories  # noqa: E402
+import models  # noqa: E402
 
 MODEL, ROUNDS, LOG = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
-model, batch, loss_of = categories.llama() if MODEL == "llama" else categories.cnn()
+model, batch, loss_of = models.llama() if MODEL == "llama" else models.cnn()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-step = categories.step_fn(model, batch, loss_of, opt)
+step = models.step_fn(model, batch, loss_of, opt)
 def empty_hooks(on):
     """Global hooks that do nothing: the cost of Module.__call__'s slow path alone."""
     handles = []

@@ -1,5 +1,5 @@
 """What the trace's Python stacks cost a training step (issue 25), measured within one process:
-the Llama or the CNN of categories.py trained under the shim (trace on), step by step with
+the Llama or the CNN of models.py trained under the shim (trace on), step by step with
 stack capture on and paused (`cachealloc_stacks_pause`; records go on, with no stack), each
 round running the same step both ways in alternating order, each timed step after an untimed
 one. Prints `workload=MODEL label=stacks|nostacks step_ms=X` lines for ratio_ci.py, and the
@@ -13,16 +13,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import categories  # noqa: E402
+import models  # noqa: E402
 
 MODEL, ROUNDS, LOG = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 pause = ctypes.CDLL(None).cachealloc_stacks_pause
 pause.argtypes = [ctypes.c_int]
 pause.restype = ctypes.c_int
 torch.manual_seed(0)
-model, batch, loss_of = categories.llama() if MODEL == "llama" else categories.cnn()
+model, batch, loss_of = models.llama() if MODEL == "llama" else models.cnn()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-step = categories.step_fn(model, batch, loss_of, opt)
+step = models.step_fn(model, batch, loss_of, opt)
 for i in range(6):
     step(i)
 before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)

@@ -1,0 +1,108 @@
+"""The allocation-heavy training workloads of issues 23 and 25, trained under bf16 autocast
+with fused AdamW by `step_fn`:
+
+* `llama()`: a transformers Llama, 8 layers x 1024 (16 heads, MLP 2816, vocabulary 32 000),
+  random weights, batch 8, sequence lengths cycling 256..1024 — about 1 200 allocations a
+  step;
+* `cnn()`: residual blocks with batch norm (64 to 512 channels), channels_last, batch 64,
+  images cycling 128..224 pixels — about 460 allocations a step.
+
+Used by categories.py, categories_cost.py and recorder_cost.py (import this module)."""
+import torch
+import torch.nn as nn
+
+dev = torch.device("cuda")
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=32000, max_position_embeddings=2048,
+    )
+    model = LlamaForCausalLM(config).to(dev)
+    lengths = [256, 512, 384, 1024, 640, 768]
+
+    def batch(step):
+        ids = torch.randint(0, 32000, (8, lengths[step % len(lengths)]), device=dev)
+        return (ids,), {"labels": ids}
+
+    def loss_of(out):
+        return out.loss
+
+    return model, batch, loss_of
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class Cnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layers = [nn.Conv2d(3, 64, 7, stride=2, padding=3), nn.BatchNorm2d(64), nn.ReLU()]
+        c = 64
+        for stage in range(4):
+            layers += [Block(c), Block(c)]
+            if stage < 3:
+                layers += [nn.Conv2d(c, c * 2, 3, stride=2, padding=1), nn.BatchNorm2d(c * 2)]
+                c *= 2
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c, 1000)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def cnn():
+    model = Cnn().to(dev).to(memory_format=torch.channels_last)
+    sizes = [128, 160, 192, 224]
+
+    def batch(step):
+        s = sizes[step % len(sizes)]
+        x = torch.randn(64, 3, s, s, device=dev).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (64,), device=dev)
+        return (x,), {"target": y}
+
+    return model, batch, None
+
+
+def step_fn(model, batch, loss_of, opt):
+    """One training step `step(i)` on batch `i`: forward under bf16 autocast, backward, the
+    optimizer's step, `zero_grad(set_to_none=True)`. With `pack`, the forward runs under
+    `saved_tensors_hooks(pack, …)` (pack must return its tensor); with `at`, `at(name, i, args)`
+    is called after the forward, the backward and the optimizer's step."""
+
+    def step(i, pack=None, at=None):
+        args, kwargs = batch(i)
+        target = kwargs.pop("target", None)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if pack is not None:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(*args, **kwargs)
+                    loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
+            else:
+                out = model(*args, **kwargs)
+                loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
+        if at:
+            at("after_forward", i, args)
+        loss.backward()
+        if at:
+            at("after_backward", i, args)
+        opt.step()
+        if at:
+            at("after_optimizer", i, args)
+        opt.zero_grad(set_to_none=True)
+        del out, loss
+
+    return step
