@@ -127,6 +127,7 @@ class _State:
         t.stack = []
         t.slot = self.api.slot()
         t.claimed = None
+        t.outer = 0
         return t.stack, t.slot
 
     def slot(self):
@@ -257,9 +258,11 @@ def _make_call_impl(original):
 
 
 def _enter(s, module, entry, args):
-    """A module with children (or one not seen before) is called: push its scope; the
-    outermost one begins the forward phase, tags the inputs, and tags the parameters when new
-    or moved."""
+    """A module with children (or one not seen before) is called: push its scope. The
+    outermost one on its thread begins the forward phase: between steps it also tags the
+    inputs, and the parameters when new or moved; inside a backward it is a recomputation
+    (activation checkpointing), a forward that gives the phase back to the backward at its
+    end."""
     t = s.threads
     try:
         stack, slot = t.stack, t.slot
@@ -267,16 +270,21 @@ def _enter(s, module, entry, args):
         stack, slot = s.thread()
     if entry is None or entry[0]() is not module:
         entry = s.scope_of(module, stack)
-    began = False
+    resume = None  # the phase to put back when this module returns
     if not stack:
+        # The scope the thread was in (in a backward, the module a node named): back at the end.
+        t.outer = slot.value
         if s.phase == PHASE_NONE:
+            resume = PHASE_NONE
             s.set_phase(PHASE_FORWARD)
-            began = True
-        if s.first_parameter_moved(module):
-            s.tag_parameters(module)
-        s.api.tag(TAG_INPUT, [a for a in args if isinstance(a, s.tensor)])
-        t.claimed = set()
-    stack.append((module, entry[1], began, entry[3]))
+            if s.first_parameter_moved(module):
+                s.tag_parameters(module)
+            s.api.tag(TAG_INPUT, [a for a in args if isinstance(a, s.tensor)])
+            t.claimed = set()
+        elif s.phase == PHASE_BACKWARD:
+            resume = PHASE_BACKWARD
+            s.set_phase(PHASE_FORWARD)
+    stack.append((module, entry[1], resume, entry[3]))
     slot.value = entry[1]
 
 
@@ -288,7 +296,7 @@ def _leave(s, module, output):
     stack = t.stack
     # Pop to this module (one whose leave was skipped is dropped with it).
     while stack:
-        top, sid, began, claims = stack.pop()
+        top, sid, resume, claims = stack.pop()
         if top is module:
             break
     else:
@@ -303,9 +311,9 @@ def _leave(s, module, output):
         if node is not None and claimed is not None and id(node) not in claimed:
             claimed.add(id(node))
             node.register_prehook(_backward_scope(s, sid))
-    t.slot.value = stack[-1][1] if stack else 0
-    if began and not stack:
-        s.set_phase(PHASE_NONE)
+    t.slot.value = stack[-1][1] if stack else t.outer
+    if resume is not None and not stack:
+        s.set_phase(resume)
         t.claimed = None
 
 

@@ -3,12 +3,13 @@ run under LD_PRELOAD=libcachealloc.so over fakecuda with a stand-in torch made h
 of PyTorch's API the integration uses (nn.Module's `_call_impl` and module-registration hook,
 autograd nodes' pre-hooks, `torch.autograd.backward`, the optimizer's step hooks), with tensors
 whose storage is cudaMalloc'd. A small model (Net: a Block of two Linears, and a Linear head)
-trains two steps; each kind of allocation has its own size, so the trace can be checked
+trains three steps, the third recomputing its Block during backward (activation
+checkpointing); each kind of allocation has its own size, so the trace can be checked
 (tests/tests/python.rs):
 
     input 3072, Linear outputs 32768, the Block's temporary 1024, weights 65536,
     backward's temporaries 5120, gradients 65536 (like the weights), optimizer state 131072,
-    the optimizer's temporary 2048.
+    the optimizer's temporary 2048, the recomputation's input 3584.
 
 Here it checks what the trace cannot show: the model's results are unchanged, the hooks keep
 nothing alive, a pickled model names nothing of cachealloc's, and `enable(False)` gives the
@@ -102,9 +103,15 @@ class Node:
         temporary = torch.Tensor(5120)
         del temporary
         self.saved = None
+recompute = []  # what backward runs after its first node (activation checkpointing's)
 def backward(loss, params=()):
+    first = True
     while _graph:
         _graph.pop().run()
+        if first:
+            first = False
+            while recompute:
+                recompute.pop()()
     for p in params:
         p.grad = torch.Tensor(p.nbytes)
 def grad(*args):
@@ -208,6 +215,17 @@ for step in range(2):
     opt.step()
     opt.zero_grad()
     del x
+
+# A third step whose backward recomputes the Block (activation checkpointing): a forward inside
+# the backward, on an input of its own size.
+x = torch.Tensor(3072)
+loss = net(x)
+torch.autograd.recompute.append(lambda: net.layer0(torch.Tensor(3584)))
+torch.autograd.backward(loss, params)
+del loss
+opt.step()
+opt.zero_grad()
+del x
 
 if outputs != ["Tensor", "Tensor"]:
     fail(f"the model's results changed: {outputs}")

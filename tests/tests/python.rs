@@ -309,7 +309,7 @@ fn the_integration_tells_each_allocations_module_phase_and_category() {
     let mut weights_and_grads = seen[&65536].clone();
     weights_and_grads.sort();
     let mut expected = vec![(s(""), 0, TAG_PARAMETER); 3];
-    expected.extend(vec![(s("Net"), PHASE_BACKWARD, TAG_GRADIENT); 6]);
+    expected.extend(vec![(s("Net"), PHASE_BACKWARD, TAG_GRADIENT); 9]);
     assert_eq!(weights_and_grads, expected);
     // Leaves are named by the module with children they run in.
     let outputs = &seen[&32768];
@@ -342,11 +342,32 @@ fn the_integration_tells_each_allocations_module_phase_and_category() {
         (s(""), PHASE_OPTIMIZER, 0),
         "the optimizer's temporary"
     );
+    // The recomputation's input: made in backward after the head's node named Net (its
+    // outputs, in the recomputed forward, are among the Linears' above).
     assert_eq!(
-        records.iter().filter(|r| r.kind() == kinds::PHASE).count(),
-        12,
-        "forward, none, backward, none, optimizer, none: twice"
+        only(3584),
+        (s("Net"), PHASE_BACKWARD, 0),
+        "the recomputation's input"
     );
+    let phases: Vec<u8> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Phase(p) => Some(p.phase),
+            _ => None,
+        })
+        .collect();
+    let step = [PHASE_FORWARD, 0, PHASE_BACKWARD, 0, PHASE_OPTIMIZER, 0];
+    let recomputed = [
+        PHASE_FORWARD,
+        0,
+        PHASE_BACKWARD,
+        PHASE_FORWARD,
+        PHASE_BACKWARD,
+        0,
+        PHASE_OPTIMIZER,
+        0,
+    ];
+    assert_eq!(phases, [&step[..], &step[..], &recomputed[..]].concat());
 
     let out = Run::new("python3", &[script])
         .env("CACHEALLOC_CONF", "categories:off")
