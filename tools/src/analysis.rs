@@ -69,6 +69,9 @@ pub struct Scan {
     pub records: u64,
     /// Where files stopped being readable.
     pub tears: Vec<String>,
+    /// Whether the trace has context records (phases, module scopes, category tags): what
+    /// `cachealloc_tools::categories` needs.
+    pub has_context: bool,
 }
 
 impl Scan {
@@ -91,6 +94,15 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
         out.records += 1;
         if out.records.is_multiple_of(65536) {
             progress.tick(out.records);
+        }
+        if matches!(
+            step.record,
+            Record::Phase(_)
+                | Record::Scope(_)
+                | Record::Tag(_)
+                | Record::CheckpointBlockContext(_)
+        ) {
+            out.has_context = true;
         }
         if step.in_checkpoint {
             continue;

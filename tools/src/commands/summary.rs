@@ -2,6 +2,8 @@
 //! a side-by-side table when several traces (ranks) are given. Traces are read one at a time;
 //! for a job of many ranks, `cachealloc fleet` is the shorter view.
 
+mod context;
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -137,6 +139,13 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
         seconds(scan.span.0),
         seconds(scan.span.1)
     )?;
+    // With context records, one categories pass gives every device's categories, modules and
+    // sites at its peak; without, a walk to each peak gives the sites.
+    let context = if scan.has_context {
+        Some(context::compute(dir, scan)?)
+    } else {
+        None
+    };
     for (device, d) in &scan.devices {
         let name = scan
             .header
@@ -178,6 +187,12 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
             bytes(d.allocated_at_end),
             bytes(d.reserved_at_end)
         )?;
+        if let Some(context) = &context {
+            context::write_categories(context, *device, d.peak_allocated.bytes, out)?;
+            let sites = context.sites.get(device).map_or(&[][..], Vec::as_slice);
+            write_sites_with_user_lines(sites, d.peak_allocated.bytes, out)?;
+            continue;
+        }
         let mut walk = TraceWalk::open(dir)?;
         walk.run_through(d.peak_allocated.index)?;
         let sites = sites_live(&walk, *device);
@@ -254,6 +269,53 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
         for a in scan.annotations.iter().take(10) {
             writeln!(out, "  {} {}", seconds(a.t), a.name)?;
         }
+    }
+    Ok(())
+}
+
+/// The top sites at the peak with the user's line of each (`← train.py:42`), for traces with
+/// context records.
+fn write_sites_with_user_lines(
+    sites: &[context::SiteBytes],
+    peak: u64,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
+    if sites.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "  top allocation sites live at peak allocated (← the user's line):"
+    )?;
+    writeln!(
+        out,
+        "    {:>12} {:>7} {:>7}  site",
+        "bytes", "share", "blocks"
+    )?;
+    for s in sites.iter().take(TOP_SITES) {
+        let user = match &s.user {
+            Some(user) if *user != s.site => format!("  ← {user}"),
+            _ => String::new(),
+        };
+        writeln!(
+            out,
+            "    {:>12} {:>7} {:>7}  {}{user}",
+            bytes(s.bytes),
+            percent(s.bytes, peak),
+            s.blocks,
+            s.site
+        )?;
+    }
+    if sites.len() > TOP_SITES {
+        let rest: u64 = sites[TOP_SITES..].iter().map(|s| s.bytes).sum();
+        writeln!(
+            out,
+            "    {:>12} {:>7} {:>7}  ({} other sites)",
+            bytes(rest),
+            percent(rest, peak),
+            "",
+            sites.len() - TOP_SITES
+        )?;
     }
     Ok(())
 }
