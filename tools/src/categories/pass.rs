@@ -52,7 +52,8 @@ pub struct Outcome {
     pub at_instant: BTreeMap<u32, Composition>,
     /// Per device, the slices' rows.
     pub slices: BTreeMap<u32, Vec<SliceRow>>,
-    /// The category of each block allocated at [`Plan::blocks_at`], by `(device, address)`.
+    /// The category of each block allocated (or freed and pending) at [`Plan::blocks_at`], by
+    /// `(device, address)` (and of older blocks at addresses free then).
     pub blocks_at: HashMap<(u32, u64), Category>,
     /// With [`Plan::every_allocation`]: the category of each `Alloc` record, in order.
     pub every_allocation: Vec<Category>,
@@ -91,6 +92,7 @@ struct Pass<'p> {
     tracks: BTreeMap<u32, SliceTrack>,
     out: Outcome,
     allocs: u64,
+    blocks_at_born: FxHashMap<(u32, u64), (u64, Category)>,
 }
 
 impl Pass<'_> {
@@ -111,10 +113,18 @@ impl Pass<'_> {
             c.by_category[category.index()] += block.size;
             *c.by_scope.entry(block.scope).or_default() += block.size;
         }
+        // The block at an address at that moment is the last one allocated there before it
+        // (allocated then, or freed and pending).
         if let Some(at) = self.plan.blocks_at
-            && life.alive_at(at)
+            && life.born <= at
         {
-            self.out.blocks_at.insert((device, address), category);
+            let entry = self
+                .blocks_at_born
+                .entry((device, address))
+                .or_insert((life.born, category));
+            if entry.0 <= life.born {
+                *entry = (life.born, category);
+            }
         }
         if self.plan.every_allocation && block.ordinal != u64::MAX {
             self.out.every_allocation[block.ordinal as usize] = category;
@@ -264,6 +274,7 @@ pub fn run(
         tracks: BTreeMap::new(),
         out: Outcome::default(),
         allocs: 0,
+        blocks_at_born: FxHashMap::default(),
     };
     if let Some(spec) = plan.slices {
         for device in devices {
@@ -287,6 +298,11 @@ pub fn run(
     for (key, block) in live {
         pass.classify(key.0, key.1, block, u64::MAX);
     }
+    pass.out.blocks_at = pass
+        .blocks_at_born
+        .drain()
+        .map(|(key, (_, category))| (key, category))
+        .collect();
     let tracks = std::mem::take(&mut pass.tracks);
     pass.out.slices = tracks.into_iter().map(|(d, t)| (d, t.finish())).collect();
     Ok(pass.out)

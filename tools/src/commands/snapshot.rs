@@ -20,7 +20,10 @@ use cachealloc_recorder::{LiveState, Record};
 use serde::Serialize;
 
 use super::{When, resolve_when};
+use crate::categories::pass::Plan;
+use crate::categories::{self, Category};
 use crate::format::bytes;
+use crate::progress::Progress;
 use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
 
@@ -81,6 +84,10 @@ struct Block<'a> {
     requested_size: u64,
     state: &'static str,
     frames: &'a [Frame],
+    /// The block's category, as PyTorch's profile snapshots spell it (`activation`, …), for a
+    /// trace with context records.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    category: Option<&'static str>,
 }
 
 #[derive(Serialize, Debug)]
@@ -111,6 +118,9 @@ struct Entry<'a> {
     stream: u64,
     frames: &'a [Frame],
     time_us: u64,
+    /// An allocation's category (on `alloc` entries, as `_memory_viz.profile_plot` writes it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    category: Option<&'static str>,
 }
 
 #[derive(Serialize, Debug)]
@@ -139,6 +149,7 @@ const NO_FRAMES: &[Frame] = &[];
 fn entries<'a>(
     record: &Record,
     stack: u32,
+    category: Option<&'static str>,
     frames: &'a HashMap<u32, Vec<Frame>>,
     wall_base_ns: u64,
 ) -> Vec<(u32, Entry<'a>)> {
@@ -151,9 +162,16 @@ fn entries<'a>(
         stream,
         frames,
         time_us: (wall_base_ns + t) / 1000,
+        category: None,
     };
     match record {
-        Record::Alloc(a) => vec![(a.device, entry("alloc", a.address, a.size, a.stream, a.t))],
+        Record::Alloc(a) => vec![(
+            a.device,
+            Entry {
+                category,
+                ..entry("alloc", a.address, a.size, a.stream, a.t)
+            },
+        )],
         Record::FreeRequested(f) => vec![(
             f.device,
             entry("free_requested", f.address, f.size, f.stream, f.t),
@@ -193,6 +211,7 @@ fn entries<'a>(
                 stream: 0,
                 frames,
                 time_us: (wall_base_ns + o.t) / 1000,
+                category: None,
             },
         )],
         _ => vec![],
@@ -205,6 +224,7 @@ fn entries<'a>(
 fn segments<'a>(
     state: &LiveState,
     frames: &'a HashMap<u32, Vec<Frame>>,
+    categories: Option<&HashMap<(u32, u64), Category>>,
     expandable: bool,
 ) -> Vec<Segment<'a>> {
     let frames_of = |stack: u32| frames.get(&stack).map_or(NO_FRAMES, Vec::as_slice);
@@ -214,6 +234,7 @@ fn segments<'a>(
         requested_size: 0,
         state: "inactive",
         frames: NO_FRAMES,
+        category: None,
     };
     let mut out = vec![];
     for seg in state.segments.values() {
@@ -243,6 +264,12 @@ fn segments<'a>(
                 requested_size: b.requested,
                 state: block_state,
                 frames: frames_of(b.stack),
+                category: categories.map(|c| {
+                    c.get(&(b.device, b.address))
+                        .copied()
+                        .unwrap_or(Category::Unknown)
+                        .snapshot_name()
+                }),
             });
             cursor = b.address + b.size;
         }
@@ -284,22 +311,40 @@ fn settings(conf: &str) -> Settings {
     }
 }
 
-/// Walk `dir` through record `index`, keeping the last `events` events, each with the stack
-/// its entry shows.
-fn walk_with_window(
-    dir: &Path,
-    index: u64,
-    events: usize,
-) -> Result<(TraceWalk, VecDeque<(Record, u32)>), Error> {
+/// What the walk to the snapshot's moment kept: the last events, each with the stack its entry
+/// shows and, for an allocation, its ordinal among `Alloc` records; and whether context records
+/// came before the moment.
+struct Window {
+    events: VecDeque<(Record, u32, u64)>,
+    has_context: bool,
+}
+
+/// Walk `dir` through record `index`, keeping the last `events` events.
+fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk, Window), Error> {
     let mut walk = TraceWalk::open(dir)?;
-    let mut window: VecDeque<(Record, u32)> = VecDeque::new();
+    let mut window = Window {
+        events: VecDeque::new(),
+        has_context: false,
+    };
+    let mut allocs = 0u64;
     // The allocation stack of each live block: the shim does not capture a stack at free, so a
     // free's entries get their block's (as PyTorch does when it records no free context).
     let mut allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
     while let Some(step) = walk.step() {
         let step = step?;
+        let mut ordinal = u64::MAX;
         let stack = match &step.record {
+            Record::Phase(_) | Record::Scope(_) | Record::Tag(_) => {
+                window.has_context = true;
+                None
+            }
+            Record::CheckpointBlockContext(_) => {
+                window.has_context = true;
+                None
+            }
             Record::Alloc(a) => {
+                ordinal = allocs;
+                allocs += 1;
                 allocated_at.insert((a.device, a.address), a.stack);
                 Some(a.stack)
             }
@@ -336,10 +381,10 @@ fn walk_with_window(
         if let Some(stack) = stack
             && !step.in_checkpoint
         {
-            window.push_back((step.record, stack));
+            window.events.push_back((step.record, stack, ordinal));
             // The last `events` events (a record makes one or two entries).
-            if window.len() > events.max(1) {
-                window.pop_front();
+            if window.events.len() > events.max(1) {
+                window.events.pop_front();
             }
         }
         if step.index >= index {
@@ -353,6 +398,29 @@ fn walk_with_window(
 /// device, to `output`. Returns the walk (the state at that moment).
 pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<TraceWalk, Error> {
     let (walk, window) = walk_with_window(dir, index, events)?;
+    // Categories need each block's whole life: a pass over the whole trace, only for traces
+    // that say something about the program.
+    let categories = if window.has_context {
+        let plan = Plan {
+            blocks_at: Some(index),
+            every_allocation: true,
+            ..Plan::default()
+        };
+        Some(categories::pass::run(
+            dir,
+            &plan,
+            [],
+            &Progress::new("categories"),
+            |_, _| {},
+        )?)
+    } else {
+        None
+    };
+    let category_of = |ordinal: u64| {
+        let c = categories.as_ref()?;
+        let category = c.every_allocation.get(usize::try_from(ordinal).ok()?)?;
+        Some(category.snapshot_name())
+    };
     let header = walk.header.clone();
     let wall = header.as_ref().map_or(0, |h| h.wall_clock_base_ns);
     let device_count = header.as_ref().map_or(0, |h| h.devices.len()).max(
@@ -365,14 +433,15 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Tra
     );
     let state = &walk.state;
     let stacks = window
+        .events
         .iter()
-        .map(|(_, stack)| *stack)
+        .map(|(_, stack, _)| *stack)
         .chain(state.blocks.values().map(|b| b.stack))
         .chain(state.segments.values().map(|s| s.stack));
     let frames = frame_lists(state, stacks);
     let mut traces: Vec<VecDeque<Entry<'_>>> = (0..device_count).map(|_| VecDeque::new()).collect();
-    for (record, stack) in &window {
-        for (device, entry) in entries(record, *stack, &frames, wall) {
+    for (record, stack, ordinal) in &window.events {
+        for (device, entry) in entries(record, *stack, category_of(*ordinal), &frames, wall) {
             if let Some(t) = traces.get_mut(device as usize) {
                 t.push_back(entry);
                 if t.len() > events {
@@ -383,7 +452,12 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Tra
     }
     let allocator_settings = settings(header.as_ref().map_or("", |h| h.config.as_str()));
     let snapshot = Snapshot {
-        segments: segments(state, &frames, allocator_settings.expandable_segments),
+        segments: segments(
+            state,
+            &frames,
+            categories.as_ref().map(|c| &c.blocks_at),
+            allocator_settings.expandable_segments,
+        ),
         device_traces: traces.into_iter().map(Vec::from).collect(),
         allocator_settings,
     };
