@@ -11,7 +11,7 @@ use rustc_hash::FxHashMap;
 
 use super::rules::{Clock, classify};
 use super::slices::{Life, SliceRow, SliceSpec, SliceTrack};
-use super::{ByCategory, Category};
+use super::{ByCategory, CATEGORY_COUNT, Category};
 use crate::progress::Progress;
 use crate::walk::{Step, TraceWalk};
 
@@ -60,6 +60,26 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// Every byte UNKNOWN: a trace without context records says nothing of its blocks (the
+    /// rules would otherwise read them all as allocated outside any phase).
+    fn all_unknown(&mut self) {
+        let unknown = |by: &mut ByCategory| {
+            let total = by.iter().sum();
+            *by = [0; CATEGORY_COUNT];
+            by[Category::Unknown.index()] = total;
+        };
+        for c in self.at_instant.values_mut() {
+            unknown(&mut c.by_category);
+        }
+        for row in self.slices.values_mut().flatten() {
+            unknown(&mut row.by_category);
+        }
+        self.blocks_at
+            .values_mut()
+            .for_each(|c| *c = Category::Unknown);
+        self.every_allocation.fill(Category::Unknown);
+    }
+
     /// A scope's name (`(no module)` for 0, `scope N` for an undefined id).
     pub fn scope_name(&self, scope: u32) -> String {
         if scope == 0 {
@@ -305,5 +325,8 @@ pub fn run(
         .collect();
     let tracks = std::mem::take(&mut pass.tracks);
     pass.out.slices = tracks.into_iter().map(|(d, t)| (d, t.finish())).collect();
+    if !pass.out.has_context {
+        pass.out.all_unknown();
+    }
     Ok(pass.out)
 }

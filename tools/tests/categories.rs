@@ -1,0 +1,358 @@
+//! Categories and modules (`cachealloc_tools::categories`, *Note [Categories by lifetime]*) on
+//! hand-built traces whose every block's category is known: one test per lifetime rule (each
+//! fails if its rule is broken), traces rotated into many files and with their first files
+//! rotated away, a trace without context records, and the commands that show categories
+//! (`summary`, `snapshot`, `memory-timeline`, `compare`, `plot`).
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use cachealloc_recorder::schema::*;
+use cachealloc_tools::categories::Category::{self, *};
+use cachealloc_tools::categories::pass::{Outcome, Plan, run};
+use cachealloc_tools::progress::Progress;
+use common::program::Program;
+use common::{cachealloc, scratch};
+
+const MIB: u64 = 1 << 20;
+
+/// The blocks of [`training_step`]: name → (ordinal among allocations, address, size).
+type Blocks = HashMap<&'static str, (u64, u64, u64)>;
+
+/// One training step and an inference forward, each block made to fall under one rule.
+/// `activation` sets the size of the activation block (to compare two runs); `rotate`: a new
+/// file at every phase change.
+fn training_step(dir: &Path, activation: u64, rotate: bool) -> Blocks {
+    let mut p = Program::new(dir, rotate, 1000);
+    let mut blocks = Blocks::new();
+    let mut alloc = |p: &mut Program, name: &'static str, size: u64| {
+        let ordinal = p.allocs;
+        let address = p.alloc(size);
+        blocks.insert(name, (ordinal, address, size));
+        address
+    };
+    let phase = |p: &mut Program, phase: u8| {
+        if rotate {
+            p.rotate();
+        }
+        p.phase(phase);
+    };
+    for (id, name) in [
+        (1, "Net"),
+        (2, "Net.encoder"),
+        (3, "Net.encoder.attn"),
+        (4, "Net.head"),
+    ] {
+        p.name_scope(id, name);
+    }
+    let param = alloc(&mut p, "parameter", 4 * MIB);
+    p.tag(param, TAG_PARAMETER);
+    let input = alloc(&mut p, "input", MIB);
+    let early = alloc(&mut p, "none freed before forward", 64 << 10);
+    p.free(early, 64 << 10);
+
+    phase(&mut p, PHASE_FORWARD);
+    p.scope(2);
+    let act = alloc(&mut p, "activation", activation);
+    p.scope(3);
+    let tmp = alloc(&mut p, "forward temporary", 128 << 10);
+    p.free(tmp, 128 << 10);
+    let tagged = alloc(&mut p, "forward tagged input", 3 * MIB);
+    p.tag(tagged, TAG_INPUT);
+    p.scope(4);
+    let kept = alloc(&mut p, "forward kept past backward", 5 * MIB);
+    p.scope(0);
+
+    phase(&mut p, PHASE_NONE);
+    let loss = alloc(&mut p, "loss saved for backward", 256 << 10);
+
+    phase(&mut p, PHASE_BACKWARD);
+    p.free(act, activation);
+    p.free(tagged, 3 * MIB);
+    p.free(loss, 256 << 10);
+    let grad = alloc(&mut p, "gradient", 4 * MIB);
+    p.tag(grad, TAG_GRADIENT);
+    let detail = alloc(&mut p, "backward temporary", 512 << 10);
+    p.free(detail, 512 << 10);
+    alloc(&mut p, "backward kept", 768 << 10);
+
+    phase(&mut p, PHASE_OPTIMIZER);
+    alloc(&mut p, "optimizer state", 8 * MIB);
+    let opt_tmp = alloc(&mut p, "optimizer temporary", 1536 << 10);
+    p.free(opt_tmp, 1536 << 10);
+
+    phase(&mut p, PHASE_NONE);
+    p.free(input, MIB);
+    p.free(kept, 5 * MIB);
+
+    phase(&mut p, PHASE_FORWARD);
+    let inference = alloc(&mut p, "inference output", 6 * MIB);
+    phase(&mut p, PHASE_NONE);
+    p.free(inference, 6 * MIB);
+    p.finish();
+    blocks
+}
+
+/// The categories pass over `dir` with `plan`.
+fn categories(dir: &Path, plan: &Plan) -> Outcome {
+    run(dir, plan, [0], &Progress::hidden(), |_, _| {}).unwrap()
+}
+
+/// Each block of a fresh [`training_step`] trace with its category.
+fn classified(name: &str) -> (HashMap<&'static str, Category>, PathBuf) {
+    let dir = scratch(name).join("trace");
+    let blocks = training_step(&dir, 2 * MIB, false);
+    let plan = Plan {
+        every_allocation: true,
+        ..Plan::default()
+    };
+    let outcome = categories(&dir, &plan);
+    assert!(outcome.has_context);
+    let by_name = blocks
+        .iter()
+        .map(|(name, (ordinal, _, _))| (*name, outcome.every_allocation[*ordinal as usize]))
+        .collect();
+    (by_name, dir)
+}
+
+#[test]
+fn a_tag_names_the_whole_life() {
+    let (c, _) = classified("tag");
+    assert_eq!(c["parameter"], Parameter);
+    assert_eq!(c["gradient"], Gradient, "a tag on a backward block wins");
+    assert_eq!(
+        c["forward tagged input"], Input,
+        "a tag after the allocation wins"
+    );
+}
+
+#[test]
+fn forward_blocks_by_lifetime() {
+    let (c, _) = classified("forward");
+    assert_eq!(c["forward temporary"], Temporary, "freed in its forward");
+    assert_eq!(
+        c["activation"], Activation,
+        "freed by the backward that followed"
+    );
+    assert_eq!(
+        c["forward kept past backward"], Unknown,
+        "alive past that backward"
+    );
+    assert_eq!(
+        c["inference output"], Temporary,
+        "freed before any backward began"
+    );
+}
+
+#[test]
+fn the_loss_between_forward_and_backward_is_an_activation() {
+    let (c, _) = classified("loss");
+    assert_eq!(c["loss saved for backward"], Activation);
+}
+
+#[test]
+fn backward_blocks_are_autograd_detail() {
+    let (c, _) = classified("backward");
+    assert_eq!(c["backward temporary"], AutogradDetail);
+    assert_eq!(c["backward kept"], AutogradDetail);
+}
+
+#[test]
+fn optimizer_blocks_by_lifetime() {
+    let (c, _) = classified("optimizer");
+    assert_eq!(c["optimizer temporary"], Temporary, "freed within the step");
+    assert_eq!(c["optimizer state"], OptimizerState, "alive after it");
+}
+
+#[test]
+fn blocks_made_outside_phases() {
+    let (c, _) = classified("none");
+    assert_eq!(c["input"], Input, "alive at the next forward's start");
+    assert_eq!(c["none freed before forward"], Temporary);
+}
+
+#[test]
+fn bytes_at_an_instant_add_up_by_category_and_module() {
+    let dir = scratch("instant").join("trace");
+    training_step(&dir, 2 * MIB, false);
+    // The peak: the summary's scan finds it; the composition there must add up to it.
+    let scan = cachealloc_tools::analysis::scan(&dir, &Progress::hidden()).unwrap();
+    let peak = scan.devices[&0].peak_allocated;
+    let plan = Plan {
+        instants: [(0, peak.index)].into(),
+        ..Plan::default()
+    };
+    let outcome = categories(&dir, &plan);
+    let at = &outcome.at_instant[&0];
+    assert_eq!(at.by_category.iter().sum::<u64>(), peak.bytes);
+    assert_eq!(at.by_scope.values().sum::<u64>(), peak.bytes);
+    // The peak is after the optimizer state's allocation: 4 (param) + 1 (input) + 5 (kept) +
+    // 4 (grad) + 0.75 (kept backward) + 8 (state) + 1.5 (its temporary) MiB.
+    assert_eq!(peak.bytes, (24 * MIB) + (MIB / 4));
+    assert_eq!(at.by_category[OptimizerState.index()], 8 * MIB);
+    assert_eq!(at.by_category[Temporary.index()], 1536 << 10);
+    assert_eq!(at.by_category[Unknown.index()], 5 * MIB);
+    let head = outcome
+        .scope_names
+        .iter()
+        .find(|(_, n)| n.as_str() == "Net.head")
+        .map(|(id, _)| *id)
+        .unwrap();
+    assert_eq!(at.by_scope[&head], 5 * MIB);
+}
+
+#[test]
+fn rotated_files_keep_categories() {
+    let plan = Plan {
+        every_allocation: true,
+        ..Plan::default()
+    };
+    let one = scratch("one-file").join("trace");
+    training_step(&one, 2 * MIB, false);
+    let many = scratch("many-files").join("trace");
+    training_step(&many, 2 * MIB, true);
+    let files = cachealloc_recorder::reader::trace_files(&many)
+        .unwrap()
+        .len();
+    assert!(files >= 8, "a file per phase: {files}");
+    let (a, b) = (categories(&one, &plan), categories(&many, &plan));
+    assert_eq!(a.every_allocation, b.every_allocation);
+    assert!(b.every_allocation.contains(&Activation));
+}
+
+#[test]
+fn blocks_whose_allocation_was_rotated_away() {
+    let dir = scratch("rotated-away").join("trace");
+    let mut p = Program::new(&dir, true, 3);
+    let param = p.alloc(4 * MIB);
+    p.tag(param, TAG_PARAMETER);
+    p.phase(PHASE_FORWARD);
+    let act = p.alloc(2 * MIB);
+    let kept = p.alloc(3 * MIB);
+    p.rotate();
+    p.phase(PHASE_BACKWARD);
+    p.rotate();
+    p.free(act, 2 * MIB);
+    p.rotate();
+    p.phase(PHASE_NONE);
+    p.free(kept, 3 * MIB);
+    p.finish();
+    let files = cachealloc_recorder::reader::trace_files(&dir).unwrap();
+    // Files 2 to 4 (the last one empty): the allocations' files are gone, file 2 opens in the
+    // backward.
+    assert_eq!(files.len(), 3, "the first files are gone: {files:?}");
+    let outcome = categories(
+        &dir,
+        &Plan {
+            blocks_at: Some(u64::MAX - 1),
+            ..Plan::default()
+        },
+    );
+    // Known only from checkpoints: the tag, and the phase of the allocation.
+    assert_eq!(outcome.blocks_at[&(0, param)], Parameter);
+    assert_eq!(outcome.blocks_at[&(0, act)], Activation);
+    assert_eq!(outcome.blocks_at[&(0, kept)], Unknown);
+}
+
+#[test]
+fn a_trace_without_context_has_no_categories() {
+    let dir = scratch("plain").join("trace");
+    let mut p = Program::new(&dir, false, 10);
+    let a = p.alloc(MIB);
+    p.alloc(2 * MIB);
+    p.free(a, MIB);
+    p.finish();
+    let outcome = categories(
+        &dir,
+        &Plan {
+            every_allocation: true,
+            ..Plan::default()
+        },
+    );
+    assert!(!outcome.has_context);
+    assert_eq!(outcome.every_allocation, [Unknown, Unknown]);
+    let summary = cachealloc(dir.parent().unwrap(), &["summary", "trace"]);
+    assert!(summary.contains("top allocation sites"), "{summary}");
+    for absent in ["by category", "top modules", "UNKNOWN", "←"] {
+        assert!(!summary.contains(absent), "{absent:?} in {summary}");
+    }
+}
+
+#[test]
+fn summary_shows_categories_modules_and_user_lines() {
+    let (_, dir) = classified("summary");
+    let out = cachealloc(dir.parent().unwrap(), &["summary", "trace"]);
+    let section = |title: &str| -> Vec<String> {
+        out.lines()
+            .skip_while(|l| !l.contains(title))
+            .skip(1)
+            .take_while(|l| l.starts_with("    "))
+            .map(str::to_string)
+            .collect()
+    };
+    let at_peak = section("by category at peak allocated");
+    let line = |name: &str| {
+        at_peak
+            .iter()
+            .find(|l| l.trim_start().starts_with(name))
+            .cloned()
+    };
+    assert!(
+        line("OPTIMIZER_STATE").unwrap().contains("8.00 MiB"),
+        "{out}"
+    );
+    assert!(line("PARAMETER").unwrap().contains("4.00 MiB"), "{out}");
+    assert!(line("ACTIVATION").is_none(), "none at the peak: {out}");
+    assert!(!section("by category over time").is_empty(), "{out}");
+    let modules = section("top modules at peak allocated");
+    assert!(
+        modules
+            .iter()
+            .any(|l| l.contains("5.00 MiB") && l.ends_with("  Net.head")),
+        "{out}"
+    );
+    assert!(modules.iter().any(|l| l.ends_with("(no module)")), "{out}");
+    let sites = section("top allocation sites live at peak allocated");
+    assert!(
+        sites
+            .iter()
+            .any(|l| l.contains("linear (") && l.ends_with("← forward (/home/me/model.py:42)")),
+        "the user's line beside the innermost frame: {out}"
+    );
+}
+
+#[test]
+fn snapshot_blocks_carry_their_category() {
+    let (_, dir) = classified("snapshot");
+    let work = dir.parent().unwrap();
+    cachealloc(
+        work,
+        &["snapshot", "trace", "--at-peak", "-o", "snap.pickle"],
+    );
+    let script = r#"
+import pickle, sys, collections
+s = pickle.load(open(sys.argv[1], "rb"))
+by = collections.Counter()
+for seg in s["segments"]:
+    for b in seg["blocks"]:
+        if b["state"] == "active_allocated":
+            by[b["category"]] += b["size"]
+allocs = collections.Counter(e["category"] for t in s["device_traces"] for e in t if e["action"] == "alloc")
+print(sorted(by.items()), sorted(allocs.items()))
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, work.join("snap.pickle").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    // At the peak (in the optimizer step): what `bytes_at_an_instant…` adds up, and before it
+    // three temporaries and two activations were allocated.
+    assert!(out.contains("('optimizer_state', 8388608)"), "{out}");
+    assert!(out.contains("('parameter', 4194304)"), "{out}");
+    assert!(out.contains("('temporary', 1572864)"), "{out}");
+    assert!(out.contains("('unknown', 5242880)"), "{out}");
+    assert!(out.contains("('temporary', 3)"), "{out}");
+    assert!(out.contains("('activation', 2)"), "{out}");
+}
