@@ -356,3 +356,165 @@ print(sorted(by.items()), sorted(allocs.items()))
     assert!(out.contains("('temporary', 3)"), "{out}");
     assert!(out.contains("('activation', 2)"), "{out}");
 }
+
+/// The data of a `plot` page.
+fn plot_data(page: &Path) -> serde_json::Value {
+    let page = std::fs::read_to_string(page).unwrap();
+    const DATA: &str = "const DATA = ";
+    let start = page.find(DATA).unwrap() + DATA.len();
+    let end = start + page[start..].find(";\n").unwrap();
+    serde_json::from_str(&page[start..end]).unwrap()
+}
+
+/// A JSON array of integers.
+fn numbers(v: &serde_json::Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn plot_stacks_by_category_and_by_module() {
+    let (_, dir) = classified("plot");
+    let work = dir.parent().unwrap();
+    cachealloc(work, &["plot", "trace", "--points", "1000", "-o", "c.html"]);
+    let panel = &plot_data(&work.join("c.html"))["panels"][0];
+    let names: Vec<&str> = panel["series"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap())
+        .collect();
+    assert_eq!(names[0], "PARAMETER");
+    assert_eq!(names.len(), 8);
+    assert_eq!(
+        panel["series_colors"][4], "red",
+        "ACTIVATION in PyTorch's colour"
+    );
+    let allocated = numbers(&panel["allocated"]);
+    let rows: Vec<Vec<u64>> = panel["by_series"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(numbers)
+        .collect();
+    assert!(rows.len() > 10);
+    for (row, total) in rows.iter().zip(&allocated) {
+        assert_eq!(row.iter().sum::<u64>(), *total, "each point adds up");
+    }
+    let peak = allocated
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, b)| **b)
+        .unwrap()
+        .0;
+    assert_eq!(rows[peak][Category::OptimizerState.index()], 8 * MIB);
+    assert!(
+        rows.iter()
+            .any(|r| r[Category::Activation.index()] == 2 * MIB + (256 << 10))
+    );
+
+    cachealloc(work, &["plot", "trace", "--by", "module", "-o", "m.html"]);
+    let panel = &plot_data(&work.join("m.html"))["panels"][0];
+    let names: Vec<&str> = panel["series"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"Net.head") && names.contains(&"(no module)"),
+        "{names:?}"
+    );
+    cachealloc(work, &["plot", "trace", "--by", "site", "-o", "s.html"]);
+    assert!(plot_data(&work.join("s.html"))["panels"][0]["series"].is_null());
+}
+
+#[test]
+fn memory_timeline_in_pytorchs_form() {
+    let (_, dir) = classified("timeline");
+    let work = dir.parent().unwrap();
+    cachealloc(
+        work,
+        &[
+            "memory-timeline",
+            "trace",
+            "--points",
+            "100000",
+            "-o",
+            "t.json",
+        ],
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(work.join("t.json")).unwrap()).unwrap();
+    let [times, sizes] = json.as_array().unwrap().as_slice() else {
+        panic!("[times, sizes]: {json}")
+    };
+    let times = numbers(times);
+    let sizes: Vec<Vec<u64>> = sizes.as_array().unwrap().iter().map(numbers).collect();
+    assert_eq!(times.len(), sizes.len());
+    assert!(times.windows(2).all(|w| w[0] < w[1]), "times increase");
+    // Microseconds since the epoch: the header's base (1.79e18 ns) plus a few µs.
+    assert!(times[0] >= 1_790_000_000_000_000 && times[0] < 1_790_000_000_001_000);
+    for row in &sizes {
+        assert_eq!(row.len(), 9, "a leading 0, then PyTorch's eight columns");
+        assert_eq!(row[0], 0);
+    }
+    let peak = sizes.iter().max_by_key(|r| r.iter().sum::<u64>()).unwrap();
+    assert_eq!(peak.iter().sum::<u64>(), 24 * MIB + MIB / 4);
+    assert_eq!(peak[1 + Category::Parameter.index()], 4 * MIB);
+    assert_eq!(peak[1 + Category::OptimizerState.index()], 8 * MIB);
+    assert_eq!(peak[1 + Category::Unknown.index()], 5 * MIB);
+    // Every event is its own slice here: the activations appear.
+    assert!(
+        sizes
+            .iter()
+            .any(|r| r[1 + Category::Activation.index()] > 0)
+    );
+}
+
+#[test]
+fn compare_by_category() {
+    let work = scratch("compare");
+    training_step(&work.join("a"), 2 * MIB, false);
+    training_step(&work.join("b"), 20 * MIB, false);
+    let out = cachealloc(&work, &["compare", "a", "b", "--categories"]);
+    // A's peak is in the optimizer step (24.25 MiB); B's 20 MiB activation moves its peak to
+    // the loss, before the backward (33.25 MiB), with the activations live.
+    let row = |name: &str| -> Vec<String> {
+        let line = out.lines().find(|l| l.starts_with(name));
+        let line = line.unwrap_or_else(|| panic!("{name}: {out}"));
+        line.split("  ")
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(
+        row("ACTIVATION"),
+        [
+            "ACTIVATION",
+            "0 B",
+            "0.0%",
+            "20.25 MiB",
+            "60.9%",
+            "+20.25 MiB"
+        ],
+        "{out}"
+    );
+    assert_eq!(row("OPTIMIZER_STATE")[5], "-8.00 MiB", "{out}");
+    assert_eq!(
+        row("total"),
+        [
+            "total",
+            "24.25 MiB",
+            "100.0%",
+            "33.25 MiB",
+            "100.0%",
+            "+9.00 MiB"
+        ],
+        "{out}"
+    );
+}

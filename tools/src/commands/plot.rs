@@ -2,7 +2,9 @@
 //! inline, no network) with, per trace and device:
 //!
 //! * allocated memory over time, stacked by allocation site (the top sites at the peak, the rest
-//!   as "other"), with reserved memory as a line over it;
+//!   as "other"), or, for a trace with context records, by category (PyTorch's memory
+//!   profiler's, in its colours: the default for such traces) or by module (`--by module`; the
+//!   [`series`] submodule), with reserved memory as a line over it;
 //! * OOMs and annotations marked on the time axis;
 //! * the segments at a chosen time (click the timeline), each block colored by its site.
 //!
@@ -16,6 +18,8 @@ use std::path::{Path, PathBuf};
 
 use cachealloc_recorder::Record;
 use serde::Serialize;
+
+mod series;
 
 use crate::analysis::scan;
 use crate::commands::summary::sites_live;
@@ -33,9 +37,30 @@ pub struct PlotArgs {
     /// Points per timeline (the trace is downsampled to this).
     #[arg(long, default_value_t = 2000)]
     pub points: usize,
+    /// What the timeline is stacked by (auto: by category for a trace with context records,
+    /// else by site).
+    #[arg(long, value_enum, default_value_t = StackBy::Auto)]
+    pub by: StackBy,
+    /// With `--by module`: module paths are cut to this many components
+    /// (`Llama.model.layers.3.mlp` to `Llama.model.layers.3` with 4).
+    #[arg(long, default_value_t = 4)]
+    pub module_depth: usize,
     /// Output HTML.
     #[arg(short, required = true)]
     pub output: PathBuf,
+}
+
+/// What `plot`'s timeline is stacked by.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StackBy {
+    /// By category when the trace has context records, else by site.
+    Auto,
+    /// By allocation site.
+    Site,
+    /// By category (PARAMETER, ACTIVATION, …).
+    Category,
+    /// By module (the path cut to `--module-depth` components).
+    Module,
 }
 
 /// Sites shown by name; the rest are "other".
@@ -77,8 +102,18 @@ struct Panel {
     allocated: Vec<u64>,
     reserved: Vec<u64>,
     sites: Vec<String>,
-    /// Per point, bytes per site (the last entry is "other").
+    /// Per point, bytes per site (the last entry is "other"); empty when stacked by series.
     by_site: Vec<Vec<u64>>,
+    /// The timeline's series when stacked by category or module (the segments stay colored by
+    /// site).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    series: Vec<String>,
+    /// The series' colors (by category: PyTorch's), empty for the page's palette.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    series_colors: Vec<String>,
+    /// Per point, bytes per series.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    by_series: Vec<Vec<u64>>,
     marks: Vec<Mark>,
     snapshots: Vec<Snapshot>,
 }
@@ -174,8 +209,16 @@ fn snapshot(walk: &TraceWalk, device: u32, b: &mut Builder) -> Snapshot {
     out
 }
 
-fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
+fn panels_of(dir: &Path, points: usize, args: &PlotArgs) -> Result<Vec<Panel>, Error> {
     let scan = scan(dir, &Progress::new("scanning"))?;
+    let by_series = match args.by {
+        StackBy::Site => None,
+        StackBy::Auto if !scan.has_context => None,
+        StackBy::Auto | StackBy::Category => {
+            series::timelines(dir, &scan, points as u64, false, args.module_depth)?
+        }
+        StackBy::Module => series::timelines(dir, &scan, points as u64, true, args.module_depth)?,
+    };
     let (t0, t1) = scan.span;
     let width = ((t1 - t0) / points.max(1) as u64).max(1);
     let mut builders: HashMap<u32, Builder> = HashMap::new();
@@ -323,6 +366,13 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
         }
         b.panel.sites = b.sites.clone();
         b.panel.sites.push("other".into());
+        if let Some(s) = by_series.as_ref().and_then(|all| all.get(&device)) {
+            let p = &mut b.panel;
+            (p.t, p.allocated, p.reserved) = (s.t.clone(), s.allocated.clone(), s.reserved.clone());
+            (p.series, p.series_colors) = (s.names.clone(), s.colors.clone());
+            p.by_series = s.values.clone();
+            p.by_site.clear();
+        }
         panels.push(b.panel);
     }
     Ok(panels)
@@ -334,7 +384,7 @@ pub fn run(args: &PlotArgs, out: &mut dyn Write) -> Result<(), Error> {
     let dirs = trace_dirs(&args.traces)?;
     let mut panels = vec![];
     for dir in &dirs {
-        panels.extend(panels_of(dir, points.clamp(10, 100_000))?);
+        panels.extend(panels_of(dir, points.clamp(10, 100_000), args)?);
     }
     let title = dirs
         .iter()
