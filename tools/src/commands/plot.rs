@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use cachealloc_recorder::Record;
 use serde::Serialize;
 
-mod series;
+pub mod series;
 
 use crate::analysis::scan;
 use crate::commands::summary::sites_live;

@@ -2,7 +2,7 @@
 //! a side-by-side table when several traces (ranks) are given. Traces are read one at a time;
 //! for a job of many ranks, `cachealloc fleet` is the shorter view.
 
-mod context;
+pub mod context;
 
 use std::collections::HashMap;
 use std::io::Write;
