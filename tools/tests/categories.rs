@@ -13,87 +13,8 @@ use cachealloc_recorder::schema::*;
 use cachealloc_tools::categories::Category::{self, *};
 use cachealloc_tools::categories::pass::{Outcome, Plan, run};
 use cachealloc_tools::progress::Progress;
-use common::program::Program;
+use common::program::{MIB, Program, training_step};
 use common::{cachealloc, scratch};
-
-const MIB: u64 = 1 << 20;
-
-/// The blocks of [`training_step`]: name → (ordinal among allocations, address, size).
-type Blocks = HashMap<&'static str, (u64, u64, u64)>;
-
-/// One training step and an inference forward, each block made to fall under one rule.
-/// `activation` sets the size of the activation block (to compare two runs); `rotate`: a new
-/// file at every phase change.
-fn training_step(dir: &Path, activation: u64, rotate: bool) -> Blocks {
-    let mut p = Program::new(dir, rotate, 1000);
-    let mut blocks = Blocks::new();
-    let mut alloc = |p: &mut Program, name: &'static str, size: u64| {
-        let ordinal = p.allocs;
-        let address = p.alloc(size);
-        blocks.insert(name, (ordinal, address, size));
-        address
-    };
-    let phase = |p: &mut Program, phase: u8| {
-        if rotate {
-            p.rotate();
-        }
-        p.phase(phase);
-    };
-    for (id, name) in [
-        (1, "Net"),
-        (2, "Net.encoder"),
-        (3, "Net.encoder.attn"),
-        (4, "Net.head"),
-    ] {
-        p.name_scope(id, name);
-    }
-    let param = alloc(&mut p, "parameter", 4 * MIB);
-    p.tag(param, TAG_PARAMETER);
-    let input = alloc(&mut p, "input", MIB);
-    let early = alloc(&mut p, "none freed before forward", 64 << 10);
-    p.free(early, 64 << 10);
-
-    phase(&mut p, PHASE_FORWARD);
-    p.scope(2);
-    let act = alloc(&mut p, "activation", activation);
-    p.scope(3);
-    let tmp = alloc(&mut p, "forward temporary", 128 << 10);
-    p.free(tmp, 128 << 10);
-    let tagged = alloc(&mut p, "forward tagged input", 3 * MIB);
-    p.tag(tagged, TAG_INPUT);
-    p.scope(4);
-    let kept = alloc(&mut p, "forward kept past backward", 5 * MIB);
-    p.scope(0);
-
-    phase(&mut p, PHASE_NONE);
-    let loss = alloc(&mut p, "loss saved for backward", 256 << 10);
-
-    phase(&mut p, PHASE_BACKWARD);
-    p.free(act, activation);
-    p.free(tagged, 3 * MIB);
-    p.free(loss, 256 << 10);
-    let grad = alloc(&mut p, "gradient", 4 * MIB);
-    p.tag(grad, TAG_GRADIENT);
-    let detail = alloc(&mut p, "backward temporary", 512 << 10);
-    p.free(detail, 512 << 10);
-    alloc(&mut p, "backward kept", 768 << 10);
-
-    phase(&mut p, PHASE_OPTIMIZER);
-    alloc(&mut p, "optimizer state", 8 * MIB);
-    let opt_tmp = alloc(&mut p, "optimizer temporary", 1536 << 10);
-    p.free(opt_tmp, 1536 << 10);
-
-    phase(&mut p, PHASE_NONE);
-    p.free(input, MIB);
-    p.free(kept, 5 * MIB);
-
-    phase(&mut p, PHASE_FORWARD);
-    let inference = alloc(&mut p, "inference output", 6 * MIB);
-    phase(&mut p, PHASE_NONE);
-    p.free(inference, 6 * MIB);
-    p.finish();
-    blocks
-}
 
 /// The categories pass over `dir` with `plan`.
 fn categories(dir: &Path, plan: &Plan) -> Outcome {
