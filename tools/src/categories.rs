@@ -40,6 +40,12 @@
 //!   keeps), freed before → TEMPORARY; and in an inference loop, a block made between two
 //!   forwards and alive at the second is that forward's INPUT.
 //!
+//! * **Recomputed in a backward** (activation checkpointing: a forward begun while a backward
+//!   runs, the backward resuming after it; neither counts as a new pass): freed by the backward
+//!   it was recomputed for → ACTIVATION, within the recomputation → TEMPORARY, else UNKNOWN.
+//!   Without this rule every activation saved before a checkpointed segment would have looked
+//!   alive past "its" backward (a second backward seemed to begin) and been called UNKNOWN.
+//!
 //! "Began" counts phase changes (a [`rules::Clock`] counts forwards, backwards and optimizer
 //! steps begun): several forwards before one backward (gradient accumulation in one graph) keep
 //! their blocks ACTIVATION, and a block alive through two backwards is never one.

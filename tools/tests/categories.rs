@@ -439,3 +439,34 @@ fn compare_by_category() {
         "{out}"
     );
 }
+
+#[test]
+fn activation_checkpointing_recomputes_inside_the_backward() {
+    let dir = scratch("recompute").join("trace");
+    let mut p = Program::new(&dir, false, 10);
+    p.phase(PHASE_FORWARD);
+    let saved = p.alloc(2 * MIB);
+    p.phase(PHASE_BACKWARD);
+    // A checkpointed segment's forward runs again inside the backward.
+    p.phase(PHASE_FORWARD);
+    let recomputed = p.alloc(3 * MIB);
+    let scratchpad = p.alloc(MIB);
+    p.free(scratchpad, MIB);
+    p.phase(PHASE_BACKWARD);
+    p.free(recomputed, 3 * MIB);
+    p.free(saved, 2 * MIB);
+    p.phase(PHASE_NONE);
+    p.finish();
+    let outcome = categories(
+        &dir,
+        &Plan {
+            every_allocation: true,
+            ..Plan::default()
+        },
+    );
+    assert_eq!(
+        outcome.every_allocation,
+        [Activation, Activation, Temporary],
+        "saved before the segment, recomputed in it, scratch of the recomputation"
+    );
+}

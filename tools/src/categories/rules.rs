@@ -23,6 +23,9 @@ pub struct Clock {
     pub backwards: u64,
     /// Optimizer steps begun.
     pub optimizer_steps: u64,
+    /// In a forward begun during a backward: activation checkpointing recomputing what it did
+    /// not save. The backward it interrupted resumes when the phase returns to backward.
+    pub recomputing: bool,
 }
 
 impl Clock {
@@ -32,8 +35,11 @@ impl Clock {
         if phase == self.phase {
             return;
         }
+        let was_recomputing = std::mem::take(&mut self.recomputing);
         match phase {
+            PHASE_FORWARD if self.phase == PHASE_BACKWARD => self.recomputing = true,
             PHASE_FORWARD => self.forwards += 1,
+            PHASE_BACKWARD if was_recomputing => {}
             PHASE_BACKWARD => self.backwards += 1,
             PHASE_OPTIMIZER => self.optimizer_steps += 1,
             _ => {}
@@ -94,6 +100,7 @@ pub fn classify(tag: u8, born: &Clock, died: &Clock) -> Category {
         return category;
     }
     match born.phase {
+        PHASE_FORWARD if born.recomputing => recomputed(born, died),
         PHASE_FORWARD => after_forward(born, died, false),
         PHASE_BACKWARD => Category::AutogradDetail,
         PHASE_OPTIMIZER => {
@@ -108,6 +115,18 @@ pub fn classify(tag: u8, born: &Clock, died: &Clock) -> Category {
         _ if born.last_active == PHASE_FORWARD => after_forward(born, died, true),
         _ if died.forwards > born.forwards => Category::Input,
         _ => Category::Temporary,
+    }
+}
+
+/// A block allocated by a forward recomputed during a backward (activation checkpointing).
+fn recomputed(born: &Clock, died: &Clock) -> Category {
+    let same_backward = died.backwards == born.backwards;
+    match died.phase {
+        // Freed within the recomputation.
+        PHASE_FORWARD if same_backward && died.recomputing => Category::Temporary,
+        // Used and freed by the backward it was recomputed for: saved for it.
+        PHASE_BACKWARD if same_backward => Category::Activation,
+        _ => Category::Unknown,
     }
 }
 
@@ -185,6 +204,23 @@ mod tests {
         let loss = after(&[F, N]);
         assert_eq!(classify(0, &loss, &after(&[F, N, B])), Category::Activation);
         assert_eq!(classify(0, &loss, &loss), Category::Temporary);
+    }
+
+    #[test]
+    fn recomputation_in_a_backward() {
+        // Activation checkpointing: a forward inside the backward, then the backward resumes.
+        let c = after(&[F, B, F, B]);
+        assert_eq!((c.forwards, c.backwards, c.recomputing), (1, 1, false));
+        let saved = after(&[F]);
+        assert_eq!(classify(0, &saved, &c), Category::Activation);
+        let recomputed = after(&[F, B, F]);
+        assert!(recomputed.recomputing);
+        assert_eq!(classify(0, &recomputed, &c), Category::Activation);
+        assert_eq!(classify(0, &recomputed, &recomputed), Category::Temporary);
+        assert_eq!(
+            classify(0, &recomputed, &after(&[F, B, F, B, O])),
+            Category::Unknown
+        );
     }
 
     #[test]
