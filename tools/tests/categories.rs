@@ -18,7 +18,7 @@ use common::{cachealloc, scratch};
 
 /// The categories pass over `dir` with `plan`.
 fn categories(dir: &Path, plan: &Plan) -> Outcome {
-    run(dir, plan, [0], &Progress::hidden(), |_, _| {}).unwrap()
+    run(dir, plan, &Progress::hidden(), |_, _| {}).unwrap()
 }
 
 /// Each block of a fresh [`training_step`] trace with its category.
@@ -108,6 +108,18 @@ fn bytes_at_an_instant_add_up_by_category_and_module() {
     let outcome = categories(&dir, &plan);
     let at = &outcome.at_instant[&0];
     assert_eq!(at.by_category.iter().sum::<u64>(), peak.bytes);
+    // The same peak, found in the pass itself (what `summary` uses, in one walk).
+    let found = categories(
+        &dir,
+        &Plan {
+            peaks: true,
+            ..Plan::default()
+        },
+    );
+    let row = &found.peaks[&0];
+    assert_eq!((row.index, row.allocated), (peak.index, peak.bytes));
+    assert_eq!(found.at_instant[&0].by_category, at.by_category);
+    assert_eq!(found.at_instant[&0].by_scope, at.by_scope);
     assert_eq!(at.by_scope.values().sum::<u64>(), peak.bytes);
     // The peak is after the optimizer state's allocation: 4 (param) + 1 (input) + 5 (kept) +
     // 4 (grad) + 0.75 (kept backward) + 8 (state) + 1.5 (its temporary) MiB.

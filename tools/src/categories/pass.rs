@@ -10,7 +10,7 @@ use cachealloc_recorder::Record;
 use rustc_hash::FxHashMap;
 
 use super::rules::{Clock, classify};
-use super::slices::{Life, SliceRow, SliceSpec, SliceTrack};
+use super::slices::{Detail, Life, SliceRow, SliceSpec, SliceTrack};
 use super::{ByCategory, CATEGORY_COUNT, Category};
 use crate::progress::Progress;
 use crate::walk::{Step, TraceWalk};
@@ -25,6 +25,11 @@ pub struct Plan {
     pub slices: Option<SliceSpec>,
     /// Slices also by scope.
     pub slices_by_scope: bool,
+    /// Each device's peak of allocated memory, found in this same walk (the first moment of
+    /// its highest allocated bytes, as `analysis::scan` finds it), with its bytes by category,
+    /// scope and stack: [`Outcome::peaks`], and [`Outcome::at_instant`] for devices without an
+    /// instant of their own.
+    pub peaks: bool,
     /// Keep the category of each block allocated after this record (a snapshot's moment).
     pub blocks_at: Option<u64>,
     /// Keep the category of every allocation, by its ordinal among `Alloc` records.
@@ -38,6 +43,8 @@ pub struct Composition {
     pub by_category: ByCategory,
     /// Bytes by scope id (0: outside any module).
     pub by_scope: HashMap<u32, u64>,
+    /// Bytes and blocks by stack id.
+    pub by_stack: HashMap<u32, (u64, u64)>,
 }
 
 /// What the pass found.
@@ -52,6 +59,8 @@ pub struct Outcome {
     pub at_instant: BTreeMap<u32, Composition>,
     /// Per device, the slices' rows.
     pub slices: BTreeMap<u32, Vec<SliceRow>>,
+    /// With [`Plan::peaks`], per device, its peak (a row of one slice: the whole trace).
+    pub peaks: BTreeMap<u32, SliceRow>,
     /// The category of each block allocated (or freed and pending) at [`Plan::blocks_at`], by
     /// `(device, address)` (and of older blocks at addresses free then).
     pub blocks_at: HashMap<(u32, u64), Category>,
@@ -72,6 +81,9 @@ impl Outcome {
             unknown(&mut c.by_category);
         }
         for row in self.slices.values_mut().flatten() {
+            unknown(&mut row.by_category);
+        }
+        for row in self.peaks.values_mut() {
             unknown(&mut row.by_category);
         }
         self.blocks_at
@@ -100,6 +112,7 @@ struct Live {
     size: u64,
     tag: u8,
     scope: u32,
+    stack: u32,
     /// Ordinal among `Alloc` records (`u64::MAX`: seen first in a checkpoint).
     ordinal: u64,
 }
@@ -110,6 +123,7 @@ struct Pass<'p> {
     clock: Clock,
     live: FxHashMap<(u32, u64), Live>,
     tracks: BTreeMap<u32, SliceTrack>,
+    peak_tracks: BTreeMap<u32, SliceTrack>,
     out: Outcome,
     allocs: u64,
     blocks_at_born: FxHashMap<(u32, u64), (u64, Category)>,
@@ -125,6 +139,7 @@ impl Pass<'_> {
             size: block.size,
             category,
             scope: block.scope,
+            stack: block.stack,
         };
         if let Some(&instant) = self.plan.instants.get(&device)
             && life.alive_at(instant)
@@ -132,6 +147,11 @@ impl Pass<'_> {
             let c = self.out.at_instant.entry(device).or_default();
             c.by_category[category.index()] += block.size;
             *c.by_scope.entry(block.scope).or_default() += block.size;
+            let s = c.by_stack.entry(block.stack).or_default();
+            (s.0, s.1) = (s.0 + block.size, s.1 + 1);
+        }
+        if let Some(track) = self.peak_tracks.get_mut(&device) {
+            track.classified(life);
         }
         // The block at an address at that moment is the last one allocated there before it
         // (allocated then, or freed and pending).
@@ -187,6 +207,7 @@ impl Pass<'_> {
                     size: b.size,
                     tag: context.map_or(0, |c| c.category),
                     scope: context.map_or(0, |c| c.scope),
+                    stack: b.stack,
                     ordinal: u64::MAX,
                 },
             );
@@ -216,22 +237,39 @@ impl Pass<'_> {
         if step.in_checkpoint {
             return;
         }
-        if let (Some(device), Some(track)) = (
-            record.device(),
-            record.device().and_then(|d| self.tracks.get_mut(&d)),
-        ) && matches!(
-            record,
-            Record::Alloc(_)
-                | Record::Free(_)
-                | Record::FreeRequested(_)
-                | Record::FreeCompleted(_)
-                | Record::SegmentAlloc(_)
-                | Record::SegmentFree(_)
-                | Record::SegmentMap(_)
-                | Record::SegmentUnmap(_)
-        ) {
+        if let Some(device) = record.device()
+            && matches!(
+                record,
+                Record::Alloc(_)
+                    | Record::Free(_)
+                    | Record::FreeRequested(_)
+                    | Record::FreeCompleted(_)
+                    | Record::SegmentAlloc(_)
+                    | Record::SegmentFree(_)
+                    | Record::SegmentMap(_)
+                    | Record::SegmentUnmap(_)
+            )
+        {
             let totals = walk.state.device_totals(device);
-            track.event(walk.t, step.index, totals.allocated, totals.reserved);
+            let plan = self.plan;
+            if let Some(spec) = plan.slices {
+                let detail = Detail {
+                    scopes: plan.slices_by_scope,
+                    stacks: false,
+                };
+                let track = self.tracks.entry(device);
+                let track = track.or_insert_with(|| SliceTrack::new(spec, detail));
+                track.event(walk.t, step.index, totals.allocated, totals.reserved);
+            }
+            if plan.peaks {
+                let detail = Detail {
+                    scopes: true,
+                    stacks: true,
+                };
+                let track = self.peak_tracks.entry(device);
+                let track = track.or_insert_with(|| SliceTrack::new(SliceSpec::whole(), detail));
+                track.event(walk.t, step.index, totals.allocated, totals.reserved);
+            }
         }
         match record {
             Record::Alloc(a) => {
@@ -251,6 +289,7 @@ impl Pass<'_> {
                     size: a.size,
                     tag: 0,
                     scope,
+                    stack: a.stack,
                     ordinal: self.allocs,
                 };
                 self.allocs += 1;
@@ -277,31 +316,35 @@ impl Pass<'_> {
 }
 
 /// Walk `dir` once, classifying every allocation, and compute what `plan` asks for. `visit` is
-/// called after each record with the walk (the live state after it): a command that needs the
-/// state at an instant takes it there, without a walk of its own.
+/// called after each record with the walk (the live state after it): a command that needs
+/// more of the same walk (a scan, the state at an instant) takes it there.
 pub fn run(
     dir: &Path,
     plan: &Plan,
-    devices: impl IntoIterator<Item = u32>,
+    progress: &Progress,
+    visit: impl FnMut(&TraceWalk, &Step),
+) -> Result<Outcome, String> {
+    Ok(run_to_end(dir, plan, progress, visit)?.0)
+}
+
+/// [`run`], also returning the walk at its end (its state, header and tears).
+pub fn run_to_end(
+    dir: &Path,
+    plan: &Plan,
     progress: &Progress,
     mut visit: impl FnMut(&TraceWalk, &Step),
-) -> Result<Outcome, String> {
+) -> Result<(Outcome, TraceWalk), String> {
     let mut walk = TraceWalk::open(dir)?;
     let mut pass = Pass {
         plan,
         clock: Clock::default(),
         live: FxHashMap::default(),
         tracks: BTreeMap::new(),
+        peak_tracks: BTreeMap::new(),
         out: Outcome::default(),
         allocs: 0,
         blocks_at_born: FxHashMap::default(),
     };
-    if let Some(spec) = plan.slices {
-        for device in devices {
-            pass.tracks
-                .insert(device, SliceTrack::new(spec, plan.slices_by_scope));
-        }
-    }
     while let Some(step) = walk.step() {
         let step = step?;
         if step.index % 65536 == 0 {
@@ -310,7 +353,11 @@ pub fn run(
         pass.step(&walk, &step);
         visit(&walk, &step);
     }
-    for track in pass.tracks.values_mut() {
+    for track in pass
+        .tracks
+        .values_mut()
+        .chain(pass.peak_tracks.values_mut())
+    {
         track.end_of_events();
     }
     let mut live: Vec<((u32, u64), Live)> = pass.live.drain().collect();
@@ -325,8 +372,25 @@ pub fn run(
         .collect();
     let tracks = std::mem::take(&mut pass.tracks);
     pass.out.slices = tracks.into_iter().map(|(d, t)| (d, t.finish())).collect();
+    for (device, track) in std::mem::take(&mut pass.peak_tracks) {
+        let Some(row) = track.finish().pop() else {
+            continue;
+        };
+        if !plan.instants.contains_key(&device) {
+            let by_stack = row.by_stack.clone();
+            pass.out.at_instant.insert(
+                device,
+                Composition {
+                    by_category: row.by_category,
+                    by_scope: row.by_scope.clone(),
+                    by_stack,
+                },
+            );
+        }
+        pass.out.peaks.insert(device, row);
+    }
     if !pass.out.has_context {
         pass.out.all_unknown();
     }
-    Ok(pass.out)
+    Ok((pass.out, walk))
 }

@@ -118,22 +118,16 @@ fn composition(dir: &Path, when: &When) -> Result<(ByCategory, String, bool), Er
         ..Plan::default()
     };
     let mut allocated = BTreeMap::new();
-    let outcome = categories(
-        dir,
-        &plan,
-        [],
-        &Progress::new("categories"),
-        |walk, step| {
-            if step.index <= index {
-                allocated = walk
-                    .state
-                    .totals
-                    .iter()
-                    .map(|(d, t)| (*d, t.allocated))
-                    .collect();
-            }
-        },
-    )?;
+    let outcome = categories(dir, &plan, &Progress::new("categories"), |walk, step| {
+        if step.index <= index {
+            allocated = walk
+                .state
+                .totals
+                .iter()
+                .map(|(d, t)| (*d, t.allocated))
+                .collect();
+        }
+    })?;
     let Some((&device, _)) = allocated
         .iter()
         .max_by_key(|(d, b)| (**b, std::cmp::Reverse(**d)))

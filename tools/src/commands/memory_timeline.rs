@@ -74,13 +74,7 @@ pub fn run(args: &MemoryTimelineArgs, out: &mut dyn Write) -> Result<(), Error> 
         )),
         ..Plan::default()
     };
-    let outcome = categories(
-        &dir,
-        &plan,
-        [device],
-        &Progress::new("categories"),
-        |_, _| {},
-    )?;
+    let outcome = categories(&dir, &plan, &Progress::new("categories"), |_, _| {})?;
     let rows = outcome.slices.get(&device).map_or(&[][..], Vec::as_slice);
     let wall = scan.header.as_ref().map_or(0, |h| h.wall_clock_base_ns);
     let json = serde_json::to_string(&timeline_json(rows, wall)).map_err(std::io::Error::other)?;

@@ -409,7 +409,6 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Tra
         Some(categories::pass::run(
             dir,
             &plan,
-            [],
             &Progress::new("categories"),
             |_, _| {},
         )?)

@@ -8,9 +8,8 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::analysis::{Scan, scan};
+use crate::analysis::Scan;
 use crate::format::{bytes, percent, seconds};
-use crate::progress::Progress;
 use crate::walk::{TraceWalk, site};
 use crate::{Error, trace_dirs};
 
@@ -62,8 +61,10 @@ pub fn run(args: &SummaryArgs, out: &mut dyn Write) -> Result<(), Error> {
         if i > 0 {
             writeln!(out)?;
         }
-        let scan = scan(dir, &Progress::new("scanning"))?;
-        write_one(dir, &scan, out)?;
+        // One walk: the scan, and the categories pass that finds each device's peak and what it
+        // held (by category, module and site).
+        let (scan, context) = context::summarize(dir)?;
+        write_one(dir, &scan, &context, out)?;
         if dirs.len() > 1 {
             let name = dir.display().to_string();
             // The end of the path says which trace it is.
@@ -111,7 +112,12 @@ pub fn run(args: &SummaryArgs, out: &mut dyn Write) -> Result<(), Error> {
     Ok(())
 }
 
-fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<(), Error> {
+fn write_one(
+    dir: &std::path::Path,
+    scan: &Scan,
+    context: &context::Context,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
     writeln!(
         out,
         "trace     {} ({} file{}, {} records)",
@@ -139,13 +145,6 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
         seconds(scan.span.0),
         seconds(scan.span.1)
     )?;
-    // With context records, one categories pass gives every device's categories, modules and
-    // sites at its peak; without, a walk to each peak gives the sites.
-    let context = if scan.has_context {
-        Some(context::compute(dir, scan)?)
-    } else {
-        None
-    };
     for (device, d) in &scan.devices {
         let name = scan
             .header
@@ -187,43 +186,11 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
             bytes(d.allocated_at_end),
             bytes(d.reserved_at_end)
         )?;
-        if let Some(context) = &context {
+        if scan.has_context {
             context::write_categories(context, *device, d.peak_allocated.bytes, out)?;
-            let sites = context.sites.get(device).map_or(&[][..], Vec::as_slice);
-            write_sites_with_user_lines(sites, d.peak_allocated.bytes, out)?;
-            continue;
         }
-        let mut walk = TraceWalk::open(dir)?;
-        walk.run_through(d.peak_allocated.index)?;
-        let sites = sites_live(&walk, *device);
-        if !sites.is_empty() {
-            writeln!(out, "  top allocation sites live at peak allocated:")?;
-            writeln!(
-                out,
-                "    {:>12} {:>7} {:>7}  site",
-                "bytes", "share", "blocks"
-            )?;
-            for (site, b, n) in sites.iter().take(TOP_SITES) {
-                writeln!(
-                    out,
-                    "    {:>12} {:>7} {:>7}  {site}",
-                    bytes(*b),
-                    percent(*b, d.peak_allocated.bytes),
-                    n
-                )?;
-            }
-            if sites.len() > TOP_SITES {
-                let rest: u64 = sites[TOP_SITES..].iter().map(|s| s.1).sum();
-                writeln!(
-                    out,
-                    "    {:>12} {:>7} {:>7}  ({} other sites)",
-                    bytes(rest),
-                    percent(rest, d.peak_allocated.bytes),
-                    "",
-                    sites.len() - TOP_SITES
-                )?;
-            }
-        }
+        let sites = context.sites.get(device).map_or(&[][..], Vec::as_slice);
+        write_sites(sites, d.peak_allocated.bytes, scan.has_context, out)?;
     }
     writeln!(out)?;
     if scan.ooms.is_empty() {
@@ -273,20 +240,25 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
     Ok(())
 }
 
-/// The top sites at the peak with the user's line of each (`← train.py:42`), for traces with
-/// context records.
-fn write_sites_with_user_lines(
+/// The top sites at the peak; for traces with context records, with the user's line of each
+/// (`← train.py:42`).
+fn write_sites(
     sites: &[context::SiteBytes],
     peak: u64,
+    user_lines: bool,
     out: &mut dyn Write,
 ) -> Result<(), Error> {
     if sites.is_empty() {
         return Ok(());
     }
-    writeln!(
-        out,
-        "  top allocation sites live at peak allocated (← the user's line):"
-    )?;
+    if user_lines {
+        writeln!(
+            out,
+            "  top allocation sites live at peak allocated (← the user's line):"
+        )?;
+    } else {
+        writeln!(out, "  top allocation sites live at peak allocated:")?;
+    }
     writeln!(
         out,
         "    {:>12} {:>7} {:>7}  site",
@@ -294,7 +266,7 @@ fn write_sites_with_user_lines(
     )?;
     for s in sites.iter().take(TOP_SITES) {
         let user = match &s.user {
-            Some(user) if *user != s.site => format!("  ← {user}"),
+            Some(user) if user_lines && *user != s.site => format!("  ← {user}"),
             _ => String::new(),
         };
         writeln!(

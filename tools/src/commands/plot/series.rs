@@ -58,13 +58,7 @@ pub fn timelines(
         slices_by_scope: by_module,
         ..Plan::default()
     };
-    let outcome = run(
-        dir,
-        &plan,
-        scan.devices.keys().copied(),
-        &Progress::new("categories"),
-        |_, _| {},
-    )?;
+    let outcome = run(dir, &plan, &Progress::new("categories"), |_, _| {})?;
     if !outcome.has_context {
         return Ok(None);
     }

@@ -8,13 +8,15 @@ use std::io::Write;
 use std::path::Path;
 
 use crate::Error;
-use crate::analysis::Scan;
-use crate::categories::pass::{Composition, Outcome, Plan, run};
+use cachealloc_recorder::LiveState;
+
+use crate::analysis::{Scan, Scanner};
+use crate::categories::pass::{Composition, Outcome, Plan, run_to_end};
 use crate::categories::slices::{SliceRow, SliceSpec};
 use crate::categories::{Category, module_prefixes, user_line};
 use crate::format::{bytes, percent, seconds};
 use crate::progress::Progress;
-use crate::walk::{TraceWalk, site};
+use crate::walk::site;
 
 /// Rows of the category table over time.
 const TIME_SLICES: u64 = 12;
@@ -33,20 +35,57 @@ pub struct SiteBytes {
     pub blocks: u64,
 }
 
-/// The sites live at the walk's moment on `device`, with their user's lines, largest first.
-pub fn sites_with_user_lines(walk: &TraceWalk, device: u32) -> Vec<SiteBytes> {
-    let state = &walk.state;
-    let mut labels: HashMap<u32, (String, Option<String>)> = HashMap::new();
+/// What the categories pass found for `summary`.
+pub struct Context {
+    /// The pass's outcome (each device's peak and what it held, the slices, scope names).
+    pub outcome: Outcome,
+    /// Per device, the sites live at its peak allocated.
+    pub sites: BTreeMap<u32, Vec<SiteBytes>>,
+}
+
+/// The scan of `dir` and its categories, in one walk.
+pub fn summarize(dir: &Path) -> Result<(Scan, Context), Error> {
+    let plan = Plan {
+        peaks: true,
+        slices: Some(SliceSpec::adaptive(TIME_SLICES)),
+        ..Plan::default()
+    };
+    let mut scanner: Option<Scanner> = None;
+    let (outcome, walk) = run_to_end(dir, &plan, &Progress::new("scanning"), |walk, step| {
+        scanner
+            .get_or_insert_with(|| Scanner::new(walk))
+            .step(walk, step);
+    })?;
+    let scan = scanner.unwrap_or_else(|| Scanner::new(&walk)).finish(&walk);
+    let sites = outcome
+        .at_instant
+        .iter()
+        .map(|(device, c)| {
+            let sites = sites_of(&walk.state, &c.by_stack, outcome.has_context);
+            (*device, sites)
+        })
+        .collect();
+    Ok((scan, Context { outcome, sites }))
+}
+
+/// Bytes and blocks by stack as sites (with their user's lines, `user_lines`), largest first.
+fn sites_of(
+    state: &LiveState,
+    by_stack: &HashMap<u32, (u64, u64)>,
+    user_lines: bool,
+) -> Vec<SiteBytes> {
     let mut by_site: HashMap<(String, Option<String>), (u64, u64)> = HashMap::new();
-    for block in state.blocks.values() {
-        if block.device == device && block.pending == 0 {
-            let label = labels
-                .entry(block.stack)
-                .or_insert_with(|| (site(state, block.stack), user_line(state, block.stack)));
-            let e = by_site.entry(label.clone()).or_default();
-            e.0 += block.size;
-            e.1 += 1;
+    for (stack, (bytes, blocks)) in by_stack {
+        if *blocks == 0 {
+            continue;
         }
+        let e = by_site
+            .entry((
+                site(state, *stack),
+                user_lines.then(|| user_line(state, *stack)).flatten(),
+            ))
+            .or_default();
+        (e.0, e.1) = (e.0 + bytes, e.1 + blocks);
     }
     let mut sites: Vec<SiteBytes> = by_site
         .into_iter()
@@ -63,42 +102,6 @@ pub fn sites_with_user_lines(walk: &TraceWalk, device: u32) -> Vec<SiteBytes> {
             .then_with(|| (&a.site, &a.user).cmp(&(&b.site, &b.user)))
     });
     sites
-}
-
-/// What the categories pass found for `summary`.
-pub struct Context {
-    /// The pass's outcome (compositions at the peaks, slices, scope names).
-    pub outcome: Outcome,
-    /// Per device, the sites live at its peak allocated.
-    pub sites: BTreeMap<u32, Vec<SiteBytes>>,
-}
-
-/// Run the categories pass over `dir`, whose scan is `scan`.
-pub fn compute(dir: &Path, scan: &Scan) -> Result<Context, Error> {
-    let plan = Plan {
-        instants: scan
-            .devices
-            .iter()
-            .map(|(d, s)| (*d, s.peak_allocated.index))
-            .collect(),
-        slices: Some(SliceSpec::over(scan.span.0, scan.span.1, TIME_SLICES)),
-        ..Plan::default()
-    };
-    let mut sites = BTreeMap::new();
-    let outcome = run(
-        dir,
-        &plan,
-        scan.devices.keys().copied(),
-        &Progress::new("categories"),
-        |walk, step| {
-            for (device, index) in &plan.instants {
-                if *index == step.index {
-                    sites.insert(*device, sites_with_user_lines(walk, *device));
-                }
-            }
-        },
-    )?;
-    Ok(Context { outcome, sites })
 }
 
 /// The category lines of `device`: bytes by category at the peak, then over time.
