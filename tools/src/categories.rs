@@ -10,7 +10,7 @@
 //! |---|---|
 //! | [`rules`] | the rules: a category from a tag and two [`rules::Clock`]s (allocation, free) |
 //! | [`pass`] | one walk of a trace that classifies each allocation when it is freed and adds it to what was asked for ([`pass::Plan`]) |
-//! | [`slices`] | the composition of memory at each time slice's peak, by difference arrays |
+//! | [`slices`] | the composition of memory at each time slice's peak (or the whole trace's), by difference arrays |
 //!
 //! # Note [Categories by lifetime]
 //!
@@ -61,11 +61,16 @@
 //! walked keep their exact clock across files.
 //!
 //! **Cost.** Nothing is stored per allocation beyond the live ones: a live block's record is
-//! dropped when it is classified. Bytes at a chosen instant (the peak) are added when a block
-//! alive at that instant is classified; bytes over time use difference arrays over the time
-//! slices whose peaks are already known, and the few blocks freed inside the slice still open
-//! ([`slices`]). The instants come from a first pass (`analysis::scan`): `summary` reads the
-//! trace twice, as it did before categories.
+//! dropped when it is classified. Memory at an instant is added up as blocks alive then are
+//! classified. The instant need not be known in advance when it is a peak: while a peak is only
+//! a candidate (the most allocated so far), the blocks freed since it are added to it, and when
+//! a later moment takes over, those bytes are dropped, for every block freed before that moment
+//! was not alive at it; blocks freed after the last candidate are added when classified. Time
+//! slices do the same within each slice and use difference arrays over the slices already
+//! closed (`+size` at the first slice a block was alive at, `-size` after its last); slices over
+//! a span not known in advance start at 1 µs and double, merging neighbouring rows
+//! ([`slices`]). So `summary` is one walk (its scan and this pass together), in memory that
+//! does not grow with the trace.
 //!
 //! **Limits.** Categories are those of blocks, not tensors: a block holding views of several
 //! tensors has one category. A block tagged after its free is not tagged. Blocks made by
