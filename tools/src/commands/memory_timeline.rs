@@ -6,16 +6,15 @@
 //! from), then PARAMETER, OPTIMIZER_STATE, INPUT, TEMPORARY, ACTIVATION, GRADIENT,
 //! AUTOGRAD_DETAIL and unknown, PyTorch's `_CATEGORY_TO_INDEX` order.
 //!
-//! PyTorch writes a row per event; ours has a row per time slice (`--points` of them, default
-//! 10 000), each the slice's peak of allocated memory: the same form, a bounded size, and the
-//! peaks kept. Categories are `crate::categories`'; a trace without context records has every
+//! PyTorch writes a row per event; ours has a row per time slice (at most `--points` of them,
+//! default 10 000: slices start at 1 µs and widen as the trace goes on), each the slice's peak
+//! of allocated memory: the same form, a bounded size, and the peaks kept. Categories are `crate::categories`'; a trace without context records has every
 //! byte in the unknown column.
 
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::analysis::scan;
-use crate::categories::pass::{Plan, run as categories};
+use crate::categories::pass::{Plan, run_to_end};
 use crate::categories::slices::{SliceRow, SliceSpec};
 use crate::format::bytes;
 use crate::progress::Progress;
@@ -29,7 +28,7 @@ pub struct MemoryTimelineArgs {
     /// The device (default: the one whose allocated memory peaked highest).
     #[arg(long)]
     pub device: Option<u32>,
-    /// Rows (time slices, each at its peak).
+    /// Rows, at most (time slices, each at its peak).
     #[arg(long, default_value_t = 10_000)]
     pub points: u64,
     /// Output JSON.
@@ -47,36 +46,32 @@ pub fn timeline_json(rows: &[SliceRow], wall_base_ns: u64) -> serde_json::Value 
     serde_json::json!([times, sizes])
 }
 
-/// Run the command.
+/// Run the command: one walk (the slices widen as the trace goes on; each device's peak picks
+/// the default device).
 pub fn run(args: &MemoryTimelineArgs, out: &mut dyn Write) -> Result<(), Error> {
     let dir = one_trace(&args.trace)?;
-    let scan = scan(&dir, &Progress::new("scanning"))?;
+    let plan = Plan {
+        slices: Some(SliceSpec::adaptive(args.points.clamp(1, 10_000_000))),
+        peaks: true,
+        ..Plan::default()
+    };
+    let (outcome, walk) = run_to_end(&dir, &plan, &Progress::new("categories"), |_, _| {})?;
     let device = match args.device {
         Some(d) => d,
-        None => scan
-            .devices
+        None => outcome
+            .peaks
             .iter()
-            .max_by_key(|(_, d)| d.peak_allocated.bytes)
+            .max_by_key(|(_, row)| row.allocated)
             .map(|(d, _)| *d)
             .ok_or_else(|| format!("{}: the trace has no allocations", dir.display()))?,
     };
-    if !scan.devices.contains_key(&device) {
+    let Some(rows) = outcome.slices.get(&device) else {
         return Err(Error::Message(format!(
             "{}: device {device} has no events",
             dir.display()
         )));
-    }
-    let plan = Plan {
-        slices: Some(SliceSpec::over(
-            scan.span.0,
-            scan.span.1,
-            args.points.clamp(1, 10_000_000),
-        )),
-        ..Plan::default()
     };
-    let outcome = categories(&dir, &plan, &Progress::new("categories"), |_, _| {})?;
-    let rows = outcome.slices.get(&device).map_or(&[][..], Vec::as_slice);
-    let wall = scan.header.as_ref().map_or(0, |h| h.wall_clock_base_ns);
+    let wall = walk.header.as_ref().map_or(0, |h| h.wall_clock_base_ns);
     let json = serde_json::to_string(&timeline_json(rows, wall)).map_err(std::io::Error::other)?;
     std::fs::write(&args.output, &json)
         .map_err(|e| Error::Message(format!("{}: {e}", args.output.display())))?;
