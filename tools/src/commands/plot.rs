@@ -21,8 +21,10 @@ use serde::Serialize;
 
 pub mod series;
 
-use crate::analysis::scan;
-use crate::commands::summary::sites_live;
+use crate::analysis::Scanner;
+use crate::categories::pass::{Plan, run_to_end};
+use crate::categories::slices::SliceSpec;
+use crate::commands::summary::context::sites_of;
 use crate::format::bytes;
 use crate::progress::Progress;
 use crate::walk::{TraceWalk, site};
@@ -210,26 +212,42 @@ fn snapshot(walk: &TraceWalk, device: u32, b: &mut Builder) -> Snapshot {
 }
 
 fn panels_of(dir: &Path, points: usize, args: &PlotArgs) -> Result<Vec<Panel>, Error> {
-    let scan = scan(dir, &Progress::new("scanning"))?;
+    // One walk for the scan, each device's peak with what it held, and the timelines by
+    // category or module; a second draws the timeline by site and the segment views.
+    let plan = Plan {
+        peaks: true,
+        slices: (args.by != StackBy::Site).then(|| SliceSpec::adaptive(points as u64)),
+        slices_by_scope: args.by == StackBy::Module,
+        ..Plan::default()
+    };
+    let mut scanner: Option<Scanner> = None;
+    let (outcome, end) = run_to_end(dir, &plan, &Progress::new("scanning"), |walk, step| {
+        scanner
+            .get_or_insert_with(|| Scanner::new(walk))
+            .step(walk, step);
+    })?;
+    let scan = scanner.unwrap_or_else(|| Scanner::new(&end)).finish(&end);
     let by_series = match args.by {
         StackBy::Site => None,
-        StackBy::Auto if !scan.has_context => None,
-        StackBy::Auto | StackBy::Category => {
-            series::timelines(dir, &scan, points as u64, false, args.module_depth)?
-        }
-        StackBy::Module => series::timelines(dir, &scan, points as u64, true, args.module_depth)?,
+        _ if !outcome.has_context => None,
+        by => Some(series::timelines(
+            &outcome,
+            by == StackBy::Module,
+            args.module_depth,
+        )),
     };
     let (t0, t1) = scan.span;
     let width = ((t1 - t0) / points.max(1) as u64).max(1);
     let mut builders: HashMap<u32, Builder> = HashMap::new();
     for (&device, d) in &scan.devices {
         // The top sites: those holding the most at this device's peak.
-        let mut at_peak = TraceWalk::open(dir)?;
-        at_peak.run_through(d.peak_allocated.index)?;
-        let mut sites: Vec<String> = sites_live(&at_peak, device)
+        let by_stack = outcome.at_instant.get(&device).map(|c| &c.by_stack);
+        let mut sites: Vec<String> = by_stack
+            .map(|b| sites_of(&end.state, b, false))
+            .unwrap_or_default()
             .into_iter()
             .take(TOP_SITES)
-            .map(|s| s.0)
+            .map(|s| s.site)
             .collect();
         sites.sort();
         let name = dir.file_name().unwrap_or_default().to_string_lossy();

@@ -1,16 +1,13 @@
-//! `plot`'s timelines by category and by module (`--by category`, `--by module`): one
-//! categories pass (`crate::categories::pass`) cut into the panel's time slices, each slice at
-//! its peak of allocated memory, stacked by PyTorch's categories (in its colours) or by the
+//! `plot`'s timelines by category and by module (`--by category`, `--by module`): the
+//! categories pass (`crate::categories::pass`) cut into time slices, each at its peak of
+//! allocated memory, stacked by PyTorch's categories (in its colours) or by the
 //! modules holding the most at the device's peak.
 
 use std::collections::HashMap;
-use std::path::Path;
 
-use crate::analysis::Scan;
-use crate::categories::pass::{Plan, run};
-use crate::categories::slices::{SliceRow, SliceSpec};
+use crate::categories::pass::Outcome;
+use crate::categories::slices::SliceRow;
 use crate::categories::{Category, module_prefixes};
-use crate::progress::Progress;
 
 /// Modules shown by name in `--by module`; the rest are "other modules".
 const TOP_MODULES: usize = 12;
@@ -40,28 +37,9 @@ fn cut(name: &str, depth: usize) -> &str {
 }
 
 /// Every device's timeline by category (`by_module` false) or by module path cut to
-/// `module_depth` components; `None` when the trace has no context records.
-pub fn timelines(
-    dir: &Path,
-    scan: &Scan,
-    points: u64,
-    by_module: bool,
-    module_depth: usize,
-) -> Result<Option<HashMap<u32, Series>>, String> {
-    let plan = Plan {
-        instants: scan
-            .devices
-            .iter()
-            .map(|(d, s)| (*d, s.peak_allocated.index))
-            .collect(),
-        slices: Some(SliceSpec::over(scan.span.0, scan.span.1, points)),
-        slices_by_scope: by_module,
-        ..Plan::default()
-    };
-    let outcome = run(dir, &plan, &Progress::new("categories"), |_, _| {})?;
-    if !outcome.has_context {
-        return Ok(None);
-    }
+/// `module_depth` components, from a categories pass that cut slices (and by scope, for
+/// modules) and found each device's peak.
+pub fn timelines(outcome: &Outcome, by_module: bool, module_depth: usize) -> HashMap<u32, Series> {
     let mut out = HashMap::new();
     for (device, rows) in &outcome.slices {
         let mut series = Series::default();
@@ -116,7 +94,7 @@ pub fn timelines(
         }
         out.insert(*device, series);
     }
-    Ok(Some(out))
+    out
 }
 
 fn push(series: &mut Series, row: &SliceRow, values: Vec<u64>) {

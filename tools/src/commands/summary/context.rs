@@ -69,7 +69,7 @@ pub fn summarize(dir: &Path) -> Result<(Scan, Context), Error> {
 }
 
 /// Bytes and blocks by stack as sites (with their user's lines, `user_lines`), largest first.
-fn sites_of(
+pub fn sites_of(
     state: &LiveState,
     by_stack: &HashMap<u32, (u64, u64)>,
     user_lines: bool,
