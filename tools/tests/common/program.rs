@@ -97,7 +97,7 @@ impl Program {
             t,
             device: 0,
             address: BASE,
-            size: 4 << 30,
+            size: 64 << 20,
             pool: POOL_LARGE,
             stack: 0,
         }));
