@@ -111,6 +111,34 @@ pub fn run(args: &CompareArgs, out: &mut dyn Write) -> Result<(), Error> {
 /// Allocated bytes by category at a moment of a trace, a label for the moment, and whether the
 /// trace has context records.
 fn composition(dir: &Path, when: &When) -> Result<(ByCategory, String, bool), Error> {
+    if when.at_peak {
+        // The peak is found in the pass itself: one walk.
+        let plan = Plan {
+            peaks: true,
+            ..Plan::default()
+        };
+        let outcome = categories(dir, &plan, &Progress::new("categories"), |_, _| {})?;
+        let Some((device, peak)) = outcome
+            .peaks
+            .iter()
+            .max_by_key(|(d, row)| (row.allocated, std::cmp::Reverse(**d)))
+        else {
+            return Err(Error::Message(format!(
+                "{}: the trace has no allocations",
+                dir.display()
+            )));
+        };
+        let label = format!(
+            "peak allocated of device {device}: {} at {}",
+            bytes(peak.allocated),
+            crate::format::seconds(peak.t)
+        );
+        let by_category = outcome
+            .at_instant
+            .get(device)
+            .map_or([0; 8], |c| c.by_category);
+        return Ok((by_category, label, outcome.has_context));
+    }
     let (index, label) = resolve_when(dir, when)?;
     // Every device's composition at that moment; the one with the most allocated is shown.
     let plan = Plan {
@@ -119,7 +147,7 @@ fn composition(dir: &Path, when: &When) -> Result<(ByCategory, String, bool), Er
     };
     let mut allocated = BTreeMap::new();
     let outcome = categories(dir, &plan, &Progress::new("categories"), |walk, step| {
-        if step.index <= index {
+        if step.index == index {
             allocated = walk
                 .state
                 .totals
