@@ -4,6 +4,12 @@
 //! moment, and `allocator_settings`. It opens in `torch.cuda._memory_viz` and PyTorch's memory
 //! viewer.
 //!
+//! For a trace with context records before that moment (phases, module scopes, tags), each
+//! allocated block and each `alloc` entry carries its `category` (`crate::categories`), spelled
+//! as PyTorch's profile snapshots spell it (`parameter`, `activation`, …, `unknown`), so that
+//! PyTorch's memory viewer can colour by it; finding a block's category takes a walk of the
+//! whole trace (a block's category depends on its whole life).
+//!
 //! Free events carry their block's allocation stack (the shim records none at the free), as
 //! PyTorch's own snapshots do when they record no free context.
 //!

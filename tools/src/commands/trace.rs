@@ -1,5 +1,6 @@
 //! `cachealloc trace TRACE`: the events, one per line, optionally within a time window and for
-//! one device, optionally with each allocation's stack.
+//! one device, optionally with each allocation's stack; the program's phases, module scopes
+//! (with their names) and category tags where the trace has them.
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -149,6 +149,17 @@ fn short_name(c: Category) -> &'static str {
 /// One row per time slice, at its peak: its time, allocated bytes and the categories that hold
 /// any bytes in some row.
 fn write_over_time(rows: &[SliceRow], out: &mut dyn Write) -> Result<(), Error> {
+    // Times in a unit the trace's length can tell apart.
+    let end = rows.last().map_or(0, |r| r.t);
+    let time = |t: u64| {
+        if end >= 10_000_000_000 {
+            seconds(t)
+        } else if end >= 10_000_000 {
+            format!("{:.3} ms", t as f64 / 1e6)
+        } else {
+            format!("{:.3} µs", t as f64 / 1e3)
+        }
+    };
     let shown: Vec<Category> = Category::ALL
         .into_iter()
         .filter(|c| rows.iter().any(|r| r.by_category[c.index()] > 0))
@@ -160,13 +171,13 @@ fn write_over_time(rows: &[SliceRow], out: &mut dyn Write) -> Result<(), Error> 
         out,
         "  by category over time (each time slice at its peak allocated):"
     )?;
-    write!(out, "    {:>10} {:>11}", "peak at", "allocated")?;
+    write!(out, "    {:>12} {:>11}", "peak at", "allocated")?;
     for c in &shown {
         write!(out, " {:>11}", short_name(*c))?;
     }
     writeln!(out)?;
     for r in rows {
-        write!(out, "    {:>10} {:>11}", seconds(r.t), bytes(r.allocated))?;
+        write!(out, "    {:>12} {:>11}", time(r.t), bytes(r.allocated))?;
         for c in &shown {
             write!(out, " {:>11}", bytes(r.by_category[c.index()]))?;
         }
