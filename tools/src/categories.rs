@@ -32,7 +32,12 @@
 //! * **Made in an optimizer step**: freed within the step → TEMPORARY; alive after it →
 //!   OPTIMIZER_STATE (state created lazily at the first step, or kept by a fused optimizer).
 //! * **Made with phase none**, before the loop or after an optimizer step: alive at the start of
-//!   the next forward → INPUT (the batch moved to the device); freed before it → TEMPORARY.
+//!   the next forward → INPUT (the batch moved to the device); freed before it → TEMPORARY;
+//!   alive through more than two forwards → UNKNOWN. A batch lives through the forward it feeds
+//!   (and, loaded ahead by a prefetcher, the one before); an untagged block made outside the loop
+//!   and kept for the run (DDP's gradient buckets, a library's cache) is state, which the
+//!   brief's first rule called INPUT for the whole run. Inputs a program keeps for good (one
+//!   batch reused by a benchmark) are tagged INPUT by the integration, and the tag wins.
 //! * **Made with phase none between a forward and its backward** — the loss computed outside any
 //!   module, which the brief's first rules would have called INPUT or TEMPORARY — is judged as a
 //!   forward's block: its intermediates are saved for the backward exactly as a module's are, so

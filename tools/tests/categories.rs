@@ -482,3 +482,38 @@ fn activation_checkpointing_recomputes_inside_the_backward() {
         "saved before the segment, recomputed in it, scratch of the recomputation"
     );
 }
+
+#[test]
+fn blocks_kept_from_before_the_loop_are_not_inputs() {
+    let dir = scratch("kept-state").join("trace");
+    let mut p = Program::new(&dir, false, 10);
+    let bucket = p.alloc(4 * MIB);
+    let mut batch = p.alloc(MIB);
+    for _ in 0..4 {
+        p.phase(PHASE_FORWARD);
+        p.phase(PHASE_BACKWARD);
+        p.phase(PHASE_OPTIMIZER);
+        p.phase(PHASE_NONE);
+        p.free(batch, MIB);
+        batch = p.alloc(MIB);
+    }
+    p.phase(PHASE_FORWARD);
+    p.finish();
+    let outcome = categories(
+        &dir,
+        &Plan {
+            every_allocation: true,
+            ..Plan::default()
+        },
+    );
+    assert_eq!(outcome.every_allocation.len(), 6);
+    assert_eq!(
+        outcome.every_allocation[0], Unknown,
+        "the bucket, kept for the run"
+    );
+    assert!(
+        outcome.every_allocation[1..].iter().all(|c| *c == Input),
+        "each batch: {:?} ({bucket:#x})",
+        outcome.every_allocation
+    );
+}

@@ -113,8 +113,24 @@ pub fn classify(tag: u8, born: &Clock, died: &Clock) -> Category {
         // Between a forward and its backward (a loss computed outside any module): part of the
         // autograd graph, judged as the forward's own blocks are.
         _ if born.last_active == PHASE_FORWARD => after_forward(born, died, true),
-        _ if died.forwards > born.forwards => Category::Input,
-        _ => Category::Temporary,
+        _ => outside_phases(born, died),
+    }
+}
+
+/// Forwards an input may live through: the one it feeds, and the one before it when the
+/// program loads a batch ahead (a prefetcher).
+const INPUT_FORWARDS: u64 = 2;
+
+/// A block made outside any phase (before the loop, or loading a batch): an input if alive at
+/// the start of the next forward, but only for the one or two forwards a batch lives through;
+/// alive through more, it is state the program keeps (a bucket, a cache): UNKNOWN. Inputs the
+/// program keeps for its whole run are tagged INPUT by the integration (the outermost forward's
+/// arguments).
+fn outside_phases(born: &Clock, died: &Clock) -> Category {
+    match died.forwards.saturating_sub(born.forwards) {
+        0 => Category::Temporary,
+        1..=INPUT_FORWARDS => Category::Input,
+        _ => Category::Unknown,
     }
 }
 
@@ -135,7 +151,7 @@ fn after_forward(born: &Clock, died: &Clock, between: bool) -> Category {
     match died.backwards.saturating_sub(born.backwards) {
         // No backward began: a temporary (inference; outputs dropped), or, when made between
         // two forwards and alive at the second, its input.
-        0 if between && died.forwards > born.forwards => Category::Input,
+        0 if between => outside_phases(born, died),
         0 => Category::Temporary,
         // Freed by the backward that followed: what autograd saved.
         1 if died.phase == PHASE_BACKWARD => Category::Activation,
@@ -201,6 +217,9 @@ mod tests {
             classify(0, &loading, &after(&[F, B, O, N, F])),
             Category::Input
         );
+        // Alive through three forwards: not a batch.
+        let kept = after(&[F, B, O, N, F, B, O, N, F, B, O, N, F]);
+        assert_eq!(classify(0, &loading, &kept), Category::Unknown);
         let loss = after(&[F, N]);
         assert_eq!(classify(0, &loss, &after(&[F, N, B])), Category::Activation);
         assert_eq!(classify(0, &loss, &loss), Category::Temporary);
