@@ -517,3 +517,33 @@ fn blocks_kept_from_before_the_loop_are_not_inputs() {
         outcome.every_allocation
     );
 }
+
+#[test]
+fn perfetto_shows_phases_as_slices() {
+    let (_, dir) = classified("perfetto");
+    let work = dir.parent().unwrap();
+    cachealloc(work, &["perfetto", "trace", "-o", "p.json"]);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(work.join("p.json")).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let on_track = |ph: &str| -> Vec<&serde_json::Value> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == ph && e["tid"] == 1u64 << 32)
+            .collect()
+    };
+    let begins: Vec<&str> = on_track("B")
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        begins,
+        [
+            "forward (step 0)",
+            "backward (step 0)",
+            "optimizer (step 0)",
+            "forward (step 0)"
+        ]
+    );
+    assert_eq!(on_track("E").len(), begins.len(), "every slice ends");
+}
