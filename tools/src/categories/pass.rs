@@ -30,7 +30,8 @@ pub struct Plan {
     /// scope and stack: [`Outcome::peaks`], and [`Outcome::at_instant`] for devices without an
     /// instant of their own.
     pub peaks: bool,
-    /// Keep the category of each block allocated after this record (a snapshot's moment).
+    /// Keep the category of each block allocated (or freed and pending) after this record (a
+    /// snapshot's moment).
     pub blocks_at: Option<u64>,
     /// Keep the category of every allocation, by its ordinal among `Alloc` records.
     pub every_allocation: bool,
@@ -55,7 +56,8 @@ pub struct Outcome {
     pub has_context: bool,
     /// Scope names by id.
     pub scope_names: HashMap<u32, String>,
-    /// Per device, the composition at [`Plan::instants`].
+    /// Per device, the composition at [`Plan::instants`] (or, with [`Plan::peaks`], at its
+    /// peak).
     pub at_instant: BTreeMap<u32, Composition>,
     /// Per device, the slices' rows.
     pub slices: BTreeMap<u32, Vec<SliceRow>>,
