@@ -547,3 +547,37 @@ fn perfetto_shows_phases_as_slices() {
     );
     assert_eq!(on_track("E").len(), begins.len(), "every slice ends");
 }
+
+#[test]
+fn snapshot_at_the_end_names_blocks_seen_only_in_checkpoints() {
+    let work = scratch("snapshot-rotated");
+    let mut p = Program::new(&work.join("trace"), true, 2);
+    let param = p.alloc(4 * MIB);
+    p.tag(param, TAG_PARAMETER);
+    p.phase(PHASE_FORWARD);
+    p.alloc(2 * MIB);
+    p.rotate();
+    p.phase(PHASE_NONE);
+    p.rotate();
+    p.phase(PHASE_FORWARD);
+    p.alloc(3 * MIB);
+    p.finish();
+    cachealloc(&work, &["snapshot", "trace", "-o", "end.pickle"]);
+    let script = r#"
+import pickle, sys
+s = pickle.load(open(sys.argv[1], "rb"))
+print(sorted((b["size"], b["category"]) for seg in s["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"))
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, work.join("end.pickle").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    // The parameter's and the first forward's allocations were rotated away: their categories
+    // come from the checkpoints (a tag; a forward block alive past no backward: temporary).
+    assert_eq!(
+        out.trim(),
+        "[(2097152, 'temporary'), (3145728, 'temporary'), (4194304, 'parameter')]",
+        "{out}"
+    );
+}

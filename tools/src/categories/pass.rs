@@ -68,6 +68,34 @@ pub struct Outcome {
     pub blocks_at: HashMap<(u32, u64), Category>,
     /// With [`Plan::every_allocation`]: the category of each `Alloc` record, in order.
     pub every_allocation: Vec<Category>,
+    /// With [`Plan::every_allocation`]: the blocks first seen in a checkpoint (no `Alloc`
+    /// record), with their device, address and life.
+    pub checkpoint_blocks: Vec<(u32, u64, Life)>,
+}
+
+impl Outcome {
+    /// With [`Plan::every_allocation`], the category of the block allocated at `address` of
+    /// `device` after record `index`, whose `Alloc` record had `ordinal` (`None`: it came from a
+    /// checkpoint).
+    pub fn category_of(
+        &self,
+        device: u32,
+        address: u64,
+        ordinal: Option<u64>,
+        index: u64,
+    ) -> Category {
+        let found = match ordinal {
+            Some(o) => usize::try_from(o)
+                .ok()
+                .and_then(|o| self.every_allocation.get(o).copied()),
+            None => self
+                .checkpoint_blocks
+                .iter()
+                .find(|(d, a, life)| (*d, *a) == (device, address) && life.alive_at(index))
+                .map(|(_, _, life)| life.category),
+        };
+        found.unwrap_or(Category::Unknown)
+    }
 }
 
 impl Outcome {
@@ -168,8 +196,12 @@ impl Pass<'_> {
                 *entry = (life.born, category);
             }
         }
-        if self.plan.every_allocation && block.ordinal != u64::MAX {
-            self.out.every_allocation[block.ordinal as usize] = category;
+        if self.plan.every_allocation {
+            if block.ordinal == u64::MAX {
+                self.out.checkpoint_blocks.push((device, address, life));
+            } else {
+                self.out.every_allocation[block.ordinal as usize] = category;
+            }
         }
         if let Some(track) = self.tracks.get_mut(&device) {
             track.classified(life);

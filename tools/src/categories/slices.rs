@@ -114,9 +114,10 @@ pub struct Life {
 }
 
 impl Life {
-    /// Whether it was allocated at the moment after record `index`.
+    /// Whether it was allocated at the moment after record `index` (a block live at the end is
+    /// alive at every index from its birth, the end's `u64::MAX` included).
     pub fn alive_at(&self, index: u64) -> bool {
-        self.born <= index && index < self.died
+        self.born <= index && (index < self.died || self.died == u64::MAX)
     }
 }
 

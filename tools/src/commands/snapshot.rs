@@ -26,7 +26,7 @@ use cachealloc_recorder::{LiveState, Record};
 use serde::Serialize;
 
 use super::{When, resolve_when};
-use crate::categories::pass::Plan;
+use crate::categories::pass::{Outcome, Plan};
 use crate::categories::{self, Category};
 use crate::format::bytes;
 use crate::progress::Progress;
@@ -323,6 +323,9 @@ fn settings(conf: &str) -> Settings {
 struct Window {
     events: VecDeque<(Record, u32, u64)>,
     has_context: bool,
+    /// Each block live (allocated or pending) at the moment: its `Alloc` record's ordinal
+    /// (`None`: from a checkpoint).
+    ordinals: HashMap<(u32, u64), Option<u64>>,
 }
 
 /// Walk `dir` through record `index`, keeping the last `events` events.
@@ -331,6 +334,7 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
     let mut window = Window {
         events: VecDeque::new(),
         has_context: false,
+        ordinals: HashMap::new(),
     };
     let mut allocs = 0u64;
     // The allocation stack of each live block: the shim does not capture a stack at free, so a
@@ -352,10 +356,12 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
                 ordinal = allocs;
                 allocs += 1;
                 allocated_at.insert((a.device, a.address), a.stack);
+                window.ordinals.insert((a.device, a.address), Some(ordinal));
                 Some(a.stack)
             }
             Record::CheckpointBlock(b) => {
                 allocated_at.insert((b.device, b.address), b.stack);
+                window.ordinals.entry((b.device, b.address)).or_insert(None);
                 None
             }
             Record::FreeRequested(f) => {
@@ -367,6 +373,7 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
                 })
             }
             Record::Free(f) => {
+                window.ordinals.remove(&(f.device, f.address));
                 let at = allocated_at.remove(&(f.device, f.address));
                 Some(if f.stack != 0 {
                     f.stack
@@ -375,6 +382,7 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
                 })
             }
             Record::FreeCompleted(f) => {
+                window.ordinals.remove(&(f.device, f.address));
                 Some(allocated_at.remove(&(f.device, f.address)).unwrap_or(0))
             }
             Record::SegmentAlloc(s)
@@ -401,31 +409,44 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
 }
 
 /// Write the snapshot of `dir` through record `index`, with up to `events` trace entries per
-/// device, to `output`. Returns the walk (the state at that moment).
-pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<TraceWalk, Error> {
+/// device, to `output`; `categories`: a categories pass already made with
+/// [`Plan::every_allocation`] (else one is made if the trace has context records before the
+/// moment). Returns the walk (the state at that moment).
+pub fn write(
+    dir: &Path,
+    index: u64,
+    events: usize,
+    output: &Path,
+    categories: Option<Outcome>,
+) -> Result<TraceWalk, Error> {
     let (walk, window) = walk_with_window(dir, index, events)?;
     // Categories need each block's whole life: a pass over the whole trace, only for traces
     // that say something about the program.
-    let categories = if window.has_context {
-        let plan = Plan {
-            blocks_at: Some(index),
-            every_allocation: true,
-            ..Plan::default()
-        };
-        Some(categories::pass::run(
+    let categories = match categories {
+        Some(c) => c.has_context.then_some(c),
+        None if window.has_context => Some(categories::pass::run(
             dir,
-            &plan,
+            &every_allocation(),
             &Progress::new("categories"),
             |_, _| {},
-        )?)
-    } else {
-        None
+        )?),
+        None => None,
     };
     let category_of = |ordinal: u64| {
         let c = categories.as_ref()?;
         let category = c.every_allocation.get(usize::try_from(ordinal).ok()?)?;
         Some(category.snapshot_name())
     };
+    let block_categories: Option<HashMap<(u32, u64), Category>> = categories.as_ref().map(|c| {
+        window
+            .ordinals
+            .iter()
+            .map(|(&(device, address), &ordinal)| {
+                let category = c.category_of(device, address, ordinal, index);
+                ((device, address), category)
+            })
+            .collect()
+    });
     let header = walk.header.clone();
     let wall = header.as_ref().map_or(0, |h| h.wall_clock_base_ns);
     let device_count = header.as_ref().map_or(0, |h| h.devices.len()).max(
@@ -460,7 +481,7 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Tra
         segments: segments(
             state,
             &frames,
-            categories.as_ref().map(|c| &c.blocks_at),
+            block_categories.as_ref(),
             allocator_settings.expandable_segments,
         ),
         device_traces: traces.into_iter().map(Vec::from).collect(),
@@ -476,12 +497,44 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Tra
     Ok(walk)
 }
 
-/// Run the command.
+/// A categories pass that keeps every allocation's category, and each device's peak.
+fn every_allocation() -> Plan {
+    Plan {
+        every_allocation: true,
+        peaks: true,
+        ..Plan::default()
+    }
+}
+
+/// Run the command. At the peak, the categories pass finds it (one walk), then a second walk
+/// goes to it; at a time, a walk to it, and the categories pass only for a trace with context.
 pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
     let (events, output) = (args.events, &args.output);
     let dir = one_trace(&args.trace)?;
-    let (index, label) = resolve_when(&dir, &args.when)?;
-    let walk = write(&dir, index, events, output)?;
+    let (index, label, categories) = if args.when.at_peak {
+        let outcome = categories::pass::run(
+            &dir,
+            &every_allocation(),
+            &Progress::new("scanning"),
+            |_, _| {},
+        )?;
+        // The busiest device, as `--at-peak` chooses it everywhere (the last of equals).
+        let (device, peak) = outcome
+            .peaks
+            .iter()
+            .max_by_key(|(_, row)| row.allocated)
+            .ok_or_else(|| format!("{}: the trace has no allocations", dir.display()))?;
+        let label = format!(
+            "peak allocated of device {device}: {} at {}",
+            bytes(peak.allocated),
+            crate::format::seconds(peak.t)
+        );
+        (peak.index, label, Some(outcome))
+    } else {
+        let (index, label) = resolve_when(&dir, &args.when)?;
+        (index, label, None)
+    };
+    let walk = write(&dir, index, events, output, categories)?;
     let reserved: u64 = walk.state.segments.values().map(|s| s.size).sum();
     writeln!(
         out,
