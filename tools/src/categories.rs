@@ -181,9 +181,16 @@ pub type ByCategory = [u64; CATEGORY_COUNT];
 
 /// Whether a Python file is library code rather than the user's: PyTorch (a path with
 /// `/torch/`), Python's standard library (under `lib/pythonX.Y/` but not in `site-packages` or
-/// `dist-packages`), or frozen and generated code (`<frozen …>`, `<string>`).
+/// `dist-packages`), frozen and generated code (`<frozen …>`, `<string>`), or cachealloc's own
+/// Python integration (`cachealloc_hooks.py`, `cachealloc_categories.py` and the
+/// `sitecustomize.py` beside them, written to a `cachealloc-python-…` directory), whose wrapper
+/// of `backward()` is on the stack of every backward allocation.
 pub fn is_library_file(file: &str) -> bool {
-    if file.contains("/torch/") || file.starts_with('<') {
+    if file.contains("/torch/") || file.starts_with('<') || file.contains("/cachealloc-python") {
+        return true;
+    }
+    let name = file.rsplit('/').next().unwrap_or(file);
+    if name.starts_with("cachealloc_") && name.ends_with(".py") {
         return true;
     }
     let in_packages = file.contains("/site-packages/") || file.contains("/dist-packages/");
@@ -220,6 +227,10 @@ mod tests {
             "/usr/lib/python3.12/site-packages/transformers/models/llama.py"
         ));
         assert!(!is_library_file("/home/me/train.py"));
+        assert!(is_library_file(
+            "/tmp/cachealloc-python-0-07b23b6d10630eca/cachealloc_hooks.py"
+        ));
+        assert!(is_library_file("/opt/x/cachealloc_categories.py"));
     }
 
     #[test]
