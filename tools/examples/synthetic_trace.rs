@@ -12,6 +12,13 @@
 //! annotation per step. Records are written with zstd to 64 MiB files (all kept). EVENTS
 //! (default 10 000 000) counts allocation and free records.
 //!
+//! With `SYNTHETIC_CONTEXT=1` in the environment (one trace only), the run also says what the
+//! Python integration says of a training loop: module scopes (`Model.layers.N`, twelve layers),
+//! phases (forward, backward, optimizer step, none between steps) and tags (parameters made
+//! before the first step, gradients made in the first backward, both kept), an input batch per
+//! step, optimizer temporaries and lazily created optimizer state: what `summary` with
+//! categories is measured on.
+//!
 //! With RANKS, DIR becomes a job: one trace per rank, `DIR/synthetic-<pid>-rank<R>/`, each with
 //! EVENTS records, `RANK` and `WORLD_SIZE` in its header. Ranks differ a little in their
 //! activations (a per-rank scale of 1.00 to 1.30), and every 101st rank from rank 37 on is an
@@ -245,6 +252,11 @@ fn write_trace(
         Ok(())
     };
     let tick = |ns: u64| NOW.fetch_add(ns, Ordering::Relaxed) + ns;
+    let context = rank.is_none() && std::env::var_os("SYNTHETIC_CONTEXT").is_some();
+    let mut program = context
+        .then(|| Program::start(&mut writer, &alloc))
+        .transpose()?;
+    flush(&mut writer, &mut written)?;
     while written < events {
         step += 1;
         let t = tick(1000);
@@ -254,8 +266,16 @@ fn write_trace(
             thread: 1,
         })))?;
         let seq = [128u64, 256, 512, 1024][(step % 4) as usize];
+        if let Some(p) = &mut program {
+            p.load_batch(&mut writer, &alloc, step)?;
+            flush(&mut writer, &mut written)?;
+            p.phase(&mut writer, PHASE_FORWARD, step)?;
+        }
         let mut live = vec![];
         for layer in 0..96u64 {
+            if let Some(p) = &program {
+                p.scope(&mut writer, 2 + (layer / 8) as u32)?;
+            }
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
@@ -271,6 +291,12 @@ fn write_trace(
             flush(&mut writer, &mut written)?;
         }
         // Backward: free in reverse, with gradient temporaries in between.
+        if let Some(p) = &mut program {
+            p.scope(&mut writer, 0)?;
+            p.phase(&mut writer, PHASE_BACKWARD, step)?;
+            p.first_gradients(&mut writer, &alloc)?;
+            flush(&mut writer, &mut written)?;
+        }
         while let Some(a) = live.pop() {
             tick(300 + rng % 500);
             alloc.free(a.address).expect("ours");
@@ -280,6 +306,12 @@ fn write_trace(
                 alloc.free(g.address).expect("ours");
             }
             flush(&mut writer, &mut written)?;
+        }
+        if let Some(p) = &mut program {
+            p.phase(&mut writer, PHASE_OPTIMIZER, step)?;
+            p.optimizer_step(&mut writer, &alloc)?;
+            flush(&mut writer, &mut written)?;
+            p.phase(&mut writer, PHASE_NONE, step)?;
         }
         let now = NOW.load(Ordering::Relaxed);
         if now >= next_sample {
@@ -305,4 +337,139 @@ fn write_trace(
         );
     }
     Ok(())
+}
+
+/// What the Python integration would say of the synthetic training loop (`SYNTHETIC_CONTEXT`).
+struct Program {
+    /// Parameters' addresses and sizes (made before the first step, tagged).
+    parameters: Vec<(u64, u64)>,
+    /// Whether gradients and optimizer state exist yet (made once, kept).
+    gradients: bool,
+    optimizer_state: bool,
+    /// The batch of the step before (freed when the next one is loaded).
+    batch: Option<u64>,
+}
+
+type SimAllocator = Allocator<SimDevice, Recording>;
+
+/// Write the allocator's records so far (before a tag that names their blocks).
+fn drain(w: &mut TraceWriter, alloc: &SimAllocator) -> std::io::Result<()> {
+    let records: Vec<Record> = std::mem::take(&mut *alloc.observer().0.lock().unwrap());
+    records.iter().try_for_each(|r| w.write(r))
+}
+
+impl Program {
+    /// Scope names and the parameters (twelve layers of 8 MiB, tagged).
+    fn start(w: &mut TraceWriter, alloc: &SimAllocator) -> std::io::Result<Program> {
+        w.write(&Record::ScopeName(Box::new(ScopeName {
+            id: 1,
+            name: "Model".into(),
+        })))?;
+        for layer in 0..12u32 {
+            w.write(&Record::ScopeName(Box::new(ScopeName {
+                id: 2 + layer,
+                name: format!("Model.layers.{layer}"),
+            })))?;
+        }
+        let mut parameters = vec![];
+        for _ in 0..12 {
+            let p = alloc.malloc(8 << 20, 50).expect("fits");
+            parameters.push((p.address, p.size));
+        }
+        drain(w, alloc)?;
+        let program = Program {
+            parameters,
+            gradients: false,
+            optimizer_state: false,
+            batch: None,
+        };
+        program.tag_all(w, TAG_PARAMETER)?;
+        Ok(program)
+    }
+
+    fn tag_all(&self, w: &mut TraceWriter, category: u8) -> std::io::Result<()> {
+        let t = NOW.load(Ordering::Relaxed);
+        for &(address, _) in &self.parameters {
+            w.write(&Record::Tag(TagEvent {
+                t,
+                device: 0,
+                address,
+                category,
+            }))?;
+        }
+        Ok(())
+    }
+
+    fn phase(&self, w: &mut TraceWriter, phase: u8, step: u64) -> std::io::Result<()> {
+        let t = NOW.fetch_add(100, Ordering::Relaxed) + 100;
+        w.write(&Record::Phase(PhaseEvent { t, phase, step }))
+    }
+
+    fn scope(&self, w: &mut TraceWriter, scope: u32) -> std::io::Result<()> {
+        let t = NOW.fetch_add(50, Ordering::Relaxed) + 50;
+        w.write(&Record::Scope(ScopeEvent {
+            t,
+            thread: 1,
+            scope,
+        }))
+    }
+
+    /// Phase none: the last batch is dropped, the next one moved to the device.
+    fn load_batch(
+        &mut self,
+        w: &mut TraceWriter,
+        alloc: &SimAllocator,
+        step: u64,
+    ) -> std::io::Result<()> {
+        self.phase(w, PHASE_NONE, step)?;
+        if let Some(old) = self.batch.take() {
+            alloc.free(old).expect("ours");
+        }
+        self.batch = Some(alloc.malloc(1 << 20, 48).expect("fits").address);
+        Ok(())
+    }
+
+    /// In the first backward: a gradient per parameter, tagged, kept.
+    fn first_gradients(
+        &mut self,
+        w: &mut TraceWriter,
+        alloc: &SimAllocator,
+    ) -> std::io::Result<()> {
+        if std::mem::replace(&mut self.gradients, true) {
+            return Ok(());
+        }
+        let t = NOW.load(Ordering::Relaxed);
+        for &(_, size) in &self.parameters.clone() {
+            let g = alloc.malloc(size, 47).expect("fits");
+            drain(w, alloc)?;
+            w.write(&Record::Tag(TagEvent {
+                t,
+                device: 0,
+                address: g.address,
+                category: TAG_GRADIENT,
+            }))?;
+        }
+        Ok(())
+    }
+
+    /// Temporaries freed within the step; at the first step, two moments per parameter, kept
+    /// (untagged: the lifetime rule names them).
+    fn optimizer_step(
+        &mut self,
+        _w: &mut TraceWriter,
+        alloc: &SimAllocator,
+    ) -> std::io::Result<()> {
+        if !std::mem::replace(&mut self.optimizer_state, true) {
+            for &(_, size) in &self.parameters {
+                alloc.malloc(size, 46).expect("fits");
+                alloc.malloc(size, 46).expect("fits");
+            }
+        }
+        for &(_, size) in &self.parameters {
+            NOW.fetch_add(200, Ordering::Relaxed);
+            let tmp = alloc.malloc(size / 4, 45).expect("fits");
+            alloc.free(tmp.address).expect("ours");
+        }
+        Ok(())
+    }
 }

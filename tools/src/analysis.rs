@@ -8,7 +8,7 @@ use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{Annotation, Header, Oom};
 
 use crate::progress::Progress;
-use crate::walk::TraceWalk;
+use crate::walk::{Step, TraceWalk};
 
 /// A maximum and when it was reached.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -69,6 +69,9 @@ pub struct Scan {
     pub records: u64,
     /// Where files stopped being readable.
     pub tears: Vec<String>,
+    /// Whether the trace has context records (phases, module scopes, category tags): what
+    /// `cachealloc_tools::categories` needs.
+    pub has_context: bool,
 }
 
 impl Scan {
@@ -81,27 +84,64 @@ impl Scan {
 /// Scan `dir` from start to end.
 pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
     let mut walk = TraceWalk::open(dir)?;
-    let mut out = Scan {
-        files: walk.file_count(),
-        span: (u64::MAX, 0),
-        ..Scan::default()
-    };
+    let mut scanner = Scanner::new(&walk);
     while let Some(step) = walk.step() {
         let step = step?;
+        scanner.step(&walk, &step);
+        if scanner.out.records.is_multiple_of(65536) {
+            progress.tick(scanner.out.records);
+        }
+    }
+    Ok(scanner.finish(&walk))
+}
+
+/// A scan being made, one record at a time: for a pass that does more in the same walk
+/// (`crate::categories::pass`), [`scan`] otherwise.
+#[derive(Debug)]
+pub struct Scanner {
+    out: Scan,
+}
+
+impl Scanner {
+    /// A scan of the trace `walk` is about to walk.
+    pub fn new(walk: &TraceWalk) -> Scanner {
+        Scanner {
+            out: Scan {
+                files: walk.file_count(),
+                span: (u64::MAX, 0),
+                ..Scan::default()
+            },
+        }
+    }
+
+    /// Records scanned so far.
+    pub fn records(&self) -> u64 {
+        self.out.records
+    }
+
+    /// Scan the record `step` (already applied to `walk.state`).
+    pub fn step(&mut self, walk: &TraceWalk, step: &Step) {
+        let out = &mut self.out;
         out.records += 1;
-        if out.records.is_multiple_of(65536) {
-            progress.tick(out.records);
+        if matches!(
+            step.record,
+            Record::Phase(_)
+                | Record::Scope(_)
+                | Record::Tag(_)
+                | Record::CheckpointBlockContext(_)
+        ) {
+            out.has_context = true;
         }
         if step.in_checkpoint {
-            continue;
+            return;
         }
         if let Some(t) = step.record.time() {
             out.span.0 = out.span.0.min(t);
             out.span.1 = out.span.1.max(t);
         }
         let Some(device) = step.record.device() else {
-            match step.record {
-                Record::Annotation(a) => out.annotations.push(*a),
+            match &step.record {
+                Record::Annotation(a) => out.annotations.push((**a).clone()),
                 Record::Dropped(d) => {
                     out.stacks_shed = out.stacks_shed.max(d.stacks_shed);
                     out.blocked_sends = (
@@ -111,7 +151,7 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
                 }
                 _ => {}
             }
-            continue;
+            return;
         };
         let d = out.devices.entry(device).or_default();
         match &step.record {
@@ -144,19 +184,24 @@ pub fn scan(dir: &Path, progress: &Progress) -> Result<Scan, String> {
             d.allocated_at_peak_reserved = d.allocated_at_peak_reserved.max(totals.allocated);
         }
     }
-    for (device, d) in out.devices.iter_mut() {
-        let totals = walk.state.device_totals(*device);
-        d.allocated_at_end = totals.allocated;
-        d.reserved_at_end = totals.reserved;
+
+    /// The scan, once `walk` has ended.
+    pub fn finish(self, walk: &TraceWalk) -> Scan {
+        let mut out = self.out;
+        for (device, d) in out.devices.iter_mut() {
+            let totals = walk.state.device_totals(*device);
+            d.allocated_at_end = totals.allocated;
+            d.reserved_at_end = totals.reserved;
+        }
+        if out.span.0 == u64::MAX {
+            out.span = (0, 0);
+        }
+        out.header = walk.header.clone();
+        out.tears = walk
+            .tears()
+            .iter()
+            .map(|t| format!("{} at byte {}: {}", t.path.display(), t.offset, t.error))
+            .collect();
+        out
     }
-    if out.span.0 == u64::MAX {
-        out.span = (0, 0);
-    }
-    out.header = walk.header.clone();
-    out.tears = walk
-        .tears()
-        .iter()
-        .map(|t| format!("{} at byte {}: {}", t.path.display(), t.offset, t.error))
-        .collect();
-    Ok(out)
 }

@@ -17,6 +17,7 @@
 //! |---|---|
 //! | [`walk`] | a trace's records in order with the live state after each: every command starts here |
 //! | [`analysis`] | one pass: peaks and when, counts, OOMs, drops, annotations |
+//! | [`categories`] | memory by category (PARAMETER, ACTIVATION, …) and by module, from the context records and each block's lifetime |
 //! | [`replayed_stats`] | PyTorch's `memory_stats()` recomputed from a trace, in `cachealloc_core`'s `Stats` and key names |
 //! | [`commands`] | one module per subcommand, each with its arguments (`cachealloc stats` is [`commands::stats`]; [`commands::replay`]: the only one that calls CUDA) |
 //! | [`format`](mod@format), [`progress`] | numbers for people, spinners on long passes |
@@ -25,6 +26,7 @@
 //! holding several (`cachealloc-trace/`), which stands for all of them.
 
 pub mod analysis;
+pub mod categories;
 pub mod commands;
 pub mod format;
 pub mod progress;

@@ -271,3 +271,32 @@ fn a_torn_trace_is_read_up_to_the_tear() {
     let listing = cachealloc(&dir, &["trace", "torn/run"]);
     assert!(listing.contains("(torn: "), "{listing}");
 }
+
+/// A program that says what it does (phases, module scopes, tags; `common::program`), built by
+/// the test rather than checked in: the commands that show categories and modules print what
+/// `tests/golden/context/` holds.
+#[test]
+fn commands_with_categories_match_their_golden_output() {
+    let dir = scratch("context");
+    common::program::training_step(&dir.join("trace"), 2 << 20, false);
+    for (name, args) in [
+        ("summary", &["summary", "trace"][..]),
+        ("trace", &["trace", "trace"][..]),
+        (
+            "compare",
+            &["compare", "trace", "trace", "--categories"][..],
+        ),
+    ] {
+        check(
+            &format!("context/{name}.txt"),
+            cachealloc(&dir, args).as_bytes(),
+        );
+    }
+    cachealloc(&dir, &["memory-timeline", "trace", "-o", "t.json"]);
+    check(
+        "context/memory-timeline.json",
+        &std::fs::read(dir.join("t.json")).unwrap(),
+    );
+    cachealloc(&dir, &["plot", "trace", "--points", "50", "-o", "r.html"]);
+    check_plot("context/plot", &std::fs::read(dir.join("r.html")).unwrap());
+}

@@ -235,3 +235,24 @@ fn the_html_report_renders_offline_in_chromium() {
     );
     assert_eq!(pixels_near(&shot, [0x4e, 0x79, 0xa7]), 0);
 }
+
+#[test]
+fn the_report_by_category_renders_in_pytorchs_colours() {
+    let Some(browser) = chromium() else { return };
+    let dir = scratch("html-categories");
+    common::program::training_step(&dir.join("trace"), 2 << 20, false);
+    let page = dir.join("report.html");
+    cachealloc(&dir, &["plot", "trace", "-o", page.to_str().unwrap()]);
+    let (dom, shot, requests) = open_in_chromium(&browser, &page, &dir);
+    assert!(
+        dom.contains("PARAMETER") && dom.contains("AUTOGRAD_DETAIL"),
+        "the legend"
+    );
+    assert!(requests.is_empty(), "{requests:?}");
+    // PARAMETER (darkgreen) is the bottom of the stack all along; OPTIMIZER_STATE (goldenrod)
+    // fills the step's end.
+    let green = pixels_near(&shot, [0x00, 0x64, 0x00]);
+    let gold = pixels_near(&shot, [0xda, 0xa5, 0x20]);
+    assert!(green > 2000, "only {green} PARAMETER pixels");
+    assert!(gold > 500, "only {gold} OPTIMIZER_STATE pixels");
+}

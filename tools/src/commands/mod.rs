@@ -6,6 +6,7 @@ pub mod export;
 pub mod flamegraph;
 pub mod fleet;
 pub mod groups;
+pub mod memory_timeline;
 pub mod perfetto;
 pub mod plot;
 pub mod replay;
@@ -68,6 +69,9 @@ pub enum Command {
     /// Traces as a Parquet dataset for DuckDB, Spark and Arrow: events, stacks and memory
     /// samples, partitioned by job and rank (DIR/job=…/rank=…/events.parquet).
     Export(export::ExportArgs),
+    /// Memory by category over time in the JSON form of torch.profiler's
+    /// export_memory_timeline ([times, sizes by category]), one row per time slice at its peak.
+    MemoryTimeline(memory_timeline::MemoryTimelineArgs),
     /// Chrome/Perfetto trace JSON: allocated and reserved counters per device, segment, OOM and
     /// annotation events (open in ui.perfetto.dev or chrome://tracing).
     Perfetto(perfetto::PerfettoArgs),
@@ -98,6 +102,7 @@ pub fn run(command: Command, out: &mut dyn Write) -> Result<ExitCode, Error> {
         Command::Plot(args) => plot::run(&args, out)?,
         Command::Perfetto(args) => perfetto::run(&args, out)?,
         Command::Export(args) => export::run(&args, out)?,
+        Command::MemoryTimeline(args) => memory_timeline::run(&args, out)?,
         Command::Leaks(args) => groups::leaks(&args, out)?,
         Command::Peak(args) => groups::peak(&args, out)?,
         Command::Simulate(args) => simulate::run(&args, out)?,

@@ -1,6 +1,7 @@
 //! `cachealloc perfetto TRACE -o trace.json`: Chrome trace-event JSON for ui.perfetto.dev or
 //! chrome://tracing: counter tracks of allocated, active and reserved bytes per device, and
-//! instant events for segment allocations and releases, OOMs and annotations.
+//! instant events for segment allocations and releases, OOMs and annotations; the program's
+//! phases (forward, backward, optimizer step), where the trace has them, as slices on a track.
 //!
 //! Counters are written when a value changes, at most once per resolution window of trace time
 //! per device (the last value of each window is kept): 10 µs, or the trace's duration / 100 000
@@ -11,6 +12,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use cachealloc_recorder::Record;
+use cachealloc_recorder::schema::{PHASE_NONE, phase_name};
 use serde_json::json;
 
 use crate::format::bytes;
@@ -35,6 +37,9 @@ type CounterPoint = (u64, [u64; 3]);
 const COUNTER_RESOLUTION_NS: u64 = 10_000;
 /// Most counter points per device.
 const COUNTER_POINTS: u64 = 100_000;
+
+/// The track (`tid`) of the program's phases: past any thread number.
+const PHASE_TRACK: u64 = 1 << 32;
 
 /// Run the command.
 pub fn run(args: &PerfettoArgs, out: &mut dyn Write) -> Result<(), Error> {
@@ -65,6 +70,8 @@ pub fn run(args: &PerfettoArgs, out: &mut dyn Write) -> Result<(), Error> {
         json!({"name": format!("device {device} memory"), "ph": "C", "ts": us(t), "pid": pid,
                "args": {"allocated": v[0], "active": v[1], "reserved": v[2]}})
     };
+    // The phase slice open on the phases' track (`Some(None)`: the track exists, no slice open).
+    let mut open_phase: Option<Option<u8>> = None;
     while let Some(step) = walk.step() {
         let step = step?;
         if step.index % 65536 == 0 {
@@ -116,6 +123,30 @@ pub fn run(args: &PerfettoArgs, out: &mut dyn Write) -> Result<(), Error> {
                 json!({"name": a.name, "ph": "i", "s": "g", "ts": us(t), "pid": pid,
                        "tid": a.thread}),
             )?,
+            // The program's phases as slices on a track of their own.
+            Record::Phase(p) => {
+                if open_phase.is_none() {
+                    emit(
+                        &mut w,
+                        json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": PHASE_TRACK,
+                               "args": {"name": "phases"}}),
+                    )?;
+                }
+                if let Some(Some(_)) = open_phase {
+                    emit(
+                        &mut w,
+                        json!({"ph": "E", "ts": us(t), "pid": pid, "tid": PHASE_TRACK}),
+                    )?;
+                }
+                open_phase = Some((p.phase != PHASE_NONE).then_some(p.phase));
+                if p.phase != PHASE_NONE {
+                    emit(
+                        &mut w,
+                        json!({"name": format!("{} (step {})", phase_name(p.phase), p.step),
+                               "ph": "B", "ts": us(t), "pid": pid, "tid": PHASE_TRACK}),
+                    )?;
+                }
+            }
             _ => {}
         }
         let Some(device) = step.record.device() else {
@@ -138,6 +169,12 @@ pub fn run(args: &PerfettoArgs, out: &mut dyn Write) -> Result<(), Error> {
         if let Some((t, v)) = pending {
             emit(&mut w, counter(pid, device, t, v))?;
         }
+    }
+    if let Some(Some(_)) = open_phase {
+        emit(
+            &mut w,
+            json!({"ph": "E", "ts": us(walk.t), "pid": pid, "tid": PHASE_TRACK}),
+        )?;
     }
     write!(w, "\n]}}\n")?;
     w.flush()?;

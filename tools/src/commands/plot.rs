@@ -2,7 +2,9 @@
 //! inline, no network) with, per trace and device:
 //!
 //! * allocated memory over time, stacked by allocation site (the top sites at the peak, the rest
-//!   as "other"), with reserved memory as a line over it;
+//!   as "other"), or, for a trace with context records, by category (PyTorch's memory
+//!   profiler's, in its colours: the default for such traces) or by module (`--by module`; the
+//!   [`series`] submodule), with reserved memory as a line over it;
 //! * OOMs and annotations marked on the time axis;
 //! * the segments at a chosen time (click the timeline), each block colored by its site.
 //!
@@ -17,8 +19,12 @@ use std::path::{Path, PathBuf};
 use cachealloc_recorder::Record;
 use serde::Serialize;
 
-use crate::analysis::scan;
-use crate::commands::summary::sites_live;
+pub mod series;
+
+use crate::analysis::Scanner;
+use crate::categories::pass::{Plan, run_to_end};
+use crate::categories::slices::SliceSpec;
+use crate::commands::summary::context::sites_of;
 use crate::format::bytes;
 use crate::progress::Progress;
 use crate::walk::{TraceWalk, site};
@@ -33,9 +39,30 @@ pub struct PlotArgs {
     /// Points per timeline (the trace is downsampled to this).
     #[arg(long, default_value_t = 2000)]
     pub points: usize,
+    /// What the timeline is stacked by (auto: by category for a trace with context records,
+    /// else by site).
+    #[arg(long, value_enum, default_value_t = StackBy::Auto)]
+    pub by: StackBy,
+    /// With `--by module`: module paths are cut to this many components
+    /// (`Llama.model.layers.3.mlp` to `Llama.model.layers.3` with 4).
+    #[arg(long, default_value_t = 4)]
+    pub module_depth: usize,
     /// Output HTML.
     #[arg(short, required = true)]
     pub output: PathBuf,
+}
+
+/// What `plot`'s timeline is stacked by.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StackBy {
+    /// By category when the trace has context records, else by site.
+    Auto,
+    /// By allocation site.
+    Site,
+    /// By category (PARAMETER, ACTIVATION, …).
+    Category,
+    /// By module (the path cut to `--module-depth` components).
+    Module,
 }
 
 /// Sites shown by name; the rest are "other".
@@ -77,8 +104,18 @@ struct Panel {
     allocated: Vec<u64>,
     reserved: Vec<u64>,
     sites: Vec<String>,
-    /// Per point, bytes per site (the last entry is "other").
+    /// Per point, bytes per site (the last entry is "other"); empty when stacked by series.
     by_site: Vec<Vec<u64>>,
+    /// The timeline's series when stacked by category or module (the segments stay colored by
+    /// site).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    series: Vec<String>,
+    /// The series' colors (by category: PyTorch's), empty for the page's palette.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    series_colors: Vec<String>,
+    /// Per point, bytes per series.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    by_series: Vec<Vec<u64>>,
     marks: Vec<Mark>,
     snapshots: Vec<Snapshot>,
 }
@@ -174,19 +211,43 @@ fn snapshot(walk: &TraceWalk, device: u32, b: &mut Builder) -> Snapshot {
     out
 }
 
-fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
-    let scan = scan(dir, &Progress::new("scanning"))?;
+fn panels_of(dir: &Path, points: usize, args: &PlotArgs) -> Result<Vec<Panel>, Error> {
+    // One walk for the scan, each device's peak with what it held, and the timelines by
+    // category or module; a second draws the timeline by site and the segment views.
+    let plan = Plan {
+        peaks: true,
+        slices: (args.by != StackBy::Site).then(|| SliceSpec::adaptive(points as u64)),
+        slices_by_scope: args.by == StackBy::Module,
+        ..Plan::default()
+    };
+    let mut scanner: Option<Scanner> = None;
+    let (outcome, end) = run_to_end(dir, &plan, &Progress::new("scanning"), |walk, step| {
+        scanner
+            .get_or_insert_with(|| Scanner::new(walk))
+            .step(walk, step);
+    })?;
+    let scan = scanner.unwrap_or_else(|| Scanner::new(&end)).finish(&end);
+    let by_series = match args.by {
+        StackBy::Site => None,
+        _ if !outcome.has_context => None,
+        by => Some(series::timelines(
+            &outcome,
+            by == StackBy::Module,
+            args.module_depth,
+        )),
+    };
     let (t0, t1) = scan.span;
     let width = ((t1 - t0) / points.max(1) as u64).max(1);
     let mut builders: HashMap<u32, Builder> = HashMap::new();
     for (&device, d) in &scan.devices {
         // The top sites: those holding the most at this device's peak.
-        let mut at_peak = TraceWalk::open(dir)?;
-        at_peak.run_through(d.peak_allocated.index)?;
-        let mut sites: Vec<String> = sites_live(&at_peak, device)
+        let by_stack = outcome.at_instant.get(&device).map(|c| &c.by_stack);
+        let mut sites: Vec<String> = by_stack
+            .map(|b| sites_of(&end.state, b, false))
+            .unwrap_or_default()
             .into_iter()
             .take(TOP_SITES)
-            .map(|s| s.0)
+            .map(|s| s.site)
             .collect();
         sites.sort();
         let name = dir.file_name().unwrap_or_default().to_string_lossy();
@@ -323,6 +384,13 @@ fn panels_of(dir: &Path, points: usize) -> Result<Vec<Panel>, Error> {
         }
         b.panel.sites = b.sites.clone();
         b.panel.sites.push("other".into());
+        if let Some(s) = by_series.as_ref().and_then(|all| all.get(&device)) {
+            let p = &mut b.panel;
+            (p.t, p.allocated, p.reserved) = (s.t.clone(), s.allocated.clone(), s.reserved.clone());
+            (p.series, p.series_colors) = (s.names.clone(), s.colors.clone());
+            p.by_series = s.values.clone();
+            p.by_site.clear();
+        }
         panels.push(b.panel);
     }
     Ok(panels)
@@ -334,7 +402,7 @@ pub fn run(args: &PlotArgs, out: &mut dyn Write) -> Result<(), Error> {
     let dirs = trace_dirs(&args.traces)?;
     let mut panels = vec![];
     for dir in &dirs {
-        panels.extend(panels_of(dir, points.clamp(10, 100_000))?);
+        panels.extend(panels_of(dir, points.clamp(10, 100_000), args)?);
     }
     let title = dirs
         .iter()

@@ -4,6 +4,12 @@
 //! moment, and `allocator_settings`. It opens in `torch.cuda._memory_viz` and PyTorch's memory
 //! viewer.
 //!
+//! For a trace with context records before that moment (phases, module scopes, tags), each
+//! allocated block and each `alloc` entry carries its `category` (`crate::categories`), spelled
+//! as PyTorch's profile snapshots spell it (`parameter`, `activation`, …, `unknown`), so that
+//! PyTorch's memory viewer can colour by it; finding a block's category takes a walk of the
+//! whole trace (a block's category depends on its whole life).
+//!
 //! Free events carry their block's allocation stack (the shim records none at the free), as
 //! PyTorch's own snapshots do when they record no free context.
 //!
@@ -20,7 +26,10 @@ use cachealloc_recorder::{LiveState, Record};
 use serde::Serialize;
 
 use super::{When, resolve_when};
+use crate::categories::pass::{Outcome, Plan};
+use crate::categories::{self, Category};
 use crate::format::bytes;
+use crate::progress::Progress;
 use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
 
@@ -81,6 +90,10 @@ struct Block<'a> {
     requested_size: u64,
     state: &'static str,
     frames: &'a [Frame],
+    /// The block's category, as PyTorch's profile snapshots spell it (`activation`, …), for a
+    /// trace with context records.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    category: Option<&'static str>,
 }
 
 #[derive(Serialize, Debug)]
@@ -111,6 +124,9 @@ struct Entry<'a> {
     stream: u64,
     frames: &'a [Frame],
     time_us: u64,
+    /// An allocation's category (on `alloc` entries, as `_memory_viz.profile_plot` writes it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    category: Option<&'static str>,
 }
 
 #[derive(Serialize, Debug)]
@@ -139,6 +155,7 @@ const NO_FRAMES: &[Frame] = &[];
 fn entries<'a>(
     record: &Record,
     stack: u32,
+    category: Option<&'static str>,
     frames: &'a HashMap<u32, Vec<Frame>>,
     wall_base_ns: u64,
 ) -> Vec<(u32, Entry<'a>)> {
@@ -151,9 +168,16 @@ fn entries<'a>(
         stream,
         frames,
         time_us: (wall_base_ns + t) / 1000,
+        category: None,
     };
     match record {
-        Record::Alloc(a) => vec![(a.device, entry("alloc", a.address, a.size, a.stream, a.t))],
+        Record::Alloc(a) => vec![(
+            a.device,
+            Entry {
+                category,
+                ..entry("alloc", a.address, a.size, a.stream, a.t)
+            },
+        )],
         Record::FreeRequested(f) => vec![(
             f.device,
             entry("free_requested", f.address, f.size, f.stream, f.t),
@@ -193,6 +217,7 @@ fn entries<'a>(
                 stream: 0,
                 frames,
                 time_us: (wall_base_ns + o.t) / 1000,
+                category: None,
             },
         )],
         _ => vec![],
@@ -205,6 +230,7 @@ fn entries<'a>(
 fn segments<'a>(
     state: &LiveState,
     frames: &'a HashMap<u32, Vec<Frame>>,
+    categories: Option<&HashMap<(u32, u64), Category>>,
     expandable: bool,
 ) -> Vec<Segment<'a>> {
     let frames_of = |stack: u32| frames.get(&stack).map_or(NO_FRAMES, Vec::as_slice);
@@ -214,6 +240,7 @@ fn segments<'a>(
         requested_size: 0,
         state: "inactive",
         frames: NO_FRAMES,
+        category: None,
     };
     let mut out = vec![];
     for seg in state.segments.values() {
@@ -243,6 +270,12 @@ fn segments<'a>(
                 requested_size: b.requested,
                 state: block_state,
                 frames: frames_of(b.stack),
+                category: categories.map(|c| {
+                    c.get(&(b.device, b.address))
+                        .copied()
+                        .unwrap_or(Category::Unknown)
+                        .snapshot_name()
+                }),
             });
             cursor = b.address + b.size;
         }
@@ -284,27 +317,51 @@ fn settings(conf: &str) -> Settings {
     }
 }
 
-/// Walk `dir` through record `index`, keeping the last `events` events, each with the stack
-/// its entry shows.
-fn walk_with_window(
-    dir: &Path,
-    index: u64,
-    events: usize,
-) -> Result<(TraceWalk, VecDeque<(Record, u32)>), Error> {
+/// What the walk to the snapshot's moment kept: the last events, each with the stack its entry
+/// shows and, for an allocation, its ordinal among `Alloc` records; and whether context records
+/// came before the moment.
+struct Window {
+    events: VecDeque<(Record, u32, u64)>,
+    has_context: bool,
+    /// Each block live (allocated or pending) at the moment: its `Alloc` record's ordinal
+    /// (`None`: from a checkpoint).
+    ordinals: HashMap<(u32, u64), Option<u64>>,
+}
+
+/// Walk `dir` through record `index`, keeping the last `events` events.
+fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk, Window), Error> {
     let mut walk = TraceWalk::open(dir)?;
-    let mut window: VecDeque<(Record, u32)> = VecDeque::new();
+    let mut window = Window {
+        events: VecDeque::new(),
+        has_context: false,
+        ordinals: HashMap::new(),
+    };
+    let mut allocs = 0u64;
     // The allocation stack of each live block: the shim does not capture a stack at free, so a
     // free's entries get their block's (as PyTorch does when it records no free context).
     let mut allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
     while let Some(step) = walk.step() {
         let step = step?;
+        let mut ordinal = u64::MAX;
         let stack = match &step.record {
+            Record::Phase(_) | Record::Scope(_) | Record::Tag(_) => {
+                window.has_context = true;
+                None
+            }
+            Record::CheckpointBlockContext(_) => {
+                window.has_context = true;
+                None
+            }
             Record::Alloc(a) => {
+                ordinal = allocs;
+                allocs += 1;
                 allocated_at.insert((a.device, a.address), a.stack);
+                window.ordinals.insert((a.device, a.address), Some(ordinal));
                 Some(a.stack)
             }
             Record::CheckpointBlock(b) => {
                 allocated_at.insert((b.device, b.address), b.stack);
+                window.ordinals.entry((b.device, b.address)).or_insert(None);
                 None
             }
             Record::FreeRequested(f) => {
@@ -316,6 +373,7 @@ fn walk_with_window(
                 })
             }
             Record::Free(f) => {
+                window.ordinals.remove(&(f.device, f.address));
                 let at = allocated_at.remove(&(f.device, f.address));
                 Some(if f.stack != 0 {
                     f.stack
@@ -324,6 +382,7 @@ fn walk_with_window(
                 })
             }
             Record::FreeCompleted(f) => {
+                window.ordinals.remove(&(f.device, f.address));
                 Some(allocated_at.remove(&(f.device, f.address)).unwrap_or(0))
             }
             Record::SegmentAlloc(s)
@@ -336,10 +395,10 @@ fn walk_with_window(
         if let Some(stack) = stack
             && !step.in_checkpoint
         {
-            window.push_back((step.record, stack));
+            window.events.push_back((step.record, stack, ordinal));
             // The last `events` events (a record makes one or two entries).
-            if window.len() > events.max(1) {
-                window.pop_front();
+            if window.events.len() > events.max(1) {
+                window.events.pop_front();
             }
         }
         if step.index >= index {
@@ -350,9 +409,44 @@ fn walk_with_window(
 }
 
 /// Write the snapshot of `dir` through record `index`, with up to `events` trace entries per
-/// device, to `output`. Returns the walk (the state at that moment).
-pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<TraceWalk, Error> {
+/// device, to `output`; `categories`: a categories pass already made with
+/// [`Plan::every_allocation`] (else one is made if the trace has context records before the
+/// moment). Returns the walk (the state at that moment).
+pub fn write(
+    dir: &Path,
+    index: u64,
+    events: usize,
+    output: &Path,
+    categories: Option<Outcome>,
+) -> Result<TraceWalk, Error> {
     let (walk, window) = walk_with_window(dir, index, events)?;
+    // Categories need each block's whole life: a pass over the whole trace, only for traces
+    // that say something about the program.
+    let categories = match categories {
+        Some(c) => c.has_context.then_some(c),
+        None if window.has_context => Some(categories::pass::run(
+            dir,
+            &every_allocation(),
+            &Progress::new("categories"),
+            |_, _| {},
+        )?),
+        None => None,
+    };
+    let category_of = |ordinal: u64| {
+        let c = categories.as_ref()?;
+        let category = c.every_allocation.get(usize::try_from(ordinal).ok()?)?;
+        Some(category.snapshot_name())
+    };
+    let block_categories: Option<HashMap<(u32, u64), Category>> = categories.as_ref().map(|c| {
+        window
+            .ordinals
+            .iter()
+            .map(|(&(device, address), &ordinal)| {
+                let category = c.category_of(device, address, ordinal, index);
+                ((device, address), category)
+            })
+            .collect()
+    });
     let header = walk.header.clone();
     let wall = header.as_ref().map_or(0, |h| h.wall_clock_base_ns);
     let device_count = header.as_ref().map_or(0, |h| h.devices.len()).max(
@@ -365,14 +459,15 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Tra
     );
     let state = &walk.state;
     let stacks = window
+        .events
         .iter()
-        .map(|(_, stack)| *stack)
+        .map(|(_, stack, _)| *stack)
         .chain(state.blocks.values().map(|b| b.stack))
         .chain(state.segments.values().map(|s| s.stack));
     let frames = frame_lists(state, stacks);
     let mut traces: Vec<VecDeque<Entry<'_>>> = (0..device_count).map(|_| VecDeque::new()).collect();
-    for (record, stack) in &window {
-        for (device, entry) in entries(record, *stack, &frames, wall) {
+    for (record, stack, ordinal) in &window.events {
+        for (device, entry) in entries(record, *stack, category_of(*ordinal), &frames, wall) {
             if let Some(t) = traces.get_mut(device as usize) {
                 t.push_back(entry);
                 if t.len() > events {
@@ -383,7 +478,12 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Tra
     }
     let allocator_settings = settings(header.as_ref().map_or("", |h| h.config.as_str()));
     let snapshot = Snapshot {
-        segments: segments(state, &frames, allocator_settings.expandable_segments),
+        segments: segments(
+            state,
+            &frames,
+            block_categories.as_ref(),
+            allocator_settings.expandable_segments,
+        ),
         device_traces: traces.into_iter().map(Vec::from).collect(),
         allocator_settings,
     };
@@ -397,12 +497,44 @@ pub fn write(dir: &Path, index: u64, events: usize, output: &Path) -> Result<Tra
     Ok(walk)
 }
 
-/// Run the command.
+/// A categories pass that keeps every allocation's category, and each device's peak.
+fn every_allocation() -> Plan {
+    Plan {
+        every_allocation: true,
+        peaks: true,
+        ..Plan::default()
+    }
+}
+
+/// Run the command. At the peak, the categories pass finds it (one walk), then a second walk
+/// goes to it; at a time, a walk to it, and the categories pass only for a trace with context.
 pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
     let (events, output) = (args.events, &args.output);
     let dir = one_trace(&args.trace)?;
-    let (index, label) = resolve_when(&dir, &args.when)?;
-    let walk = write(&dir, index, events, output)?;
+    let (index, label, categories) = if args.when.at_peak {
+        let outcome = categories::pass::run(
+            &dir,
+            &every_allocation(),
+            &Progress::new("scanning"),
+            |_, _| {},
+        )?;
+        // The busiest device, as `--at-peak` chooses it everywhere (the last of equals).
+        let (device, peak) = outcome
+            .peaks
+            .iter()
+            .max_by_key(|(_, row)| row.allocated)
+            .ok_or_else(|| format!("{}: the trace has no allocations", dir.display()))?;
+        let label = format!(
+            "peak allocated of device {device}: {} at {}",
+            bytes(peak.allocated),
+            crate::format::seconds(peak.t)
+        );
+        (peak.index, label, Some(outcome))
+    } else {
+        let (index, label) = resolve_when(&dir, &args.when)?;
+        (index, label, None)
+    };
+    let walk = write(&dir, index, events, output, categories)?;
     let reserved: u64 = walk.state.segments.values().map(|s| s.size).sum();
     writeln!(
         out,

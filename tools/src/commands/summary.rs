@@ -2,13 +2,14 @@
 //! a side-by-side table when several traces (ranks) are given. Traces are read one at a time;
 //! for a job of many ranks, `cachealloc fleet` is the shorter view.
 
+pub mod context;
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::analysis::{Scan, scan};
+use crate::analysis::Scan;
 use crate::format::{bytes, percent, seconds};
-use crate::progress::Progress;
 use crate::walk::{TraceWalk, site};
 use crate::{Error, trace_dirs};
 
@@ -60,8 +61,10 @@ pub fn run(args: &SummaryArgs, out: &mut dyn Write) -> Result<(), Error> {
         if i > 0 {
             writeln!(out)?;
         }
-        let scan = scan(dir, &Progress::new("scanning"))?;
-        write_one(dir, &scan, out)?;
+        // One walk: the scan, and the categories pass that finds each device's peak and what it
+        // held (by category, module and site).
+        let (scan, context) = context::summarize(dir)?;
+        write_one(dir, &scan, &context, out)?;
         if dirs.len() > 1 {
             let name = dir.display().to_string();
             // The end of the path says which trace it is.
@@ -109,7 +112,12 @@ pub fn run(args: &SummaryArgs, out: &mut dyn Write) -> Result<(), Error> {
     Ok(())
 }
 
-fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<(), Error> {
+fn write_one(
+    dir: &std::path::Path,
+    scan: &Scan,
+    context: &context::Context,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
     writeln!(
         out,
         "trace     {} ({} file{}, {} records)",
@@ -178,37 +186,11 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
             bytes(d.allocated_at_end),
             bytes(d.reserved_at_end)
         )?;
-        let mut walk = TraceWalk::open(dir)?;
-        walk.run_through(d.peak_allocated.index)?;
-        let sites = sites_live(&walk, *device);
-        if !sites.is_empty() {
-            writeln!(out, "  top allocation sites live at peak allocated:")?;
-            writeln!(
-                out,
-                "    {:>12} {:>7} {:>7}  site",
-                "bytes", "share", "blocks"
-            )?;
-            for (site, b, n) in sites.iter().take(TOP_SITES) {
-                writeln!(
-                    out,
-                    "    {:>12} {:>7} {:>7}  {site}",
-                    bytes(*b),
-                    percent(*b, d.peak_allocated.bytes),
-                    n
-                )?;
-            }
-            if sites.len() > TOP_SITES {
-                let rest: u64 = sites[TOP_SITES..].iter().map(|s| s.1).sum();
-                writeln!(
-                    out,
-                    "    {:>12} {:>7} {:>7}  ({} other sites)",
-                    bytes(rest),
-                    percent(rest, d.peak_allocated.bytes),
-                    "",
-                    sites.len() - TOP_SITES
-                )?;
-            }
+        if scan.has_context {
+            context::write_categories(context, *device, d.peak_allocated.bytes, out)?;
         }
+        let sites = context.sites.get(device).map_or(&[][..], Vec::as_slice);
+        write_sites(sites, d.peak_allocated.bytes, scan.has_context, out)?;
     }
     writeln!(out)?;
     if scan.ooms.is_empty() {
@@ -254,6 +236,58 @@ fn write_one(dir: &std::path::Path, scan: &Scan, out: &mut dyn Write) -> Result<
         for a in scan.annotations.iter().take(10) {
             writeln!(out, "  {} {}", seconds(a.t), a.name)?;
         }
+    }
+    Ok(())
+}
+
+/// The top sites at the peak; for traces with context records, with the user's line of each
+/// (`← train.py:42`).
+fn write_sites(
+    sites: &[context::SiteBytes],
+    peak: u64,
+    user_lines: bool,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
+    if sites.is_empty() {
+        return Ok(());
+    }
+    if user_lines {
+        writeln!(
+            out,
+            "  top allocation sites live at peak allocated (← the user's line):"
+        )?;
+    } else {
+        writeln!(out, "  top allocation sites live at peak allocated:")?;
+    }
+    writeln!(
+        out,
+        "    {:>12} {:>7} {:>7}  site",
+        "bytes", "share", "blocks"
+    )?;
+    for s in sites.iter().take(TOP_SITES) {
+        let user = match &s.user {
+            Some(user) if user_lines && *user != s.site => format!("  ← {user}"),
+            _ => String::new(),
+        };
+        writeln!(
+            out,
+            "    {:>12} {:>7} {:>7}  {}{user}",
+            bytes(s.bytes),
+            percent(s.bytes, peak),
+            s.blocks,
+            s.site
+        )?;
+    }
+    if sites.len() > TOP_SITES {
+        let rest: u64 = sites[TOP_SITES..].iter().map(|s| s.bytes).sum();
+        writeln!(
+            out,
+            "    {:>12} {:>7} {:>7}  ({} other sites)",
+            bytes(rest),
+            percent(rest, peak),
+            "",
+            sites.len() - TOP_SITES
+        )?;
     }
     Ok(())
 }

@@ -1,11 +1,13 @@
 //! `cachealloc trace TRACE`: the events, one per line, optionally within a time window and for
-//! one device, optionally with each allocation's stack.
+//! one device, optionally with each allocation's stack; the program's phases, module scopes
+//! (with their names) and category tags where the trace has them.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use cachealloc_recorder::Record;
 
+use crate::categories::rules::tagged;
 use crate::format::bytes;
 use crate::format::parse_time;
 use crate::walk::{TraceWalk, frame_label, site, stack_frames};
@@ -97,6 +99,20 @@ pub fn describe(record: &Record) -> Option<String> {
             "dropped        {} stacks shed, {} blocked sends ({} ns)",
             d.stacks_shed, d.blocked_sends, d.blocked_ns
         ),
+        Record::Phase(p) => format!(
+            "phase          {} (step {})",
+            cachealloc_recorder::schema::phase_name(p.phase),
+            p.step
+        ),
+        Record::Scope(s) if s.scope == 0 => {
+            format!("scope          thread {} outside any module", s.thread)
+        }
+        Record::Scope(s) => format!("scope          thread {} in scope {}", s.thread, s.scope),
+        Record::Tag(g) => format!(
+            "tag            {:#014x} {}",
+            g.address,
+            tagged(g.category).map_or_else(|| format!("tag {}", g.category), |c| c.name().into())
+        ),
         _ => return None,
     })
 }
@@ -143,6 +159,10 @@ pub fn run(args: &TraceArgs, out: &mut dyn Write) -> Result<(), Error> {
                         writeln!(out, "{:>24}{}", "", frame_label(f))?;
                     }
                 }
+            }
+            Record::Scope(s) if s.scope != 0 => {
+                let name = walk.state.context.scope_names.get(&s.scope);
+                writeln!(out, "  {}", name.map_or("(unnamed)", |n| n.name.as_str()))?;
             }
             _ => writeln!(out)?,
         }

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses some of them
 
 pub mod job;
+pub mod program;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
