@@ -6,8 +6,8 @@ a CNN) trained under bf16 autocast with fused AdamW, in one of three modes:
       (`cachealloc_annotate("after_forward 3")`) and write the truth there, from the program's
       own objects: the bytes of its parameters and buffers, of the optimizer's state, of the
       `.grad`s, and of the tensors autograd saved (`saved_tensors_hooks`, during the forward;
-      parameters and inputs left out). Bytes are counted per storage, each rounded as the
-      allocator rounds a request (512 bytes), so they compare with blocks.
+      parameters and inputs left out). Bytes are counted per storage: what the program asked
+      the allocator for, which categories_check.py compares with the requests' bytes.
   categories.py MODEL time ROUNDS LOG           (under the shim) alternate, within the process,
       step by step, the category hooks on and off (`cachealloc_categories.enable`): each round
       runs the same step both ways, each after an untimed one; writes
@@ -27,17 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import cnn, llama, step_fn  # noqa: E402
 
 
-def rounded(n):
-    return 0 if n == 0 else max(512, (n + 511) // 512 * 512)
-
-
 def storages(tensors, leave_out=()):
     seen = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.is_cuda:
             s = t.untyped_storage()
             if s.data_ptr() not in leave_out:
-                seen[s.data_ptr()] = rounded(s.nbytes())
+                seen[s.data_ptr()] = s.nbytes()
     return seen
 
 
@@ -60,7 +56,7 @@ def main():
             # alive past the backward that frees it.
             if t.is_cuda:
                 st = t.untyped_storage()
-                saved[st.data_ptr()] = rounded(st.nbytes())
+                saved[st.data_ptr()] = st.nbytes()
             return t
 
 

@@ -183,6 +183,12 @@ both ipc_torch.py ipc
 both memory_history.py memory_api
 out=$(LABEL=shim EXPECT_REFUSAL=1 CACHEALLOC_CONF=expandable_segments:True,log:quiet LD_PRELOAD="$LIB" timeout 120 python3 scripts/gpu/ipc_torch.py 2>&1)
 if grep -q "passed=1/1" <<< "$out"; then pass "ipc_torch.py: a tensor in an expandable segment is refused with a message"; else fail "ipc_torch.py expandable refusal"; echo "$out" | tail -3; fi
+# Memory by category (issue 23): cachealloc's categories against the program's own count.
+out=$(scripts/gpu/categories.sh "$(dirname "$LIB")" 2>&1)
+echo "$out"
+for m in llama cnn; do
+    if grep -q "^PASS categories $m" <<< "$out"; then pass "categories $m"; else fail "categories $m"; fi
+done
 out=$(ROUNDS=2 CALLS=10 LD_PRELOAD="$LIB" timeout 400 python3 scripts/gpu/compile_reduce_overhead.py 2>&1 | grep '^workload=')
 echo "$out"
 if grep -q "ok=True" <<< "$out"; then pass "torch.compile reduce-overhead on a transformers GPT-2"; else fail "compile_reduce_overhead.py"; fi

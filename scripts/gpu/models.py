@@ -78,8 +78,9 @@ def cnn():
 
 
 def step_fn(model, batch, loss_of, opt):
-    """One training step `step(i)` on batch `i`: forward under bf16 autocast, backward, the
-    optimizer's step, `zero_grad(set_to_none=True)`. With `pack`, the forward runs under
+    """One training step `step(i)` on batch `i`: forward under bf16 autocast (the loss kept,
+    the model's outputs dropped, as transformers' Trainer does), backward, the optimizer's
+    step, `zero_grad(set_to_none=True)`. With `pack`, the forward runs under
     `saved_tensors_hooks(pack, …)` (pack must return its tensor); with `at`, `at(name, i, args)`
     is called after the forward, the backward and the optimizer's step."""
 
@@ -94,6 +95,8 @@ def step_fn(model, batch, loss_of, opt):
             else:
                 out = model(*args, **kwargs)
                 loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
+        # The loss is kept, the outputs dropped, as transformers' Trainer does.
+        del out
         if at:
             at("after_forward", i, args)
         loss.backward()
@@ -103,6 +106,6 @@ def step_fn(model, batch, loss_of, opt):
         if at:
             at("after_optimizer", i, args)
         opt.zero_grad(set_to_none=True)
-        del out, loss
+        del loss
 
     return step

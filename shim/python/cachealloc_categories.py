@@ -306,6 +306,9 @@ def _leave(s, module, output):
         out = output
         if isinstance(out, (tuple, list)) and out:
             out = out[0]
+        elif not isinstance(out, s.tensor) and hasattr(out, "values"):
+            # A dict, or transformers' ModelOutput: its first tensor (the loss, when given).
+            out = next((v for v in out.values() if isinstance(v, s.tensor)), None)
         node = out.grad_fn if isinstance(out, s.tensor) else None
         claimed = t.claimed
         if node is not None and claimed is not None and id(node) not in claimed:

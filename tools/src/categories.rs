@@ -11,6 +11,7 @@
 //! | [`rules`] | the rules: a category from a tag and two [`rules::Clock`]s (allocation, free) |
 //! | [`pass`] | one walk of a trace that classifies each allocation when it is freed and adds it to what was asked for ([`pass::Plan`]) |
 //! | [`slices`] | the composition of memory at each time slice's peak (or the whole trace's), by difference arrays |
+//! | [`annotations`] | memory by category at each annotation (two walks) |
 //!
 //! # Note [Categories by lifetime]
 //!
@@ -81,6 +82,7 @@
 //! tensors has one category. A block tagged after its free is not tagged. Blocks made by
 //! threads the integration does not know (a library's own pool) follow the process-wide phase.
 
+pub mod annotations;
 pub mod pass;
 pub mod rules;
 pub mod slices;

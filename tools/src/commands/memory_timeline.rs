@@ -14,6 +14,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+use crate::categories::Category;
 use crate::categories::pass::{Plan, run_to_end};
 use crate::categories::slices::{SliceRow, SliceSpec};
 use crate::format::bytes;
@@ -34,6 +35,12 @@ pub struct MemoryTimelineArgs {
     /// Output JSON.
     #[arg(short, required = true)]
     pub output: PathBuf,
+    /// Instead of the timeline, the bytes by category at each annotation of the program's
+    /// (`cachealloc_annotate`), every device: a list of `{"annotation", "time_us", "device",
+    /// "bytes": {"PARAMETER": …, …, "UNKNOWN": …}, "requested": {…}}` (blocks' sizes, and what
+    /// the program asked for).
+    #[arg(long)]
+    pub at_annotations: bool,
 }
 
 /// `[times, sizes]` of `rows`, times shifted to the Unix epoch by `wall_base_ns`.
@@ -50,6 +57,9 @@ pub fn timeline_json(rows: &[SliceRow], wall_base_ns: u64) -> serde_json::Value 
 /// the default device).
 pub fn run(args: &MemoryTimelineArgs, out: &mut dyn Write) -> Result<(), Error> {
     let dir = one_trace(&args.trace)?;
+    if args.at_annotations {
+        return at_annotations(&dir, args, out);
+    }
     let plan = Plan {
         slices: Some(SliceSpec::adaptive(args.points.clamp(1, 10_000_000))),
         peaks: true,
@@ -86,6 +96,51 @@ pub fn run(args: &MemoryTimelineArgs, out: &mut dyn Write) -> Result<(), Error> 
         } else {
             "; the trace has no context records: every byte is unknown"
         }
+    )?;
+    Ok(())
+}
+
+/// `--at-annotations`: the bytes by category at each annotation.
+fn at_annotations(
+    dir: &std::path::Path,
+    args: &MemoryTimelineArgs,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
+    let rows = crate::categories::annotations::at_annotations(dir, &Progress::new("categories"))?;
+    let wall = crate::walk::TraceWalk::open(dir)
+        .ok()
+        .and_then(|mut w| {
+            w.step();
+            w.header.map(|h| h.wall_clock_base_ns)
+        })
+        .unwrap_or(0);
+    let list: Vec<serde_json::Value> = rows
+        .iter()
+        .filter(|r| args.device.is_none_or(|d| d == r.device))
+        .map(|r| {
+            let named = |by: &crate::categories::ByCategory| {
+                Category::ALL
+                    .iter()
+                    .map(|c| (c.name().to_string(), by[c.index()].into()))
+                    .collect::<serde_json::Map<String, serde_json::Value>>()
+            };
+            serde_json::json!({
+                "annotation": r.name,
+                "time_us": (wall + r.t) / 1000,
+                "device": r.device,
+                "bytes": named(&r.by_category),
+                "requested": named(&r.requested),
+            })
+        })
+        .collect();
+    let json = serde_json::to_string_pretty(&list).map_err(std::io::Error::other)?;
+    std::fs::write(&args.output, &json)
+        .map_err(|e| Error::Message(format!("{}: {e}", args.output.display())))?;
+    writeln!(
+        out,
+        "wrote {} ({} annotations)",
+        args.output.display(),
+        list.len()
     )?;
     Ok(())
 }
