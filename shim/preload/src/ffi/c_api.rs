@@ -1,7 +1,7 @@
 //! The C API: `cachealloc_*` functions for ctypes and applications (the library must be
 //! preloaded; `dlsym` them): version, stats as JSON, empty the cache, annotations, the Python
 //! integration's backward-pass markers and private pools (graph captures, `MemPool`s), and
-//! PyTorch's `CUDAPluggableAllocator` pair; [`program_context`]: module scopes, phases and
+//! PyTorch's `CUDAPluggableAllocator` pair; `program_context`: module scopes, phases and
 //! what blocks hold, for memory by category.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
