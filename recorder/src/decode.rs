@@ -5,8 +5,8 @@
 //! It takes only what it fully understands — a fixarray of exactly the struct's field count,
 //! each field an unsigned integer (in any of MessagePack's unsigned forms: a positive fixint,
 //! `uint 8/16/32/64`) that fits the field's type, and no bytes after the array. Anything else
-//! (another kind, a signed or wider form, a map, a short or long body) returns `None`, and
-//! [`Record::decode`] hands the body to rmp-serde as before. So the fast path never changes what a
+//! (another kind, a signed or wider form, a map, a short or long body) returns `None`, and the
+//! reader (`chunk`) hands the body to rmp-serde ([`Record::decode`]) as before. So the fast path never changes what a
 //! trace decodes to: where it answers, it answers what rmp-serde would (the tests check this
 //! over random bodies and the golden files); where it does not, rmp-serde does.
 //!
