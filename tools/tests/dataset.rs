@@ -497,3 +497,76 @@ fn the_readmes_top_stacks_query_agrees_with_fleet() {
     sites.sort_by_key(|s| std::cmp::Reverse(s.1));
     assert_eq!(rows, sites);
 }
+
+/// A trace with the program's context exports each allocation's category and module, on its
+/// `alloc` row and on the row that frees it (`common::program::training_step`: one block per
+/// lifetime rule).
+#[test]
+fn allocations_carry_their_category_and_module() {
+    if !python_ready() {
+        return;
+    }
+    let root = scratch("dataset-context");
+    let trace = root.join("trace");
+    let blocks = common::program::training_step(&trace, 2 << 20, false);
+    let out = root.join("out");
+    cachealloc(
+        &root,
+        &[
+            "export",
+            trace.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--job",
+            "ctx",
+        ],
+    );
+    let rows = python(
+        r#"
+import json, sys, duckdb
+rows = duckdb.sql(f"""SELECT kind, address, category, module FROM
+    read_parquet('{sys.argv[1]}/*/*/events.parquet', hive_partitioning = true)
+    WHERE kind IN ('alloc', 'free', 'free_requested') ORDER BY seq""").fetchall()
+print(json.dumps(rows))
+"#,
+        &[out.to_str().unwrap()],
+    );
+    let rows = rows.as_array().unwrap();
+    // The alloc rows in order: the ordinal of each block of `training_step`.
+    let allocs: Vec<&Value> = rows.iter().filter(|r| r[0] == "alloc").collect();
+    let expected = [
+        ("parameter", "PARAMETER", None),
+        ("input", "INPUT", None),
+        ("activation", "ACTIVATION", Some("Net.encoder")),
+        ("forward temporary", "TEMPORARY", Some("Net.encoder.attn")),
+        ("forward kept past backward", "UNKNOWN", Some("Net.head")),
+        ("gradient", "GRADIENT", None),
+        ("backward temporary", "AUTOGRAD_DETAIL", None),
+        ("optimizer state", "OPTIMIZER_STATE", None),
+        ("optimizer temporary", "TEMPORARY", None),
+    ];
+    for (name, category, module) in expected {
+        let (ordinal, address, _) = blocks[name];
+        let row = allocs[ordinal as usize];
+        assert_eq!(
+            row[1].as_u64(),
+            Some(address),
+            "{name}: the row of its block"
+        );
+        assert_eq!(row[2], category, "{name}: {row:?}");
+        assert_eq!(row[3].as_str(), module, "{name}: {row:?}");
+        // Its free, if any, says the same.
+        if let Some(free) = rows
+            .iter()
+            .find(|r| r[0] != "alloc" && r[1].as_u64() == Some(address) && r[2] == category)
+        {
+            assert_eq!(free[3].as_str(), module, "{name}'s free: {free:?}");
+        }
+    }
+    assert!(
+        rows.iter()
+            .filter(|r| r[0] != "alloc")
+            .all(|r| r[2].is_string()),
+        "every free has a category"
+    );
+}

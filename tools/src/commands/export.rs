@@ -9,6 +9,7 @@
 //! one whose first files were rotated away is exported from its oldest remaining file.
 
 mod column;
+mod context;
 pub mod tables;
 
 use std::collections::HashSet;
@@ -215,6 +216,7 @@ pub fn export_trace(
     let mut next_derived: Vec<u64> = vec![];
     let mut exported_stacks: HashSet<u32> = HashSet::new();
     let mut torn = None;
+    let mut row_context = context::RowContext::for_trace(dir)?;
     // The first record was the header (`walk.header` is set): nothing to export. The rest are
     // walked borrowed, not moved (`step_ref`): this loop is the export's whole reading cost.
     drop(first);
@@ -268,6 +270,9 @@ pub fn export_trace(
             );
         } else if let Some(mut row) = event_row(s.record) {
             row.seq = s.index;
+            if let Some(c) = &mut row_context {
+                (row.category, row.module) = c.of(s.record, s.index, s.state);
+            }
             if let Some(device) = row.device {
                 let totals = s.state.device_totals(device);
                 row.allocated = Some(totals.allocated);

@@ -15,7 +15,7 @@ use arrow_array::builder::{
     ArrayBuilder, BooleanBuilder, Int32Builder, Int64Builder, StringBuilder,
 };
 use arrow_array::types::{Int32Type, Int64Type};
-use arrow_array::{ArrayRef, Int64Array, RecordBatch, new_null_array};
+use arrow_array::{ArrayRef, Int64Array, RecordBatch};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Encoding;
@@ -159,6 +159,10 @@ pub struct EventRow<'a> {
     pub reserved: Option<u64>,
     /// An annotation's name.
     pub name: Option<&'a str>,
+    /// The block's category (alloc and free rows of a trace with the program's context).
+    pub category: Option<&'static str>,
+    /// The module the block was made in (the same rows).
+    pub module: Option<&'a str>,
 }
 
 fn opt_i64(v: Option<u64>) -> Option<i64> {
@@ -183,6 +187,8 @@ pub struct Events {
     allocated: Column<Int64Type>,
     reserved: Column<Int64Type>,
     name: StringBuilder,
+    category: StringBuilder,
+    module: StringBuilder,
 }
 
 impl Events {
@@ -233,6 +239,8 @@ impl Events {
             allocated: Column::with_capacity(n),
             reserved: Column::with_capacity(n),
             name: StringBuilder::new(),
+            category: StringBuilder::new(),
+            module: StringBuilder::new(),
         }
     }
 
@@ -266,11 +274,12 @@ impl Events {
         self.allocated.push(opt_i64(e.allocated));
         self.reserved.push(opt_i64(e.reserved));
         self.name.append_option(e.name);
+        self.category.append_option(e.category);
+        self.module.append_option(e.module);
     }
 
     /// The rows gathered as one batch (the builders start again empty).
     pub fn batch(&mut self) -> Result<RecordBatch, Error> {
-        let rows = self.len();
         let columns: Vec<ArrayRef> = vec![
             plain(&mut self.seq),
             plain(&mut self.t_ns),
@@ -287,10 +296,8 @@ impl Events {
             self.allocated.finish(),
             self.reserved.finish(),
             Arc::new(self.name.finish()),
-            // `category`, `module`: not recorded by this trace format, null until a record kind
-            // carries them.
-            new_null_array(&DataType::Utf8, rows),
-            new_null_array(&DataType::Utf8, rows),
+            Arc::new(self.category.finish()),
+            Arc::new(self.module.finish()),
         ];
         RecordBatch::try_new(Self::schema(), columns).map_err(arrow_error)
     }
