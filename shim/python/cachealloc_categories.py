@@ -116,7 +116,8 @@ class _State:
         """Whether torch.compile is tracing. At the first call (torch is imported by then, not
         when the hooks are installed) the instance's attributes take torch's functions."""
         torch = sys.modules["torch"]
-        self.is_compiling = torch.compiler.is_compiling
+        compiler = getattr(torch, "compiler", None)
+        self.is_compiling = getattr(compiler, "is_compiling", None) or _never
         self.is_grad_enabled = torch.is_grad_enabled
         self.tensor = torch.Tensor
         return self.is_compiling()
@@ -204,6 +205,11 @@ class _State:
                         by_device.setdefault(device, []).append(g.data_ptr())
         for device, pointers in by_device.items():
             self.api.tag_pointers(TAG_GRADIENT, device, pointers)
+
+
+def _never():
+    """`is_compiling` of a torch without `torch.compiler` (before 2.1): never."""
+    return False
 
 
 def _child_name(parent, module):
