@@ -1,0 +1,38 @@
+"""The allocation-heavy workloads of models.py (issue 25) as a plain training run, for
+comparing configurations process by process (natively, under the shim, with expandable
+segments): `train_models.py MODEL` (llama or cnn) trains 6 warm-up steps and STEPS (env,
+default 24) timed ones, each step synchronized, and prints one line
+    workload=MODEL_train label=$LABEL step_ms=X torch_max_reserved_MB=R torch_max_allocated_MB=A
+(`step_ms`: the median step; peaks over the whole run, from torch.cuda's memory API)."""
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import cnn, llama, step_fn  # noqa: E402
+
+MODEL = sys.argv[1]
+STEPS = int(os.environ.get("STEPS", "24"))
+torch.manual_seed(0)
+model, batch, loss_of = llama() if MODEL == "llama" else cnn()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+step = step_fn(model, batch, loss_of, opt)
+for i in range(6):
+    step(i)
+times = []
+for i in range(STEPS):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(i)
+    torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) * 1000)
+mb = 1 << 20
+print(
+    f"workload={MODEL}_train label={os.environ.get('LABEL', '-')} "
+    f"step_ms={statistics.median(times):.4f} "
+    f"torch_max_reserved_MB={torch.cuda.max_memory_reserved() / mb:.1f} "
+    f"torch_max_allocated_MB={torch.cuda.max_memory_allocated() / mb:.1f}"
+)
