@@ -37,7 +37,6 @@ impl Shim {
         if phase > PHASE_OPTIMIZER {
             return Err(BadFact::UnknownPhase);
         }
-        scopes::phase_changed();
         if let Ok(trace) = &self.trace {
             trace.send(Record::Phase(PhaseEvent {
                 t: now(),
@@ -45,6 +44,10 @@ impl Shim {
                 step,
             }));
         }
+        // After the record: a thread that allocates in between says its scope again after the
+        // phase (at worst one allocation goes unnamed); before it, the phase could erase a
+        // scope said too early, for good.
+        scopes::phase_changed();
         Ok(())
     }
 
