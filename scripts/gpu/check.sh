@@ -185,7 +185,7 @@ out=$(LABEL=shim EXPECT_REFUSAL=1 CACHEALLOC_CONF=expandable_segments:True,log:q
 if grep -q "passed=1/1" <<< "$out"; then pass "ipc_torch.py: a tensor in an expandable segment is refused with a message"; else fail "ipc_torch.py expandable refusal"; echo "$out" | tail -3; fi
 # Memory by category (issue 23): cachealloc's categories against the program's own count.
 out=$(scripts/gpu/categories.sh "$(dirname "$LIB")" 2>&1)
-echo "$out"
+echo "$out" | grep -Ev '^(PASS|FAIL) '
 for m in llama cnn; do
     if grep -q "^PASS categories $m" <<< "$out"; then pass "categories $m"; else fail "categories $m"; fi
 done
