@@ -542,6 +542,18 @@ impl Record {
         })
     }
 
+    /// Whether this is one of the program's context records (phase, scope, tag, a live
+    /// block's context): what a trace of a program that says nothing of itself lacks.
+    pub fn is_context(&self) -> bool {
+        matches!(
+            self,
+            Record::Phase(_)
+                | Record::Scope(_)
+                | Record::Tag(_)
+                | Record::CheckpointBlockContext(_)
+        )
+    }
+
     /// The device the event concerns, for kinds that have one.
     pub fn device(&self) -> Option<u32> {
         Some(match self {

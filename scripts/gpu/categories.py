@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import cnn, llama, step_fn  # noqa: E402
+from models import alternate, cnn, llama, step_fn  # noqa: E402
 
 
 def storages(tensors, leave_out=()):
@@ -93,21 +93,12 @@ def main():
 
         for i in range(6):
             step(i)
-        log = open(OUT, "a")
-        # Step by step: each round runs the same step (the same sequence length) with the hooks
-        # on and off, in alternating order.
-        for r in range(COUNT):
-            for label in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                if not cachealloc_categories.enable(label == "on"):
-                    sys.exit("FAIL: the category hooks are not installed")
-                step(r)  # untimed: switching patches classes; Python's caches re-warm
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step(r)
-                torch.cuda.synchronize()
-                ms = (time.perf_counter() - t0) * 1000
-                print(f"workload={MODEL} label={label} round={r} step_ms={ms:.4f}", file=log)
-        log.close()
+        def switch(label):
+            if not cachealloc_categories.enable(label == "on"):
+                sys.exit("FAIL: the category hooks are not installed")
+
+        with open(OUT, "a") as log:
+            alternate(step, COUNT, ["on", "off"], switch, log, MODEL)
         print(f"OK time {MODEL}: {COUNT} rounds")
     elif MODE == "profiler":
         from torch.profiler import ProfilerActivity, profile

@@ -10,7 +10,6 @@ no_backward (no backward phase, no gradients' tags).
 Usage: categories_cost.py MODEL ROUNDS LOG [VARIANT,VARIANT,...]"""
 import os
 import sys
-import time
 
 import torch
 import torch.nn.modules.module as module_module
@@ -58,21 +57,15 @@ VARIANTS = sys.argv[4].split(",") if len(sys.argv) > 4 else [
     "off", "empty", "no_backward_scopes", "no_tags", "no_phases", "full"]
 for i in range(6):
     step(i)
+
+
+def switch(name):
+    handles = variant(name)
+    return lambda: [h.remove() for h in handles]
+
+
 with open(LOG, "a") as log:
-    for r in range(ROUNDS):
-        # Each variant runs the same step (the same sequence length), in alternating order.
-        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
-        for name in order:
-            handles = variant(name)
-            step(r)  # untimed: the interpreter re-warms after a class changed
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(r)
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 1000
-            for h in handles:
-                h.remove()
-            print(f"workload={MODEL} label={name} round={r} step_ms={ms:.4f}", file=log)
+    models.alternate(step, ROUNDS, VARIANTS, switch, log, MODEL)
 cc.enable(True)
 import cProfile  # noqa: E402
 import pstats  # noqa: E402

@@ -7,7 +7,10 @@ with fused AdamW by `step_fn`:
 * `cnn()`: residual blocks with batch norm (64 to 512 channels), channels_last, batch 64,
   images cycling 128..224 pixels — about 460 allocations a step.
 
-Used by categories.py, categories_cost.py and recorder_cost.py (import this module)."""
+`alternate` is the within-process benchmark those scripts share. Used by categories.py,
+categories_cost.py, recorder_cost.py and train_models.py (import this module)."""
+import time
+
 import torch
 import torch.nn as nn
 
@@ -109,3 +112,24 @@ def step_fn(model, batch, loss_of, opt):
         del loss
 
     return step
+
+
+def alternate(step, rounds, labels, switch, log, workload):
+    """Time `step` under each of `labels` within one process, one step at a time: round `r`
+    runs step `r` (the same batch) once per label, in the labels' order on even rounds and the
+    reverse on odd ones; `switch(label)` sets the label's configuration (and may return a
+    function to call after the timed step); each timed step follows an untimed one (a switch
+    can cost the next step: patched classes make Python's attribute caches re-warm). Writes
+    `workload=… label=… round=… step_ms=…` lines to `log` for ratio_ci.py."""
+    for r in range(rounds):
+        for label in labels if r % 2 == 0 else labels[::-1]:
+            done = switch(label)
+            step(r)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(r)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1000
+            if done is not None:
+                done()
+            print(f"workload={workload} label={label} round={r} step_ms={ms:.4f}", file=log)

@@ -8,7 +8,6 @@ Usage: recorder_cost.py MODEL ROUNDS LOG"""
 import ctypes
 import os
 import sys
-import time
 
 import torch
 
@@ -29,15 +28,8 @@ before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
 step(0)
 per_step = torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before
 with open(LOG, "a") as log:
-    for r in range(ROUNDS):
-        for label in (("stacks", "nostacks") if r % 2 == 0 else ("nostacks", "stacks")):
-            pause(label == "nostacks")
-            step(r)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(r)
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 1000
-            print(f"workload={MODEL} label={label} round={r} step_ms={ms:.4f}", file=log)
+    models.alternate(
+        step, ROUNDS, ["stacks", "nostacks"], lambda label: pause(label == "nostacks"), log, MODEL
+    )
 pause(0)
 print(f"OK recorder_cost {MODEL}: {ROUNDS} rounds, {per_step} allocations a step")

@@ -15,7 +15,6 @@ Here it checks what the trace cannot show: the model's results are unchanged, th
 nothing alive, a pickled model names nothing of cachealloc's, and `enable(False)` gives the
 classes back their own `_call_impl`. Usage: python_categories.py. Prints "OK python_categories".
 """
-import ctypes
 import gc
 import os
 import pickle
@@ -220,7 +219,7 @@ for step in range(2):
 # the backward, on an input of its own size.
 x = torch.Tensor(3072)
 loss = net(x)
-torch.autograd.recompute.append(lambda: net.layer0(torch.Tensor(3584)))
+torch.autograd.recompute.append(lambda block=net.layer0: block(torch.Tensor(3584)))
 torch.autograd.backward(loss, params)
 del loss
 opt.step()

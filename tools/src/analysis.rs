@@ -123,13 +123,7 @@ impl Scanner {
     pub fn step(&mut self, walk: &TraceWalk, step: &Step) {
         let out = &mut self.out;
         out.records += 1;
-        if matches!(
-            step.record,
-            Record::Phase(_)
-                | Record::Scope(_)
-                | Record::Tag(_)
-                | Record::CheckpointBlockContext(_)
-        ) {
+        if step.record.is_context() {
             out.has_context = true;
         }
         if step.in_checkpoint {

@@ -344,11 +344,7 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
         let step = step?;
         let mut ordinal = u64::MAX;
         let stack = match &step.record {
-            Record::Phase(_) | Record::Scope(_) | Record::Tag(_) => {
-                window.has_context = true;
-                None
-            }
-            Record::CheckpointBlockContext(_) => {
+            r if r.is_context() => {
                 window.has_context = true;
                 None
             }

@@ -97,13 +97,7 @@ fn has_context(dir: &Path) -> Result<bool, String> {
     let mut walk = TraceWalk::open(dir)?;
     while let Some(step) = walk.step_ref() {
         let Ok(step) = step else { return Ok(false) };
-        if matches!(
-            step.record,
-            Record::Phase(_)
-                | Record::Scope(_)
-                | Record::Tag(_)
-                | Record::CheckpointBlockContext(_)
-        ) {
+        if step.record.is_context() {
             return Ok(true);
         }
         if step.index >= LOOK_AHEAD {
