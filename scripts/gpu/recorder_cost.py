@@ -27,9 +27,13 @@ for i in range(6):
 before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
 step(0)
 per_step = torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before
+
+
+def switch(label):
+    pause(label == "nostacks")
+
+
 with open(LOG, "a") as log:
-    models.alternate(
-        step, ROUNDS, ["stacks", "nostacks"], lambda label: pause(label == "nostacks"), log, MODEL
-    )
+    models.alternate(step, ROUNDS, ["stacks", "nostacks"], switch, log, MODEL)
 pause(0)
 print(f"OK recorder_cost {MODEL}: {ROUNDS} rounds, {per_step} allocations a step")
