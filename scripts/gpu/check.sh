@@ -80,6 +80,8 @@ run multi_gpu X=1 --
 run device_reset X=1 --
 run stream_ordered X=1 --
 run graph_capture X=1 --
+run capture_pools X=1 --
+run capture_streams X=1 --
 run entry_point X=1 --
 run load X=1 -- 4 300 1
 run exit_paths X=1 -- thread
@@ -92,6 +94,7 @@ run threads "$EXP" -- 8 300
 run load "$EXP" -- 4 300 1
 run stream_ordered "$EXP" --
 run graph_capture "$EXP" --
+run capture_streams "$EXP" --
 run multi_gpu "$EXP" --
 run peer_access "$EXP" --
 run peer_access "$EXP" -- pool

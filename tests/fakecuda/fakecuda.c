@@ -56,7 +56,13 @@
  *    query or synchronize, stream query or synchronize, context synchronize) from a thread not
  *    in relaxed mode fails with 900 and invalidates the capture; work on the legacy stream while
  *    a blocking stream captures fails with 906 and invalidates it too. cuStreamEndCapture then
- *    fails with 901.
+ *    fails with 901. A stream joins a capture by waiting on an event recorded in it (its work
+ *    is captured into the same graph, in enqueue order: a replay runs the graph's operations
+ *    one after another); querying or synchronizing a capturing stream fails with 900 and
+ *    invalidates its capture, whatever the mode. The capture ends on the stream it began on
+ *    (cuStreamEndCapture on a joined stream fails with 903), which ends the joined streams'
+ *    capture too; unlike CUDA, a joined stream need not have been joined back first.
+ *    cuStreamGetCaptureInfo (_v2, _v3) answers the status and the capture's id.
  *  - One default memory pool per device, whose attributes report the device's used memory.
  *  - Virtual memory management (CUDA 10.2's VMM API, which expandable segments and XLA use),
  *    with the semantics and error codes of CUDA 13.0 (driver 580) as measured on an H100
@@ -163,6 +169,7 @@ typedef struct fc_event {
     uint64_t *pending;
     int npending, cap_pending;
     int captured;        /* last recorded inside a capture: may not be queried */
+    fc_graph *capture;   /* that capture (a stream waiting on the event joins it) */
 } fc_event;
 
 /* Under the lock: whether record `generation` of `e` is enqueued and has not run. */
@@ -216,12 +223,14 @@ struct fc_stream {
     int capture_mode;
     pthread_t capture_thread;
     int capture_invalid;
+    int capture_joined;  /* joined the capture through an event (it began on another stream) */
 };
 
 #define GRAPH_MAGIC 0x9a9a
 #define MAX_GRAPH_OPS 256
 struct fc_graph {
     int magic;
+    uint64_t capture_id; /* the capture that made it (cuStreamGetCaptureInfo's id) */
     int nops;
     fc_op ops[MAX_GRAPH_OPS];
     int nowned;

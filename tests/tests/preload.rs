@@ -335,6 +335,13 @@ fn a_graphs_memory_comes_from_a_private_pool_it_keeps_until_the_graph_goes() {
 }
 
 #[test]
+fn a_stream_that_joins_a_capture_allocates_from_its_pool_and_is_never_fenced() {
+    let out = Run::c("capture_streams", &[]).output();
+    out.assert_pooled("capture_streams");
+    assert_no_shim_failure(&out.stderr);
+}
+
+#[test]
 fn mem_pools_route_their_threads_allocations_keep_their_memory_and_lend_it_on_oom() {
     let out = Run::c("mem_pools", &[])
         .env("FAKECUDA_CAPACITY_MB", "100")
@@ -357,7 +364,12 @@ fn a_pooled_block_shared_with_another_process_is_kept_until_it_lets_go() {
 
 #[test]
 fn graph_and_stream_programs_pass_without_the_shim() {
-    for name in ["stream_ordered", "graph_capture", "capture_pools"] {
+    for name in [
+        "stream_ordered",
+        "graph_capture",
+        "capture_pools",
+        "capture_streams",
+    ] {
         Run::c(name, &[]).without_shim().output().assert_ok(name);
     }
 }

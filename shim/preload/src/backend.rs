@@ -27,8 +27,8 @@ use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM};
 use crate::cuda;
 use crate::cuda::driver::{self as codes, CuResult};
 use crate::gpu::LoadedDriver;
-use crate::gpu::capture_mode;
 use crate::gpu::fences::{Fence, Fences};
+use crate::gpu::{capture_mode, captures};
 use crate::real::driver as real_driver;
 use crate::streams::Stream;
 use crate::streams::StreamRegistry;
@@ -307,13 +307,17 @@ impl Device for CudaDevice {
     fn record_fence(&self) -> Result<Fence, DeviceError> {
         self.capture_safe(|| {
             self.streams
-                .with_fence_targets(self.ordinal, |targets| self.fences.record(targets))
+                .with_fence_targets(self.ordinal, captures::is_capturing, |targets| {
+                    self.fences.record(targets)
+                })
         })
     }
 
     fn record_stream_fence(&self, stream: u64) -> Result<Fence, DeviceError> {
         let stream = Stream(stream as usize);
-        if self.streams.is_capturing(stream) {
+        let capturing = self.streams.is_capturing(stream)
+            || (self.streams.captures_active() && captures::is_capturing(stream));
+        if capturing {
             // An event recorded now would join the capture: a full fence instead (it leaves the
             // capturing stream out, and the barrier at the capture's start covers its earlier
             // work).

@@ -8,6 +8,7 @@
 //! | [`contexts`] | the table of primary contexts: which context is current, running on a device's own context, context peer access |
 //! | [`fences`] | reuse fences: CUDA events recorded on the application's streams |
 //! | [`capture_mode`] | our calls in the relaxed capture mode while graphs are being captured |
+//! | [`captures`] | which capture a stream takes part in (streams join captures through events) |
 //! | [`device_facts`] | how many devices, their names and memory |
 //!
 //! cudarc resolves each driver symbol at first call and panics when it is missing;
@@ -21,6 +22,7 @@ use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
 
 pub mod capture_mode;
+pub mod captures;
 pub mod contexts;
 pub mod device_facts;
 pub mod fences;

@@ -12,6 +12,11 @@
 //! before its capture began is covered by a barrier fence recorded at the capture's start (see
 //! `Allocator::fence_barrier`), which every later fence completes after.
 //!
+//! A stream may also join a capture without a call we see, by waiting on an event recorded in
+//! it: the shim registers such a stream when it finds it ([`StreamRegistry::joined`], Note
+//! [Capture pools]), and a fence asks the driver of every other stream while a capture is
+//! under way (the `probe` of [`StreamRegistry::with_fence_targets`]).
+//!
 //! Whether any stream was ever created decides `reuse:auto`: until the first one, all work is
 //! ordered on the legacy stream and freed blocks may be reused at once.
 //!
@@ -46,6 +51,9 @@ struct Entry {
     device: i32,
     non_blocking: bool,
     capturing: bool,
+    /// The stream whose capture this one joined through an event (not counted in
+    /// [`StreamRegistry::captures`]: its capture ends with the one it joined).
+    joined: Option<Stream>,
 }
 
 /// Live streams, per device, and the captures under way.
@@ -76,6 +84,7 @@ impl StreamRegistry {
             device,
             non_blocking,
             capturing: false,
+            joined: None,
         });
         !self.any_created.swap(true, Ordering::AcqRel)
     }
@@ -84,8 +93,12 @@ impl StreamRegistry {
     /// fence recording on it, and no later fence chooses it.
     pub fn destroyed(&self, stream: Stream) {
         let mut live = self.live_mut();
-        if live.iter().any(|e| e.stream == stream && e.capturing) {
+        if live
+            .iter()
+            .any(|e| e.stream == stream && e.capturing && e.joined.is_none())
+        {
             self.captures.fetch_sub(1, Ordering::AcqRel);
+            Self::unjoin(&mut live, stream);
         }
         live.retain(|e| e.stream != stream);
     }
@@ -101,24 +114,60 @@ impl StreamRegistry {
         let mut live = self.live_mut();
         match live.iter_mut().find(|e| e.stream == stream) {
             Some(e) if e.capturing => return,
-            Some(e) => e.capturing = true,
+            Some(e) => {
+                e.capturing = true;
+                e.joined = None;
+            }
             None => live.push(Entry {
                 stream,
                 device,
                 non_blocking: false,
                 capturing: true,
+                joined: None,
             }),
         }
         self.captures.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// `stream` of `device` joined the capture begun on `origin` (found by asking the driver:
+    /// it waited on an event recorded in the capture). It is capturing until that capture ends.
+    pub fn joined(&self, stream: Stream, device: i32, origin: Stream) {
+        let mut live = self.live_mut();
+        match live.iter_mut().find(|e| e.stream == stream) {
+            Some(e) if e.capturing => {}
+            Some(e) => {
+                e.capturing = true;
+                e.joined = Some(origin);
+            }
+            None => live.push(Entry {
+                stream,
+                device,
+                non_blocking: false,
+                capturing: true,
+                joined: Some(origin),
+            }),
+        }
+    }
+
+    /// The streams that joined `origin`'s capture capture no more.
+    fn unjoin(live: &mut [Entry], origin: Stream) {
+        for e in live.iter_mut().filter(|e| e.joined == Some(origin)) {
+            e.capturing = false;
+            e.joined = None;
+        }
     }
 
     /// `stream`'s capture ended (successfully or not). Returns whether no capture is under way
     /// any more.
     pub fn capture_ended(&self, stream: Stream) -> bool {
         let mut live = self.live_mut();
-        if let Some(e) = live.iter_mut().find(|e| e.stream == stream && e.capturing) {
+        if let Some(e) = live
+            .iter_mut()
+            .find(|e| e.stream == stream && e.capturing && e.joined.is_none())
+        {
             e.capturing = false;
             self.captures.fetch_sub(1, Ordering::AcqRel);
+            Self::unjoin(&mut live, stream);
         }
         self.captures.load(Ordering::Acquire) == 0
     }
@@ -140,32 +189,46 @@ impl StreamRegistry {
     }
 
     /// Run `record` on the streams a fence for `device` records on, none of which can be
-    /// destroyed before it returns; see the module docs.
-    pub fn with_fence_targets<T>(&self, device: i32, record: impl FnOnce(&[Stream]) -> T) -> T {
+    /// destroyed before it returns; see the module docs. While a capture is under way, `probe`
+    /// says whether a stream not known to capture does (it joined a capture through an event).
+    pub fn with_fence_targets<T>(
+        &self,
+        device: i32,
+        probe: impl Fn(Stream) -> bool,
+        record: impl FnOnce(&[Stream]) -> T,
+    ) -> T {
         let live = self.live();
-        record(&Self::targets(&live, device, self.captures_active()))
+        record(&Self::targets(&live, device, self.captures_active(), probe))
     }
 
     /// The streams a fence for `device` records on; see the module docs.
     #[cfg(test)]
     fn fence_targets(&self, device: i32) -> Vec<Stream> {
-        Self::targets(&self.live(), device, self.captures_active())
+        Self::targets(&self.live(), device, self.captures_active(), |_| false)
     }
 
-    fn targets(live: &[Entry], device: i32, captures_active: bool) -> Vec<Stream> {
-        let on_device = || live.iter().filter(|e| e.device == device && !e.capturing);
+    fn targets(
+        live: &[Entry],
+        device: i32,
+        captures_active: bool,
+        probe: impl Fn(Stream) -> bool,
+    ) -> Vec<Stream> {
         let legacy = Stream(cuda::STREAM_LEGACY);
+        let on_device = live.iter().filter(|e| e.device == device);
         if !captures_active {
             return std::iter::once(legacy)
-                .chain(on_device().filter(|e| e.non_blocking).map(|e| e.stream))
+                .chain(on_device.filter(|e| e.non_blocking).map(|e| e.stream))
                 .collect();
         }
-        let blocking_captures = live
+        // (stream, non-blocking, capturing), each stream probed once.
+        let streams: Vec<(Stream, bool, bool)> = on_device
+            .map(|e| (e.stream, e.non_blocking, e.capturing || probe(e.stream)))
+            .collect();
+        let blocking_captures = streams.iter().any(|&(_, nb, capturing)| capturing && !nb);
+        let mut targets: Vec<Stream> = streams
             .iter()
-            .any(|e| e.device == device && e.capturing && !e.non_blocking);
-        let mut targets: Vec<Stream> = on_device()
-            .filter(|e| e.non_blocking || blocking_captures)
-            .map(|e| e.stream)
+            .filter(|&&(_, nb, capturing)| !capturing && (nb || blocking_captures))
+            .map(|&(stream, _, _)| stream)
             .collect();
         if !blocking_captures {
             targets.insert(0, legacy);
@@ -201,13 +264,17 @@ mod tests {
         let fence = {
             let (r, recording) = (r.clone(), recording.clone());
             std::thread::spawn(move || {
-                r.with_fence_targets(0, |targets| {
-                    recording.store(true, Ordering::SeqCst);
-                    started.send(()).unwrap();
-                    std::thread::sleep(Duration::from_millis(200));
-                    recording.store(false, Ordering::SeqCst);
-                    targets.to_vec()
-                })
+                r.with_fence_targets(
+                    0,
+                    |_| false,
+                    |targets| {
+                        recording.store(true, Ordering::SeqCst);
+                        started.send(()).unwrap();
+                        std::thread::sleep(Duration::from_millis(200));
+                        recording.store(false, Ordering::SeqCst);
+                        targets.to_vec()
+                    },
+                )
             })
         };
         wait_started.recv().unwrap();
@@ -263,6 +330,42 @@ mod tests {
         r.capture_began(Stream(0x10), 0); // counted once
         assert!(r.capture_ended(Stream(0x10)));
         assert!(!r.captures_active());
+    }
+
+    #[test]
+    fn a_joined_stream_captures_until_the_capture_it_joined_ends() {
+        let r = StreamRegistry::default();
+        r.created(Stream(0x10), 0, true);
+        r.created(Stream(0x20), 0, true);
+        r.capture_began(Stream(0x10), 0);
+        r.joined(Stream(0x20), 0, Stream(0x10));
+        assert!(r.is_capturing(Stream(0x20)));
+        assert_eq!(r.fence_targets(0), vec![LEGACY]);
+        assert!(
+            !r.capture_ended(Stream(0x20)),
+            "a joined stream ends no capture"
+        );
+        assert!(r.is_capturing(Stream(0x20)));
+        assert!(r.capture_ended(Stream(0x10)));
+        assert!(
+            !r.is_capturing(Stream(0x20)),
+            "the joined stream's capture ended with it"
+        );
+        assert_eq!(r.fence_targets(0), vec![LEGACY, Stream(0x10), Stream(0x20)]);
+    }
+
+    #[test]
+    fn fences_leave_out_streams_the_probe_finds_capturing() {
+        let r = StreamRegistry::default();
+        r.created(Stream(0x10), 0, true);
+        r.created(Stream(0x20), 0, false); // blocking: joined unseen, it replaces the legacy stream
+        r.created(Stream(0x30), 0, true);
+        r.capture_began(Stream(0x10), 0);
+        let targets = r.with_fence_targets(0, |s| s == Stream(0x20), |t| t.to_vec());
+        assert_eq!(targets, vec![Stream(0x30)]);
+        assert!(r.capture_ended(Stream(0x10)));
+        let targets = r.with_fence_targets(0, |_| panic!("no capture: no probe"), |t| t.to_vec());
+        assert_eq!(targets, vec![LEGACY, Stream(0x10), Stream(0x30)]);
     }
 
     #[test]

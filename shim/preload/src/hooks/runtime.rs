@@ -149,10 +149,12 @@ pub fn stream_begin_capture<C: ResultCode>(stream: usize, real: impl FnOnce() ->
         shim.capture_beginning(stream);
     }
     let code = real();
-    if !code.is_success()
-        && let Some(shim) = shim
-    {
-        shim.capture_ended(stream, None);
+    if let Some(shim) = shim {
+        if code.is_success() {
+            shim.capture_started(stream);
+        } else {
+            shim.capture_ended(stream, None);
+        }
     }
     code
 }

@@ -21,6 +21,11 @@ impl Shim {
         self.capture_pool_begin(stream, device);
     }
 
+    /// The capture on `stream` has begun (the driver took it).
+    pub fn capture_started(&self, stream: usize) {
+        self.capture_pool_started(stream);
+    }
+
     /// `stream`'s capture ended, making `graph` (`None` if it failed); after the last one,
     /// release the segments whose release it deferred.
     pub fn capture_ended(&self, stream: usize, graph: Option<usize>) {

@@ -101,8 +101,12 @@ pub struct PrivatePools {
 
 #[derive(Debug, Default)]
 struct Book {
-    /// The pool of each stream capturing now.
+    /// The pool of each stream capturing now, those that joined a capture too.
     capturing: HashMap<usize, Arc<PrivatePool>>,
+    /// The stream each capture under way began on, by the driver's capture id.
+    capture_ids: HashMap<u64, usize>,
+    /// The streams that joined a capture, and the stream it began on.
+    joined: HashMap<usize, usize>,
     /// The pool of each graph and executable graph (by handle).
     graphs: HashMap<usize, PoolKey>,
     /// Each pool's users (a pool no longer in use has none here).

@@ -22,10 +22,11 @@ impl Shim {
     }
 
     /// Whether `stream` is capturing a CUDA graph (one atomic load when no capture is under
-    /// way).
+    /// way): it began a capture, or joined one (Note [Capture pools]).
     #[inline]
     pub fn is_capturing(&self, stream: usize) -> bool {
-        self.streams.is_capturing(Stream(stream))
+        self.streams.captures_active()
+            && (self.streams.is_capturing(Stream(stream)) || self.capture_joined(stream))
     }
 
     /// The application created a stream on the current device.

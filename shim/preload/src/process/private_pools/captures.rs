@@ -28,15 +28,30 @@
 //!   thread's next capture ([`Shim::use_capture_pool`]: PyTorch's `torch.cuda.graph(pool=…)`,
 //!   `graph_pool_handle()`, a `MemPool`'s id), in which case captures with the same id share it.
 //!
-//! Not covered: allocations on a stream that joined a capture through an event without the
-//! capture beginning on it (they come from the ordinary pool, fenced as before), and graphs
-//! made and destroyed only through the driver API.
+//! * Streams that join a capture: a capture begins on one stream, and other streams join it by
+//!   waiting on an event recorded in it (`s2.wait_stream(s1)`), which the shim does not see.
+//!   Whenever a stream it does not know as capturing allocates or frees while a capture is under
+//!   way, the shim asks the driver which capture the stream is in (`cuStreamGetCaptureInfo`,
+//!   [`crate::gpu::captures`]); a stream in one of ours is known from then on as capturing into
+//!   that capture's pool, until the capture ends. Its blocks are its own, as every stream's:
+//!   one freed on it is reused by its later allocations in the capture, never by another
+//!   stream's (the two are concurrent branches of the graph unless the program joined them).
+//!   Fences, too, ask before they record an event on a stream while a capture is under way: an
+//!   event recorded on a joined stream, or a query of it, would break the capture.
+//!
+//! Not covered: graphs made and destroyed only through the driver API, and a block freed in a
+//! capture after `record_stream` on a joined stream (PyTorch's backend makes the freeing stream
+//! wait for those streams in the graph, so the block is reused behind them; PyTorch's native
+//! allocator, with `graph_capture_record_stream_reuse`, would instead keep it until the graph
+//! joins them).
 
 use std::cell::Cell;
 use std::sync::Arc;
 
 use super::{PoolSettings, PrivatePool, Shim};
 use crate::cuda::CudaError;
+use crate::gpu::captures::{self, CaptureState};
+use crate::streams::Stream;
 
 thread_local! {
     /// The pool the calling thread's next capture allocates from (0: a new pool).
@@ -66,6 +81,35 @@ impl Shim {
         book.capturing.insert(stream, pool);
     }
 
+    /// The capture on `stream` has begun (the driver took it): note its id, by which streams
+    /// that join it are known.
+    pub(in crate::process) fn capture_pool_started(&self, stream: usize) {
+        if let CaptureState::Active(id) = captures::capture_state(Stream(stream)) {
+            self.private_book().capture_ids.insert(id, stream);
+        }
+    }
+
+    /// Whether `stream`, not known to capture, has joined a capture of ours (asked of the
+    /// driver). If so it is known from now on, and allocates from that capture's pool.
+    pub(in crate::process) fn capture_joined(&self, stream: usize) -> bool {
+        let CaptureState::Active(id) = captures::capture_state(Stream(stream)) else {
+            return false;
+        };
+        let mut book = self.private_book();
+        let Some(&origin) = book.capture_ids.get(&id) else {
+            return false;
+        };
+        let Some(pool) = book.capturing.get(&origin).cloned() else {
+            return false;
+        };
+        book.capturing.insert(stream, pool.clone());
+        book.joined.insert(stream, origin);
+        drop(book);
+        self.streams
+            .joined(Stream(stream), pool.device, Stream(origin));
+        true
+    }
+
     /// The capture on `stream` ended, making `graph` (none if it failed): the graph holds the
     /// pool from now on, instead of the capture.
     pub(in crate::process) fn capture_pool_end(&self, stream: usize, graph: Option<usize>) {
@@ -73,6 +117,15 @@ impl Shim {
         let Some(pool) = book.capturing.remove(&stream) else {
             return;
         };
+        book.capture_ids.retain(|_, origin| *origin != stream);
+        let joined: Vec<usize> = (book.joined.iter())
+            .filter(|&(_, &origin)| origin == stream)
+            .map(|(&s, _)| s)
+            .collect();
+        for s in joined {
+            book.joined.remove(&s);
+            book.capturing.remove(&s);
+        }
         let users = book.users(pool.key());
         users.captures = users.captures.saturating_sub(1);
         if let Some(graph) = graph.filter(|&g| g != 0) {
