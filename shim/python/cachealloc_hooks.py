@@ -22,6 +22,8 @@ it has to adjust:
   `memory_stats()`, from `cachealloc_device_stats_json`), `_cuda_resetAccumulatedMemoryStats`,
   `_cuda_attach_out_of_memory_observer` (the library calls the observer before an allocation
   fails for lack of memory: `cachealloc_attach_oom_observer`),
+  `_cuda_cudaCachingAllocator_enable` (`caching_allocator_enable`: while caching is off, the
+  library passes new allocations to CUDA, uncounted: `cachealloc_caching_enable`),
   `_cuda_record_memory_history`, `_cuda_memorySnapshot` (segments, blocks, frames and
   `device_traces` read from the trace the recorder keeps anyway, by the `cachealloc snapshot`
   command beside the library), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
@@ -299,6 +301,28 @@ def _snapshot_from_trace(flush):
     return snapshot
 
 
+def _with_pool_ids(snapshot):
+    """`snapshot` with each private pool's segment named by its pool (`segment_pool_id`), which
+    the library knows and the trace does not."""
+    import ctypes
+    import json
+
+    api = _c_functions(segments="cachealloc_private_segments_json")
+    if api is None:
+        return snapshot
+    api.segments.restype = ctypes.c_size_t
+    api.segments.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    pools = {}
+    for device in {s.get("device", 0) for s in snapshot.get("segments", [])}:
+        for address, first, second in json.loads(_text(api.segments, int(device)) or "[]"):
+            pools[(device, address)] = (first, second)
+    for segment in snapshot.get("segments", []):
+        pool = pools.get((segment.get("device", 0), segment.get("address")))
+        if pool is not None:
+            segment["segment_pool_id"] = pool
+    return snapshot
+
+
 def _c_functions(**names):
     """The preloaded library's functions `names` (short name -> `cachealloc_…` symbol) as a
     namespace of ctypes functions, or None when the library is not there."""
@@ -498,7 +522,7 @@ def _memory(memory):
         # whole allocator.
         if pools is not None and isinstance(which, tuple) and len(which) >= 2 and tuple(which[:2]) != (0, 0):
             return _pool_snapshot(pools, which[:2])
-        return _snapshot_from_trace(flush)
+        return _with_pool_ids(_snapshot_from_trace(flush))
 
     native._cuda_memoryStats = memory_stats
     native._cuda_resetAccumulatedMemoryStats = reset_accumulated
@@ -513,6 +537,13 @@ def _memory(memory):
         native._accelerator_getDeviceStats = memory_stats
     if hasattr(native, "_accelerator_resetAccumulatedStats"):
         native._accelerator_resetAccumulatedStats = reset_accumulated
+    caching = _c_functions(enable="cachealloc_caching_enable")
+    if caching is not None and hasattr(native, "_cuda_cudaCachingAllocator_enable"):
+        import ctypes
+
+        caching.enable.restype = ctypes.c_int
+        caching.enable.argtypes = [ctypes.c_int]
+        native._cuda_cudaCachingAllocator_enable = lambda value: caching.enable(1 if value else 0) and None
     native._cuda_record_memory_history = _record_history
     native._cuda_memorySnapshot = memory_snapshot
     _say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")

@@ -6,9 +6,12 @@
  *  - the output freed outside the capture returns success (PyTorch frees graph outputs so);
  *  - under cachealloc: a second capture into the same pool (cachealloc_use_capture_pool, as the
  *    Python integration calls it for `torch.cuda.graph(pool=...)`) reuses the first capture's
- *    freed scratch, a capture into a pool of its own does not, and destroying the executable
- *    graphs gives the pools' memory back (the device's reserved bytes, read as PyTorch reads
- *    them from the default memory pool, fall).
+ *    freed scratch, a capture into a pool of its own does not; destroying the executable graphs
+ *    leaves the pools' memory reserved until empty_cache (cudaMemPoolTrimTo, as PyTorch's
+ *    empty_cache on this route) gives it back (the device's reserved bytes, read as PyTorch
+ *    reads them from the default memory pool); and a block of a destroyed graph's pool that a
+ *    new capture writes and frees keeps its memory after that capture (PyTorch's reset() and
+ *    recapture).
  * Usage: capture_pools */
 #include <dlfcn.h>
 #include <stdint.h>
@@ -104,9 +107,38 @@ int main(void) {
         CHECK(cudaGraphExecDestroy(third));
         CHECK(cudaGraphExecDestroy(first));
         uint64_t after = reserved(pool);
-        EXPECT(after + 2 * 2 * MIB <= with_graphs,
-               "destroying the graphs gives their pools' memory back (reserved %llu with them, %llu after)",
+        EXPECT(after == with_graphs,
+               "the graphs' pools keep their memory until empty_cache, as PyTorch's (reserved %llu with the "
+               "graphs, %llu after)",
                (unsigned long long)with_graphs, (unsigned long long)after);
+        CHECK(cudaMemPoolTrimTo(pool, 0)); /* PyTorch's empty_cache on this route */
+        uint64_t trimmed = reserved(pool);
+        EXPECT(trimmed + 2 * 2 * MIB <= with_graphs,
+               "empty_cache gives the destroyed graphs' pools' memory back (reserved %llu with them, %llu after)",
+               (unsigned long long)with_graphs, (unsigned long long)trimmed);
+
+        /* PyTorch's graph.reset() then a new capture that writes into the old graph's output (still
+         * held) and frees it: that memory is the new graph's now, and must outlive the capture. */
+        use_pool(0);
+        void *old_scratch, *old_out;
+        cudaGraphExec_t old = capture(s, 0x55, &old_scratch, &old_out);
+        CHECK(cudaGraphExecDestroy(old));
+        uint64_t held = reserved(pool);
+        cudaGraph_t graph;
+        CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        CHECK(cudaMemsetAsync(old_out, 0x66, 4096, s));
+        CHECK(cudaFreeAsync(old_out, s));
+        CHECK(cudaStreamEndCapture(s, &graph));
+        EXPECT(reserved(pool) == held,
+               "the memory of an old graph's block, freed in a new capture, was released under the new "
+               "graph (reserved %llu before the capture, %llu after)",
+               (unsigned long long)held, (unsigned long long)reserved(pool));
+        cudaGraphExec_t recaptured;
+        CHECK(cudaGraphInstantiate(&recaptured, graph, 0));
+        CHECK(cudaGraphDestroy(graph));
+        CHECK(cudaGraphLaunch(recaptured, s));
+        CHECK(cudaStreamSynchronize(s));
+        CHECK(cudaGraphExecDestroy(recaptured));
     } else {
         CHECK(cudaGraphExecDestroy(first));
     }

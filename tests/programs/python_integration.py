@@ -39,6 +39,7 @@ with open(os.path.join(root, "torch", "_C.py"), "w") as f:
         "def _cuda_resetAccumulatedMemoryStats(device):\n    return 'native'\n"
         "def _accelerator_getDeviceStats(device):\n    return 'native'\n"
         "def _cuda_getMemoryFraction(device):\n    return 216975863.59\n"
+        "def _cuda_cudaCachingAllocator_enable(value):\n    return None\n"
         "_handles = [0]\n"
         "def _graph_pool_handle():\n    _handles[0] += 1\n    return (0, _handles[0])\n"
         "class _cuda_CUDAAllocator:\n    pass\n"
@@ -137,6 +138,24 @@ else:
         fail(f"allocated_bytes.all.current is {stats['allocated_bytes']['all']['current']}")
     if torch._C._cuda_getMemoryFraction(0) != 1.0:
         fail(f"an unset memory fraction reads {torch._C._cuda_getMemoryFraction(0)}")
+    # caching_allocator_enable(False): new allocations go to CUDA, uncounted, until it is on.
+    def requested():
+        return torch._C._cuda_memoryStats(0)["requested_bytes"]["all"]["allocated"]
+
+    before = requested()
+    torch._C._cuda_cudaCachingAllocator_enable(False)
+    raw = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(raw), 1 << 20) != 0:
+        fail("cudaMalloc with caching off failed")
+    if requested() != before:
+        fail(f"with caching off an allocation was counted: {requested() - before} bytes")
+    torch._C._cuda_cudaCachingAllocator_enable(True)
+    if glob.cudaFree(raw) != 0 or glob.cudaMalloc(ctypes.byref(raw), 1 << 20) != 0:
+        fail("cudaFree or cudaMalloc with caching on again failed")
+    if requested() != before + (1 << 20):
+        fail(f"with caching on again the allocation counted {requested() - before} bytes")
+    glob.cudaFree(raw)
+    stats = torch._C._cuda_memoryStats(0)
     if torch._C._accelerator_getDeviceStats(0) != stats:
         fail("torch.accelerator's statistics are not the library's")
     if stats["allocation"]["large_pool"]["current"] != 1 or "num_alloc_retries" not in stats:
@@ -189,6 +208,15 @@ else:
         fail(f"the pool's blocks are {in_pool}, expected {{{inside.value}}}")
     if any(seg["segment_pool_id"] != pool.id for seg in memory.memory_snapshot(pool.id)):
         fail("memory_snapshot(pool.id) shows segments of another pool")
+    # The whole snapshot (from the trace) names each segment's pool too.
+    ids = {
+        b["address"]: tuple(seg["segment_pool_id"])
+        for seg in torch._C._cuda_memorySnapshot(None)["segments"]
+        for b in seg["blocks"]
+    }
+    if ids.get(inside.value) != tuple(pool.id) or ids.get(ptr.value) != (0, 0):
+        fail(f"the snapshot's segment_pool_id: {ids.get(inside.value)} for the MemPool's block "
+             f"(pool {pool.id}), {ids.get(ptr.value)} for an ordinary one")
     if memory.MemPool().id[1] <= pool.id[1]:
         fail("MemPool ids do not follow graph_pool_handle's counter")
 

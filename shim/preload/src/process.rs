@@ -111,7 +111,12 @@ pub struct Shim {
     devices: Vec<OnceLock<Pool>>,
     /// Whether new allocations are pooled: false with `pool:off`, and after an internal failure.
     healthy: AtomicBool,
+    /// The program turned caching off (PyTorch's `caching_allocator_enable(False)`): new
+    /// allocations go to CUDA, uncounted, until it turns it back on.
+    caching_off: AtomicBool,
     passthrough_mallocs: AtomicU64,
+    /// Allocations passed through while the program had caching off.
+    uncached_mallocs: AtomicU64,
     /// Driver-level allocations in a context that is not a device's primary one (not pooled).
     unpooled_context_mallocs: AtomicU64,
     /// Traced allocations that passed through (`pool:off`, or degraded): address → (size,
@@ -235,7 +240,9 @@ fn start() -> Option<Shim> {
         streams: Arc::new(StreamRegistry::default()),
         devices: (0..slots).map(|_| OnceLock::new()).collect(),
         healthy: AtomicBool::new(pooling),
+        caching_off: AtomicBool::new(false),
         passthrough_mallocs: AtomicU64::new(0),
+        uncached_mallocs: AtomicU64::new(0),
         unpooled_context_mallocs: AtomicU64::new(0),
         passthrough: std::sync::Mutex::new(std::collections::HashMap::new()),
         started: std::time::Instant::now(),
@@ -274,9 +281,27 @@ impl Shim {
         self.started.elapsed().as_secs_f64()
     }
 
-    /// Whether new allocations are pooled.
+    /// Whether new allocations are pooled: not with `pool:off` nor after an internal failure
+    /// (see `Shim::healthy`), nor while the program has turned caching off.
     pub fn pooling(&self) -> bool {
+        self.healthy() && !self.caching_off.load(Ordering::Relaxed)
+    }
+
+    /// Whether the shim pools at all: not with `pool:off`, nor after an internal failure.
+    pub fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Acquire)
+    }
+
+    /// The program turns caching on or off (PyTorch's `caching_allocator_enable`). While it is
+    /// off, new allocations go to CUDA and are not counted in the statistics, as PyTorch's
+    /// native allocator does; blocks allocated before return to their pools when freed.
+    pub fn set_caching(&self, on: bool) {
+        self.caching_off.store(!on, Ordering::Relaxed);
+    }
+
+    /// Whether caching is on (see [`Shim::set_caching`]).
+    pub fn caching(&self) -> bool {
+        !self.caching_off.load(Ordering::Relaxed)
     }
 
     /// The calling thread's current device: the runtime's, or without a shared runtime (one

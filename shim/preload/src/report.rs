@@ -68,6 +68,12 @@ fn print_summary(facts: ExitFacts) {
             "pid {pid}: {passed} allocations passed through unpooled after an internal failure"
         );
     }
+    let uncached = facts.uncached_mallocs;
+    if uncached > 0 {
+        log::info!(
+            "pid {pid}: {uncached} allocations passed to CUDA while the program had caching off"
+        );
+    }
     if let Some(doors) = doors_line() {
         log::info!("pid {pid}: allocations by door: {doors}");
     }

@@ -221,6 +221,7 @@ pub unsafe extern "C" fn cachealloc_mem_pool_retain(
         use_on_oom: flags & MEM_POOL_USE_ON_OOM != 0,
         no_split: flags & MEM_POOL_NO_SPLIT != 0,
         foreign,
+        for_graphs: false,
     };
     guarded(
         "cachealloc_mem_pool_retain",
@@ -310,6 +311,45 @@ pub unsafe extern "C" fn cachealloc_mem_pool_snapshot_json(
                 |s| s.mem_pool_snapshot_json((id, device)),
             )
         },
+        || "[]".to_string(),
+    );
+    // SAFETY: the caller's contract.
+    unsafe { write_text(&text, buf, len) }
+}
+
+/// Turn caching on (`on` non-zero) or off, as PyTorch's `caching_allocator_enable` does: while
+/// it is off, new allocations go to CUDA, uncounted. Returns whether it was on before.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_caching_enable(on: c_int) -> c_int {
+    guarded(
+        "cachealloc_caching_enable",
+        || {
+            process::shim().map_or(1, |s| {
+                let was = s.caching();
+                s.set_caching(on != 0);
+                was as c_int
+            })
+        },
+        || 1,
+    )
+}
+
+/// Write the segments of `device`'s private pools (graph pools and `MemPool`s) — JSON
+/// `[[address, first, second], ...]`: each segment's address and its pool's id as PyTorch's
+/// pair — into `buf`, as [`cachealloc_stats_json`] writes its text. What the Python
+/// integration sets each snapshot segment's `segment_pool_id` from.
+///
+/// # Safety
+/// `buf` must be null or valid for `len` bytes of writes.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_private_segments_json(
+    device: c_int,
+    buf: *mut c_char,
+    len: usize,
+) -> usize {
+    let text = guarded(
+        "cachealloc_private_segments_json",
+        || process::shim().map_or_else(|| "[]".to_string(), |s| s.private_segments_json(device)),
         || "[]".to_string(),
     );
     // SAFETY: the caller's contract.

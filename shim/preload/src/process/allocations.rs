@@ -40,6 +40,15 @@ impl Shim {
             served => served,
         };
         let served = match served {
+            // Graph pools no longer in use still hold memory (Note [Private pools]).
+            Err(cuda::ERROR_MEMORY_ALLOCATION)
+                if self.release_unused_private_pools(true, Some(device)) > 0 =>
+            {
+                self.serve(&pool.alloc, device, size, stream)
+            }
+            served => served,
+        };
+        let served = match served {
             Err(cuda::ERROR_MEMORY_ALLOCATION) => self
                 .oom_fallback(device, size, stream)
                 .ok_or(cuda::ERROR_MEMORY_ALLOCATION),
@@ -140,7 +149,8 @@ impl Shim {
         self.private_free(address, stream)
     }
 
-    /// Count (and trace) an allocation that passed through (`pool:off`, or degraded) to
+    /// Count (and trace) an allocation that passed through (`pool:off`, degraded, or while the
+    /// program had caching off) to
     /// `real`, the real `cudaMalloc` or `cuMemAlloc_v2`. A raw allocation is a segment holding
     /// one block: both are recorded.
     pub fn passthrough_malloc<E>(
@@ -148,7 +158,12 @@ impl Shim {
         size: u64,
         real: impl FnOnce() -> Result<u64, E>,
     ) -> Result<u64, E> {
-        self.passthrough_mallocs.fetch_add(1, Ordering::Relaxed);
+        if self.healthy() {
+            // Passed through while the program had caching off.
+            self.uncached_mallocs.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.passthrough_mallocs.fetch_add(1, Ordering::Relaxed);
+        }
         let Ok(trace) = &self.trace else {
             return real();
         };
@@ -206,7 +221,7 @@ impl Shim {
                 cuda::ERROR_INITIALIZATION
             })?;
         }
-        self.release_unused_private_pools();
+        self.release_unused_private_pools(true, None);
         Ok(())
     }
 

@@ -57,7 +57,9 @@ impl Shim {
 
     /// Release `device`'s cached free segments (PyTorch's `empty_cache` through
     /// `cudaMemPoolTrimTo`).
+    /// Graph pools no longer in use give theirs back too (Note [Private pools]).
     pub fn empty_device_cache(&self, device: i32) -> Result<(), CudaError> {
+        self.release_unused_private_pools(true, Some(device));
         let Some(alloc) = self.allocator_of(device) else {
             return Ok(());
         };

@@ -20,6 +20,8 @@ pub struct ExitFacts {
     pub expandable: Vec<usize>,
     /// Allocations that passed through (`pool:off`, or after an internal failure).
     pub passthrough_mallocs: u64,
+    /// Allocations passed to CUDA while the program had caching off.
+    pub uncached_mallocs: u64,
     /// Driver-level allocations in contexts other than the primary ones (not pooled).
     pub unpooled_context_mallocs: u64,
 }
@@ -40,10 +42,11 @@ impl Shim {
             .collect();
         ExitFacts {
             trace_note,
-            unpooled: self.driver.is_none() || (stats.is_empty() && !self.pooling()),
+            unpooled: self.driver.is_none() || (stats.is_empty() && !self.healthy()),
             stats,
             expandable,
             passthrough_mallocs: self.passthrough_mallocs.load(Ordering::Relaxed),
+            uncached_mallocs: self.uncached_mallocs.load(Ordering::Relaxed),
             unpooled_context_mallocs: self.unpooled_context_mallocs.load(Ordering::Relaxed),
         }
     }

@@ -32,7 +32,7 @@ impl Shim {
         let last = self.streams.capture_ended(Stream(stream));
         self.capture_pool_end(stream, graph);
         if last {
-            self.release_unused_private_pools();
+            self.release_unused_private_pools(false, None);
             for pool in self.pools() {
                 let failed = pool.alloc.device().release_deferred();
                 if failed > 0 {

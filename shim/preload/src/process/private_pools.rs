@@ -17,9 +17,17 @@
 //!   ([`CudaDevice::for_private_pool`]), so neither the out-of-memory ladder nor an
 //!   `empty_cache` can give memory a graph writes back to the driver, and a `MemPool` keeps its
 //!   memory until it is deleted (PyTorch: `empty_cache` does nothing to a live pool).
-//! * When its last user goes, its free segments are released; blocks the program still holds
-//!   (a graph's static outputs, tensors that outlive their `MemPool`) go back when freed, each
-//!   segment as soon as it is free, and the pool is forgotten with its last segment.
+//! * When the last user of a `MemPool`'s pool goes, its free segments are released (PyTorch's
+//!   `MemPool` destructor empties it); blocks the program still holds (tensors that outlive
+//!   their `MemPool`) go back when freed, each segment as soon as it is free, and the pool is
+//!   forgotten with its last segment.
+//! * A pool made for graphs keeps its memory after its last graph is destroyed, until
+//!   `empty_cache` or an allocation that runs out of memory releases its free segments, as
+//!   PyTorch frees a released graph pool's segments only then. Releasing at once would be
+//!   wrong: a later capture may use the pool's blocks that the program still holds (a graph's
+//!   output that a new capture reads, or writes in place, after `graph.reset()`), and when the
+//!   program frees them later their memory still belongs to that new graph. (`empty_cache`
+//!   can free such memory under a live graph, natively as under the shim.)
 //! * A free finds a private pool's block by the address span of the pool's memory, after the
 //!   device pools (so ordinary frees never look here while no private pool exists).
 //! * A pool is named by its id and its device: PyTorch's pool ids are small pairs packed into
@@ -53,6 +61,9 @@ pub struct PrivatePool {
     /// Whether allocations of the device's ordinary pool that run out of memory may take this
     /// pool's free blocks (`MemPool(use_on_oom=True)`).
     use_on_oom: bool,
+    /// Made for graphs (not a `MemPool`): its memory is released only by `empty_cache` or an
+    /// allocation out of memory, once it is not in use (see Note [Private pools]).
+    for_graphs: bool,
     alloc: Allocator<CudaDevice, DeviceObserver>,
 }
 
@@ -73,6 +84,8 @@ pub struct PoolSettings {
     pub no_split: bool,
     /// Where segments come from, when not from the driver.
     pub foreign: Option<ForeignAllocator>,
+    /// Made by a capture, not by a `MemPool` (see [`PrivatePool::for_graphs`]).
+    pub for_graphs: bool,
 }
 
 /// Who uses a pool (see Note [Private pools]).
@@ -177,6 +190,7 @@ impl Shim {
             id,
             device,
             use_on_oom: settings.use_on_oom,
+            for_graphs: settings.for_graphs,
             alloc,
         });
         let mut pools = self.private_pools.pools.write();
@@ -205,12 +219,16 @@ impl Shim {
     }
 
     /// With no user left, release the pool's free segments, and forget it once it has none
-    /// left.
+    /// left; a pool made for graphs keeps them until `empty_cache` or an allocation out of
+    /// memory (Note [Private pools]).
     fn release_if_unused(&self, book: &mut Book, pool: &PrivatePool) {
         if !book.unused(pool.key()) {
             return;
         }
         book.users.remove(&pool.key());
+        if pool.for_graphs {
+            return;
+        }
         if let Err(e) = pool.alloc.empty_cache() {
             log::error!("device {}: releasing a private pool: {e}", pool.device);
         }
@@ -239,11 +257,13 @@ impl Shim {
         }
     }
 
-    /// After the last capture of the process ended, or at `empty_cache`: release what pools no
-    /// longer in use hold.
-    pub(super) fn release_unused_private_pools(&self) {
+    /// Release what pools no longer in use hold, those of `device` or of every device: at
+    /// `empty_cache` and when an allocation runs out of memory (`graphs`: the pools made for
+    /// graphs too), and after the last capture of the process ended (the `MemPool`s' releases it
+    /// deferred). Returns the bytes released.
+    pub(super) fn release_unused_private_pools(&self, graphs: bool, device: Option<i32>) -> u64 {
         if !self.private_pools.any.load(Ordering::Acquire) {
-            return;
+            return 0;
         }
         let book = self.private_book();
         let unused: Vec<Arc<PrivatePool>> = self
@@ -252,14 +272,20 @@ impl Shim {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .filter(|p| book.unused(p.key()))
+            .filter(|p| book.unused(p.key()) && (graphs || !p.for_graphs))
+            .filter(|p| device.is_none_or(|d| d == p.device))
             .cloned()
             .collect();
         drop(book);
+        let mut released = 0;
         for pool in unused {
+            let before = pool.alloc.stats().reserved_bytes.all.current;
             let _ = pool.alloc.empty_cache();
             self.release_held(&pool);
+            let after = pool.alloc.stats().reserved_bytes.all.current;
+            released += before.saturating_sub(after).max(0) as u64;
         }
+        released
     }
 
     /// Free `address` if a private pool holds it; `None` if none does.
@@ -335,6 +361,24 @@ impl Shim {
         {
             f(&pool.alloc);
         }
+    }
+
+    /// The segments of `device`'s private pools as a JSON list of `[address, first, second]`:
+    /// each segment's address and its pool's id as PyTorch's pair (Note [Private pools]), for
+    /// the snapshot's `segment_pool_id`.
+    pub fn private_segments_json(&self, device: i32) -> String {
+        let mut rows = Vec::new();
+        if self.private_pools.any.load(Ordering::Acquire) {
+            let pools = self.private_pools.pools.read();
+            let pools = pools.unwrap_or_else(|p| p.into_inner());
+            for pool in pools.iter().filter(|p| p.device == device) {
+                for segment in pool.alloc.snapshot() {
+                    let (first, second) = (pool.id >> 32, pool.id & 0xFFFF_FFFF);
+                    rows.push(format!("[{},{first},{second}]", segment.address));
+                }
+            }
+        }
+        format!("[{}]", rows.join(","))
     }
 
     /// How many private pools exist, and their reserved bytes (for the exit summary and tests).

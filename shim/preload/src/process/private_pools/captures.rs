@@ -23,7 +23,9 @@
 //!   stream did.
 //! * The capture, then the graph and every executable graph instantiated from it
 //!   (`cudaGraphInstantiate*`, `cudaGraphDestroy`, `cudaGraphExecDestroy`), are the pool's
-//!   users; when the last goes, the pool's memory goes back as Note [Private pools] says.
+//!   users; once the last has gone, `empty_cache` or an allocation out of memory gives the
+//!   pool's free memory back, as Note [Private pools] says (not at once: the program may still
+//!   hold blocks of the pool that a later capture uses).
 //! * Which pool a capture uses: a new one, unless the Python integration named the pool of the
 //!   thread's next capture ([`Shim::use_capture_pool`]: PyTorch's `torch.cuda.graph(pool=…)`,
 //!   `graph_pool_handle()`, a `MemPool`'s id), in which case captures with the same id share it.
@@ -74,7 +76,11 @@ impl Shim {
         } else {
             Self::own_pool_id(&mut book)
         };
-        let Some(pool) = self.private_pool(&mut book, (id, device), PoolSettings::default()) else {
+        let settings = PoolSettings {
+            for_graphs: true,
+            ..PoolSettings::default()
+        };
+        let Some(pool) = self.private_pool(&mut book, (id, device), settings) else {
             return;
         };
         book.users((id, device)).captures += 1;
