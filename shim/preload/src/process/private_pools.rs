@@ -84,7 +84,8 @@ pub struct PoolSettings {
     pub no_split: bool,
     /// Where segments come from, when not from the driver.
     pub foreign: Option<ForeignAllocator>,
-    /// Made by a capture, not by a `MemPool` (see [`PrivatePool::for_graphs`]).
+    /// Made by a capture, not by a `MemPool`: kept until `empty_cache` or an allocation out of
+    /// memory once unused (Note [Private pools]).
     pub for_graphs: bool,
 }
 
