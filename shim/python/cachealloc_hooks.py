@@ -24,6 +24,8 @@ it has to adjust:
   fails for lack of memory: `cachealloc_attach_oom_observer`),
   `_cuda_cudaCachingAllocator_enable` (`caching_allocator_enable`: while caching is off, the
   library passes new allocations to CUDA, uncounted: `cachealloc_caching_enable`),
+  `_cuda_setMemoryFraction` (the fraction then limits every pool of the device together, as
+  natively: `cachealloc_set_memory_fraction`),
   `_cuda_record_memory_history`, `_cuda_memorySnapshot` (segments, blocks, frames and
   `device_traces` read from the trace the recorder keeps anyway, by the `cachealloc snapshot`
   command beside the library), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
@@ -537,6 +539,21 @@ def _memory(memory):
         native._accelerator_getDeviceStats = memory_stats
     if hasattr(native, "_accelerator_resetAccumulatedStats"):
         native._accelerator_resetAccumulatedStats = reset_accumulated
+    # The fraction limits all of a device's pools together, private pools too, as natively;
+    # PyTorch's backend counts only its own allocations.
+    set_fraction = getattr(native, "_cuda_setMemoryFraction", None)
+    limits = _c_functions(set="cachealloc_set_memory_fraction")
+    if set_fraction is not None and limits is not None:
+        import ctypes
+
+        limits.set.restype = ctypes.c_int
+        limits.set.argtypes = [ctypes.c_int, ctypes.c_double]
+
+        def set_memory_fraction(fraction, device):
+            set_fraction(fraction, device)
+            limits.set(int(device), float(fraction))
+
+        native._cuda_setMemoryFraction = set_memory_fraction
     caching = _c_functions(enable="cachealloc_caching_enable")
     if caching is not None and hasattr(native, "_cuda_cudaCachingAllocator_enable"):
         import ctypes

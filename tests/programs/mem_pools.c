@@ -8,7 +8,10 @@
  *    cudaMalloc/cudaFree reach CUDA, and the segment goes back through the allocator when the
  *    pool is deleted and its last block freed (not before);
  *  - when the ordinary pool runs out of device memory, a live use_on_oom pool lends a cached
- *    block; a pool without use_on_oom does not, nor a deleted one.
+ *    block; a pool without use_on_oom does not, nor a deleted one;
+ *  - a memory fraction (cachealloc_set_memory_fraction, as PyTorch's
+ *    set_per_process_memory_fraction) limits the ordinary pool and the MemPools together, and
+ *    the use_on_oom lending works under it as under a full device.
  * Runs under the shim only (it needs the C API). Usage: mem_pools (FAKECUDA_CAPACITY_MB=100). */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -167,6 +170,52 @@ int main(void) {
     CHECK(cudaFreeAsync(big, stream));
     release_pool(0, DONT);
     CHECK(cudaStreamSynchronize(stream));
+
+    /* set_per_process_memory_fraction limits every pool of the device together (PyTorch's
+     * test_mempool_limited_memory_with_allocator): a limit 60 MiB above what is held now, well
+     * below the device's 100 MB, so that only the limit can refuse. */
+    int (*set_fraction)(int, double) = (int (*)(int, double))api("cachealloc_set_memory_fraction");
+    cudaMemPool_t device_pool;
+    CHECK(cudaDeviceGetDefaultMemPool(&device_pool, 0));
+    CHECK(cudaMemPoolTrimTo(device_pool, 0));
+    uint64_t held = 0;
+    CHECK(cudaMemPoolGetAttribute(device_pool, cudaMemPoolAttrReservedMemCurrent, &held));
+    size_t free_bytes, total;
+    CHECK(cudaMemGetInfo(&free_bytes, &total));
+    EXPECT(set_fraction(0, 2.0) == cudaErrorInvalidValue, "a fraction of 2 was taken");
+    EXPECT(set_fraction(0, (double)(held + 60 * MIB) / (double)total) == 0, "setting the fraction");
+    enum { USE2 = 0x44, DONT2 = 0x45 };
+    retain(0, USE2, 1, NULL, NULL);
+    retain(0, DONT2, 0, NULL, NULL);
+    void *pa, *pb, *c, *e, *refused;
+    begin_thread(0, DONT2);
+    CHECK(cudaMallocAsync(&pa, 30 * MIB, stream));
+    end_thread(0, DONT2);
+    begin_thread(0, USE2);
+    CHECK(cudaMallocAsync(&pb, 30 * MIB, stream));
+    end_thread(0, USE2);
+    EXPECT(cudaMallocAsync(&refused, 30 * MIB, stream) == cudaErrorMemoryAllocation,
+           "the ordinary pool went past the fraction that the MemPools' memory filled");
+    (void)cudaGetLastError();
+    CHECK(cudaFreeAsync(pa, stream));
+    CHECK(cudaFreeAsync(pb, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    CHECK(cudaMallocAsync(&c, 20 * MIB, stream));
+    EXPECT(c == pb, "under the fraction the use_on_oom pool did not lend its block (%p, its block %p)", c, pb);
+    EXPECT(cudaMallocAsync(&refused, 20 * MIB, stream) == cudaErrorMemoryAllocation,
+           "the pool without use_on_oom lent its memory, or the fraction was passed");
+    (void)cudaGetLastError();
+    CHECK(cudaFreeAsync(c, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    begin_thread(0, USE2);
+    CHECK(cudaMallocAsync(&e, 10 * MIB, stream));
+    end_thread(0, USE2);
+    EXPECT(e == c, "the lent block did not return to its pool (%p, lent %p)", e, c);
+    CHECK(cudaFreeAsync(e, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    release_pool(0, USE2);
+    release_pool(0, DONT2);
+    EXPECT(set_fraction(0, 1.0) == 0, "lifting the fraction");
     printf("OK mem_pools\n");
     return 0;
 }

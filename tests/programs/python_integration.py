@@ -40,6 +40,7 @@ with open(os.path.join(root, "torch", "_C.py"), "w") as f:
         "def _accelerator_getDeviceStats(device):\n    return 'native'\n"
         "def _cuda_getMemoryFraction(device):\n    return 216975863.59\n"
         "def _cuda_cudaCachingAllocator_enable(value):\n    return None\n"
+        "def _cuda_setMemoryFraction(fraction, device):\n    return None\n"
         "_handles = [0]\n"
         "def _graph_pool_handle():\n    _handles[0] += 1\n    return (0, _handles[0])\n"
         "class _cuda_CUDAAllocator:\n    pass\n"
@@ -138,6 +139,16 @@ else:
         fail(f"allocated_bytes.all.current is {stats['allocated_bytes']['all']['current']}")
     if torch._C._cuda_getMemoryFraction(0) != 1.0:
         fail(f"an unset memory fraction reads {torch._C._cuda_getMemoryFraction(0)}")
+    # set_per_process_memory_fraction limits the library's pools (fakecuda: 1 GiB).
+    torch._C._cuda_setMemoryFraction(0.25, 0)
+    big = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(big), 512 << 20) == 0:
+        fail("512 MiB were allocated under a fraction of 0.25 of 1 GiB")
+    torch._C._cuda_setMemoryFraction(1.0, 0)
+    if glob.cudaMalloc(ctypes.byref(big), 512 << 20) != 0:
+        fail("512 MiB could not be allocated once the fraction was lifted")
+    glob.cudaFree(big)
+
     # caching_allocator_enable(False): new allocations go to CUDA, uncounted, until it is on.
     def requested():
         return torch._C._cuda_memoryStats(0)["requested_bytes"]["all"]["allocated"]

@@ -12,6 +12,9 @@
 //! relaxed capture mode ([`capture_mode::relaxed`]), and segment releases are deferred to the end of
 //! the last capture: `cudaFree` synchronizes the device, which a capture cannot allow.
 //!
+//! Every segment and every map counts against the device's budget ([`budget`]): the memory
+//! limit that `set_per_process_memory_fraction` sets for all of a device's pools together.
+//!
 //! With `expandable_segments:True`, the device offers CUDA's virtual memory (`backend/vmm.rs`) when
 //! the driver and the GPU have it; the allocator then maps memory into expandable segments. An
 //! unmap synchronizes the context first, like a release, and is refused while a capture is
@@ -33,6 +36,7 @@ use crate::real::driver as real_driver;
 use crate::streams::Stream;
 use crate::streams::StreamRegistry;
 
+pub mod budget;
 mod vmm;
 
 pub use vmm::note_peer_access;
@@ -187,7 +191,68 @@ impl CudaDevice {
             .count()
     }
 
+    /// A new segment of `size` bytes: from the pool's own allocator, else from the driver.
+    fn allocate_segment_now(&self, size: u64) -> Result<u64, DeviceError> {
+        if let Some(foreign) = self.foreign {
+            let ptr = as_foreign(|| {
+                // SAFETY: the program's alloc function with PyTorch's pluggable signature
+                // (size, device, stream); it returns memory it owns until its free function.
+                unsafe { (foreign.alloc)(size as isize, self.ordinal, std::ptr::null_mut()) }
+            }) as u64;
+            if ptr == 0 {
+                return Err(DeviceError::OutOfMemory);
+            }
+            self.cover(ptr, size);
+            return Ok(ptr);
+        }
+        let malloc = real_driver::cuMemAlloc_v2().ok_or_else(|| missing("cuMemAlloc_v2"))?;
+        let mut ptr: u64 = 0;
+        let code = self.capture_safe(|| {
+            // SAFETY: valid out-pointer; `size` fits in usize on the 64-bit platforms we build
+            // for; this device's context is current.
+            self.fences
+                .on_own_context(|| unsafe { malloc(&mut ptr, size as usize) })
+        })?;
+        match code {
+            codes::SUCCESS if ptr != 0 => {
+                self.cover(ptr, size);
+                Ok(ptr)
+            }
+            // The driver keeps no sticky error for a failed allocation (the runtime did, which
+            // is why this once cleared it).
+            codes::ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
+            other => Err(driver_error(other, "cuMemAlloc_v2")),
+        }
+    }
+
+    /// Run `make`, which makes `bytes` of new device memory, if the device's budget has room
+    /// for them (else out of memory); they count as held if it succeeds.
+    fn within_budget(
+        &self,
+        bytes: u64,
+        make: impl FnOnce() -> Result<(), DeviceError>,
+    ) -> Result<(), DeviceError> {
+        let budget = budget::of(self.ordinal);
+        if !budget.take(bytes) {
+            return Err(DeviceError::OutOfMemory);
+        }
+        let result = make();
+        if result.is_err() {
+            budget.give_back(bytes);
+        }
+        result
+    }
+
+    /// Free a segment now, and give its bytes back to the device's budget.
     fn free_now(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        let result = self.free_now_uncounted(address, size);
+        if result.is_ok() {
+            budget::of(self.ordinal).give_back(size);
+        }
+        result
+    }
+
+    fn free_now_uncounted(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let sync = real_driver::cuCtxSynchronize().ok_or_else(|| missing("cuCtxSynchronize"))?;
         if let Some(foreign) = self.foreign {
             self.fences.on_own_context(|| {
@@ -261,36 +326,15 @@ impl Device for CudaDevice {
     }
 
     fn allocate_segment(&self, size: u64) -> Result<u64, DeviceError> {
-        if let Some(foreign) = self.foreign {
-            let ptr = as_foreign(|| {
-                // SAFETY: the program's alloc function with PyTorch's pluggable signature
-                // (size, device, stream); it returns memory it owns until its free function.
-                unsafe { (foreign.alloc)(size as isize, self.ordinal, std::ptr::null_mut()) }
-            }) as u64;
-            if ptr == 0 {
-                return Err(DeviceError::OutOfMemory);
-            }
-            self.cover(ptr, size);
-            return Ok(ptr);
+        let budget = budget::of(self.ordinal);
+        if !budget.take(size) {
+            return Err(DeviceError::OutOfMemory);
         }
-        let malloc = real_driver::cuMemAlloc_v2().ok_or_else(|| missing("cuMemAlloc_v2"))?;
-        let mut ptr: u64 = 0;
-        let code = self.capture_safe(|| {
-            // SAFETY: valid out-pointer; `size` fits in usize on the 64-bit platforms we build
-            // for; this device's context is current.
-            self.fences
-                .on_own_context(|| unsafe { malloc(&mut ptr, size as usize) })
-        })?;
-        match code {
-            codes::SUCCESS if ptr != 0 => {
-                self.cover(ptr, size);
-                Ok(ptr)
-            }
-            // The driver keeps no sticky error for a failed allocation (the runtime did, which
-            // is why this once cleared it).
-            codes::ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
-            other => Err(driver_error(other, "cuMemAlloc_v2")),
+        let result = self.allocate_segment_now(size);
+        if result.is_err() {
+            budget.give_back(size);
         }
+        result
     }
 
     fn free_segment(&self, address: u64, size: u64) -> Result<(), DeviceError> {
@@ -360,12 +404,17 @@ impl Device for CudaDevice {
 
     fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
-        self.capture_safe(|| self.fences.on_own_context(|| vmm.map(address, size)))?
+        self.within_budget(size, || {
+            self.capture_safe(|| self.fences.on_own_context(|| vmm.map(address, size)))?
+        })
     }
 
     fn map_run(&self, mappings: &[(u64, u64)]) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
-        self.capture_safe(|| self.fences.on_own_context(|| vmm.map_run(mappings)))?
+        let bytes = mappings.iter().map(|&(_, size)| size).sum();
+        self.within_budget(bytes, || {
+            self.capture_safe(|| self.fences.on_own_context(|| vmm.map_run(mappings)))?
+        })
     }
 
     fn can_alias(&self) -> bool {
@@ -382,7 +431,13 @@ impl Device for CudaDevice {
         mappings: &[(u64, u64)],
     ) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
-        self.capture_safe(|| (self.fences).on_own_context(|| vmm.map_with_moves(moves, mappings)))?
+        // Moved memory is memory held already; only the new mappings are more.
+        let bytes = mappings.iter().map(|&(_, size)| size).sum();
+        self.within_budget(bytes, || {
+            self.capture_safe(|| {
+                (self.fences).on_own_context(|| vmm.map_with_moves(moves, mappings))
+            })?
+        })
     }
 
     fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
@@ -394,7 +449,9 @@ impl Device for CudaDevice {
             });
         }
         // The caller made sure nothing uses the memory (Device::unmap's contract).
-        self.fences.on_own_context(|| vmm.unmap(address, size))?
+        self.fences.on_own_context(|| vmm.unmap(address, size))??;
+        budget::of(self.ordinal).give_back(size);
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {

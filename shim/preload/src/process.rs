@@ -352,6 +352,7 @@ impl Shim {
         let driver = self.driver.ok_or(cuda::ERROR_INITIALIZATION)?;
         let pool = slot.get_or_init(|| {
             let config = settings::get().config.allocator.clone();
+            let config_fraction_set = config.per_process_memory_fraction < 1.0;
             let observer = DeviceObserver {
                 device: device as u32,
                 trace: self.trace.as_ref().ok().cloned(),
@@ -371,6 +372,10 @@ impl Shim {
                 "device {device}: pool created, limit {}",
                 format_bytes(alloc.limit())
             );
+            if config_fraction_set {
+                // The fraction limits the device's private pools too (backend::budget).
+                crate::backend::budget::set_limit(device, alloc.limit());
+            }
             Pool::new(alloc)
         });
         // A stream created while this pool was being built: fence now (once).
@@ -431,6 +436,7 @@ impl Shim {
     /// `device`'s primary context was reset: forget its pools (their memory is gone).
     pub fn device_reset_of(&self, device: i32) {
         gpu::contexts::forget_primary_context(device);
+        crate::backend::budget::forget_held(device);
         if let Some(alloc) = self.allocator_of(device) {
             alloc.forget_all();
             alloc.device().forget_mappings();

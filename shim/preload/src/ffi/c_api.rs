@@ -317,6 +317,25 @@ pub unsafe extern "C" fn cachealloc_mem_pool_snapshot_json(
     unsafe { write_text(&text, buf, len) }
 }
 
+/// Limit the memory that `device`'s pools hold in all (the ordinary pool and every private
+/// pool) to `fraction` of the device's memory, as PyTorch's `set_per_process_memory_fraction`
+/// does; 1.0 lifts the limit. Returns 0, or `cudaErrorInvalidValue` for a fraction outside
+/// [0, 1] or a device without a pool.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_set_memory_fraction(device: c_int, fraction: f64) -> CudaError {
+    guarded(
+        "cachealloc_set_memory_fraction",
+        || match process::shim().filter(|s| s.healthy()) {
+            Some(shim) => match shim.set_memory_fraction(device, fraction) {
+                Ok(()) => cuda::SUCCESS,
+                Err(code) => code,
+            },
+            None => cuda::ERROR_INITIALIZATION,
+        },
+        || cuda::ERROR_INITIALIZATION,
+    )
+}
+
 /// Turn caching on (`on` non-zero) or off, as PyTorch's `caching_allocator_enable` does: while
 /// it is off, new allocations go to CUDA, uncounted. Returns whether it was on before.
 #[cfg_attr(not(test), unsafe(no_mangle))]
