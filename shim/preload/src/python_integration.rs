@@ -1,5 +1,6 @@
 //! The Python integration: in a Python process, the constructor puts a directory holding
-//! `sitecustomize.py`, `cachealloc_hooks.py` and `cachealloc_categories.py` (`shim/python/`, embedded in the library)
+//! `sitecustomize.py`, `cachealloc_hooks.py` and the modules it installs (`cachealloc_common.py`,
+//! `cachealloc_memory.py`, `cachealloc_categories.py`; `shim/python/`, embedded in the library)
 //! first on `PYTHONPATH`, so that Python runs them at start-up with no change to the program.
 //! They adjust what PyTorch cannot do on the `cudaMallocAsync` route (see
 //! `cachealloc_hooks.py`); nothing on the allocation path, no import of torch.
@@ -18,7 +19,7 @@ use std::path::{Path, PathBuf};
 use crate::log;
 
 /// The files of the integration: name and text.
-const FILES: [(&str, &str); 3] = [
+const FILES: [(&str, &str); 5] = [
     (
         "sitecustomize.py",
         include_str!("../../python/sitecustomize.py"),
@@ -26,6 +27,14 @@ const FILES: [(&str, &str); 3] = [
     (
         "cachealloc_hooks.py",
         include_str!("../../python/cachealloc_hooks.py"),
+    ),
+    (
+        "cachealloc_common.py",
+        include_str!("../../python/cachealloc_common.py"),
+    ),
+    (
+        "cachealloc_memory.py",
+        include_str!("../../python/cachealloc_memory.py"),
     ),
     (
         "cachealloc_categories.py",

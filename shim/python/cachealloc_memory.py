@@ -1,0 +1,347 @@
+"""cachealloc's Python integration for `torch.cuda.memory` (installed by `cachealloc_hooks`
+when the program imports it): on the `cudaMallocAsync` route PyTorch's own statistics, history,
+snapshots, MemPools, memory fraction and caching switch are not kept (its backend has none);
+`adjust` replaces the entry points of `torch._C` that the memory API calls by ones served from
+the preloaded library. The list, and why: the docstring of `cachealloc_hooks` and design.md,
+"The Python integration"."""
+import os
+import sys
+
+from cachealloc_common import c_functions, pool_key, say, text, torch_backend
+
+
+def _memory_api():
+    """The library's C API for the memory replacements, or None."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)
+        stats = lib.cachealloc_device_stats_json
+        flush = lib.cachealloc_trace_flush
+        reset = lib.cachealloc_reset_accumulated_stats
+    except (OSError, AttributeError):
+        return None
+    stats.restype = flush.restype = ctypes.c_size_t
+    stats.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    flush.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    reset.restype = None
+    reset.argtypes = [ctypes.c_int]
+    return stats, flush, reset
+
+
+def nested_stats(flat):
+    """PyTorch's nested statistics (`memoryStats`) from flat `a.b.c` keys."""
+    out = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        level = out
+        for part in parts[:-1]:
+            level = level.setdefault(part, {})
+        level[parts[-1]] = value
+    return out
+
+
+def _cachealloc_binary():
+    """The `cachealloc` command beside the preloaded library."""
+    for entry in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+        if os.path.basename(entry).startswith("libcachealloc"):
+            candidate = os.path.join(os.path.dirname(os.path.abspath(entry)), "cachealloc")
+            if os.access(candidate, os.X_OK):
+                return candidate
+    return None
+
+
+class _History:
+    """What `_record_memory_history` asked for: the recorder keeps the history anyway; a
+    snapshot shows its last `max_entries` events, none after an explicit `enabled=None`."""
+
+    enabled = True
+    max_entries = 100_000
+
+
+def _record_history(enabled="all", context="all", stacks="all", max_entries=None, *rest, **kw):
+    _History.enabled = enabled is not None and enabled is not False
+    if isinstance(max_entries, int) and max_entries > 0:
+        _History.max_entries = max_entries
+
+
+def _snapshot_from_trace(flush):
+    import pickle
+    import subprocess
+    import tempfile
+
+    trace = text(flush)
+    if not trace:
+        raise RuntimeError(
+            "cachealloc: no trace to take a snapshot from (CACHEALLOC_CONF has trace:off, "
+            "or the trace could not be written)"
+        )
+    tool = _cachealloc_binary()
+    if tool is None:
+        raise RuntimeError(
+            "cachealloc: the `cachealloc` command was not found beside the preloaded library"
+        )
+    events = min(_History.max_entries, 10_000_000) if _History.enabled else 0
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "snapshot.pickle")
+        done = subprocess.run(
+            [tool, "snapshot", trace, "--events", str(events), "-o", out],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"cachealloc snapshot failed: {done.stderr.strip()}")
+        with open(out, "rb") as f:
+            snapshot = pickle.load(f)
+    if not _History.enabled:
+        snapshot["device_traces"] = [[] for _ in snapshot.get("device_traces", [])]
+    return snapshot
+
+
+def _with_pool_ids(snapshot):
+    """`snapshot` with each private pool's segment named by its pool (`segment_pool_id`), which
+    the library knows and the trace does not."""
+    import ctypes
+    import json
+
+    api = c_functions(segments="cachealloc_private_segments_json")
+    if api is None:
+        return snapshot
+    api.segments.restype = ctypes.c_size_t
+    api.segments.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    pools = {}
+    for device in {s.get("device", 0) for s in snapshot.get("segments", [])}:
+        for address, first, second in json.loads(text(api.segments, int(device)) or "[]"):
+            pools[(device, address)] = (first, second)
+    for segment in snapshot.get("segments", []):
+        pool = pools.get((segment.get("device", 0), segment.get("address")))
+        if pool is not None:
+            segment["segment_pool_id"] = pool
+    return snapshot
+
+
+def _mem_pool_api():
+    """The library's C API for MemPools, as a namespace of ctypes functions, or None."""
+    import ctypes
+
+    api = c_functions(
+        retain="cachealloc_mem_pool_retain",
+        release="cachealloc_mem_pool_release",
+        use_count="cachealloc_mem_pool_use_count",
+        begin="cachealloc_mem_pool_begin_thread",
+        end="cachealloc_mem_pool_end_thread",
+        snapshot="cachealloc_mem_pool_snapshot_json",
+    )
+    if api is None:
+        return None
+    api.retain.restype = ctypes.c_int
+    api.retain.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+    for fn in (api.release, api.use_count, api.begin):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    api.end.restype = None
+    api.end.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    api.snapshot.restype = ctypes.c_size_t
+    api.snapshot.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
+    return api
+
+
+#: The ctypes callbacks of the out-of-memory observers (kept alive for the library).
+_OOM_CALLBACKS = []
+
+
+def _oom_observers(native):
+    """Replace `_cuda_attach_out_of_memory_observer` with the library's observers."""
+    import ctypes
+
+    try:
+        attach = ctypes.CDLL(None).cachealloc_attach_oom_observer
+    except (OSError, AttributeError):
+        return
+    callback_type = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
+    attach.restype = ctypes.c_int
+    attach.argtypes = [callback_type]
+
+    def attach_out_of_memory_observer(observer):
+        def call(device, requested, limit, free):
+            observer(device, requested, limit, free)
+
+        callback = callback_type(call)
+        _OOM_CALLBACKS.append(callback)
+        attach(callback)
+
+    native._cuda_attach_out_of_memory_observer = attach_out_of_memory_observer
+
+
+#: PyTorch's pool id -> the device of a MemPool made under the library (for snapshots).
+_POOL_DEVICES = {}
+#: id() of each `_cuda_CUDAAllocator` made by `CUDAPluggableAllocator` -> (allocator, its
+#: alloc and free function addresses): what a `MemPool(allocator)` takes its segments from.
+_FOREIGN_ALLOCATORS = {}
+
+
+def _mem_pool_class(api, torch_c, original):
+    """`torch.cuda.MemPool` served by the library's private pools (Note [PyTorch MemPools])."""
+
+    class MemPool:
+        def __init__(self, allocator=None, use_on_oom=False, no_split=False):
+            import torch
+
+            self._allocator = allocator
+            # PyTorch's own counter, shared with graph_pool_handle(): ids never collide.
+            self._id = tuple(torch_c._graph_pool_handle())
+            self._device = torch.cuda.current_device()
+            alloc_fn = free_fn = None
+            if allocator is not None:
+                known = _FOREIGN_ALLOCATORS.get(id(allocator))
+                if known is None or known[0] is not allocator:
+                    raise RuntimeError(
+                        "cachealloc: MemPool(allocator) takes the allocator() of a "
+                        "torch.cuda.memory.CUDAPluggableAllocator"
+                    )
+                alloc_fn, free_fn = known[1], known[2]
+            flags = (1 if use_on_oom else 0) | (2 if no_split else 0)
+            if api.retain(self._device, pool_key(self._id), flags, alloc_fn, free_fn) < 0:
+                raise RuntimeError("cachealloc: MemPool needs the library's pools (pool:on)")
+            _POOL_DEVICES[self._id] = self._device
+
+        @property
+        def id(self):
+            return self._id
+
+        @property
+        def allocator(self):
+            return self._allocator
+
+        def use_count(self):
+            return api.use_count(self._device, pool_key(self._id))
+
+        def snapshot(self, include_traces=True):
+            import torch
+
+            return torch.cuda.memory_snapshot(self._id, include_traces=include_traces)
+
+        def __del__(self):
+            try:
+                api.release(self._device, pool_key(self._id))
+            except Exception:  # interpreter shutdown: the library frees at exit anyway
+                pass
+
+    MemPool.__doc__ = getattr(original, "__doc__", None)
+    MemPool.__module__ = getattr(original, "__module__", "torch.cuda.memory")
+    return MemPool
+
+
+def _pool_snapshot(api, pool_id):
+    """PyTorch's snapshot of one pool: its segments now, read from the library."""
+    import json
+
+    device = _POOL_DEVICES.get(tuple(pool_id), 0)
+    segments = json.loads(text(api.snapshot, device, pool_key(pool_id)))
+    for segment in segments:
+        segment["segment_pool_id"] = tuple(segment["segment_pool_id"])
+    return {"segments": segments, "device_traces": []}
+
+
+def _mem_pools(memory, native):
+    """Replace MemPool and use_mem_pool's entry points (see the module's docs)."""
+    api = _mem_pool_api()
+    if api is None:
+        return None
+    native_custom = getattr(native, "_cuda_customAllocator", None)
+    if native_custom is not None and not getattr(native_custom, "_cachealloc_wrapped", False):
+
+        def custom_allocator(alloc_fn, free_fn):
+            allocator = native_custom(alloc_fn, free_fn)
+            _FOREIGN_ALLOCATORS[id(allocator)] = (allocator, alloc_fn, free_fn)
+            return allocator
+
+        custom_allocator._cachealloc_wrapped = True
+        native._cuda_customAllocator = custom_allocator
+
+    def begin_allocate_to_pool(device, pool_id):
+        code = api.begin(int(device), pool_key(pool_id))
+        if code != 0:
+            raise RuntimeError(f"cachealloc: cannot allocate to MemPool {tuple(pool_id)} (error {code})")
+
+    def end_allocate_to_pool(device, pool_id):
+        api.end(int(device), pool_key(pool_id))
+
+    def release_pool(device, pool_id):
+        api.release(int(device), pool_key(pool_id))
+
+    for module in (native, memory):
+        module._cuda_beginAllocateCurrentThreadToPool = begin_allocate_to_pool
+        module._cuda_endAllocateToPool = end_allocate_to_pool
+        module._cuda_releasePool = release_pool
+    pool_class = _mem_pool_class(api, native, getattr(memory, "MemPool", None))
+    memory.MemPool = pool_class
+    native._MemPool = pool_class
+    if "torch.cuda" in sys.modules and hasattr(sys.modules["torch.cuda"], "MemPool"):
+        sys.modules["torch.cuda"].MemPool = pool_class
+    return api
+
+
+def adjust(memory):
+    if torch_backend() != "cudaMallocAsync":
+        return
+    api = _memory_api()
+    native = sys.modules.get("torch._C")
+    if api is None or native is None:
+        return
+    stats, flush, reset = api
+    pools = _mem_pools(memory, native)
+    _oom_observers(native)
+    import json
+
+    def memory_stats(device):
+        return nested_stats(json.loads(text(stats, int(device))))
+
+    def reset_accumulated(device):
+        reset(int(device))
+
+    def memory_snapshot(which=None, *args, **kwargs):
+        # memory_snapshot(mempool_id) passes (first, second, include_traces); (0, 0) is the
+        # whole allocator.
+        if pools is not None and isinstance(which, tuple) and len(which) >= 2 and tuple(which[:2]) != (0, 0):
+            return _pool_snapshot(pools, which[:2])
+        return _with_pool_ids(_snapshot_from_trace(flush))
+
+    native._cuda_memoryStats = memory_stats
+    native._cuda_resetAccumulatedMemoryStats = reset_accumulated
+    # The backend answers the memory fraction as its limit over the device's memory, and its
+    # limit is "unlimited" (2**64 - 1) until one is set: a "fraction" of millions, which
+    # set_per_process_memory_fraction then refuses to take back. Unset is 1.0, as natively.
+    get_fraction = getattr(native, "_cuda_getMemoryFraction", None)
+    if get_fraction is not None:
+        native._cuda_getMemoryFraction = lambda device: min(get_fraction(device), 1.0)
+    # torch.accelerator's memory functions read the same statistics through these.
+    if hasattr(native, "_accelerator_getDeviceStats"):
+        native._accelerator_getDeviceStats = memory_stats
+    if hasattr(native, "_accelerator_resetAccumulatedStats"):
+        native._accelerator_resetAccumulatedStats = reset_accumulated
+    # The fraction limits all of a device's pools together, private pools too, as natively;
+    # PyTorch's backend counts only its own allocations.
+    set_fraction = getattr(native, "_cuda_setMemoryFraction", None)
+    limits = c_functions(set="cachealloc_set_memory_fraction")
+    if set_fraction is not None and limits is not None:
+        import ctypes
+
+        limits.set.restype = ctypes.c_int
+        limits.set.argtypes = [ctypes.c_int, ctypes.c_double]
+
+        def set_memory_fraction(fraction, device):
+            set_fraction(fraction, device)
+            limits.set(int(device), float(fraction))
+
+        native._cuda_setMemoryFraction = set_memory_fraction
+    caching = c_functions(enable="cachealloc_caching_enable")
+    if caching is not None and hasattr(native, "_cuda_cudaCachingAllocator_enable"):
+        import ctypes
+
+        caching.enable.restype = ctypes.c_int
+        caching.enable.argtypes = [ctypes.c_int]
+        native._cuda_cudaCachingAllocator_enable = lambda value: caching.enable(1 if value else 0) and None
+    native._cuda_record_memory_history = _record_history
+    native._cuda_memorySnapshot = memory_snapshot
+    say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")
