@@ -7,7 +7,7 @@ the preloaded library. The list, and why: the docstring of `cachealloc_hooks` an
 import os
 import sys
 
-from cachealloc_common import c_functions, pool_key, say, text, torch_backend
+from cachealloc_common import c_functions, pool_key, say, text, torch_backend, warn
 
 
 def _memory_api():
@@ -282,6 +282,18 @@ def _mem_pools(memory, native):
     return api
 
 
+def _settings_setter(original, apply):
+    """`original` (a `torch._C` setter of allocator settings), then the library's."""
+
+    def set_allocator_settings(env, *args, **kwargs):
+        result = original(env, *args, **kwargs)
+        if apply(str(env).encode()) != 0:
+            warn(f"the allocator settings {env!r} were not applied to cachealloc's pools (the message above says why)")
+        return result
+
+    return set_allocator_settings
+
+
 def adjust(memory):
     if torch_backend() != "cudaMallocAsync":
         return
@@ -335,6 +347,18 @@ def adjust(memory):
             limits.set(int(device), float(fraction))
 
         native._cuda_setMemoryFraction = set_memory_fraction
+    # _set_allocator_settings: PyTorch's parser first (its checks and errors, its own keys),
+    # then the library's pools.
+    settings = c_functions(apply="cachealloc_set_allocator_settings")
+    if settings is not None:
+        import ctypes
+
+        settings.apply.restype = ctypes.c_int
+        settings.apply.argtypes = [ctypes.c_char_p]
+        for name in ("_cuda_cudaCachingAllocator_set_allocator_settings", "_accelerator_setAllocatorSettings"):
+            original = getattr(native, name, None)
+            if original is not None:
+                setattr(native, name, _settings_setter(original, settings.apply))
     caching = c_functions(enable="cachealloc_caching_enable")
     if caching is not None and hasattr(native, "_cuda_cudaCachingAllocator_enable"):
         import ctypes

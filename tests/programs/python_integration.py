@@ -41,6 +41,8 @@ with open(os.path.join(root, "torch", "_C.py"), "w") as f:
         "def _cuda_getMemoryFraction(device):\n    return 216975863.59\n"
         "def _cuda_cudaCachingAllocator_enable(value):\n    return None\n"
         "def _cuda_setMemoryFraction(fraction, device):\n    return None\n"
+        "settings_seen = []\n"
+        "def _cuda_cudaCachingAllocator_set_allocator_settings(env):\n    settings_seen.append(env)\n"
         "_handles = [0]\n"
         "def _graph_pool_handle():\n    _handles[0] += 1\n    return (0, _handles[0])\n"
         "class _cuda_CUDAAllocator:\n    pass\n"
@@ -148,6 +150,27 @@ else:
     if glob.cudaMalloc(ctypes.byref(big), 512 << 20) != 0:
         fail("512 MiB could not be allocated once the fraction was lifted")
     glob.cudaFree(big)
+
+    # _set_allocator_settings reaches PyTorch's parser, then the library's pools.
+    def grows_by(size):
+        start = torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
+        block = ctypes.c_void_p()
+        if glob.cudaMalloc(ctypes.byref(block), size) != 0:
+            fail(f"cudaMalloc({size}) failed")
+        grown = torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] - start
+        glob.cudaFree(block)
+        return grown
+
+    torch._C._cuda_cudaCachingAllocator_set_allocator_settings("roundup_power2_divisions:4,max_split_size_mb:40")
+    if torch._C.settings_seen != ["roundup_power2_divisions:4,max_split_size_mb:40"]:
+        fail(f"PyTorch's own setter saw {torch._C.settings_seen}")
+    if grows_by(84 << 20) != 96 << 20:
+        fail(f"with roundup_power2_divisions:4, 84 MiB took {grows_by(84 << 20) >> 20} MiB")
+    if torch._C._cuda_memoryStats(0)["max_split_size"] != 40 << 20:
+        fail(f"max_split_size is {torch._C._cuda_memoryStats(0)['max_split_size']}")
+    torch._C._cuda_cudaCachingAllocator_set_allocator_settings("")
+    if grows_by(84 << 20) != 84 << 20:
+        fail("an empty settings string did not reset the rounding, as PyTorch's does")
 
     # caching_allocator_enable(False): new allocations go to CUDA, uncounted, until it is on.
     def requested():

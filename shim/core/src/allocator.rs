@@ -240,9 +240,18 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         &self.device
     }
 
-    /// The policy in force.
+    /// The policy the allocator was made with (the program may since have changed
+    /// `max_split_size`, `roundup_power2_divisions` and `garbage_collection_threshold`:
+    /// [`Allocator::set_policy`]).
     pub fn config(&self) -> &AllocatorConfig {
         &self.config
+    }
+
+    /// Apply `config`'s `max_split_size`, `roundup_power2_divisions` and
+    /// `garbage_collection_threshold` to requests from now on (PyTorch's
+    /// `_set_allocator_settings`); the allocator's other settings stay as they were made.
+    pub fn set_policy(&self, config: &AllocatorConfig) {
+        self.pools.lock().set_policy(config);
     }
 
     /// Bytes this process may reserve.
@@ -280,8 +289,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         tag: u64,
         changes: &mut SegmentChanges,
     ) -> Result<Allocation, AllocError> {
-        let rounded = sizes::round_size(size, &self.config.roundup);
         let mut pools = self.pools.lock();
+        let rounded = pools.round(size);
 
         // 1. The cache, after closing a full open batch and collecting completed ones.
         if pools.has_pending() {
@@ -293,19 +302,15 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         if let Some(a) = pools.alloc_cached(rounded, size, tag, stream) {
             return Ok(self.served(a));
         }
-        self.malloc_slow(
-            pools,
-            &Request::new(size, stream, tag, &self.config),
-            changes,
-        )
+        self.malloc_slow(pools, &Request::new(size, rounded, stream, tag), changes)
     }
 
     /// Serve `size` bytes for `stream` from cached blocks alone (those whose fences completed):
     /// no wait, no new segment, `None` when none fits. A pool lends its free memory so when
     /// another pool of the device is out of memory (PyTorch's `MemPool(use_on_oom=True)`).
     pub fn malloc_from_cache(&self, size: u64, stream: u64, tag: u64) -> Option<Allocation> {
-        let rounded = sizes::round_size(size, &self.config.roundup);
         let mut pools = self.pools.lock();
+        let rounded = pools.round(size);
         if pools.has_pending() {
             self.collect_completed(&mut pools, &mut SegmentChanges::default());
         }
@@ -328,8 +333,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         tag: u64,
     ) -> Result<Allocation, AllocError> {
         let mut changes = SegmentChanges::default();
-        let request = Request::new(size, stream, tag, &self.config);
         let mut pools = self.pools.lock();
+        let request = Request::new(size, pools.round(size), stream, tag);
         // What the ladder did before growing, less the cache lookups: fences and GC.
         if pools.has_pending() {
             if pools.open_batch_full() {
@@ -343,8 +348,9 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         if stream != NO_STREAM {
             self.adopt_cross_stream(&mut pools, stream, &mut changes)?;
         }
-        if self.config.garbage_collection_threshold > 0.0 {
-            let garbage = pools.take_garbage(self.config.garbage_collection_threshold, self.limit);
+        let threshold = pools.garbage_collection_threshold();
+        if threshold > 0.0 {
+            let garbage = pools.take_garbage(threshold, self.limit);
             pools = self.release_unlocked(pools, garbage, &mut changes);
         }
         let (served, pools) = self.grow_and_serve(pools, &request, &mut changes, false);
@@ -386,8 +392,9 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         }
 
         // 3. Garbage collection of old cached segments.
-        if self.config.garbage_collection_threshold > 0.0 {
-            let garbage = pools.take_garbage(self.config.garbage_collection_threshold, self.limit);
+        let threshold = pools.garbage_collection_threshold();
+        if threshold > 0.0 {
+            let garbage = pools.take_garbage(threshold, self.limit);
             pools = self.release_unlocked(pools, garbage, changes);
         }
 

@@ -25,6 +25,7 @@
 //! | `graph_capture` | the barrier fence and the private pool at a capture's start, deferred releases at the last one's end |
 //! | `private_pools` | private pools (Note [Private pools]): those of graph captures (Note [Capture pools]) and PyTorch's `MemPool`s (Note [PyTorch MemPools]) |
 //! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
+//! | `torch_settings` | PyTorch's memory settings at run time: the memory fraction, the allocator settings, caching on or off |
 //! | `backward` | the stack of the Python thread in `backward()` for the autograd engine's threads |
 //! | `program_context` | what the Python integration says of the program: module scopes, phases, what blocks hold (for memory by category) |
 //! | `peer_access` | peer access to pooled memory |
@@ -60,6 +61,7 @@ mod pointers;
 mod private_pools;
 pub mod program_context;
 mod stream_lifecycle;
+mod torch_settings;
 
 pub use exit::ExitFacts;
 
@@ -290,18 +292,6 @@ impl Shim {
     /// Whether the shim pools at all: not with `pool:off`, nor after an internal failure.
     pub fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Acquire)
-    }
-
-    /// The program turns caching on or off (PyTorch's `caching_allocator_enable`). While it is
-    /// off, new allocations go to CUDA and are not counted in the statistics, as PyTorch's
-    /// native allocator does; blocks allocated before return to their pools when freed.
-    pub fn set_caching(&self, on: bool) {
-        self.caching_off.store(!on, Ordering::Relaxed);
-    }
-
-    /// Whether caching is on (see [`Shim::set_caching`]).
-    pub fn caching(&self) -> bool {
-        !self.caching_off.load(Ordering::Relaxed)
     }
 
     /// The calling thread's current device: the runtime's, or without a shared runtime (one

@@ -3,7 +3,6 @@
 //! the application's size, its rounded size and the segment size a new segment for it would
 //! have.
 
-use crate::config::AllocatorConfig;
 use crate::sizes;
 
 /// A request on its way down the ladder.
@@ -22,8 +21,8 @@ pub(super) struct Request {
 }
 
 impl Request {
-    pub(super) fn new(size: u64, stream: u64, tag: u64, config: &AllocatorConfig) -> Self {
-        let rounded = sizes::round_size(size, &config.roundup);
+    /// A request of `size` bytes, rounded to `rounded` by the policy in force.
+    pub(super) fn new(size: u64, rounded: u64, stream: u64, tag: u64) -> Self {
         Request {
             size,
             rounded,

@@ -366,3 +366,33 @@ fn a_replayed_growth_gets_a_new_segment_at_the_planned_address() {
     assert_eq!(grown.segment_address, planned);
     a.check_invariants().unwrap();
 }
+
+/// PyTorch's `_set_allocator_settings` at run time: the rounding and the split limit in force
+/// apply to the next requests; blocks already handed out keep their sizes.
+#[test]
+fn settings_changed_at_run_time_apply_to_later_requests() {
+    let c = default();
+    let size = 84 * MIB;
+    let before = c.malloc(size);
+    assert_eq!(before.size, size, "no rounding by default");
+    c.alloc.set_policy(&AllocatorConfig {
+        roundup: Roundup::Uniform(4),
+        ..AllocatorConfig::default()
+    });
+    let after = c.malloc(size);
+    assert_eq!(
+        after.size,
+        96 * MIB,
+        "64..128 MiB in four steps: 84 MiB rounds to 96"
+    );
+    c.alloc.set_policy(&AllocatorConfig {
+        max_split_size: 40 * MIB,
+        ..AllocatorConfig::default()
+    });
+    assert_eq!(c.stats().max_split_size, 40 * MIB);
+    let plain = c.malloc(size);
+    assert_eq!(plain.size, size, "the rounding went back to none");
+    for a in [before, after, plain] {
+        c.free(a.address);
+    }
+}

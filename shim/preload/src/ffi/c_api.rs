@@ -336,6 +336,36 @@ pub extern "C" fn cachealloc_set_memory_fraction(device: c_int, fraction: f64) -
     )
 }
 
+/// PyTorch's allocator settings changed at run time (`torch.cuda.memory._set_allocator_settings`;
+/// `settings` a NUL-terminated `PYTORCH_CUDA_ALLOC_CONF`-style string): see
+/// `Shim::set_allocator_settings`. Returns 0, or `cudaErrorInvalidValue` with one message
+/// naming the key and its valid values.
+///
+/// # Safety
+/// `settings` must be null or a NUL-terminated string.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_set_allocator_settings(settings: *const c_char) -> CudaError {
+    if settings.is_null() {
+        return cuda::ERROR_INVALID_VALUE;
+    }
+    // SAFETY: a NUL-terminated string, per the contract.
+    let text = unsafe { std::ffi::CStr::from_ptr(settings) }.to_string_lossy();
+    guarded(
+        "cachealloc_set_allocator_settings",
+        || match process::shim().filter(|s| s.healthy()) {
+            Some(shim) => match shim.set_allocator_settings(&text) {
+                Ok(()) => cuda::SUCCESS,
+                Err(why) => {
+                    crate::log::error!("_set_allocator_settings: {why}");
+                    cuda::ERROR_INVALID_VALUE
+                }
+            },
+            None => cuda::ERROR_INITIALIZATION,
+        },
+        || cuda::ERROR_INITIALIZATION,
+    )
+}
+
 /// Turn caching on (`on` non-zero) or off, as PyTorch's `caching_allocator_enable` does: while
 /// it is off, new allocations go to CUDA, uncounted. Returns whether it was on before.
 #[cfg_attr(not(test), unsafe(no_mangle))]

@@ -2,7 +2,7 @@
 //! (`cudaDeviceGetDefaultMemPool`, `cudaMemPoolGetAttribute`, `cudaMemPoolTrimTo`): which pool
 //! is whose, and the statistics, peak resets and trims answered from our pools.
 
-use cachealloc_core::{Device, Stats};
+use cachealloc_core::Stats;
 
 use super::Shim;
 use crate::cuda::{self, CudaError};
@@ -53,25 +53,6 @@ impl Shim {
             a.reset_accumulated_stats();
         }
         self.for_each_private_pool(device, |a| a.reset_accumulated_stats());
-    }
-
-    /// Limit the memory `device`'s pools hold in all — the ordinary pool's and every private
-    /// pool's — to `fraction` of the device's memory (PyTorch's
-    /// `set_per_process_memory_fraction`, at run time); memory beyond it is refused as on a
-    /// full device (`backend::budget`).
-    pub fn set_memory_fraction(&self, device: i32, fraction: f64) -> Result<(), CudaError> {
-        if !(0.0..=1.0).contains(&fraction) {
-            return Err(cuda::ERROR_INVALID_VALUE);
-        }
-        let total = self.pool(device)?.alloc.device().mem_info().total;
-        let bytes = if fraction >= 1.0 {
-            u64::MAX
-        } else {
-            (total as f64 * fraction) as u64
-        };
-        crate::backend::budget::set_limit(device, bytes);
-        log::debug!("device {device}: its pools may hold {fraction} of {total} bytes");
-        Ok(())
     }
 
     /// Release `device`'s cached free segments (PyTorch's `empty_cache` through

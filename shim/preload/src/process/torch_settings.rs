@@ -1,0 +1,84 @@
+//! PyTorch's memory settings at run time, which the Python integration passes on from
+//! `torch.cuda.memory`: the memory fraction (`set_per_process_memory_fraction`, for all of a
+//! device's pools: `backend::budget`), the allocator settings (`_set_allocator_settings`) and
+//! caching on or off (`caching_allocator_enable`).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cachealloc_core::Device;
+use cachealloc_core::config::Config;
+
+use super::Shim;
+use crate::cuda::{self, CudaError};
+use crate::log;
+
+impl Shim {
+    /// Limit the memory `device`'s pools hold in all — the ordinary pool's and every private
+    /// pool's — to `fraction` of the device's memory (PyTorch's
+    /// `set_per_process_memory_fraction`, at run time); memory beyond it is refused as on a
+    /// full device (`backend::budget`).
+    pub fn set_memory_fraction(&self, device: i32, fraction: f64) -> Result<(), CudaError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(cuda::ERROR_INVALID_VALUE);
+        }
+        let total = self.pool(device)?.alloc.device().mem_info().total;
+        let bytes = if fraction >= 1.0 {
+            u64::MAX
+        } else {
+            (total as f64 * fraction) as u64
+        };
+        crate::backend::budget::set_limit(device, bytes);
+        log::debug!("device {device}: its pools may hold {fraction} of {total} bytes");
+        Ok(())
+    }
+
+    /// PyTorch's allocator settings changed at run time (`_set_allocator_settings`, a
+    /// `PYTORCH_CUDA_ALLOC_CONF`-style string that PyTorch's own parser has accepted). As in
+    /// PyTorch, the string replaces the settings: `max_split_size_mb`,
+    /// `roundup_power2_divisions` and `garbage_collection_threshold` take the string's values,
+    /// or their defaults, for every device's ordinary pool from the next request on;
+    /// `per_process_memory_fraction`, when given, limits each device's pools. PyTorch-only keys
+    /// are PyTorch's. `expandable_segments` is read at start only: a change is reported once
+    /// and not applied. The error names the key and its valid values.
+    pub fn set_allocator_settings(&self, text: &str) -> Result<(), String> {
+        let resolved = Config::from_sources(None, Some(text)).map_err(|e| e.to_string())?;
+        let policy = resolved.config.allocator;
+        let given = |key: &str| {
+            text.split(',')
+                .any(|entry| entry.split(':').next().is_some_and(|k| k.trim() == key))
+        };
+        let mut unapplied = false;
+        for alloc in self.allocators() {
+            alloc.set_policy(&policy);
+            unapplied |= policy.expandable_segments != alloc.expandable();
+        }
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if given("expandable_segments") && unapplied && !SAID.swap(true, Ordering::Relaxed) {
+            log::info!(
+                "expandable_segments:{} at run time is not applied: cachealloc reads it at \
+                 start (set it in PYTORCH_CUDA_ALLOC_CONF or CACHEALLOC_CONF)",
+                policy.expandable_segments
+            );
+        }
+        if given("per_process_memory_fraction") {
+            for device in 0..self.device_count as i32 {
+                self.set_memory_fraction(device, policy.per_process_memory_fraction)
+                    .map_err(|e| format!("per_process_memory_fraction: {e}"))?;
+            }
+        }
+        log::debug!("allocator settings from the program: {text}");
+        Ok(())
+    }
+
+    /// The program turns caching on or off (PyTorch's `caching_allocator_enable`). While it is
+    /// off, new allocations go to CUDA and are not counted in the statistics, as PyTorch's
+    /// native allocator does; blocks allocated before return to their pools when freed.
+    pub fn set_caching(&self, on: bool) {
+        self.caching_off.store(!on, Ordering::Relaxed);
+    }
+
+    /// Whether caching is on (see [`Shim::set_caching`]).
+    pub fn caching(&self) -> bool {
+        !self.caching_off.load(Ordering::Relaxed)
+    }
+}
