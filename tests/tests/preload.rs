@@ -348,6 +348,12 @@ fn mem_pools_route_their_threads_allocations_keep_their_memory_and_lend_it_on_oo
         .output();
     out.assert_pooled("mem_pools");
     assert_no_shim_failure(&out.stderr);
+    assert!(
+        out.stderr
+            .contains("of which its other pools (graphs, MemPools) hold 60.00 MiB"),
+        "the out-of-memory report under a memory fraction names what the MemPools hold: {}",
+        out.stderr
+    );
 }
 
 #[test]

@@ -458,6 +458,13 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// What the pools and the device know about `request`, which could not be served.
     fn oom_report(&self, pools: &Pools<D::Fence>, request: &Request) -> OomReport {
         let info = self.device.mem_info();
+        let reserved = pools.stats.reserved_bytes.all.current as u64;
+        let (limit, held_elsewhere) = match self.device.shared_limit() {
+            Some(shared) if shared.limit < self.limit => {
+                (shared.limit, shared.held.saturating_sub(reserved))
+            }
+            _ => (self.limit, 0),
+        };
         let cached_free = pools.cached_free_bytes();
         let largest = pools.largest_free_block();
         OomReport {
@@ -466,7 +473,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             pool: sizes::pool_for(request.rounded),
             segment_size: request.segment_size,
             allocated: pools.stats.allocated_bytes.all.current as u64,
-            reserved: pools.stats.reserved_bytes.all.current as u64,
+            reserved,
             cached_free,
             largest_free_block: largest,
             fragmentation: if cached_free == 0 {
@@ -476,7 +483,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             },
             device_free: info.free,
             device_total: info.total,
-            limit: self.limit,
+            limit,
+            held_elsewhere,
             tag: request.tag,
         }
     }

@@ -41,6 +41,15 @@ pub struct MemInfo {
     pub total: u64,
 }
 
+/// A limit that all pools of a device share (see [`Device::shared_limit`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SharedLimit {
+    /// Bytes all the device's pools may hold together.
+    pub limit: u64,
+    /// Bytes they hold now.
+    pub held: u64,
+}
+
 /// A source of device memory and of reuse fences for one device.
 ///
 /// A *fence* marks "all GPU work enqueued so far, on every stream that may touch our memory".
@@ -52,6 +61,14 @@ pub trait Device: Send + Sync {
 
     /// Total and free memory of the device.
     fn mem_info(&self) -> MemInfo;
+
+    /// A limit on the memory that every pool of the device holds together, when one is set
+    /// (PyTorch's memory fraction counts a device's private pools too), and what they all
+    /// hold now; the device refuses a segment or map beyond it as out of memory. The default:
+    /// none (each allocator's own limit alone applies).
+    fn shared_limit(&self) -> Option<SharedLimit> {
+        None
+    }
 
     /// Allocate a segment of exactly `size` bytes; returns its address.
     fn allocate_segment(&self, size: u64) -> Result<u64, DeviceError>;

@@ -77,7 +77,7 @@ pub mod stats;
 
 pub use allocator::{AllocError, Allocator, SegmentChanges};
 pub use config::{AllocatorConfig, Config, ConfigError, ReusePolicy};
-pub use device::{Device, DeviceError, MemInfo};
+pub use device::{Device, DeviceError, MemInfo, SharedLimit};
 pub use events::{Event, Observer};
 pub use oom::{OomReport, format_bytes};
 pub use pools::{

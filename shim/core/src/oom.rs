@@ -35,8 +35,11 @@ pub struct OomReport {
     pub device_free: u64,
     /// The device's total memory.
     pub device_total: u64,
-    /// The process's memory limit (`per_process_memory_fraction` × total).
+    /// The process's memory limit (`per_process_memory_fraction` × total), or the limit all
+    /// the device's pools share when that is lower ([`crate::Device::shared_limit`]).
     pub limit: u64,
+    /// What the device's other pools (graph pools, `MemPool`s) hold against a shared limit.
+    pub held_elsewhere: u64,
     /// The request's tag (the recorder's stack id).
     pub tag: u64,
 }
@@ -47,7 +50,7 @@ impl fmt::Display for OomReport {
         write!(
             f,
             "out of memory: tried to allocate {} (rounded to {} in the {} pool, needing a {} segment). \
-             The device has {} in total, of which {} is free; this process may reserve {}. \
+             The device has {} in total, of which {} is free; this process may reserve {}{}. \
              cachealloc holds {} reserved, {} of it allocated to the application and {} cached free; \
              the largest free block is {} (fragmentation {:.0}%).",
             g(self.requested),
@@ -57,6 +60,14 @@ impl fmt::Display for OomReport {
             g(self.device_total),
             g(self.device_free),
             g(self.limit),
+            if self.held_elsewhere > 0 {
+                format!(
+                    ", of which its other pools (graphs, MemPools) hold {}",
+                    g(self.held_elsewhere)
+                )
+            } else {
+                String::new()
+            },
             g(self.reserved),
             g(self.allocated),
             g(self.cached_free),

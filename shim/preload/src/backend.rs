@@ -25,7 +25,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM};
+use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM, SharedLimit};
 
 use crate::cuda;
 use crate::cuda::driver::{self as codes, CuResult};
@@ -323,6 +323,15 @@ impl Device for CudaDevice {
             free: free as u64,
             total: total as u64,
         }
+    }
+
+    fn shared_limit(&self) -> Option<SharedLimit> {
+        let budget = budget::of(self.ordinal);
+        let limit = budget.limit();
+        (limit != u64::MAX).then(|| SharedLimit {
+            limit,
+            held: budget.held(),
+        })
     }
 
     fn allocate_segment(&self, size: u64) -> Result<u64, DeviceError> {
