@@ -11,7 +11,7 @@
  *    empty_cache on this route) gives it back (the device's reserved bytes, read as PyTorch
  *    reads them from the default memory pool); and a block of a destroyed graph's pool that a
  *    new capture writes and frees keeps its memory after that capture (PyTorch's reset() and
- *    recapture).
+ *    recapture), until an allocation that needs it runs out of memory.
  * Usage: capture_pools */
 #include <dlfcn.h>
 #include <stdint.h>
@@ -139,6 +139,15 @@ int main(void) {
         CHECK(cudaGraphLaunch(recaptured, s));
         CHECK(cudaStreamSynchronize(s));
         CHECK(cudaGraphExecDestroy(recaptured));
+
+        /* An allocation that only fits in the memory the unused graph pools still hold gets it:
+         * the out-of-memory ladder releases them, as PyTorch frees released graph pools. */
+        size_t free_bytes, total;
+        CHECK(cudaMemGetInfo(&free_bytes, &total));
+        void *big;
+        CHECK(cudaMallocAsync(&big, free_bytes + MIB / 2, s));
+        CHECK(cudaFreeAsync(big, s));
+        CHECK(cudaMemPoolTrimTo(pool, 0));
     } else {
         CHECK(cudaGraphExecDestroy(first));
     }
