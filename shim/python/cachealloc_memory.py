@@ -98,25 +98,28 @@ def _snapshot_from_trace(flush):
     return snapshot
 
 
-def _with_pool_ids(snapshot):
-    """`snapshot` with each private pool's segment named by its pool (`segment_pool_id`), which
-    the library knows and the trace does not."""
+def _with_library_facts(snapshot):
+    """`snapshot` with what the library knows of each segment and the trace does not say: its
+    pool (`segment_pool_id`: a graph pool's or a MemPool's id) and whether it is expandable (the
+    program may switch expandable segments at run time)."""
     import ctypes
     import json
 
-    api = c_functions(segments="cachealloc_private_segments_json")
+    api = c_functions(segments="cachealloc_segments_json")
     if api is None:
         return snapshot
     api.segments.restype = ctypes.c_size_t
     api.segments.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    pools = {}
+    spans = {}
     for device in {s.get("device", 0) for s in snapshot.get("segments", [])}:
-        for address, first, second in json.loads(text(api.segments, int(device)) or "[]"):
-            pools[(device, address)] = (first, second)
+        spans[device] = json.loads(text(api.segments, int(device)) or "[]")
     for segment in snapshot.get("segments", []):
-        pool = pools.get((segment.get("device", 0), segment.get("address")))
-        if pool is not None:
-            segment["segment_pool_id"] = pool
+        address = segment.get("address", 0)
+        for start, size, first, second, expandable in spans.get(segment.get("device", 0), []):
+            if start <= address < start + size:
+                segment["segment_pool_id"] = (first, second)
+                segment["is_expandable"] = bool(expandable)
+                break
     return snapshot
 
 
@@ -317,7 +320,7 @@ def adjust(memory):
         # whole allocator.
         if pools is not None and isinstance(which, tuple) and len(which) >= 2 and tuple(which[:2]) != (0, 0):
             return _pool_snapshot(pools, which[:2])
-        return _with_pool_ids(_snapshot_from_trace(flush))
+        return _with_library_facts(_snapshot_from_trace(flush))
 
     native._cuda_memoryStats = memory_stats
     native._cuda_resetAccumulatedMemoryStats = reset_accumulated

@@ -172,6 +172,29 @@ else:
     if grows_by(84 << 20) != 84 << 20:
         fail("an empty settings string did not reset the rounding, as PyTorch's does")
 
+    # expandable_segments switched at run time: new memory is mapped, then fixed again.
+    def expandable_of(address):
+        for seg in torch._C._cuda_memorySnapshot(None)["segments"]:
+            if seg["address"] <= address < seg["address"] + seg["total_size"]:
+                return seg["is_expandable"]
+        segs = [(hex(g["address"]), g["total_size"], g["is_expandable"]) for g in torch._C._cuda_memorySnapshot(None)["segments"]]
+        fail(f"no segment holds {address:#x}: {segs}")
+
+    default_pool = ctypes.c_void_p()
+    if glob.cudaDeviceGetDefaultMemPool(ctypes.byref(default_pool), 0) != 0:
+        fail("cudaDeviceGetDefaultMemPool failed")
+    glob.cudaMemPoolTrimTo(default_pool, ctypes.c_size_t(0))  # empty_cache: no cached fixed block
+    torch._C._cuda_cudaCachingAllocator_set_allocator_settings("expandable_segments:True")
+    mapped = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(mapped), 200 << 20) != 0 or not expandable_of(mapped.value):
+        fail(f"after expandable_segments:True the block {mapped.value:#x} is not in an expandable segment")
+    torch._C._cuda_cudaCachingAllocator_set_allocator_settings("expandable_segments:False")
+    fixed = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(fixed), 220 << 20) != 0 or expandable_of(fixed.value):
+        fail("after expandable_segments:False a new block is in an expandable segment")
+    glob.cudaFree(mapped)
+    glob.cudaFree(fixed)
+
     # caching_allocator_enable(False): new allocations go to CUDA, uncounted, until it is on.
     def requested():
         return torch._C._cuda_memoryStats(0)["requested_bytes"]["all"]["allocated"]

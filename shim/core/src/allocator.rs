@@ -226,7 +226,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         changes: &mut SegmentChanges,
         is_retry: bool,
     ) -> Served<'a, D::Fence> {
-        if pools.expandable().is_some() {
+        if pools.grows_expandable() {
             return self.map_and_serve(pools, request, changes, is_retry);
         }
         let (grown, mut pools) = self.grow(pools, request.segment_size, is_retry);
@@ -261,7 +261,37 @@ impl<D: Device, O: Observer> Allocator<D, O> {
 
     /// Whether the allocator grows expandable segments (asked for, and the device can map).
     pub fn expandable(&self) -> bool {
-        self.pools.lock().expandable().is_some()
+        self.pools.lock().grows_expandable()
+    }
+
+    /// The program turns expandable segments on or off at run time (PyTorch's
+    /// `_set_allocator_settings("expandable_segments:…")`): from now on the allocator grows by
+    /// mapping into expandable segments, or by fixed segments. Segments of the other kind stay
+    /// and serve what they hold, each block under its own segment's rules (Note [Expandable
+    /// segments]). Returns whether it grows expandable segments now (not where the device
+    /// cannot map memory).
+    pub fn set_expandable(&self, on: bool) -> bool {
+        let mut pools = self.pools.lock();
+        if !on {
+            pools.disable_expandable();
+            return false;
+        }
+        if let Some(geometry) = pools.expandable() {
+            pools.enable_expandable(geometry);
+            return true;
+        }
+        drop(pools);
+        let Some(granularity) = self.device.offer_mapping() else {
+            return false;
+        };
+        let geometry = Geometry {
+            moves: self.device.can_alias(),
+            ..Geometry::for_device(granularity, self.device.mem_info().total)
+        };
+        let mut pools = self.pools.lock();
+        let geometry = pools.expandable().unwrap_or(geometry);
+        pools.enable_expandable(geometry);
+        true
     }
 
     /// Allocate `size` bytes for the synchronous API ([`NO_STREAM`]). `tag` is kept with the
@@ -443,9 +473,12 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         // 8. Out of memory.
         pools.stats.num_ooms += 1;
         // With expandable segments, what the device could not give is the request's granules.
-        let segment_size = pools.expandable().map_or(segment_size, |geometry| {
-            sizes::round_up(rounded, geometry.granularity)
-        });
+        let segment_size = match pools.expandable() {
+            Some(geometry) if pools.grows_expandable() => {
+                sizes::round_up(rounded, geometry.granularity)
+            }
+            _ => segment_size,
+        };
         let request = Request {
             segment_size,
             ..*request

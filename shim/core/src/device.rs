@@ -114,6 +114,12 @@ pub trait Device: Send + Sync {
         None
     }
 
+    /// Expandable segments were asked for at run time: offer mapping from now on if the device
+    /// can, and return [`Device::map_granularity`]. The default: what that says already.
+    fn offer_mapping(&self) -> Option<u64> {
+        self.map_granularity()
+    }
+
     /// Reserve `size` bytes of address space (a multiple of the granularity) with no memory
     /// behind it; returns its start, aligned to the granularity.
     fn reserve_range(&self, size: u64) -> Result<u64, DeviceError> {

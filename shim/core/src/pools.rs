@@ -315,9 +315,13 @@ pub struct Pools<F> {
     allocations_handed_out: u64,
     /// Bytes of device allocations in progress outside the lock (counted against the limit).
     growing: u64,
-    /// With expandable segments: the mapping granularity and the size of each segment's
-    /// address range; see [Note [Expandable segments]](expandable#note-expandable-segments).
+    /// Once expandable segments were on: the mapping granularity and the size of each
+    /// segment's address range; see [Note [Expandable segments]](expandable#note-expandable-segments).
     expandable: Option<expandable::Geometry>,
+    /// Whether the pools grow by mapping into expandable segments now (else by fixed segments;
+    /// the program may switch at run time, and both kinds then live side by side: each block
+    /// follows the rules of its own segment's kind).
+    grows_expandable: bool,
     /// The expandable segments: stream, pool, segment.
     ranges: Vec<(u64, PoolKind, SegmentId)>,
     /// The live mappings of expandable segments, by address: one per map, unmapped whole.
@@ -359,6 +363,7 @@ impl<F: Clone> Pools<F> {
             allocations_handed_out: 0,
             growing: 0,
             expandable: None,
+            grows_expandable: false,
             ranges: Vec::new(),
             mappings: BTreeMap::new(),
             parked: BTreeMap::new(),
@@ -411,6 +416,11 @@ impl<F: Clone> Pools<F> {
         }
     }
 
+    /// Whether block `id` lies in an expandable segment (split and merge freely there).
+    fn in_range(&self, id: BlockId) -> bool {
+        self.segment(self.blocks[id as usize].segment).expandable
+    }
+
     /// `size` rounded as the policy in force rounds requests.
     pub fn round(&self, size: u64) -> u64 {
         sizes::round_size(size, &self.roundup)
@@ -439,7 +449,7 @@ impl<F: Clone> Pools<F> {
         self.settle();
         let pool = sizes::pool_for(rounded);
         let (size, address, id) = self.lists(stream)?.list(pool).best_fit(rounded)?;
-        if self.expandable.is_none() && !sizes::fits(size, rounded, self.max_split_size) {
+        if !self.in_range(id) && !sizes::fits(size, rounded, self.max_split_size) {
             return None;
         }
         self.remove_free(id);
@@ -503,9 +513,10 @@ impl<F: Clone> Pools<F> {
             let b = &self.blocks[id as usize];
             (b.pool, b.size)
         };
-        let split = match self.expandable {
-            Some(_) => size - rounded >= sizes::MIN_BLOCK_SIZE,
-            None => sizes::should_split(pool, size, rounded, self.max_split_size),
+        let split = if self.in_range(id) {
+            size - rounded >= sizes::MIN_BLOCK_SIZE
+        } else {
+            sizes::should_split(pool, size, rounded, self.max_split_size)
         };
         if split {
             let b = &self.blocks[id as usize];

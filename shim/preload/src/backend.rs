@@ -83,8 +83,9 @@ pub struct CudaDevice {
     ordinal: i32,
     fences: Fences,
     streams: Arc<StreamRegistry>,
-    /// Virtual memory, when expandable segments were asked for and the device has it.
-    vmm: Option<vmm::Vmm>,
+    /// Virtual memory, once expandable segments were asked for (at start, or by the program at
+    /// run time) and the device has it.
+    vmm: std::sync::OnceLock<vmm::Vmm>,
     /// Segments (address, size) released while a capture was under way, to free when it ends;
     /// and every segment released by a private pool's allocator, to free when the pool is no
     /// longer used.
@@ -107,29 +108,21 @@ impl CudaDevice {
         streams: Arc<StreamRegistry>,
         expandable: bool,
     ) -> Self {
-        let vmm = expandable
-            .then(|| vmm::Vmm::probe(ordinal))
-            .and_then(|probed| {
-                probed
-                    .map_err(|why| {
-                        crate::log::info!(
-                            "expandable_segments:True ignored on device {ordinal}: {why}; \
-                             using fixed segments"
-                        )
-                    })
-                    .ok()
-            });
-        CudaDevice {
+        let device = CudaDevice {
             ordinal,
             fences: Fences::new(driver, ordinal),
             streams,
-            vmm,
+            vmm: std::sync::OnceLock::new(),
             deferred_releases: std::sync::Mutex::new(Vec::new()),
             holds_releases: false,
             foreign: None,
             lowest: AtomicU64::new(u64::MAX),
             highest: AtomicU64::new(0),
+        };
+        if expandable {
+            device.offer_virtual_memory();
         }
+        device
     }
 
     /// The device of a private pool (see Note [Private pools] in the shim's `process`): fixed
@@ -396,7 +389,11 @@ impl Device for CudaDevice {
     }
 
     fn map_granularity(&self) -> Option<u64> {
-        self.vmm.as_ref().map(vmm::Vmm::granularity)
+        self.vmm.get().map(vmm::Vmm::granularity)
+    }
+
+    fn offer_mapping(&self) -> Option<u64> {
+        self.offer_virtual_memory()
     }
 
     fn reserve_range(&self, size: u64) -> Result<u64, DeviceError> {
@@ -427,7 +424,7 @@ impl Device for CudaDevice {
     }
 
     fn can_alias(&self) -> bool {
-        self.vmm.as_ref().is_some_and(vmm::Vmm::can_alias)
+        self.vmm.get().is_some_and(vmm::Vmm::can_alias)
     }
 
     fn alias(&self, from: u64, to: u64, size: u64) -> Result<(), DeviceError> {
@@ -496,10 +493,32 @@ impl Device for CudaDevice {
 }
 
 impl CudaDevice {
+    /// Offer CUDA's virtual memory for expandable segments, if the device has it (else say why
+    /// not, once). Returns the granularity.
+    fn offer_virtual_memory(&self) -> Option<u64> {
+        if let Some(vmm) = self.vmm.get() {
+            return Some(vmm.granularity());
+        }
+        static SAID: AtomicBool = AtomicBool::new(false);
+        match vmm::Vmm::probe(self.ordinal) {
+            Ok(vmm) => Some(self.vmm.get_or_init(|| vmm).granularity()),
+            Err(why) => {
+                if !SAID.swap(true, Ordering::Relaxed) {
+                    crate::log::info!(
+                        "expandable_segments:True ignored on device {}: {why}; using fixed \
+                         segments",
+                        self.ordinal
+                    );
+                }
+                None
+            }
+        }
+    }
+
     /// The device was reset: the memory mapped for expandable segments went with its context,
     /// so no peer is to be granted it any more.
     pub fn forget_mappings(&self) {
-        if let Some(vmm) = &self.vmm {
+        if let Some(vmm) = self.vmm.get() {
             vmm.forget_mappings();
         }
     }
@@ -507,7 +526,7 @@ impl CudaDevice {
     /// Give `peer`, which may now use this device's memory, access to the memory mapped for
     /// expandable segments. Returns how many mappings could not be granted.
     pub fn grant_peer(&self, peer: i32) -> Result<usize, DeviceError> {
-        match &self.vmm {
+        match self.vmm.get() {
             Some(vmm) => self.capture_safe(|| self.fences.on_own_context(|| vmm.grant(peer))),
             None => Ok(0),
         }
@@ -515,7 +534,7 @@ impl CudaDevice {
 
     fn vmm(&self) -> Result<&vmm::Vmm, DeviceError> {
         self.vmm
-            .as_ref()
+            .get()
             .ok_or_else(|| DeviceError::unsupported("virtual memory"))
     }
 }

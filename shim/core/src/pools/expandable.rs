@@ -54,6 +54,11 @@
 //!   which waits for the device only when the memory may still be in use ([Note [Unmapping
 //!   without a wait]](idle#note-unmapping-without-a-wait)). Below the peak nothing is given
 //!   up, so a run whose shapes have all been seen at their peak makes no device calls.
+//! * **Switching at run time.** The program may turn expandable segments on or off while it
+//!   runs (PyTorch's `_set_allocator_settings`): growth then maps into ranges, or takes fixed
+//!   segments, from the next request on, and segments of the other kind stay and serve what they
+//!   hold. Each block follows its own segment's rules (a range's split and merge freely, a
+//!   fixed segment's keep the `max_split_size` rules); the geometry stays once known.
 //! * **Stats** follow PyTorch's expandable segments: `reserved_bytes` counts mapped bytes,
 //!   `num_device_alloc`/`num_device_free` count maps and unmaps, and a range is not counted in
 //!   `segment` (nor in `oversize_segments`).
@@ -204,11 +209,24 @@ impl<F: Clone> Pools<F> {
     /// Grow by mapping memory into expandable segments of this geometry from now on.
     pub fn enable_expandable(&mut self, geometry: Geometry) {
         self.expandable = Some(geometry);
+        self.grows_expandable = true;
     }
 
-    /// The geometry of expandable segments, when they are on.
+    /// Grow by fixed segments from now on (`expandable_segments:False` at run time); the
+    /// expandable segments keep serving what they have mapped, and keep their geometry for a
+    /// later [`Pools::enable_expandable`].
+    pub fn disable_expandable(&mut self) {
+        self.grows_expandable = false;
+    }
+
+    /// The geometry of expandable segments, once they were on.
     pub fn expandable(&self) -> Option<Geometry> {
         self.expandable
+    }
+
+    /// Whether the pools grow by mapping into expandable segments now.
+    pub fn grows_expandable(&self) -> bool {
+        self.grows_expandable
     }
 
     /// A reserved range at `address` becomes a range of `stream` for requests like `rounded`;

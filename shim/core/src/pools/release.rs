@@ -186,10 +186,11 @@ impl<F: Clone> Pools<F> {
             stats.active_bytes.decrease(b.pool, b.size);
             stats.requested_bytes.decrease(b.pool, b.requested);
         }
-        let (fencing, expandable) = (self.fencing, self.expandable);
+        let (fencing, expandable, grows) = (self.fencing, self.expandable, self.grows_expandable);
         *self = Pools::new(&config);
         self.fencing = fencing;
         self.expandable = expandable;
+        self.grows_expandable = grows;
         self.stats = stats;
     }
 }

@@ -506,3 +506,65 @@ fn parked_places_are_bounded_when_memory_keeps_moving() {
         "at most {most} parked places: the test no longer reaches the limit"
     );
 }
+
+/// PyTorch's `_set_allocator_settings("expandable_segments:…")` at run time: growth switches
+/// kind, and segments of both kinds live side by side, each block under its own segment's
+/// rules (the invariants hold after every step).
+#[test]
+fn expandable_segments_switched_at_run_time_live_beside_fixed_ones() {
+    let c = Checked::new(1 << 34, AllocatorConfig::default());
+    let in_expandable = |address: u64| {
+        c.alloc
+            .snapshot()
+            .into_iter()
+            .find(|s| address >= s.address && address < s.address + s.total_size)
+            .expect("a segment holds the block")
+            .expandable
+    };
+    let fixed = c.malloc(30 * MIB);
+    assert!(!in_expandable(fixed.address));
+    assert!(c.alloc.set_expandable(true), "the simulated device can map");
+    assert!(c.alloc.expandable());
+    let mapped = c.malloc(30 * MIB);
+    assert!(
+        in_expandable(mapped.address),
+        "growth maps once switched on"
+    );
+    let small = c.malloc(MIB / 2);
+    assert!(in_expandable(small.address));
+    c.free(fixed.address);
+    // The fixed segment's free 30 MiB block still serves a request its rules allow.
+    let again = c.malloc(30 * MIB);
+    assert_eq!(again.address, fixed.address);
+    assert!(!c.alloc.set_expandable(false));
+    assert!(!c.alloc.expandable());
+    let grown = c.malloc(50 * MIB);
+    assert!(
+        !in_expandable(grown.address),
+        "growth takes fixed segments once switched off"
+    );
+    for a in [mapped, small, again, grown] {
+        c.free(a.address);
+    }
+    c.empty_cache();
+    assert_eq!(reserved(&c), 0, "empty_cache gives back both kinds");
+    assert!(
+        c.alloc.set_expandable(true),
+        "and on again, with the geometry kept"
+    );
+    let last = c.malloc(3 * MIB);
+    assert!(in_expandable(last.address));
+    c.free(last.address);
+}
+
+#[test]
+fn expandable_segments_at_run_time_need_a_device_that_maps() {
+    let c = Checked::on(SimDevice::new(1 << 30), AllocatorConfig::default());
+    assert!(
+        !c.alloc.set_expandable(true),
+        "no virtual memory: fixed segments"
+    );
+    assert!(!c.alloc.expandable());
+    let a = c.malloc(3 * MIB);
+    c.free(a.address);
+}

@@ -30,6 +30,8 @@ enum Op {
     /// The app creates its first stream (auto policy switches to fencing).
     StreamCreated,
     FlushFences,
+    /// The program switches expandable segments on or off at run time.
+    SetExpandable(bool),
 }
 
 fn size_strategy() -> impl Strategy<Value = u64> {
@@ -63,6 +65,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => Just(Op::CompleteFences),
         1 => Just(Op::StreamCreated),
         1 => Just(Op::FlushFences),
+        1 => any::<bool>().prop_map(Op::SetExpandable),
     ]
 }
 
@@ -145,11 +148,12 @@ fn least_to_map(c: &Checked, rounded: u64, pool: PoolKind, stream: u64) -> u64 {
 }
 
 fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let config_for_oom = config.clone();
     let fenced_from_start = config.reuse == ReusePolicy::Fenced;
     let auto = config.reuse == ReusePolicy::Auto;
     let immediate = config.reuse == ReusePolicy::Immediate;
     let c = Checked::manual(capacity, config);
+    // Whether growth maps into expandable segments now (the program may switch).
+    let mut grows_expandable = c.alloc.expandable();
     let mut live: Vec<LiveBlock> = Vec::new();
     let mut unsafe_ranges: Vec<Unsafe> = Vec::new();
     let mut fencing = fenced_from_start;
@@ -197,7 +201,7 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                     // released, the device or the limit has no room for the new segment —
                     // with expandable segments, for the granules the request still needs
                     // beyond the free memory before the best unmapped place.
-                    let needed = if config_for_oom.expandable_segments {
+                    let needed = if grows_expandable {
                         let stream = STREAMS[s % STREAMS.len()];
                         let needed = least_to_map(&c, report.rounded, report.pool, stream);
                         prop_assert!(needed <= report.segment_size);
@@ -278,6 +282,11 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
             }
             Op::FlushFences => {
                 c.alloc.flush_fences().unwrap();
+                c.check();
+            }
+            Op::SetExpandable(on) => {
+                grows_expandable = c.alloc.set_expandable(on);
+                prop_assert_eq!(grows_expandable, on, "the simulated device maps");
                 c.check();
             }
         }

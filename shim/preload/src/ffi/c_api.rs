@@ -383,22 +383,23 @@ pub extern "C" fn cachealloc_caching_enable(on: c_int) -> c_int {
     )
 }
 
-/// Write the segments of `device`'s private pools (graph pools and `MemPool`s) — JSON
-/// `[[address, first, second], ...]`: each segment's address and its pool's id as PyTorch's
-/// pair — into `buf`, as [`cachealloc_stats_json`] writes its text. What the Python
-/// integration sets each snapshot segment's `segment_pool_id` from.
+/// Write the segments of `device`'s pools (the ordinary pool, graph pools and `MemPool`s) —
+/// JSON `[[address, size, first, second, expandable], ...]`: each segment's span, its pool's
+/// id as PyTorch's pair ((0, 0): the ordinary pool) and whether it is expandable — into `buf`,
+/// as [`cachealloc_stats_json`] writes its text. What the Python integration sets each
+/// snapshot segment's `segment_pool_id` and `is_expandable` from.
 ///
 /// # Safety
 /// `buf` must be null or valid for `len` bytes of writes.
 #[cfg_attr(not(test), unsafe(no_mangle))]
-pub unsafe extern "C" fn cachealloc_private_segments_json(
+pub unsafe extern "C" fn cachealloc_segments_json(
     device: c_int,
     buf: *mut c_char,
     len: usize,
 ) -> usize {
     let text = guarded(
-        "cachealloc_private_segments_json",
-        || process::shim().map_or_else(|| "[]".to_string(), |s| s.private_segments_json(device)),
+        "cachealloc_segments_json",
+        || process::shim().map_or_else(|| "[]".to_string(), |s| s.segments_json(device)),
         || "[]".to_string(),
     );
     // SAFETY: the caller's contract.

@@ -364,19 +364,33 @@ impl Shim {
         }
     }
 
-    /// The segments of `device`'s private pools as a JSON list of `[address, first, second]`:
-    /// each segment's address and its pool's id as PyTorch's pair (Note [Private pools]), for
-    /// the snapshot's `segment_pool_id`.
-    pub fn private_segments_json(&self, device: i32) -> String {
+    /// The segments of `device`'s pools — the ordinary pool's and every private pool's — as a
+    /// JSON list of `[address, size, first, second, expandable]`: each segment's span (an
+    /// expandable segment's whole address range), its pool's id as PyTorch's pair ((0, 0) for
+    /// the ordinary pool; Note [Private pools]) and whether it is expandable (0 or 1). What the
+    /// trace does not say of a segment, for the snapshot's `segment_pool_id` and `is_expandable`.
+    pub fn segments_json(&self, device: i32) -> String {
         let mut rows = Vec::new();
+        let mut add = |alloc: &Allocator<CudaDevice, DeviceObserver>, id: u64| {
+            for segment in alloc.snapshot() {
+                rows.push(format!(
+                    "[{},{},{},{},{}]",
+                    segment.address,
+                    segment.total_size,
+                    id >> 32,
+                    id & 0xFFFF_FFFF,
+                    segment.expandable as u8
+                ));
+            }
+        };
+        if let Some(alloc) = self.allocator_of(device) {
+            add(alloc, 0);
+        }
         if self.private_pools.any.load(Ordering::Acquire) {
             let pools = self.private_pools.pools.read();
             let pools = pools.unwrap_or_else(|p| p.into_inner());
             for pool in pools.iter().filter(|p| p.device == device) {
-                for segment in pool.alloc.snapshot() {
-                    let (first, second) = (pool.id >> 32, pool.id & 0xFFFF_FFFF);
-                    rows.push(format!("[{},{first},{second}]", segment.address));
-                }
+                add(&pool.alloc, pool.id);
             }
         }
         format!("[{}]", rows.join(","))

@@ -38,8 +38,10 @@ impl Shim {
     /// `roundup_power2_divisions` and `garbage_collection_threshold` take the string's values,
     /// or their defaults, for every device's ordinary pool from the next request on;
     /// `per_process_memory_fraction`, when given, limits each device's pools. PyTorch-only keys
-    /// are PyTorch's. `expandable_segments` is read at start only: a change is reported once
-    /// and not applied. The error names the key and its valid values.
+    /// are PyTorch's. `expandable_segments`, when given, switches how the ordinary pools grow
+    /// from now on (their segments of the other kind stay and serve what they hold, as with
+    /// PyTorch's); private pools keep fixed segments. The error names the key and its valid
+    /// values.
     pub fn set_allocator_settings(&self, text: &str) -> Result<(), String> {
         let resolved = Config::from_sources(None, Some(text)).map_err(|e| e.to_string())?;
         let policy = resolved.config.allocator;
@@ -47,18 +49,20 @@ impl Shim {
             text.split(',')
                 .any(|entry| entry.split(':').next().is_some_and(|k| k.trim() == key))
         };
-        let mut unapplied = false;
+        let expandable = given("expandable_segments").then_some(policy.expandable_segments);
         for alloc in self.allocators() {
             alloc.set_policy(&policy);
-            unapplied |= policy.expandable_segments != alloc.expandable();
-        }
-        static SAID: AtomicBool = AtomicBool::new(false);
-        if given("expandable_segments") && unapplied && !SAID.swap(true, Ordering::Relaxed) {
-            log::info!(
-                "expandable_segments:{} at run time is not applied: cachealloc reads it at \
-                 start (set it in PYTORCH_CUDA_ALLOC_CONF or CACHEALLOC_CONF)",
-                policy.expandable_segments
-            );
+            if let Some(on) = expandable
+                && alloc.set_expandable(on) != on
+            {
+                static SAID: AtomicBool = AtomicBool::new(false);
+                if !SAID.swap(true, Ordering::Relaxed) {
+                    log::info!(
+                        "expandable_segments:True ignored: the device cannot map memory; \
+                         using fixed segments"
+                    );
+                }
+            }
         }
         if given("per_process_memory_fraction") {
             for device in 0..self.device_count as i32 {
