@@ -355,6 +355,24 @@ mod tests {
     }
 
     #[test]
+    fn two_captures_keep_their_own_joined_streams() {
+        let r = StreamRegistry::default();
+        for s in [0x10, 0x20, 0x30, 0x40] {
+            r.created(Stream(s), 0, true);
+        }
+        r.capture_began(Stream(0x10), 0);
+        r.capture_began(Stream(0x30), 0);
+        r.joined(Stream(0x20), 0, Stream(0x10));
+        r.joined(Stream(0x40), 0, Stream(0x30));
+        assert!(!r.capture_ended(Stream(0x10)), "the other capture is under way");
+        assert!(!r.is_capturing(Stream(0x20)));
+        assert!(r.is_capturing(Stream(0x40)), "joined to the capture still under way");
+        r.destroyed(Stream(0x40)); // a joined stream's destruction ends no capture
+        assert!(r.captures_active());
+        assert!(r.capture_ended(Stream(0x30)));
+    }
+
+    #[test]
     fn fences_leave_out_streams_the_probe_finds_capturing() {
         let r = StreamRegistry::default();
         r.created(Stream(0x10), 0, true);
