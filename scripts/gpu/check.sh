@@ -184,6 +184,7 @@ both() {
 both mem_pools.py mem_pools
 both ipc_torch.py ipc
 both memory_history.py memory_api
+both torch_settings.py torch_settings
 out=$(LABEL=shim EXPECT_REFUSAL=1 CACHEALLOC_CONF=expandable_segments:True,log:quiet LD_PRELOAD="$LIB" timeout 120 python3 scripts/gpu/ipc_torch.py 2>&1)
 if grep -q "passed=1/1" <<< "$out"; then pass "ipc_torch.py: a tensor in an expandable segment is refused with a message"; else fail "ipc_torch.py expandable refusal"; echo "$out" | tail -3; fi
 # Memory by category (issue 23): cachealloc's categories against the program's own count.
