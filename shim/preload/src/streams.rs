@@ -364,9 +364,15 @@ mod tests {
         r.capture_began(Stream(0x30), 0);
         r.joined(Stream(0x20), 0, Stream(0x10));
         r.joined(Stream(0x40), 0, Stream(0x30));
-        assert!(!r.capture_ended(Stream(0x10)), "the other capture is under way");
+        assert!(
+            !r.capture_ended(Stream(0x10)),
+            "the other capture is under way"
+        );
         assert!(!r.is_capturing(Stream(0x20)));
-        assert!(r.is_capturing(Stream(0x40)), "joined to the capture still under way");
+        assert!(
+            r.is_capturing(Stream(0x40)),
+            "joined to the capture still under way"
+        );
         r.destroyed(Stream(0x40)); // a joined stream's destruction ends no capture
         assert!(r.captures_active());
         assert!(r.capture_ended(Stream(0x30)));
