@@ -9,7 +9,9 @@
 #     scripts/gpu/route_cost.sh LIBDIR [MODEL] [ROUNDS]
 # Writes $OUT/route_cost.log (one train_models.py line per process) and prints each
 # configuration's ratio to native, and the shim's bare allocator against PyTorch's backend,
-# with 95 % bootstrap intervals (ratio_ci.py).
+# with 95 % bootstrap intervals (ratio_ci.py). Then route_micro.py, the host cost of one
+# allocation and free by size, for native, async and shim_min in the same rotation
+# ($OUT/route_micro.log).
 set -u
 LIB="$(realpath "$1")/libcachealloc.so"
 MODEL=${2:-llama}
@@ -33,3 +35,16 @@ for r in $(seq 1 "$ROUNDS"); do
 done
 for l in async shim_min shim_py shim; do python3 ratio_ci.py "$LOG" native "$l"; done
 python3 ratio_ci.py "$LOG" async shim_min
+MICRO=$OUT/route_micro.log
+micro=(native async shim_min)
+for r in $(seq 1 "$ROUNDS"); do
+    for k in 0 1 2; do
+        l=${micro[$(( (k + r) % 3 ))]}
+        case $l in
+            native) LABEL=$l python3 route_micro.py ;;
+            async) LABEL=$l PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync python3 route_micro.py ;;
+            shim_min) LABEL=$l CACHEALLOC_CONF=trace:off,python:off LD_PRELOAD=$LIB python3 route_micro.py ;;
+        esac 2>/dev/null | grep workload= | tee -a "$MICRO"
+    done
+done
+for l in async shim_min; do python3 ratio_ci.py "$MICRO" native "$l" us_per_pair; done
