@@ -7,6 +7,7 @@
 #   shim_py   the shim with trace:off (the Python integration on)
 #   shim      the shim's default
 #     scripts/gpu/route_cost.sh LIBDIR [MODEL] [ROUNDS]
+# (a round of the Llama takes about 100 s: a device call of 10 minutes holds about 5 rounds)
 # Writes $OUT/route_cost.log (one train_models.py line per process) and prints each
 # configuration's ratio to native, and the shim's bare allocator against PyTorch's backend,
 # with 95 % bootstrap intervals (ratio_ci.py). Then route_micro.py, the host cost of one
