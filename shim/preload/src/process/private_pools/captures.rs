@@ -120,6 +120,9 @@ impl Shim {
     /// pool from now on, instead of the capture.
     pub(in crate::process) fn capture_pool_end(&self, stream: usize, graph: Option<usize>) {
         let mut book = self.private_book();
+        if book.joined.contains_key(&stream) {
+            return; // a stream that joined a capture ends none (CUDA refuses it)
+        }
         let Some(pool) = book.capturing.remove(&stream) else {
             return;
         };
