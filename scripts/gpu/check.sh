@@ -82,6 +82,7 @@ run stream_ordered X=1 --
 run graph_capture X=1 --
 run capture_pools X=1 --
 run capture_streams X=1 --
+run allocator_settings X=1 --
 run entry_point X=1 --
 run load X=1 -- 4 300 1
 run exit_paths X=1 -- thread

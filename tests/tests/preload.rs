@@ -342,6 +342,17 @@ fn a_stream_that_joins_a_capture_allocates_from_its_pool_and_is_never_fenced() {
 }
 
 #[test]
+fn allocator_settings_changed_at_run_time_apply_to_pools_made_later() {
+    let out = Run::c("allocator_settings", &[]).output();
+    out.assert_pooled("allocator_settings");
+    assert!(
+        out.stderr.contains("max_split_size_mb"),
+        "the refusal names the key: {}",
+        out.stderr
+    );
+}
+
+#[test]
 fn mem_pools_route_their_threads_allocations_keep_their_memory_and_lend_it_on_oom() {
     let out = Run::c("mem_pools", &[])
         .env("FAKECUDA_CAPACITY_MB", "100")

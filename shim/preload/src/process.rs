@@ -116,6 +116,9 @@ pub struct Shim {
     /// The program turned caching off (PyTorch's `caching_allocator_enable(False)`): new
     /// allocations go to CUDA, uncounted, until it turns it back on.
     caching_off: AtomicBool,
+    /// The allocator settings the program set at run time (`_set_allocator_settings`), for
+    /// pools made after it (`None`: the configuration's).
+    runtime_allocator: std::sync::Mutex<Option<cachealloc_core::AllocatorConfig>>,
     passthrough_mallocs: AtomicU64,
     /// Allocations passed through while the program had caching off.
     uncached_mallocs: AtomicU64,
@@ -243,6 +246,7 @@ fn start() -> Option<Shim> {
         devices: (0..slots).map(|_| OnceLock::new()).collect(),
         healthy: AtomicBool::new(pooling),
         caching_off: AtomicBool::new(false),
+        runtime_allocator: std::sync::Mutex::new(None),
         passthrough_mallocs: AtomicU64::new(0),
         uncached_mallocs: AtomicU64::new(0),
         unpooled_context_mallocs: AtomicU64::new(0),
@@ -341,7 +345,10 @@ impl Shim {
         // Pooling is only ever on with a driver; without one, say so rather than panic.
         let driver = self.driver.ok_or(cuda::ERROR_INITIALIZATION)?;
         let pool = slot.get_or_init(|| {
-            let config = settings::get().config.allocator.clone();
+            let config = (self.runtime_allocator.lock())
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or_else(|| settings::get().config.allocator.clone());
             let config_fraction_set = config.per_process_memory_fraction < 1.0;
             let observer = DeviceObserver {
                 device: device as u32,

@@ -36,7 +36,8 @@ impl Shim {
     /// `PYTORCH_CUDA_ALLOC_CONF`-style string that PyTorch's own parser has accepted). As in
     /// PyTorch, the string replaces the settings: `max_split_size_mb`,
     /// `roundup_power2_divisions` and `garbage_collection_threshold` take the string's values,
-    /// or their defaults, for every device's ordinary pool from the next request on;
+    /// or their defaults, for every device's ordinary pool from the next request on (and for
+    /// pools made later);
     /// `per_process_memory_fraction`, when given, limits each device's pools. PyTorch-only keys
     /// are PyTorch's. `expandable_segments`, when given, switches how the ordinary pools grow
     /// from now on (their segments of the other kind stay and serve what they hold, as with
@@ -50,6 +51,20 @@ impl Shim {
                 .any(|entry| entry.split(':').next().is_some_and(|k| k.trim() == key))
         };
         let expandable = given("expandable_segments").then_some(policy.expandable_segments);
+        {
+            // Pools made from now on start with these settings.
+            let mut runtime = (self.runtime_allocator.lock()).unwrap_or_else(|p| p.into_inner());
+            let mut made = runtime
+                .take()
+                .unwrap_or_else(|| crate::settings::get().config.allocator.clone());
+            made.max_split_size = policy.max_split_size;
+            made.roundup = policy.roundup.clone();
+            made.garbage_collection_threshold = policy.garbage_collection_threshold;
+            if let Some(on) = expandable {
+                made.expandable_segments = on;
+            }
+            *runtime = Some(made);
+        }
         for alloc in self.allocators() {
             alloc.set_policy(&policy);
             if let Some(on) = expandable
