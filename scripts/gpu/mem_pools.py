@@ -9,6 +9,7 @@ weights) or mlp.
 """
 import ctypes
 import os
+import sys
 import subprocess
 import tempfile
 import threading
@@ -16,19 +17,15 @@ import warnings
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402
+
+checks = Checks("mem_pools")
+check = checks.check
+
 warnings.simplefilter("ignore")
-label = os.environ.get("LABEL", "-")
-results = []
 MIB = 1 << 20
 
-
-def check(name, fn):
-    try:
-        ok, detail = fn()
-    except Exception as e:  # the point is to see what breaks
-        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    results.append(ok)
-    print(f"mem_pools label={label} check={name} ok={ok} detail={detail}", flush=True)
 
 
 def pool_blocks(pool):
@@ -165,4 +162,4 @@ check("pluggable_allocator_pool", pluggable_pool)
 check("graph_captured_into_mem_pool", graph_into_mem_pool)
 check("nested_pools_and_threads", nested_and_threads)
 check("stats_count_pools", stats_count_pools)
-print(f"mem_pools label={label} passed={sum(results)}/{len(results)}")
+checks.summary()

@@ -9,24 +9,21 @@ torch.cuda._memory_viz (segment_plot, trace_plot, memory). Prints one line per c
 `memory_api label=L check=NAME ok=True|False detail=...`, and a last `memory_api ... passed=N/M`.
 """
 import os
+import sys
 import pickle
 import tempfile
 import warnings
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402
+
+checks = Checks("memory_api")
+check = checks.check
+
 warnings.simplefilter("ignore")
-label = os.environ.get("LABEL", "-")
-results = []
 
-
-def check(name, fn):
-    try:
-        ok, detail = fn()
-    except Exception as e:  # the point is to see what breaks
-        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    results.append(ok)
-    print(f"memory_api label={label} check={name} ok={ok} detail={detail}", flush=True)
 
 
 def train(steps=5):
@@ -84,7 +81,7 @@ def main():
 
     check("dump_and_memory_viz", dump_and_view)
     check("record_memory_history_off", lambda: (torch.cuda.memory._record_memory_history(enabled=None) is None, "off"))
-    print(f"memory_api label={label} passed={sum(results)}/{len(results)}", flush=True)
+    checks.summary()
 
 
 if __name__ == "__main__":

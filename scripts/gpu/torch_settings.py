@@ -19,23 +19,20 @@ Prints `torch_settings label=L check=NAME ok=True|False detail=...` per check an
 `torch_settings label=L passed=N/M`.
 """
 import os
+import sys
 import warnings
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402
+
+checks = Checks("torch_settings")
+check = checks.check
+
 warnings.simplefilter("ignore")
-label = os.environ.get("LABEL", "-")
-results = []
 MIB = 1 << 20
 
-
-def check(name, fn):
-    try:
-        ok, detail = fn()
-    except Exception as e:  # the point is to see what breaks
-        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    results.append(ok)
-    print(f"torch_settings label={label} check={name} ok={ok} detail={detail}", flush=True)
 
 
 def stat(key):
@@ -187,4 +184,4 @@ check("settings_expandable", settings_expandable)
 check("caching_off", caching_off)
 check("graph_side_stream", graph_side_stream)
 check("graph_reset_recapture", graph_reset_recapture)
-print(f"torch_settings label={label} passed={sum(results)}/{len(results)}", flush=True)
+checks.summary()

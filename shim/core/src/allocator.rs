@@ -53,7 +53,9 @@ use crate::stats::Stats;
 
 mod expandable;
 mod maintenance;
+mod oom_report;
 mod request;
+mod settings;
 
 use request::Request;
 
@@ -247,13 +249,6 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         &self.config
     }
 
-    /// Apply `config`'s `max_split_size`, `roundup_power2_divisions` and
-    /// `garbage_collection_threshold` to requests from now on (PyTorch's
-    /// `_set_allocator_settings`); the allocator's other settings stay as they were made.
-    pub fn set_policy(&self, config: &AllocatorConfig) {
-        self.pools.lock().set_policy(config);
-    }
-
     /// Bytes this process may reserve.
     pub fn limit(&self) -> u64 {
         self.limit
@@ -262,36 +257,6 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// Whether the allocator grows expandable segments (asked for, and the device can map).
     pub fn expandable(&self) -> bool {
         self.pools.lock().grows_expandable()
-    }
-
-    /// The program turns expandable segments on or off at run time (PyTorch's
-    /// `_set_allocator_settings("expandable_segments:…")`): from now on the allocator grows by
-    /// mapping into expandable segments, or by fixed segments. Segments of the other kind stay
-    /// and serve what they hold, each block under its own segment's rules (Note [Expandable
-    /// segments]). Returns whether it grows expandable segments now (not where the device
-    /// cannot map memory).
-    pub fn set_expandable(&self, on: bool) -> bool {
-        let mut pools = self.pools.lock();
-        if !on {
-            pools.disable_expandable();
-            return false;
-        }
-        if let Some(geometry) = pools.expandable() {
-            pools.enable_expandable(geometry);
-            return true;
-        }
-        drop(pools);
-        let Some(granularity) = self.device.offer_mapping() else {
-            return false;
-        };
-        let geometry = Geometry {
-            moves: self.device.can_alias(),
-            ..Geometry::for_device(granularity, self.device.mem_info().total)
-        };
-        let mut pools = self.pools.lock();
-        let geometry = pools.expandable().unwrap_or(geometry);
-        pools.enable_expandable(geometry);
-        true
     }
 
     /// Allocate `size` bytes for the synchronous API ([`NO_STREAM`]). `tag` is kept with the
@@ -486,40 +451,6 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         let report = self.oom_report(&pools, &request);
         self.observer.on_event(Event::Oom(&report));
         Err(AllocError::OutOfMemory(Box::new(report)))
-    }
-
-    /// What the pools and the device know about `request`, which could not be served.
-    fn oom_report(&self, pools: &Pools<D::Fence>, request: &Request) -> OomReport {
-        let info = self.device.mem_info();
-        let reserved = pools.stats.reserved_bytes.all.current as u64;
-        let (limit, held_elsewhere) = match self.device.shared_limit() {
-            Some(shared) if shared.limit < self.limit => {
-                (shared.limit, shared.held.saturating_sub(reserved))
-            }
-            _ => (self.limit, 0),
-        };
-        let cached_free = pools.cached_free_bytes();
-        let largest = pools.largest_free_block();
-        OomReport {
-            requested: request.size,
-            rounded: request.rounded,
-            pool: sizes::pool_for(request.rounded),
-            segment_size: request.segment_size,
-            allocated: pools.stats.allocated_bytes.all.current as u64,
-            reserved,
-            cached_free,
-            largest_free_block: largest,
-            fragmentation: if cached_free == 0 {
-                0.0
-            } else {
-                1.0 - largest as f64 / cached_free as f64
-            },
-            device_free: info.free,
-            device_total: info.total,
-            limit,
-            held_elsewhere,
-            tag: request.tag,
-        }
     }
 
     /// Run `f` with the lock released, then take it again.

@@ -1,0 +1,48 @@
+//! Settings the program changes at run time (PyTorch's `_set_allocator_settings`): the
+//! request policy ([`Allocator::set_policy`]) and expandable segments
+//! ([`Allocator::set_expandable`]).
+
+use super::Allocator;
+use crate::config::AllocatorConfig;
+use crate::device::Device;
+use crate::events::Observer;
+use crate::pools::expandable::Geometry;
+
+impl<D: Device, O: Observer> Allocator<D, O> {
+    /// Apply `config`'s `max_split_size`, `roundup_power2_divisions` and
+    /// `garbage_collection_threshold` to requests from now on (PyTorch's
+    /// `_set_allocator_settings`); the allocator's other settings stay as they were made.
+    pub fn set_policy(&self, config: &AllocatorConfig) {
+        self.pools.lock().set_policy(config);
+    }
+
+    /// The program turns expandable segments on or off at run time (PyTorch's
+    /// `_set_allocator_settings("expandable_segments:…")`): from now on the allocator grows by
+    /// mapping into expandable segments, or by fixed segments. Segments of the other kind stay
+    /// and serve what they hold, each block under its own segment's rules (Note [Expandable
+    /// segments]). Returns whether it grows expandable segments now (not where the device
+    /// cannot map memory).
+    pub fn set_expandable(&self, on: bool) -> bool {
+        let mut pools = self.pools.lock();
+        if !on {
+            pools.disable_expandable();
+            return false;
+        }
+        if let Some(geometry) = pools.expandable() {
+            pools.enable_expandable(geometry);
+            return true;
+        }
+        drop(pools);
+        let Some(granularity) = self.device.offer_mapping() else {
+            return false;
+        };
+        let geometry = Geometry {
+            moves: self.device.can_alias(),
+            ..Geometry::for_device(granularity, self.device.mem_info().total)
+        };
+        let mut pools = self.pools.lock();
+        let geometry = pools.expandable().unwrap_or(geometry);
+        pools.enable_expandable(geometry);
+        true
+    }
+}
