@@ -39,15 +39,7 @@ impl Shim {
             }
             served => served,
         };
-        let served = match served {
-            // Graph pools no longer in use still hold memory (Note [Private pools]).
-            Err(cuda::ERROR_MEMORY_ALLOCATION)
-                if self.release_unused_private_pools(true, Some(device)) > 0 =>
-            {
-                self.serve(&pool.alloc, device, size, stream)
-            }
-            served => served,
-        };
+        let served = self.after_releasing_unused(served, &pool.alloc, device, size, stream);
         let served = match served {
             Err(cuda::ERROR_MEMORY_ALLOCATION) => self
                 .oom_fallback(device, size, stream)
@@ -74,6 +66,26 @@ impl Shim {
             notify(device, size, alloc.limit().min(info.total), info.free);
         }
         served
+    }
+
+    /// `served`, or, when it ran out of memory and graph pools no longer in use held some
+    /// (Note [Private pools]), the request served again from `alloc` once they let it go.
+    pub(super) fn after_releasing_unused(
+        &self,
+        served: Result<u64, CudaError>,
+        alloc: &Allocator<CudaDevice, DeviceObserver>,
+        device: i32,
+        size: u64,
+        stream: u64,
+    ) -> Result<u64, CudaError> {
+        match served {
+            Err(cuda::ERROR_MEMORY_ALLOCATION)
+                if self.release_unused_private_pools(true, Some(device)) > 0 =>
+            {
+                self.serve(alloc, device, size, stream)
+            }
+            served => served,
+        }
     }
 
     /// Serve an allocation for `stream` from `alloc`, one of `device`'s allocators; report what

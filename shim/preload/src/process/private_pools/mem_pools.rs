@@ -124,15 +124,8 @@ impl Shim {
         stream: u64,
     ) -> Option<Result<u64, CudaError>> {
         let pool = self.thread_mem_pool(device)?;
-        Some(match self.serve(&pool.alloc, device, size, stream) {
-            // Graph pools no longer in use still hold memory (Note [Private pools]).
-            Err(crate::cuda::ERROR_MEMORY_ALLOCATION)
-                if self.release_unused_private_pools(true, Some(device)) > 0 =>
-            {
-                self.serve(&pool.alloc, device, size, stream)
-            }
-            served => served,
-        })
+        let served = self.serve(&pool.alloc, device, size, stream);
+        Some(self.after_releasing_unused(served, &pool.alloc, device, size, stream))
     }
 
     /// After `device`'s ordinary pool ran out of memory: a cached block of a live `use_on_oom`
