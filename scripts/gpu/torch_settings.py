@@ -151,27 +151,33 @@ def graph_side_stream():
     return right and one_pool, f"replay right: {right}; the graph's new segments' pools: {new}"
 
 
+def captured(stream, graph, body):
+    """`body()` captured into `graph` on `stream`; its result (the graph's output)."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        out = body()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
 def graph_reset_recapture():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         a = torch.full((1000,), 1.0, device="cuda")
-        g = torch.cuda.CUDAGraph()
-        g.capture_begin()
-        b = a
+    g = torch.cuda.CUDAGraph()
+
+    def add_ten(start, step):
+        b = start
         for _ in range(10):
-            b = b + 1
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(s)
+            b = b + step
+        return b
+
+    b = captured(s, g, lambda: add_ten(a, 1))
     g.replay()
     first = b.sum().item()
     g.reset()
-    with torch.cuda.stream(s):
-        g.capture_begin()
-        b.fill_(2.0)
-        for _ in range(10):
-            b = b + 2
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(s)
+    b = captured(s, g, lambda: add_ten(b.fill_(2.0), 2))
     g.replay()
     second = b.sum().item()
     g.reset()
