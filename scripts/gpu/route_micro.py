@@ -5,6 +5,7 @@ comparing routes process by process (issue 25): natively, with PyTorch's own
     LABEL=native python3 route_micro.py
     LABEL=async PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync python3 route_micro.py
     LABEL=shim LD_PRELOAD=.../libcachealloc.so python3 route_micro.py
+    LABEL=pluggable ROUTE=pluggable CACHEALLOC_CONF=torch_caching:keep LD_PRELOAD=... python3 route_micro.py
 
 Each size is warmed up, then `torch.empty(size)` and its release run PAIRS times (default
 200 000) in ROUNDS rounds; one line per size, the median of the rounds in µs per pair:
@@ -19,11 +20,14 @@ import time
 
 import torch
 
+from pluggable import use_if_asked
+
 LABEL = os.environ.get("LABEL", "-")
 PAIRS = int(os.environ.get("PAIRS", "200000"))
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 SIZES = [512, 64 << 10, 4 << 20]
 
+use_if_asked()
 device = torch.device("cuda:0")
 torch.empty(1, device=device)  # context and allocator up
 for size in SIZES:

@@ -13,7 +13,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import cnn, llama, step_fn  # noqa: E402
+from pluggable import use_if_asked  # noqa: E402
 
+use_if_asked()  # ROUTE=pluggable: see pluggable.py
 MODEL = sys.argv[1]
 STEPS = int(os.environ.get("STEPS", "24"))
 torch.manual_seed(0)
@@ -30,9 +32,13 @@ for i in range(STEPS):
     torch.cuda.synchronize()
     times.append((time.perf_counter() - t0) * 1000)
 mb = 1 << 20
+try:
+    reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+except RuntimeError:  # ROUTE=pluggable: PyTorch keeps no statistics for a pluggable allocator
+    reserved = allocated = -mb
 print(
     f"workload={MODEL}_train label={os.environ.get('LABEL', '-')} "
     f"step_ms={statistics.median(times):.4f} "
-    f"torch_max_reserved_MB={torch.cuda.max_memory_reserved() / mb:.1f} "
-    f"torch_max_allocated_MB={torch.cuda.max_memory_allocated() / mb:.1f}"
+    f"torch_max_reserved_MB={reserved / mb:.1f} "
+    f"torch_max_allocated_MB={allocated / mb:.1f}"
 )
