@@ -70,6 +70,13 @@ impl OnPanic for std::ffi::c_int {
     }
 }
 
+/// A time or a count: 0.
+impl OnPanic for u64 {
+    fn on_panic() -> Self {
+        0
+    }
+}
+
 impl OnPanic for String {
     fn on_panic() -> Self {
         String::new()

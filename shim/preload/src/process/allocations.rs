@@ -140,9 +140,21 @@ impl Shim {
         if let Some(held) = self.ipc_hold(address, stream) {
             return Some(held);
         }
-        let freed = self.free_pooled(address, stream);
+        let freed = self.with_free_stack(|| self.free_pooled(address, stream));
         self.ipc_collect();
         freed
+    }
+
+    /// Run `f` (a free, `empty_cache`) with the calling thread's stack as the stack of the
+    /// records it makes, when the program asked for free stacks (`crate::stacks::free_stacks`).
+    fn with_free_stack<T>(&self, f: impl FnOnce() -> T) -> T {
+        if !crate::stacks::free_stacks() {
+            return f();
+        }
+        let before = crate::stacks::set_at_free(self.capture_stack());
+        let result = f();
+        crate::stacks::set_at_free(before);
+        result
     }
 
     /// [`Shim::free`] without the IPC check.
@@ -227,14 +239,16 @@ impl Shim {
     /// Private pools still in use keep theirs (Note [Private pools]).
     pub fn empty_cache(&self) -> Result<(), CudaError> {
         self.ipc_collect();
-        for alloc in self.allocators() {
-            alloc.empty_cache().map_err(|e| {
-                log::error!("empty_cache: {e}");
-                cuda::ERROR_INITIALIZATION
-            })?;
-        }
-        self.release_unused_private_pools(true, None);
-        Ok(())
+        self.with_free_stack(|| {
+            for alloc in self.allocators() {
+                alloc.empty_cache().map_err(|e| {
+                    log::error!("empty_cache: {e}");
+                    cuda::ERROR_INITIALIZATION
+                })?;
+            }
+            self.release_unused_private_pools(true, None);
+            Ok(())
+        })
     }
 
     /// Stats of every device that has a pool: `(device, stats)`.

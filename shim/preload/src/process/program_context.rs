@@ -31,6 +31,15 @@ pub enum BadFact {
 }
 
 impl Shim {
+    /// The program changed its memory-history settings (PyTorch's `_record_memory_history`):
+    /// stacks at frees when it keeps free context, native frames when it asks for C++ frames.
+    pub fn memory_history(&self, free_stacks: bool, native_frames: bool) {
+        crate::stacks::set_free_stacks(free_stacks);
+        if let Some(stacks) = &self.stacks {
+            stacks.set_native(native_frames);
+        }
+    }
+
     /// The program's phase is now `phase` (a `PHASE_*` byte of the schema), in training step
     /// `step`. Every thread's scope ends with the phase it was set in.
     pub fn set_phase(&self, phase: u8, step: u64) -> Result<(), BadFact> {

@@ -36,7 +36,7 @@ pub mod python;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cachealloc_core::config::StackMode;
 use cachealloc_recorder::Record;
@@ -63,6 +63,37 @@ pub fn pause(paused: bool) -> bool {
 /// Whether stack capture is paused.
 pub fn paused() -> bool {
     PAUSED.load(Ordering::Relaxed)
+}
+
+/// Whether frees capture the freeing code's stack (`cachealloc_memory_history`: the program
+/// asked `_record_memory_history(context="all")`, which keeps free stacks). Off by default: a
+/// free's entries then show the block's allocation stack.
+static FREE_STACKS: AtomicBool = AtomicBool::new(false);
+
+/// Capture stacks at frees from now on (or stop); returns whether it was on.
+pub fn set_free_stacks(on: bool) -> bool {
+    FREE_STACKS.swap(on, Ordering::Relaxed)
+}
+
+/// Whether frees capture stacks.
+pub fn free_stacks() -> bool {
+    FREE_STACKS.load(Ordering::Relaxed)
+}
+
+thread_local! {
+    /// The stack of the free (or `empty_cache`) this thread is in, for the records it makes
+    /// (0: none).
+    static AT_FREE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Set the calling thread's free stack ([`at_free`]); returns the previous one.
+pub fn set_at_free(stack: u32) -> u32 {
+    AT_FREE.try_with(|s| s.replace(stack)).unwrap_or(0)
+}
+
+/// The stack of the free the calling thread is in (0: none, or free stacks off).
+pub fn at_free() -> u32 {
+    AT_FREE.try_with(std::cell::Cell::get).unwrap_or(0)
 }
 
 /// Code objects whose frames stacks leave out (0: an empty place).
@@ -223,8 +254,15 @@ impl Interner {
 #[derive(Debug)]
 pub struct Stacks {
     depth: usize,
-    /// Native frames, when captured.
-    native: Option<NativeStacks>,
+    /// Native frames: the unwinder, made when first needed (by `stacks:native|all`, or when a
+    /// program asks for C++ frames, [`Stacks::set_native`]).
+    native: OnceLock<NativeStacks>,
+    /// Whether native frames are captured now.
+    native_on: AtomicBool,
+    /// Whether the configuration asked for native frames (the program's wish cannot turn them
+    /// off then).
+    native_configured: bool,
+    system_unwinder: bool,
     python: Option<Python>,
     interner: Mutex<Interner>,
     /// The stack of the Python thread in `backward()`, for threads without frames (0: none).
@@ -259,9 +297,16 @@ impl Stacks {
         if !native && python.is_none() {
             return None;
         }
+        let unwinder = OnceLock::new();
+        if native {
+            let _ = unwinder.set(NativeStacks::new(system_unwinder));
+        }
         Some(Stacks {
             depth: depth.clamp(1, MAX_DEPTH),
-            native: native.then(|| NativeStacks::new(system_unwinder)),
+            native: unwinder,
+            native_on: AtomicBool::new(native),
+            native_configured: native,
+            system_unwinder,
             python,
             interner: Mutex::default(),
             backward: AtomicU32::new(0),
@@ -272,6 +317,17 @@ impl Stacks {
     /// Python thread now in `backward()`. Returns the previous one, to put back after.
     pub fn set_backward(&self, stack: u32) -> u32 {
         self.backward.swap(stack, Ordering::AcqRel)
+    }
+
+    /// Capture native frames too from now on (`on`), or only what the configuration asked: a
+    /// program's `_record_memory_history(stacks="all")` asks for C++ frames.
+    pub fn set_native(&self, on: bool) {
+        let on = on || self.native_configured;
+        if on {
+            self.native
+                .get_or_init(|| NativeStacks::new(self.system_unwinder));
+        }
+        self.native_on.store(on, Ordering::Relaxed);
     }
 
     /// Whether Python frames are captured, and of which version.
@@ -304,9 +360,9 @@ impl Stacks {
             ips.resize(self.depth, 0);
             py.resize(self.depth, RawFrame::default());
         }
-        let native = match &self.native {
-            Some(n) => n.capture(&mut ips[..self.depth]),
-            None => 0,
+        let native = match self.native.get() {
+            Some(n) if self.native_on.load(Ordering::Relaxed) => n.capture(&mut ips[..self.depth]),
+            _ => 0,
         };
         let python = match &self.python {
             Some(p) => {

@@ -157,3 +157,24 @@ pub extern "C" fn cachealloc_stacks_pause(paused: c_int) -> c_int {
         || 0,
     )
 }
+
+/// The program changed its memory-history settings (`torch.cuda.memory._record_memory_history`,
+/// through the Python integration): capture the freeing code's stack at each free and
+/// `empty_cache` from now on when `free_stacks` is non-zero (PyTorch's `context="all"`), and
+/// native frames in every stack when `native_frames` is non-zero (`stacks="all"`; with neither
+/// the configuration's `stacks` applies). Returns the trace's clock now (ns, the records' time
+/// base), so that the integration can tell `cachealloc snapshot --history` when each setting
+/// began.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_memory_history(free_stacks: c_int, native_frames: c_int) -> u64 {
+    guarded(
+        "cachealloc_memory_history",
+        || {
+            if let Some(shim) = process::shim() {
+                shim.memory_history(free_stacks != 0, native_frames != 0);
+            }
+            crate::trace::now()
+        },
+        || 0,
+    )
+}
