@@ -26,9 +26,10 @@ it has to adjust:
   library passes new allocations to CUDA, uncounted: `cachealloc_caching_enable`),
   `_cuda_setMemoryFraction` (the fraction then limits every pool of the device together, as
   natively: `cachealloc_set_memory_fraction`),
-  `_cuda_record_memory_history`, `_cuda_memorySnapshot` (segments, blocks, frames and
-  `device_traces` read from the trace the recorder keeps anyway, by the `cachealloc snapshot`
-  command beside the library), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
+  `_cuda_record_memory_history` (its settings over time: `cachealloc_memory_history`),
+  `_cuda_memorySnapshot` (segments, blocks, frames and `device_traces` read from the trace the
+  recorder keeps anyway, by the `cachealloc snapshot` command beside the library, showing what
+  the history settings keep), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
   `_accelerator_resetAccumulatedStats`; `_cuda_getMemoryFraction` answers 1.0, not the
   backend's "unlimited" over the device's memory, while no fraction is set. So `memory_stats`,
   `memory_summary`, `_record_memory_history`, `_snapshot`, `memory_snapshot` and

@@ -52,17 +52,67 @@ def _cachealloc_binary():
 
 
 class _History:
-    """What `_record_memory_history` asked for: the recorder keeps the history anyway; a
-    snapshot shows its last `max_entries` events, none after an explicit `enabled=None`."""
+    """What `_record_memory_history` asked, over time: each change with the trace's time at the
+    call, which `cachealloc snapshot --history` applies (what each setting keeps, as PyTorch's
+    native allocator keeps it: docs in the tool's `snapshot::history`). Before the first call
+    the snapshot shows the recorder's whole history."""
 
-    enabled = True
+    changes = []
     max_entries = 100_000
+    # Changes passed to the tool at most (the last ones; a program that toggles its history
+    # every step need not make the command line grow without end).
+    keep = 4096
 
 
-def _record_history(enabled="all", context="all", stacks="all", max_entries=None, *rest, **kw):
-    _History.enabled = enabled is not None and enabled is not False
-    if isinstance(max_entries, int) and max_entries > 0:
+_ENABLED = (None, "state", "all")
+_CONTEXT = (None, "state", "alloc", "all")
+_STACKS = ("python", "all")
+
+
+def _record_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, *rest, **kw):
+    # The values PyTorch accepts.
+    for value, valid, what in (
+        (enabled, _ENABLED, "enabled"),
+        (context, _CONTEXT, "context"),
+        (stacks, _STACKS, "stacks"),
+    ):
+        if value not in valid:
+            choices = ", ".join(repr(v) for v in valid)
+            raise RuntimeError(f"Invalid option {what}={value!r}; expected one of: {choices}")
+    api = c_functions(history="cachealloc_memory_history")
+    if api is None:
+        return
+    import ctypes
+
+    api.history.restype = ctypes.c_uint64
+    api.history.argtypes = [ctypes.c_int, ctypes.c_int]
+    # Free stacks are captured only while the program keeps them (events with context="all"),
+    # C++ frames while it asks for them (stacks="all", PyTorch's default, which costs natively
+    # too).
+    t = api.history(
+        1 if enabled == "all" and context == "all" else 0,
+        1 if enabled is not None and context is not None and stacks == "all" else 0,
+    )
+    if enabled is None:
+        context = None
+    _History.changes.append((t, enabled or "none", context or "none", stacks))
+    del _History.changes[: -_History.keep]
+    if enabled is not None and isinstance(max_entries, int) and max_entries > 0:
         _History.max_entries = max_entries
+
+
+def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
+                           trace_alloc_record_context=False, record_context_cpp=False, *rest, **kw):
+    """`_record_memory_history(True, …)`, PyTorch's older form, in the newer one's terms."""
+    if not enabled:
+        return _record_history(None, None, "python")
+    context = "alloc" if trace_alloc_record_context else ("state" if record_context else None)
+    return _record_history(
+        "all" if trace_alloc_max_entries > 1 else "state",
+        context,
+        "all" if record_context_cpp else "python",
+        max(trace_alloc_max_entries, 1),
+    )
 
 
 def _snapshot_from_trace(flush):
@@ -81,11 +131,13 @@ def _snapshot_from_trace(flush):
         raise RuntimeError(
             "cachealloc: the `cachealloc` command was not found beside the preloaded library"
         )
-    events = min(_History.max_entries, 10_000_000) if _History.enabled else 0
+    events = min(_History.max_entries, 10_000_000)
+    history = ",".join(f"{t}:{e}:{c}:{s}" for t, e, c, s in _History.changes)
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "snapshot.pickle")
         done = subprocess.run(
-            [tool, "snapshot", trace, "--events", str(events), "-o", out],
+            [tool, "snapshot", trace, "--events", str(events), "-o", out]
+            + (["--history", history] if history else []),
             capture_output=True,
             text=True,
         )
@@ -93,8 +145,6 @@ def _snapshot_from_trace(flush):
             raise RuntimeError(f"cachealloc snapshot failed: {done.stderr.strip()}")
         with open(out, "rb") as f:
             snapshot = pickle.load(f)
-    if not _History.enabled:
-        snapshot["device_traces"] = [[] for _ in snapshot.get("device_traces", [])]
     return snapshot
 
 
@@ -370,5 +420,7 @@ def adjust(memory):
         caching.enable.argtypes = [ctypes.c_int]
         native._cuda_cudaCachingAllocator_enable = lambda value: caching.enable(1 if value else 0) and None
     native._cuda_record_memory_history = _record_history
+    if hasattr(native, "_cuda_record_memory_history_legacy"):
+        native._cuda_record_memory_history_legacy = _record_history_legacy
     native._cuda_memorySnapshot = memory_snapshot
     say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")

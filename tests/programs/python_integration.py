@@ -111,6 +111,113 @@ graph.capture_begin((0, 7))
 if graph.pool_used != ((0, 7), "global"):
     fail(f"a capture given a pool began with {graph.pool_used}")
 
+def check_history_settings(torch, glob):
+    """What `_record_memory_history`'s settings keep in `_snapshot()`, as PyTorch's own tests
+    (test_memory_plots_*) check them: no stacks with context=None, free stacks only with
+    context="all", the history cleared by enabled=None, no events with enabled="state"."""
+    import json
+
+    record = torch._C._cuda_record_memory_history
+
+    def malloc():
+        p = ctypes.c_void_p()
+        if glob.cudaMalloc(ctypes.byref(p), 4096) != 0:
+            fail("cudaMalloc failed")
+        return p
+
+    def should_capture1():
+        return malloc()
+
+    def should_not_capture():
+        return malloc()
+
+    def should_capture2():
+        return malloc()
+
+    def thefree(p):
+        glob.cudaFree(p)
+
+    def snapshot_text(part):
+        return json.dumps(torch._C._cuda_memorySnapshot(None)[part])
+
+    record("all", "all", "python", 1000)
+    kept = should_capture1()
+    record("all", None, "python", 1000)
+    hidden = should_not_capture()
+    record("all", "all", "python", 1000)
+    also_kept = should_capture2()
+    thefree(hidden)
+    traces = snapshot_text("device_traces")
+    for name, shown in (("should_capture1", True), ("should_not_capture", False),
+                        ("should_capture2", True), ("thefree", True)):
+        if (name in traces) != shown:
+            fail(f"with the settings of PyTorch's test_memory_plots_history_context, "
+                 f"{name} {'is missing from' if shown else 'is in'} the history")
+
+    def thealloc():
+        return malloc()
+
+    def thefree_alloc_context(p):
+        glob.cudaFree(p)
+
+    record(None, None, "python", 1000)
+    record("all", "alloc", "python", 1000)
+    thefree_alloc_context(thealloc())
+    traces = snapshot_text("device_traces")
+    if "should_capture1" in traces or "thealloc" not in traces or "thefree_alloc_context" in traces:
+        fail(f"enabled=None did not clear the history, or context='alloc' kept a free stack: {traces}")
+
+    def state_alloc():
+        return malloc()
+
+    record("state", "state", "python", 1000)
+    live = state_alloc()
+    snapshot = torch._C._cuda_memorySnapshot(None)
+    if any(snapshot["device_traces"]):
+        fail("enabled='state' kept events")
+    blocks = json.dumps(snapshot["segments"])
+    if "state_alloc" not in blocks or "should_capture1" not in blocks:
+        fail("context='state' lost the stacks of live blocks")
+
+    def with_cpp_frames():
+        return malloc()
+
+    def python_frames_only():
+        return malloc()
+
+    def native_frames(name):
+        entries = [e for trace in torch._C._cuda_memorySnapshot(None)["device_traces"]
+                   for e in trace if e["action"] == "alloc"
+                   and any(f["name"].endswith(name) for f in e["frames"])]
+        if len(entries) != 1:
+            fail(f"no single alloc entry of {name}: {entries}")
+        return [f for f in entries[0]["frames"] if not f["filename"].endswith(".py")]
+
+    record("all", "alloc", "all", 1000)
+    cpp = with_cpp_frames()
+    if not native_frames("with_cpp_frames"):
+        fail("stacks='all' recorded no native frames")
+    record("all", "alloc", "python", 1000)
+    python_only = python_frames_only()
+    if native_frames("python_frames_only"):
+        fail("stacks='python' showed native frames")
+    glob.cudaFree(cpp)
+    glob.cudaFree(python_only)
+
+    def empty_cache():
+        glob.cachealloc_empty_cache()
+
+    record("all", "all", "python", 1000)
+    for p in (kept, also_kept, live):
+        glob.cudaFree(p)
+    empty_cache()
+    frees = [e for trace in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in trace
+             if e["action"] == "segment_free"]
+    if not frees or not any(f["name"].endswith("empty_cache") for e in frees for f in e["frames"]):
+        fail(f"empty_cache's segment frees have not its stack with context='all': {frees}")
+    record(None, None, "python", 1000)
+
+
 if expected:
     if torch._C._cuda_memoryStats(0) != "native":
         fail("the memory entry points were replaced where the integration must not act")
@@ -233,6 +340,7 @@ else:
     torch._C._cuda_record_memory_history(None, None, "all", 1000)
     if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
         fail("history was shown after _record_memory_history(None)")
+    check_history_settings(torch, glob)
 
     # Out-of-memory observers hear of an allocation that fails.
     heard = []

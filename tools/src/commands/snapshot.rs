@@ -10,8 +10,10 @@
 //! PyTorch's memory viewer can colour by it; finding a block's category takes a walk of the
 //! whole trace (a block's category depends on its whole life).
 //!
-//! Free events carry their block's allocation stack (the shim records none at the free), as
-//! PyTorch's own snapshots do when they record no free context.
+//! Free events carry their own stack where the shim captured one (while the program asks
+//! `_record_memory_history` for free context), else their block's allocation stack, as
+//! PyTorch's own snapshots do when they record no free context. With `--history` the snapshot
+//! shows what the program's history settings keep (`history`).
 //!
 //! The snapshot is a tree of serde structs (pickled as dicts with these field names) that borrow
 //! each stack's frames, built once per stack: a window of 100 000 events with 20-frame stacks
@@ -32,6 +34,9 @@ use crate::format::bytes;
 use crate::progress::Progress;
 use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
+use history::{Cursor, EventKind, PYTHON_ONLY};
+
+mod history;
 
 /// `cachealloc snapshot`'s arguments.
 #[derive(clap::Args, Debug)]
@@ -47,6 +52,10 @@ pub struct SnapshotArgs {
     /// Output file.
     #[arg(short, required = true)]
     pub output: PathBuf,
+    /// The program's `_record_memory_history` settings over time, applied to what the snapshot
+    /// shows (`T:ENABLED:CONTEXT:STACKS,…`; the Python integration passes them).
+    #[arg(long)]
+    pub history: Option<String>,
 }
 
 /// One frame, as PyTorch writes it.
@@ -57,13 +66,16 @@ struct Frame {
     name: String,
 }
 
-/// Each stack's frames (innermost first), built once.
+/// Each stack's frames (innermost first), built once; an id with [`PYTHON_ONLY`] set gets its
+/// stack's Python frames only.
 fn frame_lists(state: &LiveState, stacks: impl Iterator<Item = u32>) -> HashMap<u32, Vec<Frame>> {
     let mut lists = HashMap::new();
     for stack in stacks {
         lists.entry(stack).or_insert_with(|| {
-            stack_frames(state, stack)
+            let python_only = stack & PYTHON_ONLY != 0;
+            stack_frames(state, stack & !PYTHON_ONLY)
                 .into_iter()
+                .filter(|f| !python_only || f.kind == cachealloc_recorder::schema::FRAME_PYTHON)
                 .map(|f| Frame {
                     filename: if f.file.is_empty() {
                         "??".into()
@@ -229,6 +241,7 @@ fn entries<'a>(
 /// an expandable segment (as PyTorch reports them).
 fn segments<'a>(
     state: &LiveState,
+    block_stacks: &HashMap<(u32, u64), u32>,
     frames: &'a HashMap<u32, Vec<Frame>>,
     categories: Option<&HashMap<(u32, u64), Category>>,
     expandable: bool,
@@ -269,7 +282,12 @@ fn segments<'a>(
                 size: b.size,
                 requested_size: b.requested,
                 state: block_state,
-                frames: frames_of(b.stack),
+                frames: frames_of(
+                    block_stacks
+                        .get(&(b.device, b.address))
+                        .copied()
+                        .unwrap_or(b.stack),
+                ),
                 category: categories.map(|c| {
                     c.get(&(b.device, b.address))
                         .copied()
@@ -326,22 +344,38 @@ struct Window {
     /// Each block live (allocated or pending) at the moment: its `Alloc` record's ordinal
     /// (`None`: from a checkpoint).
     ordinals: HashMap<(u32, u64), Option<u64>>,
+    /// The stack each live block shows, where the program's history settings decide it.
+    block_stacks: HashMap<(u32, u64), u32>,
 }
 
-/// Walk `dir` through record `index`, keeping the last `events` events.
-fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk, Window), Error> {
+/// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
+fn walk_with_window(
+    dir: &Path,
+    index: u64,
+    events: usize,
+    mut history: Cursor,
+) -> Result<(TraceWalk, Window), Error> {
     let mut walk = TraceWalk::open(dir)?;
     let mut window = Window {
         events: VecDeque::new(),
         has_context: false,
         ordinals: HashMap::new(),
+        block_stacks: HashMap::new(),
     };
+    // The stack of each free not yet completed, for its `free_completed` entry.
+    let mut freed_by: HashMap<(u32, u64), u32> = HashMap::new();
     let mut allocs = 0u64;
-    // The allocation stack of each live block: the shim does not capture a stack at free, so a
-    // free's entries get their block's (as PyTorch does when it records no free context).
+    // The allocation stack of each live block: a free without a stack of its own shows its
+    // block's (as PyTorch does when it records no free context).
     let mut allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
     while let Some(step) = walk.step() {
         let step = step?;
+        if !step.in_checkpoint
+            && let Some(t) = step.record.time()
+            && history.advance(t)
+        {
+            window.events.clear();
+        }
         let mut ordinal = u64::MAX;
         let stack = match &step.record {
             r if r.is_context() => {
@@ -353,7 +387,11 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
                 allocs += 1;
                 allocated_at.insert((a.device, a.address), a.stack);
                 window.ordinals.insert((a.device, a.address), Some(ordinal));
-                Some(a.stack)
+                if history.given() {
+                    let shown = history.block_stack(a.stack);
+                    window.block_stacks.insert((a.device, a.address), shown);
+                }
+                Some(history.event_stack(EventKind::Alloc, a.stack, 0))
             }
             Record::CheckpointBlock(b) => {
                 allocated_at.insert((b.device, b.address), b.stack);
@@ -362,34 +400,34 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
             }
             Record::FreeRequested(f) => {
                 let at = allocated_at.get(&(f.device, f.address)).copied();
-                Some(if f.stack != 0 {
-                    f.stack
-                } else {
-                    at.unwrap_or(0)
-                })
+                freed_by.insert((f.device, f.address), f.stack);
+                Some(history.event_stack(EventKind::Free, f.stack, at.unwrap_or(0)))
             }
             Record::Free(f) => {
                 window.ordinals.remove(&(f.device, f.address));
+                window.block_stacks.remove(&(f.device, f.address));
                 let at = allocated_at.remove(&(f.device, f.address));
-                Some(if f.stack != 0 {
-                    f.stack
-                } else {
-                    at.unwrap_or(0)
-                })
+                Some(history.event_stack(EventKind::Free, f.stack, at.unwrap_or(0)))
             }
             Record::FreeCompleted(f) => {
                 window.ordinals.remove(&(f.device, f.address));
-                Some(allocated_at.remove(&(f.device, f.address)).unwrap_or(0))
+                window.block_stacks.remove(&(f.device, f.address));
+                let at = allocated_at.remove(&(f.device, f.address)).unwrap_or(0);
+                let own = freed_by.remove(&(f.device, f.address)).unwrap_or(0);
+                Some(history.event_stack(EventKind::Free, own, at))
             }
-            Record::SegmentAlloc(s)
-            | Record::SegmentFree(s)
-            | Record::SegmentMap(s)
-            | Record::SegmentUnmap(s) => Some(s.stack),
-            Record::Oom(o) => Some(o.stack),
+            Record::SegmentAlloc(s) | Record::SegmentMap(s) => {
+                Some(history.event_stack(EventKind::Alloc, s.stack, 0))
+            }
+            Record::SegmentFree(s) | Record::SegmentUnmap(s) => {
+                Some(history.event_stack(EventKind::Free, s.stack, 0))
+            }
+            Record::Oom(o) => Some(history.event_stack(EventKind::Alloc, o.stack, 0)),
             _ => None,
         };
         if let Some(stack) = stack
             && !step.in_checkpoint
+            && history.keeps_events()
         {
             window.events.push_back((step.record, stack, ordinal));
             // The last `events` events (a record makes one or two entries).
@@ -398,8 +436,13 @@ fn walk_with_window(dir: &Path, index: u64, events: usize) -> Result<(TraceWalk,
             }
         }
         if step.index >= index {
-            break;
+            return Ok((walk, window));
         }
+    }
+    // The whole trace was walked: the program's changes after its last record (a history
+    // cleared just before the snapshot) apply too.
+    if history.advance(u64::MAX) {
+        window.events.clear();
     }
     Ok((walk, window))
 }
@@ -414,8 +457,9 @@ pub fn write(
     events: usize,
     output: &Path,
     categories: Option<Outcome>,
+    history: Cursor,
 ) -> Result<TraceWalk, Error> {
-    let (walk, window) = walk_with_window(dir, index, events)?;
+    let (walk, window) = walk_with_window(dir, index, events, history)?;
     // Categories need each block's whole life: a pass over the whole trace, only for traces
     // that say something about the program.
     let categories = match categories {
@@ -459,6 +503,7 @@ pub fn write(
         .iter()
         .map(|(_, stack, _)| *stack)
         .chain(state.blocks.values().map(|b| b.stack))
+        .chain(window.block_stacks.values().copied())
         .chain(state.segments.values().map(|s| s.stack));
     let frames = frame_lists(state, stacks);
     let mut traces: Vec<VecDeque<Entry<'_>>> = (0..device_count).map(|_| VecDeque::new()).collect();
@@ -476,6 +521,7 @@ pub fn write(
     let snapshot = Snapshot {
         segments: segments(
             state,
+            &window.block_stacks,
             &frames,
             block_categories.as_ref(),
             allocator_settings.expandable_segments,
@@ -506,6 +552,10 @@ fn every_allocation() -> Plan {
 /// goes to it; at a time, a walk to it, and the categories pass only for a trace with context.
 pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
     let (events, output) = (args.events, &args.output);
+    let history = Cursor::new(match &args.history {
+        Some(spec) => history::parse(spec)?,
+        None => vec![],
+    });
     let dir = one_trace(&args.trace)?;
     let (index, label, categories) = if args.when.at_peak {
         let outcome = categories::pass::run(
@@ -530,7 +580,7 @@ pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
         let (index, label) = resolve_when(&dir, &args.when)?;
         (index, label, None)
     };
-    let walk = write(&dir, index, events, output, categories)?;
+    let walk = write(&dir, index, events, output, categories, history)?;
     let reserved: u64 = walk.state.segments.values().map(|s| s.size).sum();
     writeln!(
         out,

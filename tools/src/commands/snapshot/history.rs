@@ -1,0 +1,269 @@
+//! The program's memory-history settings, applied to a snapshot (`cachealloc snapshot
+//! --history`).
+//!
+//! The recorder keeps every event with its stack whatever the program asked. A program that
+//! calls PyTorch's `torch.cuda.memory._record_memory_history(enabled, context, stacks)` expects
+//! its `_snapshot()` to show what those settings keep, as PyTorch's native allocator does:
+//!
+//! * `enabled=None` stops the history and clears it (events before it are not shown);
+//!   `"state"` keeps no events (none before it either: the snapshot then shows the state);
+//!   `"all"` keeps them.
+//! * `context`: `None` records no stacks; `"state"` the stacks of live blocks only; `"alloc"`
+//!   those and the allocation events'; `"all"` also the frees' (and `empty_cache`'s segment
+//!   frees'), which the shim captures from the moment the program asks
+//!   (`cachealloc_memory_history`).
+//! * `stacks="python"` leaves native frames out; `"all"` keeps them (when the trace has any).
+//!
+//! The Python integration passes each change with the trace's time at the call
+//! (`T:ENABLED:CONTEXT:STACKS`, comma-separated). Before the first change the snapshot shows
+//! everything (the recorder's history is the beyond-PyTorch default), and frees without a stack
+//! of their own show their block's allocation stack.
+
+use crate::Error;
+
+/// A stack id with this bit set shows only its Python frames (`stacks="python"`).
+pub const PYTHON_ONLY: u32 = 1 << 31;
+
+/// `enabled` of `_record_memory_history`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Enabled {
+    /// `None`: no history, and the history so far cleared.
+    Off,
+    /// `"state"`: live blocks only, no events.
+    State,
+    /// `"all"`: events too.
+    All,
+}
+
+/// `context` of `_record_memory_history`: which stacks are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Context {
+    /// `None`: no stacks.
+    Off,
+    /// `"state"`: live blocks' stacks.
+    State,
+    /// `"alloc"`: and the allocation events'.
+    Alloc,
+    /// `"all"`: and the frees'.
+    All,
+}
+
+/// The settings from a change on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// Trace time of the change (ns).
+    pub t: u64,
+    /// See [`Enabled`].
+    pub enabled: Enabled,
+    /// See [`Context`].
+    pub context: Context,
+    /// `stacks="python"`.
+    pub python_only: bool,
+}
+
+/// What a snapshot shows before the program's first change: everything.
+const EVERYTHING: Settings = Settings {
+    t: 0,
+    enabled: Enabled::All,
+    context: Context::All,
+    python_only: false,
+};
+
+/// Parse `--history`'s `T:ENABLED:CONTEXT:STACKS,…` (ENABLED `none|state|all`, CONTEXT
+/// `none|state|alloc|all`, STACKS `python|all`), in time order.
+pub fn parse(spec: &str) -> Result<Vec<Settings>, Error> {
+    let bad = |item: &str, why: &str| {
+        Error::Message(format!(
+            "--history: {why} in {item:?} (expected T:ENABLED:CONTEXT:STACKS with ENABLED \
+             none|state|all, CONTEXT none|state|alloc|all, STACKS python|all)"
+        ))
+    };
+    let mut out: Vec<Settings> = Vec::new();
+    for item in spec.split(',').filter(|i| !i.trim().is_empty()) {
+        let parts: Vec<&str> = item.trim().split(':').collect();
+        let [t, enabled, context, stacks] = parts[..] else {
+            return Err(bad(item, "four fields needed"));
+        };
+        let t = t
+            .parse()
+            .map_err(|_| bad(item, "the time is not a number"))?;
+        let enabled = match enabled {
+            "none" => Enabled::Off,
+            "state" => Enabled::State,
+            "all" => Enabled::All,
+            _ => return Err(bad(item, "unknown ENABLED")),
+        };
+        let context = match context {
+            "none" => Context::Off,
+            "state" => Context::State,
+            "alloc" => Context::Alloc,
+            "all" => Context::All,
+            _ => return Err(bad(item, "unknown CONTEXT")),
+        };
+        let python_only = match stacks {
+            "python" => true,
+            "all" => false,
+            _ => return Err(bad(item, "unknown STACKS")),
+        };
+        if out.last().is_some_and(|last| last.t > t) {
+            return Err(bad(item, "times must not go back"));
+        }
+        out.push(Settings {
+            t,
+            enabled,
+            context,
+            python_only,
+        });
+    }
+    Ok(out)
+}
+
+/// What an event of the walk shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// An allocation (and an OOM, and a segment's allocation or mapping).
+    Alloc,
+    /// A free (and a segment's release or unmapping).
+    Free,
+}
+
+/// The settings in force as a walk goes through the trace's time.
+#[derive(Debug)]
+pub struct Cursor {
+    changes: Vec<Settings>,
+    next: usize,
+    now: Settings,
+}
+
+impl Cursor {
+    /// A cursor over `changes` (empty: everything is shown, as without `--history`).
+    pub fn new(changes: Vec<Settings>) -> Cursor {
+        Cursor {
+            changes,
+            next: 0,
+            now: EVERYTHING,
+        }
+    }
+
+    /// Whether the program said anything (else the snapshot shows everything).
+    pub fn given(&self) -> bool {
+        !self.changes.is_empty()
+    }
+
+    /// Move to time `t`; returns whether the history was cleared on the way (a change to
+    /// `enabled=None` or `"state"`).
+    pub fn advance(&mut self, t: u64) -> bool {
+        let mut cleared = false;
+        while let Some(change) = self.changes.get(self.next).filter(|c| c.t <= t) {
+            cleared |= change.enabled != Enabled::All;
+            self.now = *change;
+            self.next += 1;
+        }
+        cleared
+    }
+
+    /// Whether events are kept now.
+    pub fn keeps_events(&self) -> bool {
+        self.now.enabled == Enabled::All
+    }
+
+    /// The stack an event of `kind` shows now: `stack` (the event's own: for a free, the
+    /// freeing code's, 0 when none was captured) or `alloc_stack` (its block's allocation
+    /// stack), or 0 for no frames.
+    pub fn event_stack(&self, kind: EventKind, stack: u32, alloc_stack: u32) -> u32 {
+        let wanted = match kind {
+            EventKind::Alloc => self.now.context >= Context::Alloc,
+            EventKind::Free => self.now.context == Context::All,
+        };
+        let stack = match (kind, stack) {
+            (_, 0) if !wanted => 0,
+            // Without the program's settings a free shows its block's allocation stack, as
+            // PyTorch's snapshots do when they record no free context.
+            (EventKind::Free, 0) if !self.given() => alloc_stack,
+            _ if wanted => stack,
+            _ => 0,
+        };
+        self.with_python_only(stack)
+    }
+
+    /// The stack a block allocated now shows among the live blocks (`context` at least
+    /// `"state"`).
+    pub fn block_stack(&self, stack: u32) -> u32 {
+        if self.now.context >= Context::State {
+            self.with_python_only(stack)
+        } else {
+            0
+        }
+    }
+
+    fn with_python_only(&self, stack: u32) -> u32 {
+        if stack != 0 && self.now.python_only {
+            stack | PYTHON_ONLY
+        } else {
+            stack
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_refuses() {
+        let changes = parse("10:all:alloc:python,20:none:none:all").unwrap();
+        assert_eq!(changes.len(), 2);
+        assert_eq!(changes[0].context, Context::Alloc);
+        assert!(changes[0].python_only);
+        assert_eq!(changes[1].enabled, Enabled::Off);
+        for bad in [
+            "10:all:alloc",
+            "x:all:all:all",
+            "1:some:all:all",
+            "1:all:cpp:all",
+            "1:all:all:cpp",
+            "5:all:all:all,4:all:all:all",
+        ] {
+            match parse(bad) {
+                Err(Error::Message(e)) => assert!(e.contains("--history"), "{bad}: {e}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn settings_in_force_decide_what_shows() {
+        let mut c = Cursor::new(vec![]);
+        // Nothing said: everything, and a free shows its block's allocation stack.
+        assert_eq!(c.event_stack(EventKind::Free, 0, 7), 7);
+        let mut c2 = Cursor::new(
+            parse("10:all:alloc:python,20:all:all:all,30:none:none:all,40:state:state:all")
+                .unwrap(),
+        );
+        assert!(!c2.advance(5));
+        assert_eq!(c2.event_stack(EventKind::Alloc, 3, 0), 3);
+        assert!(!c2.advance(10));
+        assert_eq!(c2.event_stack(EventKind::Alloc, 3, 0), 3 | PYTHON_ONLY);
+        assert_eq!(
+            c2.event_stack(EventKind::Free, 4, 3),
+            0,
+            "alloc context keeps no free stacks"
+        );
+        assert!(!c2.advance(25));
+        assert_eq!(c2.event_stack(EventKind::Free, 4, 3), 4);
+        assert_eq!(
+            c2.event_stack(EventKind::Free, 0, 3),
+            0,
+            "the program's settings: no fallback"
+        );
+        assert!(c2.keeps_events());
+        assert!(c2.advance(35), "enabled=None clears");
+        assert_eq!(c2.block_stack(9), 0);
+        assert!(c2.advance(45), "enabled='state' keeps no events");
+        assert!(!c2.keeps_events());
+        assert_eq!(c2.block_stack(9), 9);
+        assert_eq!(c2.event_stack(EventKind::Alloc, 9, 0), 0);
+        c.advance(1);
+        assert!(c.keeps_events());
+    }
+}
