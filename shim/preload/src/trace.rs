@@ -273,7 +273,7 @@ impl Observer for DeviceObserver {
                     stream: f.stream,
                     address: f.address,
                     size: f.size,
-                    stack: crate::stacks::at_free(),
+                    stack: crate::stacks::frees::at_free(),
                     thread: thread_number(),
                 };
                 if f.pending {
@@ -309,7 +309,7 @@ impl Observer for DeviceObserver {
                 address: s.address,
                 size: s.size,
                 pool: pool_byte(s.pool),
-                stack: crate::stacks::at_free(),
+                stack: crate::stacks::frees::at_free(),
             }),
             Event::SegmentMap {
                 address,
@@ -334,7 +334,7 @@ impl Observer for DeviceObserver {
                 address,
                 size,
                 pool: pool_byte(pool),
-                stack: crate::stacks::at_free(),
+                stack: crate::stacks::frees::at_free(),
             }),
             Event::Oom(r) => Record::Oom(Box::new(schema::Oom {
                 t,

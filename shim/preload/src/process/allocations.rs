@@ -148,12 +148,12 @@ impl Shim {
     /// Run `f` (a free, `empty_cache`) with the calling thread's stack as the stack of the
     /// records it makes, when the program asked for free stacks (`crate::stacks::free_stacks`).
     fn with_free_stack<T>(&self, f: impl FnOnce() -> T) -> T {
-        if !crate::stacks::free_stacks() {
+        if !crate::stacks::frees::free_stacks() {
             return f();
         }
-        let before = crate::stacks::set_at_free(self.capture_stack());
+        let before = crate::stacks::frees::set_at_free(self.capture_stack());
         let result = f();
-        crate::stacks::set_at_free(before);
+        crate::stacks::frees::set_at_free(before);
         result
     }
 

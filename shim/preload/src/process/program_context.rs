@@ -34,7 +34,7 @@ impl Shim {
     /// The program changed its memory-history settings (PyTorch's `_record_memory_history`):
     /// stacks at frees when it keeps free context, native frames when it asks for C++ frames.
     pub fn memory_history(&self, free_stacks: bool, native_frames: bool) {
-        crate::stacks::set_free_stacks(free_stacks);
+        crate::stacks::frees::set_free_stacks(free_stacks);
         if let Some(stacks) = &self.stacks {
             stacks.set_native(native_frames);
         }
