@@ -140,6 +140,24 @@ def check_history_settings(torch, glob):
     def snapshot_text(part):
         return json.dumps(torch._C._cuda_memorySnapshot(None)[part])
 
+    # PyTorch's test_memory_plots_free_stack, with its default stacks="all".
+    for context in ("alloc", "all", "state"):
+        record("all", context, "all", 1000)
+
+        def thealloc_torch():
+            return malloc()
+
+        def thefree_torch(p):
+            glob.cudaFree(p)
+
+        thefree_torch(thealloc_torch())
+        text_all = json.dumps(torch._C._cuda_memorySnapshot(None))
+        if ("thefree_torch" in text_all) != (context == "all") or (
+            "thealloc_torch" in text_all
+        ) != (context != "state"):
+            fail(f"test_memory_plots_free_stack with context={context}: {text_all}")
+        record(None, None, "all", 1000)
+
     record("all", "all", "python", 1000)
     kept = should_capture1()
     record("all", None, "python", 1000)
@@ -166,6 +184,20 @@ def check_history_settings(torch, glob):
     traces = snapshot_text("device_traces")
     if "should_capture1" in traces or "thealloc" not in traces or "thefree_alloc_context" in traces:
         fail(f"enabled=None did not clear the history, or context='alloc' kept a free stack: {traces}")
+
+    def segment_without_context():
+        p = ctypes.c_void_p()
+        if glob.cudaMalloc(ctypes.byref(p), 320 << 20) != 0:
+            fail("cudaMalloc of a new segment failed")
+        return p
+
+    # PyTorch's test_memory_plots with context=None: no stack anywhere, segments' included.
+    record(None, None, "python", 1000)
+    record("all", None, "python", 1000)
+    big = segment_without_context()
+    if "segment_without_context" in json.dumps(torch._C._cuda_memorySnapshot(None)):
+        fail("context=None showed the stack of a segment allocated meanwhile")
+    glob.cudaFree(big)
 
     def state_alloc():
         return malloc()

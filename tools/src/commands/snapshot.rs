@@ -241,7 +241,7 @@ fn entries<'a>(
 /// an expandable segment (as PyTorch reports them).
 fn segments<'a>(
     state: &LiveState,
-    block_stacks: &HashMap<(u32, u64), u32>,
+    shown: &Window,
     frames: &'a HashMap<u32, Vec<Frame>>,
     categories: Option<&HashMap<(u32, u64), Category>>,
     expandable: bool,
@@ -283,7 +283,8 @@ fn segments<'a>(
                 requested_size: b.requested,
                 state: block_state,
                 frames: frames_of(
-                    block_stacks
+                    shown
+                        .block_stacks
                         .get(&(b.device, b.address))
                         .copied()
                         .unwrap_or(b.stack),
@@ -311,7 +312,13 @@ fn segments<'a>(
             segment_type: cachealloc_recorder::schema::pool_name(seg.pool),
             segment_pool_id: (0, 0),
             is_expandable: expandable,
-            frames: frames_of(seg.stack),
+            frames: frames_of(
+                shown
+                    .segment_stacks
+                    .get(&(seg.device, seg.address))
+                    .copied()
+                    .unwrap_or(seg.stack),
+            ),
             blocks,
         });
     }
@@ -344,8 +351,11 @@ struct Window {
     /// Each block live (allocated or pending) at the moment: its `Alloc` record's ordinal
     /// (`None`: from a checkpoint).
     ordinals: HashMap<(u32, u64), Option<u64>>,
-    /// The stack each live block shows, where the program's history settings decide it.
+    /// The stack each live block and segment shows, where the program's history settings
+    /// decide it.
     block_stacks: HashMap<(u32, u64), u32>,
+    /// See `block_stacks`.
+    segment_stacks: HashMap<(u32, u64), u32>,
 }
 
 /// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
@@ -361,7 +371,10 @@ fn walk_with_window(
         has_context: false,
         ordinals: HashMap::new(),
         block_stacks: HashMap::new(),
+        segment_stacks: HashMap::new(),
     };
+    // Each live segment's allocation stack, for its release's entry.
+    let mut segment_allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
     // The stack of each free not yet completed, for its `free_completed` entry.
     let mut freed_by: HashMap<(u32, u64), u32> = HashMap::new();
     let mut allocs = 0u64;
@@ -416,12 +429,25 @@ fn walk_with_window(
                 let own = freed_by.remove(&(f.device, f.address)).unwrap_or(0);
                 Some(history.event_stack(EventKind::Free, own, at))
             }
-            Record::SegmentAlloc(s) | Record::SegmentMap(s) => {
+            Record::SegmentAlloc(s) => {
+                segment_allocated_at.insert((s.device, s.address), s.stack);
+                if history.given() {
+                    let shown = history.block_stack(s.stack);
+                    window.segment_stacks.insert((s.device, s.address), shown);
+                }
                 Some(history.event_stack(EventKind::Alloc, s.stack, 0))
             }
-            Record::SegmentFree(s) | Record::SegmentUnmap(s) => {
-                Some(history.event_stack(EventKind::Free, s.stack, 0))
+            Record::CheckpointSegment(s) => {
+                segment_allocated_at.insert((s.device, s.address), s.stack);
+                None
             }
+            Record::SegmentMap(s) => Some(history.event_stack(EventKind::Alloc, s.stack, 0)),
+            Record::SegmentFree(s) => {
+                window.segment_stacks.remove(&(s.device, s.address));
+                let at = segment_allocated_at.remove(&(s.device, s.address));
+                Some(history.event_stack(EventKind::Free, s.stack, at.unwrap_or(0)))
+            }
+            Record::SegmentUnmap(s) => Some(history.event_stack(EventKind::Free, s.stack, 0)),
             Record::Oom(o) => Some(history.event_stack(EventKind::Alloc, o.stack, 0)),
             _ => None,
         };
@@ -504,6 +530,7 @@ pub fn write(
         .map(|(_, stack, _)| *stack)
         .chain(state.blocks.values().map(|b| b.stack))
         .chain(window.block_stacks.values().copied())
+        .chain(window.segment_stacks.values().copied())
         .chain(state.segments.values().map(|s| s.stack));
     let frames = frame_lists(state, stacks);
     let mut traces: Vec<VecDeque<Entry<'_>>> = (0..device_count).map(|_| VecDeque::new()).collect();
@@ -521,7 +548,7 @@ pub fn write(
     let snapshot = Snapshot {
         segments: segments(
             state,
-            &window.block_stacks,
+            &window,
             &frames,
             block_categories.as_ref(),
             allocator_settings.expandable_segments,

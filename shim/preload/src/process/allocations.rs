@@ -147,7 +147,7 @@ impl Shim {
 
     /// Run `f` (a free, `empty_cache`) with the calling thread's stack as the stack of the
     /// records it makes, when the program asked for free stacks (`crate::stacks::free_stacks`).
-    fn with_free_stack<T>(&self, f: impl FnOnce() -> T) -> T {
+    pub(super) fn with_free_stack<T>(&self, f: impl FnOnce() -> T) -> T {
         if !crate::stacks::frees::free_stacks() {
             return f();
         }

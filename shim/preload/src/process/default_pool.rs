@@ -59,13 +59,15 @@ impl Shim {
     /// `cudaMemPoolTrimTo`).
     /// Graph pools no longer in use give theirs back too (Note [Private pools]).
     pub fn empty_device_cache(&self, device: i32) -> Result<(), CudaError> {
-        self.release_unused_private_pools(true, Some(device));
-        let Some(alloc) = self.allocator_of(device) else {
-            return Ok(());
-        };
-        alloc.empty_cache().map(drop).map_err(|e| {
-            log::error!("empty_cache: {e}");
-            cuda::ERROR_INITIALIZATION
+        self.with_free_stack(|| {
+            self.release_unused_private_pools(true, Some(device));
+            let Some(alloc) = self.allocator_of(device) else {
+                return Ok(());
+            };
+            alloc.empty_cache().map(drop).map_err(|e| {
+                log::error!("empty_cache: {e}");
+                cuda::ERROR_INITIALIZATION
+            })
         })
     }
 }

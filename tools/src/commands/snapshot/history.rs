@@ -8,16 +8,15 @@
 //! * `enabled=None` stops the history and clears it (events before it are not shown);
 //!   `"state"` keeps no events (none before it either: the snapshot then shows the state);
 //!   `"all"` keeps them.
-//! * `context`: `None` records no stacks; `"state"` the stacks of live blocks only; `"alloc"`
-//!   those and the allocation events'; `"all"` also the frees' (and `empty_cache`'s segment
-//!   frees'), which the shim captures from the moment the program asks
-//!   (`cachealloc_memory_history`).
+//! * `context`: `None` records no stacks; `"state"` the stacks of live blocks (and segments)
+//!   only; `"alloc"` those and the events', a free showing its block's allocation stack;
+//!   `"all"` a free its own stack (and `empty_cache`'s segment frees theirs), which the shim
+//!   captures from the moment the program asks (`cachealloc_memory_history`).
 //! * `stacks="python"` leaves native frames out; `"all"` keeps them (when the trace has any).
 //!
 //! The Python integration passes each change with the trace's time at the call
 //! (`T:ENABLED:CONTEXT:STACKS`, comma-separated). Before the first change the snapshot shows
-//! everything (the recorder's history is the beyond-PyTorch default), and frees without a stack
-//! of their own show their block's allocation stack.
+//! everything, as with `context="all"` (the recorder's history is the beyond-PyTorch default).
 
 use crate::Error;
 
@@ -167,21 +166,18 @@ impl Cursor {
         self.now.enabled == Enabled::All
     }
 
-    /// The stack an event of `kind` shows now: `stack` (the event's own: for a free, the
-    /// freeing code's, 0 when none was captured) or `alloc_stack` (its block's allocation
-    /// stack), or 0 for no frames.
+    /// The stack an event of `kind` shows now, or 0 for no frames. `stack` is the event's own
+    /// (for a free, the freeing code's: 0 when none was captured), `alloc_stack` its block's
+    /// (or segment's) allocation stack. As natively: events show stacks from `context="alloc"`
+    /// on, a free its own only with `"all"` and its block's otherwise.
     pub fn event_stack(&self, kind: EventKind, stack: u32, alloc_stack: u32) -> u32 {
-        let wanted = match kind {
-            EventKind::Alloc => self.now.context >= Context::Alloc,
-            EventKind::Free => self.now.context == Context::All,
-        };
-        let stack = match (kind, stack) {
-            (_, 0) if !wanted => 0,
-            // Without the program's settings a free shows its block's allocation stack, as
-            // PyTorch's snapshots do when they record no free context.
-            (EventKind::Free, 0) if !self.given() => alloc_stack,
-            _ if wanted => stack,
-            _ => 0,
+        if self.now.context < Context::Alloc {
+            return 0;
+        }
+        let stack = match kind {
+            EventKind::Alloc => stack,
+            EventKind::Free if stack != 0 && self.now.context == Context::All => stack,
+            EventKind::Free => alloc_stack,
         };
         self.with_python_only(stack)
     }
@@ -246,16 +242,12 @@ mod tests {
         assert_eq!(c2.event_stack(EventKind::Alloc, 3, 0), 3 | PYTHON_ONLY);
         assert_eq!(
             c2.event_stack(EventKind::Free, 4, 3),
-            0,
-            "alloc context keeps no free stacks"
+            3 | PYTHON_ONLY,
+            "with alloc context a free shows its block's stack"
         );
         assert!(!c2.advance(25));
         assert_eq!(c2.event_stack(EventKind::Free, 4, 3), 4);
-        assert_eq!(
-            c2.event_stack(EventKind::Free, 0, 3),
-            0,
-            "the program's settings: no fallback"
-        );
+        assert_eq!(c2.event_stack(EventKind::Free, 0, 3), 3);
         assert!(c2.keeps_events());
         assert!(c2.advance(35), "enabled=None clears");
         assert_eq!(c2.block_stack(9), 0);
