@@ -1,10 +1,13 @@
-"""What the trace's Python stacks cost a training step (issue 25), measured within one process:
-the Llama or the CNN of models.py trained under the shim (trace on), step by step with
-stack capture on and paused (`cachealloc_stacks_pause`; records go on, with no stack), each
-round running the same step both ways in alternating order, each timed step after an untimed
-one. Prints `workload=MODEL label=stacks|nostacks step_ms=X` lines for ratio_ci.py, and the
-allocations per step.
-Usage: recorder_cost.py MODEL ROUNDS LOG"""
+"""What the trace costs a training step (issue 25), measured within one process: the Llama or
+the CNN of models.py trained under the shim (trace on), step by step with one part of the
+trace on and paused, each round running the same step both ways in alternating order, each
+timed step after an untimed one. SWITCH (env) says which part:
+  stacks (default)  stack capture (`cachealloc_stacks_pause`; records go on, with no stack):
+                    labels stacks|nostacks
+  trace             the allocation records themselves, stacks included
+                    (`cachealloc_trace_pause`): labels trace|notrace
+Prints `workload=MODEL label=L step_ms=X` lines for ratio_ci.py, and the allocations per step.
+Usage: [SWITCH=trace] recorder_cost.py MODEL ROUNDS LOG"""
 import ctypes
 import os
 import sys
@@ -15,7 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 
 MODEL, ROUNDS, LOG = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-pause = ctypes.CDLL(None).cachealloc_stacks_pause
+SWITCH = os.environ.get("SWITCH", "stacks")
+LABELS = ["stacks", "nostacks"] if SWITCH == "stacks" else ["trace", "notrace"]
+pause = getattr(ctypes.CDLL(None), "cachealloc_stacks_pause" if SWITCH == "stacks" else "cachealloc_trace_pause")
 pause.argtypes = [ctypes.c_int]
 pause.restype = ctypes.c_int
 torch.manual_seed(0)
@@ -30,10 +35,10 @@ per_step = torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before
 
 
 def switch(label):
-    pause(label == "nostacks")
+    pause(label == LABELS[1])
 
 
 with open(LOG, "a") as log:
-    models.alternate(step, ROUNDS, ["stacks", "nostacks"], switch, log, MODEL)
+    models.alternate(step, ROUNDS, LABELS, switch, log, MODEL)
 pause(0)
-print(f"OK recorder_cost {MODEL}: {ROUNDS} rounds, {per_step} allocations a step")
+print(f"OK recorder_cost {MODEL} {SWITCH}: {ROUNDS} rounds, {per_step} allocations a step")

@@ -413,7 +413,7 @@ impl Shim {
         let (Some(stacks), Ok(trace)) = (&self.stacks, &self.trace) else {
             return 0;
         };
-        if crate::stacks::paused() {
+        if crate::stacks::paused() || crate::trace::pause::paused() {
             return 0;
         }
         if trace.congested() {

@@ -24,6 +24,7 @@ use cachealloc_recorder::{Record, Recorder, WriterConfig, monotonic_ns};
 
 use crate::log;
 
+pub mod pause;
 pub mod scopes;
 
 /// Records the channel holds before producers wait (under 5 MB).
@@ -33,6 +34,8 @@ const CHANNEL_CAPACITY: usize = 1 << 16;
 #[derive(Debug)]
 pub struct Trace {
     recorder: Recorder,
+    /// Blocks allocated while the records were paused (Note [A paused trace stays consistent]).
+    unrecorded: pause::Unrecorded,
     /// Its directory.
     pub dir: PathBuf,
 }
@@ -96,7 +99,11 @@ impl Trace {
             })
         })
         .map_err(refused)?;
-        Ok(Trace { recorder, dir })
+        Ok(Trace {
+            recorder,
+            unrecorded: pause::Unrecorded::default(),
+            dir,
+        })
     }
 
     /// A raw allocation that passed through (`pool:off`, or degraded): a segment holding one
@@ -250,11 +257,25 @@ fn pool_byte(pool: PoolKind) -> u8 {
 impl Observer for DeviceObserver {
     fn on_event(&self, event: Event<'_>) {
         let Some(trace) = &self.trace else { return };
-        if let Event::Alloc(_) = event {
-            trace.announce_scope();
+        let device = self.device;
+        // Note [A paused trace stays consistent].
+        match &event {
+            Event::Alloc(a) if pause::paused() => {
+                trace.unrecorded.add(device, a.address);
+                return;
+            }
+            Event::Alloc(_) => trace.announce_scope(),
+            Event::FreeRequested(f) if trace.unrecorded.contains(device, f.address, !f.pending) => {
+                return;
+            }
+            Event::FreeCompleted { address, .. }
+                if trace.unrecorded.contains(device, *address, true) =>
+            {
+                return;
+            }
+            _ => {}
         }
         let t = now();
-        let device = self.device;
         let record = match event {
             Event::Alloc(a) => Record::Alloc(schema::Alloc {
                 t,

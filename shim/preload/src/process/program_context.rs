@@ -40,6 +40,22 @@ impl Shim {
         }
     }
 
+    /// Pause the trace's allocation records (or resume them); returns whether they were paused
+    /// (Note [A paused trace stays consistent] in `trace::pause`). The trace says when.
+    pub fn pause_trace(&self, paused: bool) -> bool {
+        let was = crate::trace::pause::set_paused(paused);
+        if was != paused
+            && let Ok(trace) = &self.trace
+        {
+            trace.annotation(if paused {
+                "cachealloc: recording paused"
+            } else {
+                "cachealloc: recording resumed"
+            });
+        }
+        was
+    }
+
     /// The program's phase is now `phase` (a `PHASE_*` byte of the schema), in training step
     /// `step`. Every thread's scope ends with the phase it was set in.
     pub fn set_phase(&self, phase: u8, step: u64) -> Result<(), BadFact> {

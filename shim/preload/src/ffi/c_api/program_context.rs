@@ -158,6 +158,25 @@ pub extern "C" fn cachealloc_stacks_pause(paused: c_int) -> c_int {
     )
 }
 
+/// Pause the trace's allocation records (`paused` non-zero) or resume them; returns 1 if they
+/// were paused before, 0 if not. While paused, allocations and the frees of blocks allocated
+/// meanwhile go unrecorded and no stack is captured; segments, OOMs and the program's context
+/// are still recorded, and the trace says when it paused and resumed. A benchmark's switch:
+/// what the trace costs, measured step by step within one process
+/// (`scripts/gpu/recorder_cost.py`). Before the trace exists (the first CUDA call) it only sets
+/// the switch.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_trace_pause(paused: c_int) -> c_int {
+    guarded(
+        "cachealloc_trace_pause",
+        || match process::shim() {
+            Some(shim) => c_int::from(shim.pause_trace(paused != 0)),
+            None => c_int::from(crate::trace::pause::set_paused(paused != 0)),
+        },
+        || 0,
+    )
+}
+
 /// The program changed its memory-history settings (`torch.cuda.memory._record_memory_history`,
 /// through the Python integration): capture the freeing code's stack at each free and
 /// `empty_cache` from now on when `free_stacks` is non-zero (PyTorch's `context="all"`), and
