@@ -68,7 +68,8 @@
  *    with the semantics and error codes of CUDA 13.0 (driver 580) as measured on an H100
  *    (tests/programs/vmm.c passes on both). The calls need cuInit, not a current context.
  *    cuDeviceGetAttribute answers CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (102)
- *    with 1, or 0 under FAKECUDA_NO_VMM=1 (a device without it); no other attribute.
+ *    with 1, or 0 under FAKECUDA_NO_VMM=1 (a device without it), and 103 (below); no other
+ *    attribute.
  *    FAKECUDA_SLOW_US makes the calls that make or unmake memory as slow as a GPU's (below).
  *    cuMemGetAllocationGranularity answers 2 MiB (minimum and recommended), or
  *    FAKECUDA_VMM_GRANULARITY_KB (a power of two of pages), for pinned memory of one of our
@@ -127,6 +128,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cuda.h"
@@ -263,6 +265,7 @@ typedef struct fc_physical {
     CUmemAllocationHandleType handle_types;
     int handles;  /* cuMemCreate and cuMemRetainAllocationHandle, less cuMemRelease */
     int mappings; /* live cuMemMap ranges of it */
+    int imported; /* cuMemImportFromShareableHandle: another process's memory, not counted here */
     struct fc_physical *next;
 } fc_physical;
 

@@ -60,6 +60,18 @@ impl<T> OnPanic for Result<T, CuResult> {
     }
 }
 
+impl<T> OnPanic for Option<T> {
+    fn on_panic() -> Self {
+        None
+    }
+}
+
+impl OnPanic for u64 {
+    fn on_panic() -> Self {
+        0
+    }
+}
+
 impl OnPanic for () {
     fn on_panic() -> Self {}
 }
