@@ -393,17 +393,20 @@ fn a_pooled_block_shared_by_its_description_is_kept_until_the_receiver_lets_go()
 
 #[test]
 fn a_block_of_an_expandable_segment_is_shared_by_file_descriptors_until_the_receiver_lets_go() {
-    let out = Run::c("ipc_share", &["desc"])
-        .env("CACHEALLOC_CONF", "expandable_segments:True")
-        .env("EXACT_FDS", "1")
-        .output();
-    out.assert_pooled("ipc_share");
-    assert_no_shim_failure(&out.stderr);
-    assert!(
-        out.stdout.contains("OK ipc_share receiver"),
-        "the receiving process did not finish: {}",
-        out.stdout
-    );
+    // A small block (one chunk of memory), and a big one mapped in several.
+    for args in [&["desc"][..], &["desc", "big"][..]] {
+        let out = Run::c("ipc_share", args)
+            .env("CACHEALLOC_CONF", "expandable_segments:True")
+            .env("EXACT_FDS", "1")
+            .output();
+        out.assert_pooled("ipc_share");
+        assert_no_shim_failure(&out.stderr);
+        assert!(
+            out.stdout.contains("OK ipc_share receiver"),
+            "{args:?}: the receiving process did not finish: {}",
+            out.stdout
+        );
+    }
 }
 
 #[test]
