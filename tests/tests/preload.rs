@@ -501,6 +501,22 @@ fn python_integration_keeps_the_users_sitecustomize_and_serves_graph_trees_stats
 }
 
 #[test]
+fn python_integration_shares_cuda_tensors_of_both_kinds_of_segment_with_another_process() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/python_ipc.py");
+    // A small block and a big one (several chunks of mapped memory), in either kind.
+    for conf in ["", "expandable_segments:True"] {
+        for size in ["4096", "50331648"] {
+            let out = Run::new(&python, &[script, size])
+                .env("CACHEALLOC_CONF", conf)
+                .output();
+            out.assert_ok("python_ipc");
+            assert_no_shim_failure(&out.stderr);
+        }
+    }
+}
+
+#[test]
 fn the_scripts_build_of_fakecuda_runs_the_programs_under_the_shim() {
     // scripts/demo (the README's main job without a GPU) builds fakecuda with
     // scripts/lib/fakecuda.sh, not with tests/build.rs: the two must agree (regression: the
