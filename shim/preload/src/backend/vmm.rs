@@ -108,7 +108,8 @@ pub struct Vmm {
     unshareable: OnceLock<String>,
 }
 
-/// The memory mapped over a block, exported for another process ([`Vmm::export`]).
+/// The memory mapped over a block, exported for another process
+/// ([`CudaDevice::export_mapped`](crate::backend::CudaDevice::export_mapped)).
 #[derive(Debug)]
 pub struct Exported {
     /// The device.

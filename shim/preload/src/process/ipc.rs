@@ -11,23 +11,49 @@
 //! replaces `UntypedStorage._share_cuda_`, `_new_shared_cuda` and `_release_ipc_counter_cuda`
 //! with calls into the C API (`cachealloc_ipc_*`), and the library keeps PyTorch's protocol:
 //!
-//! * **Sending** ([`Shim::ipc_share`]): the block's segment's handle (a fixed segment is one
-//!   `cuMemAlloc_v2` allocation), the block's offset, and a new counter set to 1
-//!   ([`crate::ipc_counters`]). The sending stream is synchronized first by the integration, so
-//!   the receiver reads what was written.
-//! * **Receiving** ([`ipc_open`]): the segment is opened once per process and handle, and
-//!   closed when the last block received through it is let go ([`ipc_close`], after the
-//!   device has finished with it); then the receiver decrements the counter ([`ipc_release`]).
+//! * **Sending** ([`Shim::ipc_share`]): a block of a fixed segment as the segment's handle (a
+//!   fixed segment is one `cuMemAlloc_v2` allocation) and the block's offset; a block of an
+//!   expandable segment as the memory mapped over it (below); either with a new counter set to
+//!   1 ([`crate::ipc_counters`]). The sending stream is synchronized first by the integration,
+//!   so the receiver reads what was written. What is sent is a *description*, variable-length
+//!   bytes of either kind (`description`), opaque to PyTorch; the Python integration still
+//!   sends a fixed segment's block as PyTorch does (the 64-byte handle and the offset), and the
+//!   C API keeps its 64-byte functions for fixed segments beside the description's.
+//! * **Receiving** ([`ipc_open`], [`ipc_open_shared`]): the segment is opened once per process
+//!   and handle, and closed when the last block received through it is let go ([`ipc_close`],
+//!   [`ipc_close_shared`], after the device has finished with it); then the receiver
+//!   decrements the counter ([`ipc_release`]).
 //! * **The sender's free.** A block freed while any of its counters is above zero is not
-//!   freed: it waits in *limbo*, still allocated (so its segment cannot be released either),
-//!   and is freed once every counter is zero. The limbo is looked at on every free and every
-//!   64th allocation while it is not empty, at `empty_cache`, and before an allocation gives
-//!   up with out of memory (so a program that only allocates after its receivers let go gets
-//!   the memory back, as natively).
+//!   freed: it waits in *limbo*, still allocated (so its segment cannot be released, nor the
+//!   memory mapped over it unmapped), and is freed once every counter is zero. The limbo is
+//!   looked at on every free and every 64th allocation while it is not empty, at
+//!   `empty_cache`, and before an allocation gives up with out of memory (so a program that
+//!   only allocates after its receivers let go gets the memory back, as natively).
 //!
-//! Not covered: blocks of expandable segments (mapped memory has no legacy IPC handle; PyTorch
-//! shares those through POSIX file descriptors) — sharing one fails with a message that says
-//! so; receiving in a process that does not run under the shim.
+//! **Expandable segments.** Mapped memory has no legacy IPC handle; as PyTorch does, it is
+//! shared through POSIX file descriptors. The device's memory is made exportable where it can
+//! be (`backend::vmm`: `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` requested when the device
+//! says it supports it; where a creation asking for it fails, later memory is made without,
+//! and a share of it fails saying why). The sender exports the physical memory of each
+//! mapping over the block (`cuMemRetainAllocationHandle` + `cuMemExportToShareableHandle`: one
+//! file descriptor per mapping, the first starting at or before the block, the last ending at
+//! or after it) and describes them with its pid, its device, where the range they cover starts
+//! and its size, each mapping's size and descriptor, and the block's offset in that range. It
+//! keeps the descriptors open until the share's counter is released (the receiver takes them
+//! from this process; they are closed by the next look at the limbo or the next share after
+//! the release). The receiver (`expandable`) takes each descriptor with `pidfd_open` +
+//! `pidfd_getfd`, or where that is refused (ptrace restrictions) by opening
+//! `/proc/PID/fd/N` (if both fail, the error names both causes), imports each
+//! (`cuMemImportFromShareableHandle`), reserves a range of the total size, maps them in order,
+//! gives its current device read and write access, and returns the range's address plus the
+//! offset. A range is mapped once per (sender's pid, device, range start, size), and unmapped
+//! (after a device synchronization) with the last block received through it, its range freed
+//! and the descriptors closed. While any block received through a range is held, the sender
+//! cannot unmap the memory under it (that block is live or in limbo), so a later block with
+//! the same range identity lies in the same memory.
+//!
+//! Not covered: receiving in a process that does not run under the shim; sharing where the
+//! receiver may neither take the sender's descriptors nor open them through `/proc`.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
