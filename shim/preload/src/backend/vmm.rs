@@ -43,7 +43,7 @@
 //! kernel still uses what it unmaps (unlike `cudaFree`, `cuMemUnmap` does not wait for them).
 
 use std::collections::BTreeMap;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -457,7 +457,11 @@ impl Vmm {
             });
         }
         // SAFETY: the driver just opened `fd` for us; nothing else owns it.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Not inherited by programs this process starts (they would keep the memory alive).
+        // SAFETY: F_SETFD on a descriptor we own, with a valid flag.
+        let _ = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+        Ok(fd)
     }
 }
 

@@ -178,7 +178,16 @@ fn map(share: &MappedShare, fds: &[OwnedFd], device: i32) -> Result<u64, String>
 /// The sender's file descriptor `fd`, opened here: through `pidfd_getfd`, or where that is
 /// refused (ptrace restrictions, an old kernel), by opening `/proc/PID/fd/N`.
 fn take_fd(pid: u32, fd: i32) -> Result<OwnedFd, String> {
-    let from_pidfd = match pidfd_getfd(pid, fd) {
+    take_fd_with(pid, fd, pidfd_getfd)
+}
+
+/// [`take_fd`], with `getfd` in `pidfd_getfd`'s place.
+fn take_fd_with(
+    pid: u32,
+    fd: i32,
+    getfd: impl FnOnce(u32, i32) -> std::io::Result<OwnedFd>,
+) -> Result<OwnedFd, String> {
+    let from_pidfd = match getfd(pid, fd) {
         Ok(taken) => return Ok(taken),
         Err(e) => e,
     };
@@ -224,4 +233,49 @@ fn pidfd_getfd(pid: u32, fd: i32) -> std::io::Result<OwnedFd> {
     }
     // SAFETY: as above, a new file descriptor of ours.
     Ok(unsafe { OwnedFd::from_raw_fd(taken as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// A pipe: (read end, write end).
+    fn pipe() -> (std::fs::File, std::fs::File) {
+        let mut fds = [0; 2];
+        // SAFETY: a valid array of two ints for the new descriptors.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors were just opened for us.
+        unsafe {
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::fs::File::from_raw_fd(fds[1]),
+            )
+        }
+    }
+
+    #[test]
+    fn a_descriptor_is_taken_by_pidfd_getfd_else_through_proc_else_both_causes_are_named() {
+        let me = std::process::id();
+        let (mut read, write) = pipe();
+        // pidfd_getfd (where the kernel allows it), and /proc/PID/fd where it is refused.
+        let refused = |_, _| Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        for taken in [
+            take_fd(me, write.as_raw_fd()),
+            take_fd_with(me, write.as_raw_fd(), refused),
+        ] {
+            let mut taken = std::fs::File::from(taken.expect("the descriptor is taken"));
+            taken.write_all(b"x").unwrap();
+            let mut byte = [0];
+            read.read_exact(&mut byte).unwrap();
+            assert_eq!(&byte, b"x");
+        }
+        // Neither works: both causes, and the hint about ptrace restrictions.
+        let why = take_fd_with(me, 1 << 20, refused).unwrap_err();
+        assert!(
+            why.contains("pidfd_getfd") && why.contains(&format!("/proc/{me}/fd/")),
+            "{why}"
+        );
+        assert!(why.contains("ptrace"), "{why}");
+    }
 }
