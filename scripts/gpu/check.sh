@@ -76,6 +76,7 @@ run fork X=1 --
 run exit_nofree X=1 --
 run ipc X=1 --
 run ipc_share X=1 --
+run ipc_share X=1 -- desc
 run multi_gpu X=1 --
 run device_reset X=1 --
 run stream_ordered X=1 --
@@ -98,6 +99,8 @@ run graph_capture "$EXP" --
 run capture_streams "$EXP" --
 run multi_gpu "$EXP" --
 run peer_access "$EXP" --
+run ipc_share "$EXP" -- desc
+run ipc_share "$EXP" -- desc big
 run peer_access "$EXP" -- pool
 run peer_access "$EXP" -- race
 run peer_access X=1 -- pool-fixed
@@ -186,8 +189,15 @@ both mem_pools.py mem_pools
 both ipc_torch.py ipc
 both memory_history.py memory_api
 both torch_settings.py torch_settings
-out=$(LABEL=shim EXPECT_REFUSAL=1 CACHEALLOC_CONF=expandable_segments:True,log:quiet LD_PRELOAD="$LIB" timeout 120 python3 scripts/gpu/ipc_torch.py 2>&1)
-if grep -q "passed=1/1" <<< "$out"; then pass "ipc_torch.py: a tensor in an expandable segment is refused with a message"; else fail "ipc_torch.py expandable refusal"; echo "$out" | tail -3; fi
+# Tensors in expandable segments (mapped memory, shared through POSIX file descriptors): natively
+# with PyTorch's expandable segments, under the shim with its own; each run first checks that its
+# tensor lies in mapped memory.
+native=$(LABEL=native EXPANDABLE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python3 scripts/gpu/ipc_torch.py 2>&1 | grep -E "^ipc .*passed=")
+shim=$(LABEL=shim EXPANDABLE=1 CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" timeout 300 python3 scripts/gpu/ipc_torch.py 2>&1 | grep -E "^ipc |^cachealloc:")
+echo "native: $native"; echo "$shim" | grep -v "ok=True"
+n=$(sed -n 's/.*passed=\([0-9]*\/[0-9]*\).*/\1/p' <<< "$native")
+s=$(sed -n 's/.*passed=\([0-9]*\/[0-9]*\).*/\1/p' <<< "$shim" | tail -1)
+if [ -n "$s" ] && [ "$n" = "$s" ] && [ "${s%/*}" = "${s#*/}" ]; then pass "ipc_torch.py expandable segments $s"; else fail "ipc_torch.py expandable segments native=$n shim=$s"; fi
 # Memory by category (issue 23): cachealloc's categories against the program's own count.
 out=$(scripts/gpu/categories.sh "$(dirname "$LIB")" 2>&1)
 echo "$out" | grep -Ev '^(PASS|FAIL) '

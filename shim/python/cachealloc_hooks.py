@@ -47,8 +47,10 @@ it has to adjust:
 * `torch.storage` — sending a CUDA tensor to another process (`torch.multiprocessing`) needs
   PyTorch's native allocator (its backend refuses `shareIpcHandle`). `UntypedStorage`'s
   `_share_cuda_`, `_new_shared_cuda` and `_release_ipc_counter_cuda` are replaced by ones served
-  by the library (`cachealloc_ipc_share`/`_open`/`_close`/`_release`): the block's segment's
-  IPC handle and offset, and a reference counter in shared memory that keeps the block from
+  by the library (`cachealloc_ipc_share_desc`, `_open`/`_close` or `_open_desc`/`_close_desc`,
+  `_release`): the block's segment's IPC handle and offset, or for a block of an expandable
+  segment a description of the memory mapped over it (its file descriptors, which the receiver
+  takes from the sender), and a reference counter in shared memory that keeps the block from
   being reused until the receiving process lets go of it, as PyTorch does. Both processes run
   under the shim (children of `torch.multiprocessing` inherit `LD_PRELOAD`).
 * `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
@@ -180,18 +182,20 @@ def _ipc_api():
     import ctypes
 
     api = c_functions(
-        share="cachealloc_ipc_share",
+        share_desc="cachealloc_ipc_share_desc",
         open="cachealloc_ipc_open",
         close="cachealloc_ipc_close",
+        open_desc="cachealloc_ipc_open_desc",
+        close_desc="cachealloc_ipc_close_desc",
         release="cachealloc_ipc_release",
     )
     if api is None:
         return None
-    api.share.restype = ctypes.c_int
-    api.share.argtypes = [
+    api.share_desc.restype = ctypes.c_size_t
+    api.share_desc.argtypes = [
         ctypes.c_uint64,
         ctypes.c_char_p,
-        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_size_t,
         ctypes.c_char_p,
         ctypes.c_size_t,
         ctypes.POINTER(ctypes.c_uint64),
@@ -200,18 +204,28 @@ def _ipc_api():
     api.open.argtypes = [ctypes.c_char_p]
     api.close.restype = ctypes.c_int
     api.close.argtypes = [ctypes.c_char_p]
+    api.open_desc.restype = ctypes.c_uint64
+    api.open_desc.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    api.close_desc.restype = ctypes.c_int
+    api.close_desc.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     api.release.restype = ctypes.c_int
     api.release.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
     return api
 
 
+# The kind of a description `cachealloc_ipc_share_desc` writes (its first byte): a fixed
+# segment's block (80 bytes: kind, 7 zero bytes, the offset in the segment, the segment's
+# 64-byte IPC handle), or an expandable segment's (never 64 bytes long).
+_FIXED_SEGMENT = 1
+
+
 class _ReceivedBlock:
     """Device memory received from another process, as `__cuda_array_interface__`: the
-    tensor made from it holds this object, whose end closes the mapping and releases the
-    sender's counter."""
+    tensor made from it holds this object, whose end closes the mapping (`close()`) and
+    releases the sender's counter."""
 
-    def __init__(self, api, handle, address, size, counter, slot):
-        self._api, self._handle, self._counter, self._slot = api, handle, counter, slot
+    def __init__(self, api, close, address, size, counter, slot):
+        self._api, self._close, self._counter, self._slot = api, close, counter, slot
         self.__cuda_array_interface__ = {
             "shape": (size,),
             "typestr": "|u1",
@@ -221,7 +235,7 @@ class _ReceivedBlock:
 
     def __del__(self):
         try:
-            self._api.close(self._handle)
+            self._close()
             if self._counter:
                 self._api.release(self._counter, self._slot)
         except Exception:  # interpreter shutdown: the sender's files go with it
@@ -237,6 +251,7 @@ def _storage(storage):
     if api is None or untyped is None or getattr(untyped, "_cachealloc_ipc", False):
         return
     import ctypes
+    import functools
 
     def share_cuda(self, *args, **kwargs):
         import torch
@@ -244,28 +259,45 @@ def _storage(storage):
         device = self.device.index
         if self.data_ptr() == 0 or self.nbytes() == 0:
             return (device, None, 0, 0, None, None, None, False)
-        handle = ctypes.create_string_buffer(64)
-        offset, slot = ctypes.c_uint64(), ctypes.c_uint64()
         counter = ctypes.create_string_buffer(128)
+        slot = ctypes.c_uint64()
+        size = 4096
         with torch.cuda.device(device):
             # The receiver reads what this stream wrote (PyTorch records an event instead).
             torch.cuda.current_stream().synchronize()
-            code = api.share(self.data_ptr(), handle, ctypes.byref(offset), counter, 128, ctypes.byref(slot))
-        if code != 0:
+            while True:
+                desc = ctypes.create_string_buffer(size)
+                need = api.share_desc(self.data_ptr(), desc, size, counter, 128, ctypes.byref(slot))
+                if need <= size:
+                    break
+                size = need  # too small: nothing was shared; again with the length it needs
+        if need == 0:
             raise RuntimeError(
-                f"cachealloc: this CUDA tensor cannot be shared with another process (error {code}; "
-                "the library said why above)"
+                "cachealloc: this CUDA tensor cannot be shared with another process (the library "
+                "said why above)"
             )
-        return (device, handle.raw, self.nbytes(), offset.value, counter.value, slot.value, None, False)
+        desc = desc.raw[:need]
+        if desc[0] == _FIXED_SEGMENT:
+            # The segment's IPC handle and the offset in it, as PyTorch sends them.
+            offset = int.from_bytes(desc[8:16], "little")
+            return (device, desc[16:80], self.nbytes(), offset, counter.value, slot.value, None, False)
+        # An expandable segment's block: the description names the sender's memory.
+        return (device, desc, self.nbytes(), 0, counter.value, slot.value, None, False)
 
     def new_shared_cuda(cls, device, handle, size, offset, counter, slot, *rest, **kwargs):
         import torch
 
         with torch.cuda.device(device):
-            base = api.open(handle)
+            if len(handle) == 64:  # a fixed segment's IPC handle
+                base = api.open(handle)
+                address = base + offset
+                close = functools.partial(api.close, handle)
+            else:  # a description: the block's address
+                base = address = api.open_desc(handle, len(handle))
+                close = functools.partial(api.close_desc, handle, len(handle))
             if base == 0:
                 raise RuntimeError("cachealloc: could not map a CUDA tensor of another process")
-        block = _ReceivedBlock(api, handle, base + offset, size, counter, slot)
+        block = _ReceivedBlock(api, close, address, size, counter, slot)
         return torch.as_tensor(block, device=f"cuda:{device}").untyped_storage()
 
     def release_counter(cls, counter, slot, *rest, **kwargs):

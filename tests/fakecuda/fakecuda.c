@@ -68,7 +68,8 @@
  *    with the semantics and error codes of CUDA 13.0 (driver 580) as measured on an H100
  *    (tests/programs/vmm.c passes on both). The calls need cuInit, not a current context.
  *    cuDeviceGetAttribute answers CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (102)
- *    with 1, or 0 under FAKECUDA_NO_VMM=1 (a device without it); no other attribute.
+ *    with 1, or 0 under FAKECUDA_NO_VMM=1 (a device without it), and 103 (below); no other
+ *    attribute.
  *    FAKECUDA_SLOW_US makes the calls that make or unmake memory as slow as a GPU's (below).
  *    cuMemGetAllocationGranularity answers 2 MiB (minimum and recommended), or
  *    FAKECUDA_VMM_GRANULARITY_KB (a power of two of pages), for pinned memory of one of our
@@ -98,8 +99,16 @@
  *    CU_POINTER_ATTRIBUTE_MAPPED: 1; a buffer id per mapping), and an unmapped address of a
  *    reservation is CUDA_ERROR_NOT_FOUND for cuMemGetAddressRange_v2. VMM memory belongs to no
  *    context (a context reset leaves it alone). cuMemGetAccess and
- *    cuMemGetAllocationPropertiesFromHandle answer; shareable handles
- *    (cuMemExportToShareableHandle, cuMemImportFromShareableHandle) are not supported.
+ *    cuMemGetAllocationPropertiesFromHandle answer. Shareable handles, POSIX file descriptors
+ *    only (IPC of VMM memory): cuDeviceGetAttribute answers
+ *    CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED (103) with 1;
+ *    cuMemExportToShareableHandle of memory made asking for that handle type gives a new
+ *    descriptor of its memfd (close-on-exec; other memory: CUDA_ERROR_INVALID_VALUE), and
+ *    cuMemImportFromShareableHandle makes a new handle over the descriptor's memory (the
+ *    descriptor stays the caller's), of the calling context's device (else device 0), not
+ *    counted against any capacity (it is another process's). FAKECUDA_NO_POSIX_FD=1: a device
+ *    without them (attribute 0, and cuMemCreate asking for them CUDA_ERROR_NOT_SUPPORTED);
+ *    FAKECUDA_NO_POSIX_FD=create: the attribute says 1 yet cuMemCreate refuses them so.
  *  - A stream handle used after cuStreamDestroy aborts with a message: the real driver's
  *    undefined behaviour (a segmentation fault on an H100), made loud.
  *  - FAKECUDA_FAULT=oom_every:N: every Nth cuMemAlloc_v2 or cuMemCreate (one count) fails with
@@ -127,6 +136,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cuda.h"
@@ -263,6 +273,7 @@ typedef struct fc_physical {
     CUmemAllocationHandleType handle_types;
     int handles;  /* cuMemCreate and cuMemRetainAllocationHandle, less cuMemRelease */
     int mappings; /* live cuMemMap ranges of it */
+    int imported; /* cuMemImportFromShareableHandle: another process's memory, not counted here */
     struct fc_physical *next;
 } fc_physical;
 

@@ -380,6 +380,71 @@ fn a_pooled_block_shared_with_another_process_is_kept_until_it_lets_go() {
 }
 
 #[test]
+fn a_pooled_block_shared_by_its_description_is_kept_until_the_receiver_lets_go() {
+    let out = Run::c("ipc_share", &["desc"]).output();
+    out.assert_pooled("ipc_share");
+    assert_no_shim_failure(&out.stderr);
+    assert!(
+        out.stdout.contains("OK ipc_share receiver"),
+        "the receiving process did not finish: {}",
+        out.stdout
+    );
+}
+
+#[test]
+fn a_block_of_an_expandable_segment_is_shared_by_file_descriptors_until_the_receiver_lets_go() {
+    // A small block (one chunk of memory), and a big one mapped in several.
+    for args in [&["desc"][..], &["desc", "big"][..]] {
+        let out = Run::c("ipc_share", args)
+            .env("CACHEALLOC_CONF", "expandable_segments:True")
+            .env("EXACT_FDS", "1")
+            .output();
+        out.assert_pooled("ipc_share");
+        assert_no_shim_failure(&out.stderr);
+        assert!(
+            out.stdout.contains("OK ipc_share receiver"),
+            "{args:?}: the receiving process did not finish: {}",
+            out.stdout
+        );
+    }
+}
+
+#[test]
+fn a_block_of_an_expandable_segment_is_refused_where_it_cannot_be_shared() {
+    // The 64-byte handle functions cannot name mapped memory: refused, pointing at the others.
+    let out = Run::c("ipc_share", &[])
+        .env("CACHEALLOC_CONF", "expandable_segments:True")
+        .output();
+    out.assert_pooled("ipc_share");
+    assert!(
+        out.stdout.contains("OK ipc_share (refused)")
+            && out.stderr.contains("cachealloc_ipc_share_desc"),
+        "the refusal names the function that shares it: {} {}",
+        out.stdout,
+        out.stderr
+    );
+    // A device without POSIX file descriptor handles, and one that refuses to make memory
+    // with them: its memory is still pooled, and a share says why it cannot be made.
+    for (no_fd, why) in [
+        ("1", "cannot export its memory as POSIX file descriptors"),
+        ("create", "made without a shareable handle"),
+    ] {
+        let out = Run::c("ipc_share", &["desc"])
+            .env("CACHEALLOC_CONF", "expandable_segments:True")
+            .env("FAKECUDA_NO_POSIX_FD", no_fd)
+            .env("EXPECT_REFUSAL", "1")
+            .output();
+        out.assert_pooled("ipc_share");
+        assert!(
+            out.stdout.contains("OK ipc_share (refused)") && out.stderr.contains(why),
+            "FAKECUDA_NO_POSIX_FD={no_fd}: the refusal says {why:?}: {} {}",
+            out.stdout,
+            out.stderr
+        );
+    }
+}
+
+#[test]
 fn graph_and_stream_programs_pass_without_the_shim() {
     for name in [
         "stream_ordered",
@@ -432,6 +497,22 @@ fn python_integration_keeps_the_users_sitecustomize_and_serves_graph_trees_stats
             "one message (log:debug) when trees are turned off ({conf}): {}",
             out.stderr
         );
+    }
+}
+
+#[test]
+fn python_integration_shares_cuda_tensors_of_both_kinds_of_segment_with_another_process() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/python_ipc.py");
+    // A small block and a big one (several chunks of mapped memory), in either kind.
+    for conf in ["", "expandable_segments:True"] {
+        for size in ["4096", "50331648"] {
+            let out = Run::new(&python, &[script, size])
+                .env("CACHEALLOC_CONF", conf)
+                .output();
+            out.assert_ok("python_ipc");
+            assert_no_shim_failure(&out.stderr);
+        }
     }
 }
 

@@ -39,7 +39,7 @@ use crate::streams::StreamRegistry;
 pub mod budget;
 mod vmm;
 
-pub use vmm::note_peer_access;
+pub use vmm::{Exported, HANDLE_TYPE_POSIX_FD, note_peer_access};
 
 /// A program's own allocator for a private pool's segments: PyTorch's `CUDAPluggableAllocator`
 /// pair given to `MemPool(allocator)` (say, `ncclMemAlloc` for NCCL's registered buffers). Its
@@ -530,6 +530,15 @@ impl CudaDevice {
             Some(vmm) => self.capture_safe(|| self.fences.on_own_context(|| vmm.grant(peer))),
             None => Ok(0),
         }
+    }
+
+    /// Export the memory mapped over the block `[address, address + size)` of an expandable
+    /// segment, for another process (see Note [IPC of pooled memory] in the shim's
+    /// `process::ipc`).
+    pub fn export_mapped(&self, address: u64, size: u64) -> Result<Exported, String> {
+        let vmm = self.vmm().map_err(|e| e.to_string())?;
+        self.capture_safe(|| self.fences.on_own_context(|| vmm.export(address, size)))
+            .map_err(|e| e.to_string())?
     }
 
     fn vmm(&self) -> Result<&vmm::Vmm, DeviceError> {

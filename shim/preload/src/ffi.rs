@@ -60,6 +60,19 @@ impl<T> OnPanic for Result<T, CuResult> {
     }
 }
 
+impl<T> OnPanic for Option<T> {
+    fn on_panic() -> Self {
+        None
+    }
+}
+
+/// A time, a count or an address: 0.
+impl OnPanic for u64 {
+    fn on_panic() -> Self {
+        0
+    }
+}
+
 impl OnPanic for () {
     fn on_panic() -> Self {}
 }
@@ -67,13 +80,6 @@ impl OnPanic for () {
 impl OnPanic for std::ffi::c_int {
     fn on_panic() -> Self {
         -1
-    }
-}
-
-/// A time or a count: 0.
-impl OnPanic for u64 {
-    fn on_panic() -> Self {
-        0
     }
 }
 

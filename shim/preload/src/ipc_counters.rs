@@ -133,6 +133,14 @@ pub fn released(id: SlotId) -> bool {
         .is_none_or(|(_, m)| m.slot(id.1).load(Ordering::Acquire) <= 0)
 }
 
+/// Release counter `id` here: its share was never handed to another process.
+pub fn cancel(id: SlotId) {
+    let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, m)) = sent.files.get(id.0) {
+        m.slot(id.1).store(0, Ordering::Release);
+    }
+}
+
 /// Remove this process's counter files (at exit: a receiver still holding a block then finds
 /// no file, and its release does nothing).
 pub fn remove_files() {

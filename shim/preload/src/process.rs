@@ -66,7 +66,9 @@ mod torch_settings;
 pub use exit::ExitFacts;
 
 pub use allocations::OOM_OBSERVERS;
-pub use ipc::{IpcShare, ipc_close, ipc_open, ipc_release};
+pub use ipc::{
+    IpcShare, Shared, ipc_close, ipc_close_shared, ipc_open, ipc_open_shared, ipc_release,
+};
 pub use pointers::PooledBlock;
 pub use private_pools::{PoolKey, PoolSettings};
 

@@ -33,13 +33,20 @@
 //! one: the same memory at two places, each unmapped on its own; the driver frees the memory
 //! with its last mapping.
 //!
+//! Memory is made exportable as POSIX file descriptors where the device says it can be
+//! (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`), so that a block of an
+//! expandable segment can be shared with another process ([`Vmm::export`]; see Note [IPC of
+//! pooled memory] in the shim's `process::ipc`). Where a creation asking for it fails, the
+//! device's later memory is made without, and cannot be shared ([`Vmm::export`] says why).
+//!
 //! The caller runs every method with the device's primary context current, and makes sure no
 //! kernel still uses what it unmaps (unlike `cudaFree`, `cuMemUnmap` does not wait for them).
 
 use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
@@ -95,7 +102,27 @@ pub struct Vmm {
     /// Every mapping the driver holds for us on this device, start → size: the places of new
     /// memory and of moved memory, parked ones included (for [`Vmm::grant`]).
     mappings: Mutex<BTreeMap<u64, u64>>,
+    /// Whether new memory is made exportable as a POSIX file descriptor (for IPC).
+    shareable: AtomicBool,
+    /// Why it is not, once it is not.
+    unshareable: OnceLock<String>,
 }
+
+/// The memory mapped over a block, exported for another process
+/// ([`CudaDevice::export_mapped`](crate::backend::CudaDevice::export_mapped)).
+#[derive(Debug)]
+pub struct Exported {
+    /// The device.
+    pub device: i32,
+    /// Where the first mapping over the block starts.
+    pub start: u64,
+    /// Each mapping from `start` on, in address order, adjacent: its size and its memory's
+    /// file descriptor (closed when dropped).
+    pub chunks: Vec<(u64, OwnedFd)>,
+}
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+pub const HANDLE_TYPE_POSIX_FD: u32 = 1;
 
 impl Vmm {
     /// The device's virtual memory, or why it has none (an old driver or a device without
@@ -116,8 +143,25 @@ impl Vmm {
                  supported: {supported})"
             ));
         }
+        let mut fd_supported = 0;
+        // SAFETY: valid out-pointer; the attribute is an int.
+        let code = call_driver!(cuDeviceGetAttribute(
+            &mut fd_supported,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+                as i32,
+            ordinal
+        ));
+        let shareable = code == SUCCESS && fd_supported != 0;
+        let unshareable = OnceLock::new();
+        if !shareable {
+            let _ = unshareable.set(format!(
+                "device {ordinal} cannot export its memory as POSIX file descriptors \
+                 (cuDeviceGetAttribute(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED): {code}, \
+                 supported: {fd_supported})"
+            ));
+        }
         let mut granularity = 0usize;
-        let prop = allocation_prop(ordinal);
+        let prop = allocation_prop(ordinal, shareable);
         // SAFETY: valid out-pointer and property struct (cuda.h's layout, from cudarc); 0 is
         // CU_MEM_ALLOC_GRANULARITY_MINIMUM.
         let code = call_driver!(cuMemGetAllocationGranularity(&mut granularity, &prop, 0));
@@ -131,6 +175,8 @@ impl Vmm {
             ordinal,
             granularity: granularity as u64,
             mappings: Mutex::new(BTreeMap::new()),
+            shareable: AtomicBool::new(shareable),
+            unshareable,
         })
     }
 
@@ -283,10 +329,28 @@ impl Vmm {
 
     /// Map one physical allocation of `size` bytes at `address`, with no access yet.
     fn back(&self, address: u64, size: u64) -> Result<(), DeviceError> {
-        let prop = allocation_prop(self.ordinal);
+        let create = |shareable: bool, handle: &mut sys::CUmemGenericAllocationHandle| {
+            let prop = allocation_prop(self.ordinal, shareable);
+            // SAFETY: valid out-pointer and property struct; the size is whole granules.
+            call_driver!(cuMemCreate(handle, size as usize, &prop, 0))
+        };
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: valid out-pointer and property struct; the size is whole granules.
-        let code = call_driver!(cuMemCreate(&mut handle, size as usize, &prop, 0));
+        let shareable = self.shareable.load(Ordering::Relaxed);
+        let mut code = create(shareable, &mut handle);
+        if shareable && code != SUCCESS && code != ERROR_OUT_OF_MEMORY {
+            // Memory that cannot be exported is still memory: made without, never shared.
+            let why = format!(
+                "cuMemCreate asking for a POSIX file descriptor handle on device {} returned \
+                 {code}",
+                self.ordinal
+            );
+            crate::log::info!(
+                "{why}; its expandable segments cannot be shared with other processes"
+            );
+            let _ = self.unshareable.set(why);
+            self.shareable.store(false, Ordering::Relaxed);
+            code = create(false, &mut handle);
+        }
         match code {
             SUCCESS => {}
             ERROR_OUT_OF_MEMORY => return Err(DeviceError::OutOfMemory),
@@ -329,6 +393,78 @@ impl Vmm {
     }
 }
 
+impl Vmm {
+    /// Export the memory mapped over `[address, address + size)` (a live block of ours) for
+    /// another process: each mapping that overlaps it, from the first on, as a POSIX file
+    /// descriptor of its physical memory (see Note [IPC of pooled memory] in the shim's
+    /// `process::ipc`). The block's memory stays mapped while it lives, so the mappings found
+    /// cannot go while they are exported.
+    pub fn export(&self, address: u64, size: u64) -> Result<Exported, String> {
+        let mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
+        let end = address.saturating_add(size.max(1));
+        let start = match mapped.range(..=address).next_back() {
+            Some((&start, &len)) if start + len > address => start,
+            _ => return Err(format!("{address:#x} is not mapped memory of ours")),
+        };
+        let mut chunks = Vec::new();
+        let mut at = start;
+        while at < end {
+            let Some(&len) = mapped.get(&at) else {
+                return Err(format!(
+                    "the memory under {address:#x} is not mapped at {at:#x}"
+                ));
+            };
+            chunks.push((len, self.export_one(at)?));
+            at += len;
+        }
+        Ok(Exported {
+            device: self.ordinal,
+            start,
+            chunks,
+        })
+    }
+
+    /// A POSIX file descriptor of the memory of the mapping at `at`.
+    fn export_one(&self, at: u64) -> Result<OwnedFd, String> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer; `at` is the start of a live mapping of ours.
+        let code = call_driver!(cuMemRetainAllocationHandle(
+            &mut handle,
+            at as *mut std::ffi::c_void
+        ));
+        if code != SUCCESS {
+            return Err(format!(
+                "cuMemRetainAllocationHandle({at:#x}) returned {code}"
+            ));
+        }
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: for a POSIX file descriptor the out-pointer is an int's; `handle` is live
+        // (retained just above); no flags.
+        let code = call_driver!(cuMemExportToShareableHandle(
+            (&raw mut fd).cast(),
+            handle,
+            HANDLE_TYPE_POSIX_FD,
+            0
+        ));
+        release_handle(handle);
+        if code != SUCCESS || fd < 0 {
+            return Err(match self.unshareable.get() {
+                Some(why) => format!(
+                    "its memory was made without a shareable handle ({why}); \
+                     cuMemExportToShareableHandle returned {code}"
+                ),
+                None => format!("cuMemExportToShareableHandle returned {code}"),
+            });
+        }
+        // SAFETY: the driver just opened `fd` for us; nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Not inherited by programs this process starts (they would keep the memory alive).
+        // SAFETY: F_SETFD on a descriptor we own, with a valid flag.
+        let _ = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+        Ok(fd)
+    }
+}
+
 /// The runs of adjacent mappings in `mappings` (start → size), as `(start, end)`.
 fn runs(mappings: &BTreeMap<u64, u64>) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
@@ -348,11 +484,12 @@ fn release_handle(handle: sys::CUmemGenericAllocationHandle) {
     let _ = call_driver!(cuMemRelease(handle));
 }
 
-/// Pinned device memory on `ordinal`, with no exportable handle.
-fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+/// Pinned device memory on `ordinal`, exportable as a POSIX file descriptor if `shareable`.
+fn allocation_prop(ordinal: i32, shareable: bool) -> sys::CUmemAllocationProp {
+    let handle_types = if shareable { HANDLE_TYPE_POSIX_FD } else { 0 };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType_enum(0),
+        requestedHandleTypes: sys::CUmemAllocationHandleType_enum(handle_types),
         location: sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
             id: ordinal,

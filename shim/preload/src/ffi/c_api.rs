@@ -1,14 +1,17 @@
 //! The C API: `cachealloc_*` functions for ctypes and applications (the library must be
 //! preloaded; `dlsym` them): version, stats as JSON, empty the cache, annotations, the Python
 //! integration's backward-pass markers and private pools (graph captures, `MemPool`s), and
-//! PyTorch's `CUDAPluggableAllocator` pair; `program_context`: module scopes, phases and
-//! what blocks hold, for memory by category; `torch_settings`: PyTorch's memory settings at
-//! run time and the segments' facts its snapshots need.
+//! PyTorch's `CUDAPluggableAllocator` pair; `ipc`: pooled blocks shared with other
+//! processes; `program_context`: module scopes, phases and what blocks hold, for memory by
+//! category; `torch_settings`: PyTorch's memory settings at run time and the segments' facts
+//! its snapshots need.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
+mod ipc;
 mod program_context;
 mod torch_settings;
+pub use ipc::*;
 pub use program_context::*;
 pub use torch_settings::*;
 
@@ -318,126 +321,6 @@ pub unsafe extern "C" fn cachealloc_mem_pool_snapshot_json(
     );
     // SAFETY: the caller's contract.
     unsafe { write_text(&text, buf, len) }
-}
-
-/// Share the pooled block at `ptr` with another process (PyTorch's `_share_cuda_`; see Note
-/// [IPC of pooled memory] in the shim's `process`): writes its segment's
-/// `cudaIpcMemHandle_t` into `handle` (64 bytes), the offset of `ptr` in that segment into
-/// `offset`, and the reference counter the receiver releases — a file name into `counter`
-/// (NUL-terminated, `counter_len` bytes at most) and a slot into `slot`. Returns 0, or
-/// `cudaErrorInvalidValue` (with one message saying why) when `ptr` cannot be shared.
-///
-/// # Safety
-/// `handle` valid for 64 bytes of writes, `offset` and `slot` for one `u64` each, `counter`
-/// for `counter_len` bytes.
-#[cfg_attr(not(test), unsafe(no_mangle))]
-pub unsafe extern "C" fn cachealloc_ipc_share(
-    ptr: u64,
-    handle: *mut u8,
-    offset: *mut u64,
-    counter: *mut c_char,
-    counter_len: usize,
-    slot: *mut u64,
-) -> CudaError {
-    if handle.is_null() || offset.is_null() || counter.is_null() || slot.is_null() {
-        return cuda::ERROR_INVALID_VALUE;
-    }
-    let shared = guarded(
-        "cachealloc_ipc_share",
-        || match process::shim() {
-            Some(shim) => shim.ipc_share(ptr).map_err(|why| {
-                crate::log::error!("sharing a CUDA allocation with another process: {why}");
-                cuda::ERROR_INVALID_VALUE
-            }),
-            None => Err(cuda::ERROR_INITIALIZATION),
-        },
-        || Err(cuda::ERROR_INITIALIZATION),
-    );
-    match shared {
-        Ok(share) => {
-            if share.counter.len() + 1 > counter_len {
-                return cuda::ERROR_INVALID_VALUE;
-            }
-            // SAFETY: the caller's contract: each out-pointer is valid for what is written.
-            unsafe {
-                std::ptr::copy_nonoverlapping(share.handle.as_ptr(), handle, 64);
-                offset.write(share.offset);
-                slot.write(share.slot);
-                write_text(&share.counter, counter, counter_len);
-            }
-            cuda::SUCCESS
-        }
-        Err(code) => code,
-    }
-}
-
-/// In the receiving process: map the segment named by `handle` (64 bytes) on the current
-/// device, once per handle (PyTorch's `_new_shared_cuda`). Returns its address, or 0.
-///
-/// # Safety
-/// `handle` valid for 64 bytes of reads.
-#[cfg_attr(not(test), unsafe(no_mangle))]
-pub unsafe extern "C" fn cachealloc_ipc_open(handle: *const u8) -> u64 {
-    if handle.is_null() {
-        return 0;
-    }
-    let mut bytes = [0u8; 64];
-    // SAFETY: the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(handle, bytes.as_mut_ptr(), 64) };
-    guarded(
-        "cachealloc_ipc_open",
-        || process::ipc_open(bytes),
-        || Err(cuda::ERROR_INITIALIZATION),
-    )
-    .unwrap_or(0)
-}
-
-/// In the receiving process: a block received through `handle` is let go; the segment is
-/// unmapped with the last of them.
-///
-/// # Safety
-/// `handle` valid for 64 bytes of reads.
-#[cfg_attr(not(test), unsafe(no_mangle))]
-pub unsafe extern "C" fn cachealloc_ipc_close(handle: *const u8) -> CudaError {
-    if handle.is_null() {
-        return cuda::ERROR_INVALID_VALUE;
-    }
-    let mut bytes = [0u8; 64];
-    // SAFETY: the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(handle, bytes.as_mut_ptr(), 64) };
-    guarded(
-        "cachealloc_ipc_close",
-        || process::ipc_close(bytes),
-        || cuda::ERROR_INITIALIZATION,
-    )
-}
-
-/// In the receiving process: release the sender's reference counter (`counter`, a file name
-/// from [`cachealloc_ipc_share`], and `slot`), so that it may reuse the block.
-///
-/// # Safety
-/// `counter` must be null or a valid NUL-terminated string.
-#[cfg_attr(not(test), unsafe(no_mangle))]
-pub unsafe extern "C" fn cachealloc_ipc_release(counter: *const c_char, slot: u64) -> CudaError {
-    if counter.is_null() {
-        return cuda::ERROR_INVALID_VALUE;
-    }
-    // SAFETY: non-null and NUL-terminated per the caller's contract.
-    let Ok(name) = unsafe { CStr::from_ptr(counter) }.to_str() else {
-        return cuda::ERROR_INVALID_VALUE;
-    };
-    let name = name.to_owned();
-    guarded(
-        "cachealloc_ipc_release",
-        || match process::ipc_release(&name, slot) {
-            Ok(()) => cuda::SUCCESS,
-            Err(why) => {
-                crate::log::error!("{why}");
-                cuda::ERROR_INVALID_VALUE
-            }
-        },
-        || cuda::ERROR_INITIALIZATION,
-    )
 }
 
 /// An out-of-memory observer: `(device, requested bytes, the device's limit, its free bytes)`.

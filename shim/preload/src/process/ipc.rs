@@ -11,25 +11,52 @@
 //! replaces `UntypedStorage._share_cuda_`, `_new_shared_cuda` and `_release_ipc_counter_cuda`
 //! with calls into the C API (`cachealloc_ipc_*`), and the library keeps PyTorch's protocol:
 //!
-//! * **Sending** ([`Shim::ipc_share`]): the block's segment's handle (a fixed segment is one
-//!   `cuMemAlloc_v2` allocation), the block's offset, and a new counter set to 1
-//!   ([`crate::ipc_counters`]). The sending stream is synchronized first by the integration, so
-//!   the receiver reads what was written.
-//! * **Receiving** ([`ipc_open`]): the segment is opened once per process and handle, and
-//!   closed when the last block received through it is let go ([`ipc_close`], after the
-//!   device has finished with it); then the receiver decrements the counter ([`ipc_release`]).
+//! * **Sending** ([`Shim::ipc_share`]): a block of a fixed segment as the segment's handle (a
+//!   fixed segment is one `cuMemAlloc_v2` allocation) and the block's offset; a block of an
+//!   expandable segment as the memory mapped over it (below); either with a new counter set to
+//!   1 ([`crate::ipc_counters`]). The sending stream is synchronized first by the integration,
+//!   so the receiver reads what was written. What is sent is a *description*, variable-length
+//!   bytes of either kind (`description`), opaque to PyTorch; the Python integration still
+//!   sends a fixed segment's block as PyTorch does (the 64-byte handle and the offset), and the
+//!   C API keeps its 64-byte functions for fixed segments beside the description's.
+//! * **Receiving** ([`ipc_open`], [`ipc_open_shared`]): the segment is opened once per process
+//!   and handle, and closed when the last block received through it is let go ([`ipc_close`],
+//!   [`ipc_close_shared`], after the device has finished with it); then the receiver
+//!   decrements the counter ([`ipc_release`]).
 //! * **The sender's free.** A block freed while any of its counters is above zero is not
-//!   freed: it waits in *limbo*, still allocated (so its segment cannot be released either),
-//!   and is freed once every counter is zero. The limbo is looked at on every free and every
-//!   64th allocation while it is not empty, at `empty_cache`, and before an allocation gives
-//!   up with out of memory (so a program that only allocates after its receivers let go gets
-//!   the memory back, as natively).
+//!   freed: it waits in *limbo*, still allocated (so its segment cannot be released, nor the
+//!   memory mapped over it unmapped), and is freed once every counter is zero. The limbo is
+//!   looked at on every free and every 64th allocation while it is not empty, at
+//!   `empty_cache`, and before an allocation gives up with out of memory (so a program that
+//!   only allocates after its receivers let go gets the memory back, as natively).
 //!
-//! Not covered: blocks of expandable segments (mapped memory has no legacy IPC handle; PyTorch
-//! shares those through POSIX file descriptors) — sharing one fails with a message that says
-//! so; receiving in a process that does not run under the shim.
+//! **Expandable segments.** Mapped memory has no legacy IPC handle; as PyTorch does, it is
+//! shared through POSIX file descriptors. The device's memory is made exportable where it can
+//! be (`backend::vmm`: `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` requested when the device
+//! says it supports it; where a creation asking for it fails, later memory is made without,
+//! and a share of it fails saying why). The sender exports the physical memory of each
+//! mapping over the block (`cuMemRetainAllocationHandle` + `cuMemExportToShareableHandle`: one
+//! file descriptor per mapping, the first starting at or before the block, the last ending at
+//! or after it) and describes them with its pid, its device, where the range they cover starts
+//! and its size, each mapping's size and descriptor, and the block's offset in that range. It
+//! keeps the descriptors open until the share's counter is released (the receiver takes them
+//! from this process; they are closed by the next look at the limbo or the next share after
+//! the release). The receiver (`expandable`) takes each descriptor with `pidfd_open` +
+//! `pidfd_getfd`, or where that is refused (ptrace restrictions) by opening
+//! `/proc/PID/fd/N` (if both fail, the error names both causes), imports each
+//! (`cuMemImportFromShareableHandle`), reserves a range of the total size, maps them in order,
+//! gives its current device read and write access, and returns the range's address plus the
+//! offset. A range is mapped once per (sender's pid, device, range start, size), and unmapped
+//! (after a device synchronization) with the last block received through it, its range freed
+//! and the descriptors closed. While any block received through a range is held, the sender
+//! cannot unmap the memory under it (that block is live or in limbo), so a later block with
+//! the same range identity lies in the same memory.
+//!
+//! Not covered: receiving in a process that does not run under the shim; sharing where the
+//! receiver may neither take the sender's descriptors nor open them through `/proc`.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -40,17 +67,23 @@ use crate::cuda::{self, CudaError};
 use crate::ipc_counters::{self, SlotId};
 use crate::log;
 
-/// What the receiving process needs to map a shared block.
+mod description;
+mod expandable;
+
+pub use description::{MappedShare, Shared};
+
+/// A block shared with another process: what it needs to map it, and the counter it releases.
 #[derive(Clone, Debug)]
 pub struct IpcShare {
-    /// The block's segment's `cudaIpcMemHandle_t`.
-    pub handle: [u8; 64],
-    /// The shared address's offset in the segment.
-    pub offset: u64,
+    /// The memory.
+    pub what: Shared,
     /// The counter's file and slot, for the receiver's release.
     pub counter: String,
     /// See `counter`.
     pub slot: u64,
+    /// The counter's id here (for [`Shim::ipc_unshare`]) and the block's address.
+    id: SlotId,
+    block: u64,
 }
 
 /// The blocks this process has shared, and those freed while shared.
@@ -62,6 +95,8 @@ pub struct IpcBook {
     limbo_pending: AtomicBool,
     /// Allocations since the limbo was last looked at by one.
     ticks: AtomicU64,
+    /// Whether file descriptors exported for shares are still open.
+    exports_open: AtomicBool,
     inner: Mutex<Held>,
 }
 
@@ -71,6 +106,17 @@ struct Held {
     shared: HashMap<u64, Vec<SlotId>>,
     /// Blocks the program freed while shared: (address, stream of the free).
     limbo: Vec<(u64, u64)>,
+    /// The file descriptors exported for each share of a block of an expandable segment, kept
+    /// open until the receiver releases the share's counter (it takes them from this process).
+    exported: Vec<(SlotId, Vec<OwnedFd>)>,
+}
+
+impl Held {
+    /// Close the file descriptors of the shares released since. Returns whether some stay.
+    fn close_released_exports(&mut self) -> bool {
+        self.exported.retain(|(id, _)| !ipc_counters::released(*id));
+        !self.exported.is_empty()
+    }
 }
 
 impl Shim {
@@ -81,39 +127,88 @@ impl Shim {
             .or_else(|| self.private_lookup(address))
     }
 
-    /// Share the block at `address` with another process (Note [IPC of pooled memory]).
-    pub fn ipc_share(&self, address: u64) -> Result<IpcShare, String> {
+    /// Share the block at `address` with another process (Note [IPC of pooled memory]). A block
+    /// of an expandable segment only if `mapped` (its description is not a bare IPC handle).
+    pub fn ipc_share(&self, address: u64, mapped: bool) -> Result<IpcShare, String> {
         let info = self
             .block_at(address)
             .filter(|i| i.state == BlockState::Active)
             .ok_or_else(|| format!("{address:#x} is not a live pooled allocation"))?;
-        if info.expandable {
-            return Err(format!(
-                "{address:#x} lies in an expandable segment (mapped memory), which CUDA's IPC \
-                 handles cannot share; run processes that share CUDA tensors with \
-                 CACHEALLOC_CONF=expandable_segments:False"
-            ));
-        }
-        let handle =
-            crate::real::runtime::ipc_get_mem_handle(info.segment_address).map_err(|code| {
-                format!(
-                    "cudaIpcGetMemHandle of segment {:#x}: {code}",
-                    info.segment_address
-                )
-            })?;
+        let mut fds = Vec::new();
+        let what = if info.expandable {
+            if !mapped {
+                return Err(format!(
+                    "{address:#x} lies in an expandable segment (mapped memory), which no \
+                     64-byte IPC handle names: share it with cachealloc_ipc_share_desc"
+                ));
+            }
+            let exported = self
+                .allocators()
+                .find(|a| a.lookup(address).is_some())
+                .ok_or_else(|| format!("{address:#x} is not in a device's pools"))?
+                .device()
+                .export_mapped(info.block_address, info.block_size)
+                .map_err(|why| {
+                    format!(
+                        "{address:#x} lies in an expandable segment that cannot be shared: {why}"
+                    )
+                })?;
+            let chunks = (exported.chunks.iter())
+                .map(|(size, fd)| (*size, fd.as_raw_fd()))
+                .collect();
+            fds.extend(exported.chunks.into_iter().map(|(_, fd)| fd));
+            Shared::Mapped(MappedShare {
+                pid: std::process::id(),
+                device: exported.device,
+                start: exported.start,
+                chunks,
+                offset: address - exported.start,
+            })
+        } else {
+            let handle =
+                crate::real::runtime::ipc_get_mem_handle(info.segment_address).map_err(|code| {
+                    format!(
+                        "cudaIpcGetMemHandle of segment {:#x}: {code}",
+                        info.segment_address
+                    )
+                })?;
+            Shared::Segment {
+                handle,
+                offset: address - info.segment_address,
+            }
+        };
         let (id, counter, slot) =
             ipc_counters::new_counter().map_err(|e| format!("an IPC counter: {e}"))?;
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
         held.shared.entry(info.block_address).or_default().push(id);
+        if !fds.is_empty() {
+            held.exported.push((id, fds));
+            self.ipc.exports_open.store(true, Ordering::Release);
+        }
         self.ipc.any.store(true, Ordering::Release);
         drop(held);
         self.ipc_collect();
         Ok(IpcShare {
-            handle,
-            offset: address - info.segment_address,
+            what,
             counter,
             slot,
+            id,
+            block: info.block_address,
         })
+    }
+
+    /// Take back a share no other process has seen (its description could not be handed
+    /// over): its counter released, its file descriptors closed.
+    pub fn ipc_unshare(&self, share: &IpcShare) {
+        ipc_counters::cancel(share.id);
+        let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ids) = held.shared.get_mut(&share.block) {
+            ids.retain(|&id| id != share.id);
+            if ids.is_empty() {
+                held.shared.remove(&share.block);
+            }
+        }
+        held.exported.retain(|(id, _)| *id != share.id);
     }
 
     /// At a free of `address` on `stream`: hold it in limbo if another process may still use
@@ -146,17 +241,21 @@ impl Shim {
         }
     }
 
-    /// Free the blocks in limbo that no other process holds any more. Returns how many.
+    /// Free the blocks in limbo that no other process holds any more, and close the file
+    /// descriptors exported for shares released since. Returns how many blocks.
     pub(super) fn ipc_collect(&self) -> usize {
         if !self.ipc.any.load(Ordering::Acquire) {
             return 0;
         }
         let ready: Vec<(u64, u64)> = {
             let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
+            if self.ipc.exports_open.load(Ordering::Acquire) && !held.close_released_exports() {
+                self.ipc.exports_open.store(false, Ordering::Release);
+            }
             if held.limbo.is_empty() {
                 return 0;
             }
-            let Held { shared, limbo } = &mut *held;
+            let Held { shared, limbo, .. } = &mut *held;
             let mut ready = Vec::new();
             limbo.retain(|&(address, stream)| {
                 let free = shared
@@ -224,6 +323,26 @@ pub fn ipc_close(handle: [u8; 64]) -> CudaError {
         log::error!("synchronizing before closing an IPC segment: {synced}");
     }
     crate::real::runtime::ipc_close_mem_handle(address)
+}
+
+/// In the receiving process: the address of the block `shared` describes, mapped at its
+/// segment's or range's first block (Note [IPC of pooled memory]).
+pub fn ipc_open_shared(shared: &Shared) -> Result<u64, String> {
+    match shared {
+        Shared::Segment { handle, offset } => ipc_open(*handle)
+            .map(|base| base + offset)
+            .map_err(|code| format!("cudaIpcOpenMemHandle: {code}")),
+        Shared::Mapped(share) => expandable::open(share),
+    }
+}
+
+/// In the receiving process: a block received through `shared` is let go; its segment or
+/// range is unmapped with the last (once the device has finished with it).
+pub fn ipc_close_shared(shared: &Shared) -> CudaError {
+    match shared {
+        Shared::Segment { handle, .. } => ipc_close(*handle),
+        Shared::Mapped(share) => expandable::close(share),
+    }
 }
 
 /// In the receiving process: tell the sender its block `slot` of `counter` is let go.

@@ -73,6 +73,8 @@ real_driver_functions! {
     cuMemRetainAllocationHandle: fn(*mut sys::CUmemGenericAllocationHandle, *mut c_void);
     cuMemUnmap: fn(DevicePtr, usize);
     cuMemSetAccess: fn(DevicePtr, usize, *const sys::CUmemAccessDesc, usize);
+    cuMemExportToShareableHandle: fn(*mut c_void, sys::CUmemGenericAllocationHandle, c_uint, u64);
+    cuMemImportFromShareableHandle: fn(*mut sys::CUmemGenericAllocationHandle, *mut c_void, c_uint);
 }
 
 /// Call a real driver function, or answer `CUDA_ERROR_NOT_FOUND` when libcuda lacks it.

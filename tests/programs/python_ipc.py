@@ -1,0 +1,153 @@
+"""The Python integration's IPC of CUDA tensors, under LD_PRELOAD=libcachealloc.so over fakecuda
+(no torch needed: a stand-in torch package made here, with the parts of torch.storage and
+torch.cuda the integration calls). A block allocated through the runtime is shared with
+UntypedStorage._share_cuda_ (replaced by the integration) and received by this script run again
+in a child process with _new_shared_cuda, as torch.multiprocessing does: the child reads the
+parent's bytes and writes its own, which the parent sees; the parent frees the block while the
+child holds it, and it is not handed out again; once the child let go of the storage, it is.
+With CACHEALLOC_CONF=expandable_segments:True the block lies in an expandable segment and the
+share tuple carries its description instead of a 64-byte IPC handle.
+Usage: python_ipc.py [BYTES]. Prints "OK python_ipc"."""
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def fail(why):
+    print(f"FAIL: {why}", flush=True)
+    sys.exit(1)
+
+
+def stand_in_torch():
+    """A torch package with what the integration's IPC calls, first on sys.path."""
+    root = tempfile.mkdtemp()
+    os.makedirs(os.path.join(root, "torch", "cuda"))
+    with open(os.path.join(root, "torch", "__init__.py"), "w") as f:
+        f.write(
+            "import torch.cuda\n"
+            "class _Tensor:\n"
+            "    def __init__(self, obj):\n        self.obj = obj\n"
+            "    def untyped_storage(self):\n"
+            "        from torch.storage import UntypedStorage\n"
+            "        address, _ = self.obj.__cuda_array_interface__['data']\n"
+            "        (size,) = self.obj.__cuda_array_interface__['shape']\n"
+            "        return UntypedStorage(address, size, keep=self.obj)\n"
+            "def as_tensor(obj, device=None):\n    return _Tensor(obj)\n"
+        )
+    with open(os.path.join(root, "torch", "cuda", "__init__.py"), "w") as f:
+        f.write(
+            "import contextlib, ctypes\n"
+            "def device(index):\n    return contextlib.nullcontext()\n"
+            "class _Stream:\n"
+            "    def synchronize(self):\n"
+            "        assert ctypes.CDLL(None).cudaDeviceSynchronize() == 0\n"
+            "def current_stream():\n    return _Stream()\n"
+        )
+    with open(os.path.join(root, "torch", "storage.py"), "w") as f:
+        f.write(
+            "class _Device:\n    index = 0\n"
+            "class UntypedStorage:\n"
+            "    device = _Device()\n"
+            "    def __init__(self, address, size, keep=None):\n"
+            "        self._address, self._size, self._keep = address, size, keep\n"
+            "    def data_ptr(self):\n        return self._address\n"
+            "    def nbytes(self):\n        return self._size\n"
+            "    def _share_cuda_(self, *args):\n        raise RuntimeError('native')\n"
+            "    @classmethod\n"
+            "    def _new_shared_cuda(cls, *args):\n        raise RuntimeError('native')\n"
+        )
+    sys.path.insert(0, root)
+
+
+ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
+cuda = ctypes.CDLL(None)
+cuda.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+cuda.cudaFree.argtypes = [ctypes.c_void_p]
+cuda.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+cuda.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def malloc(size):
+    ptr = ctypes.c_void_p()
+    if cuda.cudaMalloc(ctypes.byref(ptr), size) != 0:
+        fail("cudaMalloc failed")
+    return ptr.value
+
+
+def holds(address, value, size):
+    host = ctypes.create_string_buffer(size)
+    if cuda.cudaMemcpy(host, ctypes.c_void_p(address), size, 2) != 0:  # device to host
+        fail("cudaMemcpy failed")
+    return host.raw == bytes([value]) * size
+
+
+def fill(address, value, size):
+    if cuda.cudaMemset(ctypes.c_void_p(address), value, size) != 0 or cuda.cudaDeviceSynchronize() != 0:
+        fail("cudaMemset failed")
+
+
+stand_in_torch()
+import torch  # noqa: E402
+import torch.storage  # noqa: E402
+
+storage = torch.storage.UntypedStorage
+if not getattr(storage, "_cachealloc_ipc", False):
+    fail("the integration did not replace UntypedStorage's IPC methods")
+
+if len(sys.argv) > 1 and sys.argv[1] == "receive":
+    shared = json.loads(sys.argv[2])
+    shared[1] = bytes.fromhex(shared[1])
+    shared[4] = shared[4].encode()
+    size = shared[2]
+    received = storage._new_shared_cuda(*shared)
+    if not holds(received.data_ptr(), 0x3C, size):
+        fail("the receiver does not see the sender's bytes")
+    fill(received.data_ptr(), 0x7E, size)
+    print("wrote", flush=True)
+    sys.stdin.readline()
+    del received
+    gc.collect()  # the storage's end closes the mapping and releases the sender's counter
+    print("OK python_ipc receiver", flush=True)
+    sys.exit(0)
+
+size = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+expandable = "expandable_segments:True" in os.environ.get("CACHEALLOC_CONF", "")
+first, block, other = malloc(4096), malloc(size), malloc(size)
+fill(block, 0x3C, size)
+shared = list(storage(block, size)._share_cuda_())
+handle = shared[1]
+if expandable != (len(handle) != 64):
+    fail(f"a share tuple with a handle of {len(handle)} bytes (expandable segments: {expandable})")
+if not expandable and size == 4096 and shared[3] != block - first:
+    fail(f"offset {shared[3]} of a block {block - first} bytes into its segment")
+shared[1] = handle.hex()
+shared[4] = shared[4].decode()
+child = subprocess.Popen(
+    [sys.executable, __file__, "receive", json.dumps(shared)],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+)
+if child.stdout.readline().strip() != "wrote":
+    fail("the receiver died before writing")
+if not holds(block, 0x7E, size):
+    fail("the sender does not see the receiver's bytes")
+if cuda.cudaFree(ctypes.c_void_p(block)) != 0:  # the receiver still holds it
+    fail("cudaFree of a shared block failed")
+again = malloc(size)
+if again == block:
+    fail("a block another process holds was handed out again")
+child.stdin.write("go\n")
+child.stdin.flush()
+said = child.stdout.read()
+if child.wait() != 0 or "OK python_ipc receiver" not in said:
+    fail(f"the receiver failed: {said}")
+cuda.cudaFree(ctypes.c_void_p(other))  # frees look at the blocks held for other processes
+reused, second = malloc(size), malloc(size)
+if block not in (reused, second):
+    fail("the block let go of was not reused")
+print("OK python_ipc", flush=True)
