@@ -42,8 +42,11 @@
 //! keeps the descriptors open until the share's counter is released (the receiver takes them
 //! from this process; they are closed by the next look at the limbo or the next share after
 //! the release). The receiver (`expandable`) takes each descriptor with `pidfd_open` +
-//! `pidfd_getfd`, or where that is refused (ptrace restrictions) by opening
-//! `/proc/PID/fd/N` (if both fail, the error names both causes), imports each
+//! `pidfd_getfd`; where that is refused (ptrace restrictions: a child may not take its
+//! parent's, the usual direction of `torch.multiprocessing`) it asks the sender's descriptor
+//! server (`fd_server`: an abstract Unix socket that passes descriptors exported for shares
+//! still held, to peers of the same user), else opens `/proc/PID/fd/N` (if all fail, the error
+//! names each cause); it imports each
 //! (`cuMemImportFromShareableHandle`), reserves a range of the total size, maps them in order,
 //! gives its current device read and write access, and returns the range's address plus the
 //! offset. A range is mapped once per (sender's pid, device, range start, size), and unmapped
@@ -52,11 +55,12 @@
 //! cannot unmap the memory under it (that block is live or in limbo), so a later block with
 //! the same range identity lies in the same memory.
 //!
-//! Not covered: receiving in a process that does not run under the shim; sharing where the
-//! receiver may neither take the sender's descriptors nor open them through `/proc`.
+//! Not covered: receiving in a process that does not run under the shim; sharing between
+//! processes of different users or network namespaces where ptrace restrictions also refuse
+//! `pidfd_getfd` and `/proc`.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -69,6 +73,7 @@ use crate::log;
 
 mod description;
 mod expandable;
+mod fd_server;
 
 pub use description::{MappedShare, Shared};
 
@@ -108,7 +113,7 @@ struct Held {
     limbo: Vec<(u64, u64)>,
     /// The file descriptors exported for each share of a block of an expandable segment, kept
     /// open until the receiver releases the share's counter (it takes them from this process).
-    exported: Vec<(SlotId, Vec<OwnedFd>)>,
+    exported: Vec<(SlotId, fd_server::Exported)>,
 }
 
 impl Held {
@@ -182,7 +187,7 @@ impl Shim {
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
         held.shared.entry(info.block_address).or_default().push(id);
         if !fds.is_empty() {
-            held.exported.push((id, fds));
+            held.exported.push((id, fd_server::Exported::new(fds)));
             self.ipc.exports_open.store(true, Ordering::Release);
         }
         self.ipc.any.store(true, Ordering::Release);

@@ -175,44 +175,58 @@ fn map(share: &MappedShare, fds: &[OwnedFd], device: i32) -> Result<u64, String>
     Ok(base)
 }
 
-/// The sender's file descriptor `fd`, opened here: through `pidfd_getfd`, or where that is
-/// refused (ptrace restrictions, an old kernel), by opening `/proc/PID/fd/N`.
+/// One way of taking a sender's descriptor: its name (for the error) and the call.
+type Way<'a> = (&'a str, &'a dyn Fn(u32, i32) -> std::io::Result<OwnedFd>);
+
+/// The sender's file descriptor `fd`, opened here: through `pidfd_getfd`; where that is refused
+/// (ptrace restrictions, an old kernel), from the sender's descriptor server
+/// ([`fd_server`](super::fd_server)); else by opening `/proc/PID/fd/N`.
 fn take_fd(pid: u32, fd: i32) -> Result<OwnedFd, String> {
-    take_fd_with(pid, fd, pidfd_getfd)
+    take_fd_with(
+        pid,
+        fd,
+        &[
+            ("pidfd_getfd", &pidfd_getfd),
+            ("the sender's descriptor server", &super::fd_server::fetch),
+            ("/proc/PID/fd", &open_proc),
+        ],
+    )
 }
 
-/// [`take_fd`], with `getfd` in `pidfd_getfd`'s place.
-fn take_fd_with(
-    pid: u32,
-    fd: i32,
-    getfd: impl FnOnce(u32, i32) -> std::io::Result<OwnedFd>,
-) -> Result<OwnedFd, String> {
-    let from_pidfd = match getfd(pid, fd) {
-        Ok(taken) => return Ok(taken),
-        Err(e) => e,
+/// [`take_fd`] by `ways`, in order; the error names each way's cause.
+fn take_fd_with(pid: u32, fd: i32, ways: &[Way<'_>]) -> Result<OwnedFd, String> {
+    let mut causes = Vec::new();
+    let mut refused = false;
+    for (name, way) in ways {
+        match way(pid, fd) {
+            Ok(taken) => return Ok(taken),
+            Err(e) => {
+                refused |= matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES));
+                causes.push(format!("{name}: {e}"));
+            }
+        }
+    }
+    let hint = if refused {
+        " (this process may not take another's file descriptors: a ptrace restriction such as \
+         kernel.yama.ptrace_scope, or a different user)"
+    } else {
+        ""
     };
+    Err(format!(
+        "could not take file descriptor {fd} of process {pid}: {}{hint}",
+        causes.join("; ")
+    ))
+}
+
+/// `/proc/PID/fd/N`, opened.
+fn open_proc(pid: u32, fd: i32) -> std::io::Result<OwnedFd> {
     let path = format!("/proc/{pid}/fd/{fd}");
-    match std::fs::OpenOptions::new()
+    std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(&path)
-    {
-        Ok(file) => Ok(OwnedFd::from(file)),
-        Err(from_proc) => {
-            let hint = if from_pidfd.raw_os_error() == Some(libc::EPERM)
-                || from_proc.raw_os_error() == Some(libc::EACCES)
-            {
-                " (this process may not take another's file descriptors: a ptrace restriction \
-                 such as kernel.yama.ptrace_scope, or a different user)"
-            } else {
-                ""
-            };
-            Err(format!(
-                "could not take file descriptor {fd} of process {pid}: pidfd_getfd: {from_pidfd}; \
-                 {path}: {from_proc}{hint}"
-            ))
-        }
-    }
+        .map(OwnedFd::from)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{path}: {e}")))
 }
 
 /// `pidfd_getfd(pidfd_open(pid), fd)`.
@@ -255,14 +269,32 @@ mod tests {
     }
 
     #[test]
-    fn a_descriptor_is_taken_by_pidfd_getfd_else_through_proc_else_both_causes_are_named() {
+    fn a_descriptor_is_taken_by_pidfd_getfd_else_from_the_server_else_through_proc() {
         let me = std::process::id();
         let (mut read, write) = pipe();
-        // pidfd_getfd (where the kernel allows it), and /proc/PID/fd where it is refused.
-        let refused = |_, _| Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        let refused = |_: u32, _: i32| -> std::io::Result<OwnedFd> {
+            Err(std::io::Error::from_raw_os_error(libc::EPERM))
+        };
+        // The server answers only for descriptors exported for a share still held.
+        let exported =
+            super::super::fd_server::Exported::new(vec![OwnedFd::from(write.try_clone().unwrap())]);
+        let served = {
+            let fds: Vec<i32> = (0..1024)
+                .filter(|&n| n != write.as_raw_fd())
+                .filter(|&n| super::super::fd_server::fetch(me, n).is_ok())
+                .collect();
+            assert_eq!(fds.len(), 1, "one descriptor served: {fds:?}");
+            fds[0]
+        };
+        let server: Way<'_> = ("server", &super::super::fd_server::fetch);
         for taken in [
             take_fd(me, write.as_raw_fd()),
-            take_fd_with(me, write.as_raw_fd(), refused),
+            take_fd_with(
+                me,
+                write.as_raw_fd(),
+                &[("pidfd_getfd", &refused), ("/proc/PID/fd", &open_proc)],
+            ),
+            take_fd_with(me, served, &[("pidfd_getfd", &refused), server]),
         ] {
             let mut taken = std::fs::File::from(taken.expect("the descriptor is taken"));
             taken.write_all(b"x").unwrap();
@@ -270,8 +302,21 @@ mod tests {
             read.read_exact(&mut byte).unwrap();
             assert_eq!(&byte, b"x");
         }
-        // Neither works: both causes, and the hint about ptrace restrictions.
-        let why = take_fd_with(me, 1 << 20, refused).unwrap_err();
+        // A descriptor not exported for a share is not served.
+        let why = take_fd_with(me, write.as_raw_fd(), &[server]).unwrap_err();
+        assert!(why.contains("does not hold"), "{why}");
+        drop(exported);
+        assert!(
+            super::super::fd_server::fetch(me, served).is_err(),
+            "served after its share ended"
+        );
+        // Nothing works: every cause, and the hint about ptrace restrictions.
+        let why = take_fd_with(
+            me,
+            1 << 20,
+            &[("pidfd_getfd", &refused), ("/proc/PID/fd", &open_proc)],
+        )
+        .unwrap_err();
         assert!(
             why.contains("pidfd_getfd") && why.contains(&format!("/proc/{me}/fd/")),
             "{why}"
