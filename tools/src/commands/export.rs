@@ -202,12 +202,48 @@ pub fn export_trace(
         ),
     ];
     let wall = header.wall_clock_base_ns;
+    // The export starts without the program's context; a trace that has some is exported again
+    // with it, from its first record (see `context`).
+    let mut row_context = None;
+    let written = loop {
+        match write_rank(dir, &part, &metadata, wall, row_context.as_mut())? {
+            Walked::Done(written) => break written,
+            Walked::ContextFound => row_context = Some(context::RowContext::for_trace(dir)?),
+        }
+    };
+    Ok(RankExport {
+        rank,
+        dir: part,
+        first_file: header.file_index,
+        ..written
+    })
+}
+
+/// How [`write_rank`] ended.
+enum Walked {
+    /// The rank's files are written (`rank`, `dir` and `first_file` left to the caller).
+    Done(RankExport),
+    /// Walking without the program's context, it met a context record: the rank must be
+    /// written again with it.
+    ContextFound,
+}
+
+/// Walk the trace in `dir` once and write its three tables into `part`; without `row_context`,
+/// stop at the first context record.
+fn write_rank(
+    dir: &Path,
+    part: &Path,
+    metadata: &[(String, String)],
+    wall: u64,
+    mut row_context: Option<&mut context::RowContext>,
+) -> Result<Walked, Error> {
+    let mut walk = TraceWalk::open(dir)?;
     let mut events_file =
-        TableFile::create(&part.join("events.parquet"), Events::schema(), &metadata)?;
+        TableFile::create(&part.join("events.parquet"), Events::schema(), metadata)?;
     let mut stacks_file =
-        TableFile::create(&part.join("stacks.parquet"), Stacks::schema(), &metadata)?;
+        TableFile::create(&part.join("stacks.parquet"), Stacks::schema(), metadata)?;
     let mut samples_file =
-        TableFile::create(&part.join("samples.parquet"), Samples::schema(), &metadata)?;
+        TableFile::create(&part.join("samples.parquet"), Samples::schema(), metadata)?;
     let mut events = Events::new(wall);
     let mut stacks = Stacks::new();
     let mut recorded = Samples::new(wall);
@@ -216,10 +252,8 @@ pub fn export_trace(
     let mut next_derived: Vec<u64> = vec![];
     let mut exported_stacks: HashSet<u32> = HashSet::new();
     let mut torn = None;
-    let mut row_context = context::RowContext::for_trace(dir)?;
-    // The first record was the header (`walk.header` is set): nothing to export. The rest are
-    // walked borrowed, not moved (`step_ref`): this loop is the export's whole reading cost.
-    drop(first);
+    // The records are walked borrowed, not moved (`step_ref`): this loop is the export's whole
+    // reading cost.
     loop {
         let s = match walk.step_ref() {
             None => break,
@@ -232,6 +266,9 @@ pub fn export_trace(
                 break;
             }
         };
+        if row_context.is_none() && s.record.is_context() {
+            return Ok(Walked::ContextFound);
+        }
         if let Record::StackDef(def) = s.record
             && exported_stacks.insert(def.id)
         {
@@ -270,7 +307,7 @@ pub fn export_trace(
             );
         } else if let Some(mut row) = event_row(s.record) {
             row.seq = s.index;
-            if let Some(c) = &mut row_context {
+            if let Some(c) = row_context.as_deref_mut() {
                 (row.category, row.module) = c.of(s.record, s.index, s.state);
             }
             if let Some(device) = row.device {
@@ -320,12 +357,13 @@ pub fn export_trace(
             t.error
         ));
     }
+    let first_file = walk.header.as_ref().map_or(0, |h| h.file_index);
     for file in [&mut events_file, &mut stacks_file, &mut samples_file] {
         file.note(
             "cachealloc.torn",
             torn.clone().unwrap_or_else(|| "no".to_string()),
         );
-        file.note("cachealloc.first_file", header.file_index.to_string());
+        file.note("cachealloc.first_file", first_file.to_string());
     }
     samples_file.note(
         "cachealloc.samples",
@@ -338,16 +376,14 @@ pub fn export_trace(
             "recorded".to_string()
         },
     );
-    Ok(RankExport {
-        rank,
-        dir: part,
+    Ok(Walked::Done(RankExport {
         events: events_file.close()?,
         frames: stacks_file.close()?,
         samples: samples_file.close()?,
         derived_samples,
         torn,
-        first_file: header.file_index,
-    })
+        ..RankExport::default()
+    }))
 }
 
 /// The `events` row of a record (without its ordinal and device totals), `None` for records

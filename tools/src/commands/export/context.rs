@@ -3,10 +3,11 @@
 //! (`crate::categories`, PyTorch's names: `PARAMETER`, …, `UNKNOWN`) and the module it was made
 //! in (`LlamaForCausalLM.model.layers.3.mlp`), on its `alloc` row and on the rows that free it.
 //!
-//! A category needs the block's whole life, so the categories pass walks the trace first; that
-//! walk is taken only when the trace has context records, looked for among its first
-//! [`LOOK_AHEAD`] records (the integration's first phase comes with the program's first forward).
-//! Without them both columns are null, as before.
+//! A category needs the block's whole life, so the categories pass walks the trace first. That
+//! walk is taken only for a trace with context records: the export starts without it and, at the
+//! first context record it meets (the integration's first phase comes with the program's first
+//! forward), starts again with it (`export::export_trace`). A trace without context (a C
+//! program's) is walked once, and both columns are null.
 
 use std::path::Path;
 
@@ -16,10 +17,6 @@ use rustc_hash::FxHashMap;
 use crate::categories::Category;
 use crate::categories::pass::{Outcome, Plan, run};
 use crate::progress::Progress;
-use crate::walk::TraceWalk;
-
-/// Records looked at for a context record before a trace is taken to have none.
-pub const LOOK_AHEAD: u64 = 1 << 20;
 
 /// What fills the two columns while the export walks.
 pub struct RowContext {
@@ -31,22 +28,19 @@ pub struct RowContext {
 }
 
 impl RowContext {
-    /// For the trace in `dir`: `None` when it has no context records (among the first
-    /// [`LOOK_AHEAD`]).
-    pub fn for_trace(dir: &Path) -> Result<Option<RowContext>, String> {
-        if !has_context(dir)? {
-            return Ok(None);
-        }
+    /// For the trace in `dir`, which has context records: the categories pass over the whole
+    /// trace.
+    pub fn for_trace(dir: &Path) -> Result<RowContext, String> {
         let plan = Plan {
             every_allocation: true,
             ..Plan::default()
         };
         let outcome = run(dir, &plan, &Progress::new("categories"), |_, _| {})?;
-        Ok(Some(RowContext {
+        Ok(RowContext {
             outcome,
             allocs: 0,
             live: FxHashMap::default(),
-        }))
+        })
     }
 
     /// The `category` and `module` of the event `record` (after it was applied to `state`),
@@ -90,19 +84,4 @@ impl RowContext {
             .map(|n| n.name.as_str());
         (Some(category.name()), module)
     }
-}
-
-/// Whether the trace in `dir` has a context record among its first [`LOOK_AHEAD`] records.
-fn has_context(dir: &Path) -> Result<bool, String> {
-    let mut walk = TraceWalk::open(dir)?;
-    while let Some(step) = walk.step_ref() {
-        let Ok(step) = step else { return Ok(false) };
-        if step.record.is_context() {
-            return Ok(true);
-        }
-        if step.index >= LOOK_AHEAD {
-            break;
-        }
-    }
-    Ok(false)
 }
