@@ -10,6 +10,7 @@
 
 mod column;
 mod context;
+mod table_file;
 pub mod tables;
 
 use std::collections::HashSet;
@@ -238,12 +239,24 @@ fn write_rank(
     mut row_context: Option<&mut context::RowContext>,
 ) -> Result<Walked, Error> {
     let mut walk = TraceWalk::open(dir)?;
-    let mut events_file =
-        TableFile::create(&part.join("events.parquet"), Events::schema(), metadata)?;
-    let mut stacks_file =
-        TableFile::create(&part.join("stacks.parquet"), Stacks::schema(), metadata)?;
-    let mut samples_file =
-        TableFile::create(&part.join("samples.parquet"), Samples::schema(), metadata)?;
+    let mut events_file = TableFile::create(
+        &part.join("events.parquet"),
+        Events::schema(),
+        &Events::LAYOUT,
+        metadata,
+    )?;
+    let mut stacks_file = TableFile::create(
+        &part.join("stacks.parquet"),
+        Stacks::schema(),
+        &Stacks::LAYOUT,
+        metadata,
+    )?;
+    let mut samples_file = TableFile::create(
+        &part.join("samples.parquet"),
+        Samples::schema(),
+        &Samples::LAYOUT,
+        metadata,
+    )?;
     let mut events = Events::new(wall);
     let mut stacks = Stacks::new();
     let mut recorded = Samples::new(wall);
@@ -291,7 +304,7 @@ fn write_rank(
                 });
             }
             if stacks.len() >= BATCH_ROWS {
-                stacks_file.write(&stacks.batch()?)?;
+                stacks.write_to(&mut stacks_file)?;
             }
         }
         if s.in_checkpoint {
@@ -328,15 +341,15 @@ fn write_rank(
             }
             events.push(&row);
             if events.len() >= BATCH_ROWS {
-                events_file.write(&events.batch()?)?;
+                events.write_to(&mut events_file)?;
             }
         }
     }
     if !events.is_empty() {
-        events_file.write(&events.batch()?)?;
+        events.write_to(&mut events_file)?;
     }
     if !stacks.is_empty() {
-        stacks_file.write(&stacks.batch()?)?;
+        stacks.write_to(&mut stacks_file)?;
     }
     let derived_samples = recorded.is_empty();
     let samples = if derived_samples {
@@ -345,7 +358,7 @@ fn write_rank(
         &mut recorded
     };
     if !samples.is_empty() {
-        samples_file.write(&samples.batch()?)?;
+        samples.write_to(&mut samples_file)?;
     }
     if torn.is_none()
         && let Some(t) = walk.tears().first()

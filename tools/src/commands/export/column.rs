@@ -1,71 +1,94 @@
-//! [`Column`]: an integer column of the `events` table being gathered, as plain vectors that
-//! become an Arrow array once per batch.
+//! [`Col`]: one column of a table being gathered for the next batch, as Parquet's column writers
+//! take it: the present values, dense, and for a nullable column one definition level per row
+//! (1 present, 0 null).
 //!
-//! Arrow's builders append a value and a validity bit through several checks each (a growing
-//! bitmap, its capacity, its materialization); for the export's hot loop, which appends a dozen
-//! values per event, that was about a tenth of the export's time. Here a row appends to two
-//! vectors, and the batch packs the validity bits in one pass, leaving them out where every
-//! value is present (which Parquet's writer then also handles in one pass).
+//! A row appends to one or two vectors and nothing else: no validity bitmap to pack, no levels
+//! to derive from it and no values to gather again, which Arrow arrays would have cost the
+//! writer (about a quarter of the export's time, BENCHMARKS.md "The export's speed").
 
-use std::sync::Arc;
+use parquet::data_type::ByteArray;
 
-use arrow_array::builder::NullBufferBuilder;
-use arrow_array::{ArrayRef, ArrowPrimitiveType, PrimitiveArray};
-
-/// A nullable integer column being gathered (see the module docs).
-pub struct Column<T: ArrowPrimitiveType> {
-    values: Vec<T::Native>,
-    valid: Vec<bool>,
+/// A column's values gathered since the last batch (see the module docs).
+#[derive(Debug, Default)]
+pub struct Col<T> {
+    /// The present values, in row order.
+    pub values: Vec<T>,
+    /// A nullable column's definition levels, one per row; empty for a required column.
+    pub defs: Vec<i16>,
 }
 
-impl<T: ArrowPrimitiveType> Column<T> {
-    /// An empty column with room for `rows`.
-    pub fn with_capacity(rows: usize) -> Self {
-        Column {
+impl<T> Col<T> {
+    /// An empty column with room for `rows`; `nullable` says whether it gets levels.
+    pub fn with_capacity(rows: usize, nullable: bool) -> Self {
+        Col {
             values: Vec::with_capacity(rows),
-            valid: Vec::with_capacity(rows),
+            defs: Vec::with_capacity(if nullable { rows } else { 0 }),
         }
     }
 
-    /// Add a value, or a null.
+    /// Add a value to a required column.
     #[inline(always)]
-    pub fn push(&mut self, value: Option<T::Native>) {
-        self.values.push(value.unwrap_or_default());
-        self.valid.push(value.is_some());
+    pub fn push(&mut self, value: T) {
+        self.values.push(value);
     }
 
-    /// The values gathered as an array; the column starts again empty, with the same room.
-    pub fn finish(&mut self) -> ArrayRef {
-        let rows = self.values.len();
-        let values = std::mem::replace(&mut self.values, Vec::with_capacity(rows));
-        let mut nulls = NullBufferBuilder::new(rows);
-        nulls.append_slice(&self.valid);
-        self.valid.clear();
-        Arc::new(PrimitiveArray::<T>::new(values.into(), nulls.finish()))
+    /// Add a value, or a null, to a nullable column.
+    #[inline(always)]
+    pub fn push_opt(&mut self, value: Option<T>) {
+        self.defs.push(i16::from(value.is_some()));
+        if let Some(v) = value {
+            self.values.push(v);
+        }
+    }
+
+    /// Forget the rows (the room stays).
+    pub fn clear(&mut self) {
+        self.values.clear();
+        self.defs.clear();
+    }
+}
+
+/// A column of a table, whatever its type: what [`super::table_file::TableFile::write`] takes.
+pub enum ColRef<'a> {
+    /// `int32`.
+    Int32(&'a mut Col<i32>),
+    /// `int64`.
+    Int64(&'a mut Col<i64>),
+    /// `string`.
+    Str(&'a mut Col<ByteArray>),
+    /// `boolean`.
+    Bool(&'a mut Col<bool>),
+}
+
+impl ColRef<'_> {
+    /// Forget the column's rows.
+    pub fn clear(&mut self) {
+        match self {
+            ColRef::Int32(c) => c.clear(),
+            ColRef::Int64(c) => c.clear(),
+            ColRef::Str(c) => c.clear(),
+            ColRef::Bool(c) => c.clear(),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use arrow_array::types::Int64Type;
-    use arrow_array::{Array, Int64Array};
-
     use super::*;
 
     #[test]
-    fn values_and_nulls_come_out_as_pushed() {
-        let mut c = Column::<Int64Type>::with_capacity(4);
+    fn nulls_are_levels_and_only_present_values_are_kept() {
+        let mut c = Col::<i64>::with_capacity(4, true);
         for v in [Some(1), None, Some(-3)] {
-            c.push(v);
+            c.push_opt(v);
         }
-        let a = c.finish();
-        let a = a.as_any().downcast_ref::<Int64Array>().unwrap();
-        assert_eq!(a.iter().collect::<Vec<_>>(), [Some(1), None, Some(-3)]);
-        // All present: no validity bitmap at all.
-        c.push(Some(7));
-        let a = c.finish();
-        assert_eq!(a.len(), 1);
-        assert!(a.nulls().is_none());
-        assert_eq!(c.finish().len(), 0);
+        assert_eq!(c.values, [1, -3]);
+        assert_eq!(c.defs, [1, 0, 1]);
+        c.clear();
+        assert!(c.values.is_empty() && c.defs.is_empty());
+        let mut r = Col::<i32>::with_capacity(2, false);
+        r.push(7);
+        assert_eq!(r.values, [7]);
+        assert!(r.defs.is_empty(), "a required column has no levels");
     }
 }

@@ -1,5 +1,5 @@
-//! The exported dataset's three tables — their Arrow schemas, the builders that gather rows, and
-//! the Parquet files they stream into. The schema is versioned ([`SCHEMA_VERSION`]) and stable:
+//! The exported dataset's three tables — their Arrow schemas, the columns that gather rows
+//! ([`Col`]), and the Parquet files they stream into ([`TableFile`]). The schema is versioned ([`SCHEMA_VERSION`]) and stable:
 //! docs/design.md, "The exported dataset", is its reference; a column is never changed or
 //! removed, only added.
 //!
@@ -7,32 +7,20 @@
 //! types, reads each as DuckDB and pyarrow do. Times are `t_ns` (ns since the trace's base) and
 //! `wall_ns` (ns since the Unix epoch, aligning ranks).
 
-use std::fs::File;
-use std::path::Path;
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use arrow_array::builder::{
-    ArrayBuilder, BooleanBuilder, Int32Builder, Int64Builder, StringBuilder,
-};
-use arrow_array::types::{Int32Type, Int64Type};
-use arrow_array::{ArrayRef, Int64Array, RecordBatch};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
-use parquet::arrow::ArrowWriter;
-use parquet::basic::Encoding;
-use parquet::basic::{Compression, ZstdLevel};
-use parquet::file::metadata::KeyValue;
-use parquet::file::properties::{EnabledStatistics, WriterProperties};
-use parquet::schema::types::ColumnPath;
+use bytes::Bytes;
+use parquet::data_type::ByteArray;
 
-use super::column::Column;
-use crate::Error;
+use super::column::{Col, ColRef};
+
+pub use super::table_file::{Layout, TableFile};
 
 /// The version of the dataset's schema, in every file's key-value metadata as
 /// `cachealloc.schema_version`.
 pub const SCHEMA_VERSION: &str = "1";
-
-/// Columns written with delta encoding (where a table has them).
-const DELTA_COLUMNS: &[&str] = &["seq", "t_ns", "wall_ns", "allocated", "reserved"];
 
 /// Rows gathered before they are handed to the Parquet writer as one batch.
 pub const BATCH_ROWS: usize = 64 * 1024;
@@ -49,81 +37,14 @@ fn schema(table: &str, fields: Vec<Field>) -> SchemaRef {
     Arc::new(Schema::new_with_metadata(fields, metadata))
 }
 
-/// A Parquet file being written from batches of one table.
-pub struct TableFile {
-    writer: ArrowWriter<File>,
-    /// Rows written.
-    pub rows: u64,
+/// A string known for the whole run (a kind, a pool, a category) as a Parquet value: no copy.
+fn static_str(s: &'static str) -> ByteArray {
+    ByteArray::from(Bytes::from_static(s.as_bytes()))
 }
 
-impl TableFile {
-    /// Create `path` for `schema`, zstd-compressed, with `metadata` (the job, the rank, the
-    /// source trace) added to its key-value metadata.
-    pub fn create(
-        path: &Path,
-        schema: SchemaRef,
-        metadata: &[(String, String)],
-    ) -> Result<Self, Error> {
-        let file = File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        // zstd's fastest level; statistics per column chunk (what query engines prune with);
-        // times, ordinals and running totals delta-encoded (they change little from a row to
-        // the next), the rest dictionary-encoded where it repeats.
-        let mut props = WriterProperties::builder()
-            .set_compression(Compression::ZSTD(
-                ZstdLevel::try_new(1).expect("a valid level"),
-            ))
-            .set_max_row_group_row_count(Some(1 << 20))
-            .set_statistics_enabled(EnabledStatistics::Chunk);
-        for column in DELTA_COLUMNS {
-            if schema.column_with_name(column).is_some() {
-                let path = ColumnPath::from(*column);
-                props = props
-                    .set_column_dictionary_enabled(path.clone(), false)
-                    .set_column_encoding(path, Encoding::DELTA_BINARY_PACKED);
-            }
-        }
-        let props = props.build();
-        // The schema's own metadata (version, table) also goes into the file's key-value
-        // metadata, where readers that do not decode the Arrow schema find it.
-        let mut pairs: Vec<(String, String)> = schema
-            .metadata()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        pairs.sort();
-        pairs.extend(metadata.iter().cloned());
-        let mut writer = ArrowWriter::try_new(file, schema, Some(props)).map_err(parquet_error)?;
-        for (k, v) in pairs {
-            writer.append_key_value_metadata(KeyValue::new(k, v));
-        }
-        Ok(TableFile { writer, rows: 0 })
-    }
-
-    /// Write one batch.
-    pub fn write(&mut self, batch: &RecordBatch) -> Result<(), Error> {
-        self.rows += batch.num_rows() as u64;
-        self.writer.write(batch).map_err(parquet_error)
-    }
-
-    /// Add a key-value pair to the file's metadata (before [`TableFile::close`]).
-    pub fn note(&mut self, key: &str, value: String) {
-        self.writer
-            .append_key_value_metadata(KeyValue::new(key.to_string(), value));
-    }
-
-    /// Finish the file.
-    pub fn close(self) -> Result<u64, Error> {
-        self.writer.close().map_err(parquet_error)?;
-        Ok(self.rows)
-    }
-}
-
-fn parquet_error(e: parquet::errors::ParquetError) -> Error {
-    Error::Message(format!("writing Parquet: {e}"))
-}
-
-fn arrow_error(e: arrow_schema::ArrowError) -> Error {
-    Error::Message(format!("building a batch: {e}"))
+/// A string of the trace as a Parquet value (a copy).
+fn copied_str(s: &str) -> ByteArray {
+    ByteArray::from(Bytes::copy_from_slice(s.as_bytes()))
 }
 
 /// One event of the `events` table (see [`Events`]).
@@ -136,13 +57,13 @@ pub struct EventRow<'a> {
     /// What happened: `alloc`, `free`, `free_requested`, `free_completed`, `segment_alloc`,
     /// `segment_free`, `segment_map`, `segment_unmap`, `oom`, `stream_created`,
     /// `stream_destroyed`, `annotation`.
-    pub kind: &'a str,
+    pub kind: &'static str,
     /// Device.
     pub device: Option<u32>,
     /// Stream.
     pub stream: Option<u64>,
     /// Pool of a segment event: `small` or `large`.
-    pub pool: Option<&'a str>,
+    pub pool: Option<&'static str>,
     /// Size of the block or segment (an OOM: the rounded request).
     pub size: Option<u64>,
     /// The application's request (alloc, OOM).
@@ -172,26 +93,35 @@ fn opt_i64(v: Option<u64>) -> Option<i64> {
 /// The `events` table: one row per event of the trace.
 pub struct Events {
     wall_base: i64,
-    seq: Vec<i64>,
-    t_ns: Vec<i64>,
-    wall_ns: Vec<i64>,
-    kind: StringBuilder,
-    device: Column<Int32Type>,
-    stream: Column<Int64Type>,
-    pool: StringBuilder,
-    size: Column<Int64Type>,
-    requested: Column<Int64Type>,
-    address: Column<Int64Type>,
-    stack_id: Column<Int64Type>,
-    thread: Column<Int32Type>,
-    allocated: Column<Int64Type>,
-    reserved: Column<Int64Type>,
-    name: StringBuilder,
-    category: StringBuilder,
-    module: StringBuilder,
+    seq: Col<i64>,
+    t_ns: Col<i64>,
+    wall_ns: Col<i64>,
+    kind: Col<ByteArray>,
+    device: Col<i32>,
+    stream: Col<i64>,
+    pool: Col<ByteArray>,
+    size: Col<i64>,
+    requested: Col<i64>,
+    address: Col<i64>,
+    stack_id: Col<i64>,
+    thread: Col<i32>,
+    allocated: Col<i64>,
+    reserved: Col<i64>,
+    name: Col<ByteArray>,
+    category: Col<ByteArray>,
+    module: Col<ByteArray>,
+    /// The module names met so far, each copied once (every alloc and free row of a trace with
+    /// context names one).
+    modules: HashMap<String, ByteArray>,
 }
 
 impl Events {
+    /// How the table's columns are encoded.
+    pub const LAYOUT: Layout = Layout {
+        delta: &["seq", "t_ns", "wall_ns", "allocated", "reserved"],
+        statistics: &["seq", "t_ns", "wall_ns", "device", "allocated", "reserved"],
+    };
+
     /// The table's schema.
     pub fn schema() -> SchemaRef {
         use DataType::{Int32, Int64, Utf8};
@@ -219,34 +149,35 @@ impl Events {
         )
     }
 
-    /// Empty builders; `wall_base` is the trace's wall clock at its base (ns since the epoch).
+    /// Empty columns; `wall_base` is the trace's wall clock at its base (ns since the epoch).
     pub fn new(wall_base: u64) -> Self {
         let n = BATCH_ROWS;
         Events {
             wall_base: wall_base as i64,
-            seq: Vec::with_capacity(n),
-            t_ns: Vec::with_capacity(n),
-            wall_ns: Vec::with_capacity(n),
-            kind: StringBuilder::with_capacity(n, n * 8),
-            device: Column::with_capacity(n),
-            stream: Column::with_capacity(n),
-            pool: StringBuilder::new(),
-            size: Column::with_capacity(n),
-            requested: Column::with_capacity(n),
-            address: Column::with_capacity(n),
-            stack_id: Column::with_capacity(n),
-            thread: Column::with_capacity(n),
-            allocated: Column::with_capacity(n),
-            reserved: Column::with_capacity(n),
-            name: StringBuilder::new(),
-            category: StringBuilder::new(),
-            module: StringBuilder::new(),
+            seq: Col::with_capacity(n, false),
+            t_ns: Col::with_capacity(n, false),
+            wall_ns: Col::with_capacity(n, false),
+            kind: Col::with_capacity(n, false),
+            device: Col::with_capacity(n, true),
+            stream: Col::with_capacity(n, true),
+            pool: Col::with_capacity(n, true),
+            size: Col::with_capacity(n, true),
+            requested: Col::with_capacity(n, true),
+            address: Col::with_capacity(n, true),
+            stack_id: Col::with_capacity(n, true),
+            thread: Col::with_capacity(n, true),
+            allocated: Col::with_capacity(n, true),
+            reserved: Col::with_capacity(n, true),
+            name: Col::with_capacity(n, true),
+            category: Col::with_capacity(n, true),
+            module: Col::with_capacity(n, true),
+            modules: HashMap::new(),
         }
     }
 
     /// Rows gathered since the last batch.
     pub fn len(&self) -> usize {
-        self.seq.len()
+        self.seq.values.len()
     }
 
     /// Whether no rows are gathered.
@@ -261,55 +192,57 @@ impl Events {
         self.t_ns.push(e.t_ns as i64);
         self.wall_ns
             .push(self.wall_base.wrapping_add(e.t_ns as i64));
-        self.kind.append_value(e.kind);
-        self.device.push(e.device.map(|d| d as i32));
-        self.stream.push(opt_i64(e.stream));
-        self.pool.append_option(e.pool);
-        self.size.push(opt_i64(e.size));
-        self.requested.push(opt_i64(e.requested));
-        self.address.push(opt_i64(e.address));
+        self.kind.push(static_str(e.kind));
+        self.device.push_opt(e.device.map(|d| d as i32));
+        self.stream.push_opt(opt_i64(e.stream));
+        self.pool.push_opt(e.pool.map(static_str));
+        self.size.push_opt(opt_i64(e.size));
+        self.requested.push_opt(opt_i64(e.requested));
+        self.address.push_opt(opt_i64(e.address));
         self.stack_id
-            .push(e.stack_id.filter(|&s| s != 0).map(i64::from));
-        self.thread.push(e.thread.map(|t| t as i32));
-        self.allocated.push(opt_i64(e.allocated));
-        self.reserved.push(opt_i64(e.reserved));
-        self.name.append_option(e.name);
-        self.category.append_option(e.category);
-        self.module.append_option(e.module);
+            .push_opt(e.stack_id.filter(|&s| s != 0).map(i64::from));
+        self.thread.push_opt(e.thread.map(|t| t as i32));
+        self.allocated.push_opt(opt_i64(e.allocated));
+        self.reserved.push_opt(opt_i64(e.reserved));
+        self.name.push_opt(e.name.map(copied_str));
+        self.category.push_opt(e.category.map(static_str));
+        let module = e.module.map(|m| match self.modules.get(m) {
+            Some(v) => v.clone(),
+            None => {
+                let v = copied_str(m);
+                self.modules.insert(m.to_string(), v.clone());
+                v
+            }
+        });
+        self.module.push_opt(module);
     }
 
-    /// The rows gathered as one batch (the builders start again empty).
-    pub fn batch(&mut self) -> Result<RecordBatch, Error> {
-        let columns: Vec<ArrayRef> = vec![
-            plain(&mut self.seq),
-            plain(&mut self.t_ns),
-            plain(&mut self.wall_ns),
-            Arc::new(self.kind.finish()),
-            self.device.finish(),
-            self.stream.finish(),
-            Arc::new(self.pool.finish()),
-            self.size.finish(),
-            self.requested.finish(),
-            self.address.finish(),
-            self.stack_id.finish(),
-            self.thread.finish(),
-            self.allocated.finish(),
-            self.reserved.finish(),
-            Arc::new(self.name.finish()),
-            Arc::new(self.category.finish()),
-            Arc::new(self.module.finish()),
-        ];
-        RecordBatch::try_new(Self::schema(), columns).map_err(arrow_error)
+    /// Write the rows gathered to `file` (the columns start again empty).
+    pub fn write_to(&mut self, file: &mut TableFile) -> Result<(), crate::Error> {
+        let rows = self.len();
+        file.write(
+            rows,
+            vec![
+                ColRef::Int64(&mut self.seq),
+                ColRef::Int64(&mut self.t_ns),
+                ColRef::Int64(&mut self.wall_ns),
+                ColRef::Str(&mut self.kind),
+                ColRef::Int32(&mut self.device),
+                ColRef::Int64(&mut self.stream),
+                ColRef::Str(&mut self.pool),
+                ColRef::Int64(&mut self.size),
+                ColRef::Int64(&mut self.requested),
+                ColRef::Int64(&mut self.address),
+                ColRef::Int64(&mut self.stack_id),
+                ColRef::Int32(&mut self.thread),
+                ColRef::Int64(&mut self.allocated),
+                ColRef::Int64(&mut self.reserved),
+                ColRef::Str(&mut self.name),
+                ColRef::Str(&mut self.category),
+                ColRef::Str(&mut self.module),
+            ],
+        )
     }
-}
-
-/// A column without nulls as an array; the vector starts again empty, with the same room.
-fn plain(values: &mut Vec<i64>) -> ArrayRef {
-    let rows = values.len();
-    Arc::new(Int64Array::from(std::mem::replace(
-        values,
-        Vec::with_capacity(rows),
-    )))
 }
 
 /// One frame of a stack, for the `stacks` table.
@@ -325,7 +258,7 @@ pub struct FrameRow<'a> {
     /// The frame's id.
     pub frame_id: u32,
     /// `python` or `native`.
-    pub kind: &'a str,
+    pub kind: &'static str,
     /// Function name (empty when unknown).
     pub name: &'a str,
     /// File (empty when unknown).
@@ -337,19 +270,26 @@ pub struct FrameRow<'a> {
 }
 
 /// The `stacks` table: one row per frame of each stack the trace defines.
+#[derive(Default)]
 pub struct Stacks {
-    stack_id: Int64Builder,
-    site: StringBuilder,
-    depth: Int32Builder,
-    frame_id: Int64Builder,
-    kind: StringBuilder,
-    name: StringBuilder,
-    file: StringBuilder,
-    line: Int32Builder,
-    address: Int64Builder,
+    stack_id: Col<i64>,
+    site: Col<ByteArray>,
+    depth: Col<i32>,
+    frame_id: Col<i64>,
+    kind: Col<ByteArray>,
+    name: Col<ByteArray>,
+    file: Col<ByteArray>,
+    line: Col<i32>,
+    address: Col<i64>,
 }
 
 impl Stacks {
+    /// How the table's columns are encoded (stack ids grow through the table).
+    pub const LAYOUT: Layout = Layout {
+        delta: &[],
+        statistics: &["stack_id"],
+    };
+
     /// The table's schema.
     pub fn schema() -> SchemaRef {
         use DataType::{Int32, Int64, Utf8};
@@ -369,24 +309,14 @@ impl Stacks {
         )
     }
 
-    /// Empty builders.
+    /// Empty columns.
     pub fn new() -> Self {
-        Stacks {
-            stack_id: Int64Builder::new(),
-            site: StringBuilder::new(),
-            depth: Int32Builder::new(),
-            frame_id: Int64Builder::new(),
-            kind: StringBuilder::new(),
-            name: StringBuilder::new(),
-            file: StringBuilder::new(),
-            line: Int32Builder::new(),
-            address: Int64Builder::new(),
-        }
+        Self::default()
     }
 
     /// Rows gathered since the last batch.
     pub fn len(&self) -> usize {
-        self.stack_id.len()
+        self.stack_id.values.len()
     }
 
     /// Whether no rows are gathered.
@@ -396,37 +326,34 @@ impl Stacks {
 
     /// Add a row.
     pub fn push(&mut self, f: &FrameRow<'_>) {
-        self.stack_id.append_value(i64::from(f.stack_id));
-        self.site.append_value(f.site);
-        self.depth.append_value(f.depth as i32);
-        self.frame_id.append_value(i64::from(f.frame_id));
-        self.kind.append_value(f.kind);
-        self.name.append_value(f.name);
-        self.file.append_value(f.file);
-        self.line.append_value(f.line as i32);
-        self.address.append_value(f.address as i64);
+        self.stack_id.push(i64::from(f.stack_id));
+        self.site.push(copied_str(f.site));
+        self.depth.push(f.depth as i32);
+        self.frame_id.push(i64::from(f.frame_id));
+        self.kind.push(static_str(f.kind));
+        self.name.push(copied_str(f.name));
+        self.file.push(copied_str(f.file));
+        self.line.push(f.line as i32);
+        self.address.push(f.address as i64);
     }
 
-    /// The rows gathered as one batch.
-    pub fn batch(&mut self) -> Result<RecordBatch, Error> {
-        let columns: Vec<ArrayRef> = vec![
-            Arc::new(self.stack_id.finish()),
-            Arc::new(self.site.finish()),
-            Arc::new(self.depth.finish()),
-            Arc::new(self.frame_id.finish()),
-            Arc::new(self.kind.finish()),
-            Arc::new(self.name.finish()),
-            Arc::new(self.file.finish()),
-            Arc::new(self.line.finish()),
-            Arc::new(self.address.finish()),
-        ];
-        RecordBatch::try_new(Self::schema(), columns).map_err(arrow_error)
-    }
-}
-
-impl Default for Stacks {
-    fn default() -> Self {
-        Self::new()
+    /// Write the rows gathered to `file` (the columns start again empty).
+    pub fn write_to(&mut self, file: &mut TableFile) -> Result<(), crate::Error> {
+        let rows = self.len();
+        file.write(
+            rows,
+            vec![
+                ColRef::Int64(&mut self.stack_id),
+                ColRef::Str(&mut self.site),
+                ColRef::Int32(&mut self.depth),
+                ColRef::Int64(&mut self.frame_id),
+                ColRef::Str(&mut self.kind),
+                ColRef::Str(&mut self.name),
+                ColRef::Str(&mut self.file),
+                ColRef::Int32(&mut self.line),
+                ColRef::Int64(&mut self.address),
+            ],
+        )
     }
 }
 
@@ -435,17 +362,23 @@ impl Default for Stacks {
 /// (`derived` says which).
 pub struct Samples {
     wall_base: i64,
-    t_ns: Int64Builder,
-    wall_ns: Int64Builder,
-    device: Int32Builder,
-    allocated: Int64Builder,
-    reserved: Int64Builder,
-    active: Int64Builder,
-    requested: Int64Builder,
-    derived: BooleanBuilder,
+    t_ns: Col<i64>,
+    wall_ns: Col<i64>,
+    device: Col<i32>,
+    allocated: Col<i64>,
+    reserved: Col<i64>,
+    active: Col<i64>,
+    requested: Col<i64>,
+    derived: Col<bool>,
 }
 
 impl Samples {
+    /// How the table's columns are encoded.
+    pub const LAYOUT: Layout = Layout {
+        delta: &["t_ns", "wall_ns", "allocated", "reserved"],
+        statistics: &["t_ns", "wall_ns", "device", "allocated", "reserved"],
+    };
+
     /// The table's schema.
     pub fn schema() -> SchemaRef {
         use DataType::{Boolean, Int32, Int64};
@@ -464,24 +397,24 @@ impl Samples {
         )
     }
 
-    /// Empty builders (see [`Events::new`] for `wall_base`).
+    /// Empty columns (see [`Events::new`] for `wall_base`).
     pub fn new(wall_base: u64) -> Self {
         Samples {
             wall_base: wall_base as i64,
-            t_ns: Int64Builder::new(),
-            wall_ns: Int64Builder::new(),
-            device: Int32Builder::new(),
-            allocated: Int64Builder::new(),
-            reserved: Int64Builder::new(),
-            active: Int64Builder::new(),
-            requested: Int64Builder::new(),
-            derived: BooleanBuilder::new(),
+            t_ns: Col::default(),
+            wall_ns: Col::default(),
+            device: Col::default(),
+            allocated: Col::default(),
+            reserved: Col::default(),
+            active: Col::default(),
+            requested: Col::default(),
+            derived: Col::default(),
         }
     }
 
     /// Rows gathered.
     pub fn len(&self) -> usize {
-        self.t_ns.len()
+        self.t_ns.values.len()
     }
 
     /// Whether no rows are gathered.
@@ -498,29 +431,31 @@ impl Samples {
         reserved: u64,
         recorded: Option<(u64, u64)>,
     ) {
-        self.t_ns.append_value(t_ns as i64);
-        self.wall_ns
-            .append_value(self.wall_base.wrapping_add(t_ns as i64));
-        self.device.append_value(device as i32);
-        self.allocated.append_value(allocated as i64);
-        self.reserved.append_value(reserved as i64);
-        self.active.append_option(recorded.map(|r| r.0 as i64));
-        self.requested.append_option(recorded.map(|r| r.1 as i64));
-        self.derived.append_value(recorded.is_none());
+        self.t_ns.push(t_ns as i64);
+        self.wall_ns.push(self.wall_base.wrapping_add(t_ns as i64));
+        self.device.push(device as i32);
+        self.allocated.push(allocated as i64);
+        self.reserved.push(reserved as i64);
+        self.active.push_opt(recorded.map(|r| r.0 as i64));
+        self.requested.push_opt(recorded.map(|r| r.1 as i64));
+        self.derived.push(recorded.is_none());
     }
 
-    /// The rows gathered as one batch.
-    pub fn batch(&mut self) -> Result<RecordBatch, Error> {
-        let columns: Vec<ArrayRef> = vec![
-            Arc::new(self.t_ns.finish()),
-            Arc::new(self.wall_ns.finish()),
-            Arc::new(self.device.finish()),
-            Arc::new(self.allocated.finish()),
-            Arc::new(self.reserved.finish()),
-            Arc::new(self.active.finish()),
-            Arc::new(self.requested.finish()),
-            Arc::new(self.derived.finish()),
-        ];
-        RecordBatch::try_new(Self::schema(), columns).map_err(arrow_error)
+    /// Write the rows gathered to `file` (the columns start again empty).
+    pub fn write_to(&mut self, file: &mut TableFile) -> Result<(), crate::Error> {
+        let rows = self.len();
+        file.write(
+            rows,
+            vec![
+                ColRef::Int64(&mut self.t_ns),
+                ColRef::Int64(&mut self.wall_ns),
+                ColRef::Int32(&mut self.device),
+                ColRef::Int64(&mut self.allocated),
+                ColRef::Int64(&mut self.reserved),
+                ColRef::Int64(&mut self.active),
+                ColRef::Int64(&mut self.requested),
+                ColRef::Bool(&mut self.derived),
+            ],
+        )
     }
 }
