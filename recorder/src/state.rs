@@ -12,6 +12,10 @@ use crate::schema::{
 };
 use crate::spans::{self, Span};
 
+mod blocks;
+
+pub use blocks::{Blocks, OrderedBlocks};
+
 impl Span for SegmentState {
     fn address(&self) -> u64 {
         self.address
@@ -50,7 +54,7 @@ pub struct LiveState {
     /// Live segments by `(device, address)`.
     pub segments: BTreeMap<(u32, u64), SegmentState>,
     /// Allocated or pending blocks by `(device, address)`.
-    pub blocks: BTreeMap<(u32, u64), BlockState>,
+    pub blocks: Blocks,
     /// Every stack definition seen.
     pub stacks: HashMap<u32, StackDef>,
     /// Every frame definition seen.
@@ -229,8 +233,7 @@ impl LiveState {
 
     /// The live block of `device` that holds `address` (its start or inside it).
     pub fn block_holding(&self, device: u32, address: u64) -> Option<&BlockState> {
-        let (_, b) = self.blocks.range(..=(device, address)).next_back()?;
-        (b.device == device && address < b.address + b.size.max(1)).then_some(b)
+        self.blocks.holding(device, address)
     }
 
     /// Forget the memory (segments, blocks, totals, blocks' contexts), keeping definitions and
@@ -303,7 +306,12 @@ impl LiveState {
                 .values()
                 .map(|s| Record::CheckpointSegment(*s)),
         );
-        out.extend(self.blocks.values().map(|b| Record::CheckpointBlock(*b)));
+        out.extend(
+            self.blocks
+                .ordered()
+                .iter()
+                .map(|b| Record::CheckpointBlock(*b)),
+        );
         self.context_checkpoint(t, &mut out);
         out.push(Record::CheckpointEnd(CheckpointEnd { t }));
         out

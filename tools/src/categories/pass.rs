@@ -222,10 +222,11 @@ impl Pass<'_> {
             self.live.remove(&key);
             self.classify(key.0, key.1, block, index);
         }
-        for (key, b) in &state.blocks {
+        for b in state.blocks.values() {
             if b.pending != 0 {
                 continue;
             }
+            let key = &(b.device, b.address);
             let context = state.context.blocks.get(key);
             if let Some(known) = self.live.get_mut(key) {
                 if known.tag == 0 {

@@ -178,6 +178,7 @@ fn snapshot(walk: &TraceWalk, device: u32, b: &mut Builder) -> Snapshot {
         ..Snapshot::default()
     };
     let mut kept = 0;
+    let blocks = state.blocks.ordered();
     for seg in state
         .segments
         .range((device, 0)..=(device, u64::MAX))
@@ -188,11 +189,7 @@ fn snapshot(walk: &TraceWalk, device: u32, b: &mut Builder) -> Snapshot {
             size: seg.size,
             blocks: vec![],
         };
-        for blk in state
-            .blocks
-            .range((device, seg.address)..(device, seg.address + seg.size))
-            .map(|(_, blk)| *blk)
-        {
+        for blk in blocks.range(device, seg.address, seg.address + seg.size) {
             if kept >= SNAPSHOT_BLOCKS {
                 out.truncated = true;
                 break;

@@ -256,16 +256,13 @@ fn segments<'a>(
         category: None,
     };
     let mut out = vec![];
+    let ordered = state.blocks.ordered();
     for seg in state.segments.values() {
         let mut blocks = vec![];
         let (mut allocated, mut active, mut requested) = (0, 0, 0);
         let mut cursor = seg.address;
         let end = seg.address + seg.size;
-        for b in state
-            .blocks
-            .range((seg.device, seg.address)..(seg.device, end))
-            .map(|(_, b)| b)
-        {
+        for b in ordered.range(seg.device, seg.address, end) {
             if b.address > cursor {
                 blocks.push(inactive(cursor, b.address - cursor));
             }

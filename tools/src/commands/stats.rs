@@ -174,13 +174,12 @@ pub fn segment_map(state: &LiveState, device: u32, out: &mut dyn Write) -> Resul
         bytes(segments.iter().map(|s| s.size).sum())
     )?;
     let (mut total, mut allocated, mut internal) = (0u64, 0u64, 0u64);
+    let ordered = state.blocks.ordered();
     for seg in &segments {
         let mut bar = [b' '; BAR];
         let mut seg_allocated = 0;
-        let blocks = state
-            .blocks
-            .range((device, seg.address)..(device, seg.address + seg.size));
-        for (i, (_, b)) in blocks.enumerate() {
+        let blocks = ordered.range(device, seg.address, seg.address + seg.size);
+        for (i, b) in blocks.enumerate() {
             let from =
                 ((b.address - seg.address) as u128 * BAR as u128 / seg.size as u128) as usize;
             let to = (((b.address - seg.address + b.size) as u128 * BAR as u128)
