@@ -118,6 +118,7 @@ pub struct Events {
 impl Events {
     /// How the table's columns are encoded.
     pub const LAYOUT: Layout = Layout {
+        uncompressed: &["size", "address"],
         delta: &["seq", "t_ns", "wall_ns", "allocated", "reserved"],
         statistics: &["seq", "t_ns", "wall_ns", "device", "allocated", "reserved"],
     };
@@ -286,6 +287,7 @@ pub struct Stacks {
 impl Stacks {
     /// How the table's columns are encoded (stack ids grow through the table).
     pub const LAYOUT: Layout = Layout {
+        uncompressed: &[],
         delta: &[],
         statistics: &["stack_id"],
     };
@@ -375,6 +377,7 @@ pub struct Samples {
 impl Samples {
     /// How the table's columns are encoded.
     pub const LAYOUT: Layout = Layout {
+        uncompressed: &[],
         delta: &["t_ns", "wall_ns", "allocated", "reserved"],
         statistics: &["t_ns", "wall_ns", "device", "allocated", "reserved"],
     };
