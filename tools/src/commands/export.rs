@@ -22,7 +22,8 @@ use cachealloc_recorder::schema::{FRAME_PYTHON, pool_name};
 
 use crate::walk::{TraceWalk, site, stack_frames};
 use crate::{Error, trace_dirs};
-use tables::{BATCH_ROWS, EventRow, Events, FrameRow, Samples, Stacks, TableFile};
+use cachealloc_recorder::state::DeviceTotals;
+use tables::{BATCH_ROWS, BlockEvent, EventRow, Events, FrameRow, Samples, Stacks, TableFile};
 
 /// Trace time between derived samples (for traces without stats samples): 100 ms, the
 /// recorder's own sampling interval.
@@ -260,9 +261,7 @@ fn write_rank(
     let mut events = Events::new(wall);
     let mut stacks = Stacks::new();
     let mut recorded = Samples::new(wall);
-    let mut derived = Samples::new(wall);
-    // Per device ordinal: the trace time of its next derived sample.
-    let mut next_derived: Vec<u64> = vec![];
+    let mut derived = DerivedSamples::new(wall);
     let mut exported_stacks: HashSet<u32> = HashSet::new();
     let mut torn = None;
     // The records are walked borrowed, not moved (`step_ref`): this loop is the export's whole
@@ -318,6 +317,15 @@ fn write_rank(
                 x.reserved,
                 Some((x.active, x.requested)),
             );
+        } else if let Some(block) = block_event(s.record) {
+            let totals = s.state.device_totals(block.device);
+            derived.observe(block.t_ns, block.device, totals);
+            let (category, module) = match row_context.as_deref_mut() {
+                Some(c) => c.of(s.record, s.index, s.state),
+                None => (None, None),
+            };
+            let totals = (totals.allocated, totals.reserved);
+            events.push_block(s.index, &block, totals, category, module);
         } else if let Some(mut row) = event_row(s.record) {
             row.seq = s.index;
             if let Some(c) = row_context.as_deref_mut() {
@@ -327,22 +335,12 @@ fn write_rank(
                 let totals = s.state.device_totals(device);
                 row.allocated = Some(totals.allocated);
                 row.reserved = Some(totals.reserved);
-                // (A device ordinal beyond any machine's gets no derived samples.)
-                let d = device as usize;
-                if d < 1024 && next_derived.len() <= d {
-                    next_derived.resize(d + 1, 0);
-                }
-                if let Some(next) = next_derived.get_mut(d)
-                    && row.t_ns >= *next
-                {
-                    derived.push(row.t_ns, device, totals.allocated, totals.reserved, None);
-                    *next = (row.t_ns / DERIVED_SAMPLE_NS + 1) * DERIVED_SAMPLE_NS;
-                }
+                derived.observe(row.t_ns, device, totals);
             }
             events.push(&row);
-            if events.len() >= BATCH_ROWS {
-                events.write_to(&mut events_file)?;
-            }
+        }
+        if events.len() >= BATCH_ROWS {
+            events.write_to(&mut events_file)?;
         }
     }
     if !events.is_empty() {
@@ -353,7 +351,7 @@ fn write_rank(
     }
     let derived_samples = recorded.is_empty();
     let samples = if derived_samples {
-        &mut derived
+        &mut derived.samples
     } else {
         &mut recorded
     };
@@ -399,40 +397,78 @@ fn write_rank(
     }))
 }
 
-/// The `events` row of a record (without its ordinal and device totals), `None` for records
-/// that are not events (definitions, checkpoints, samples, drop counts). Inlined, with
-/// [`Events::push`], so that the row is never built in memory (copying it cost more than
-/// appending it).
+/// The samples derived from the events, for a trace without stats samples: each device's
+/// totals after its first event of each [`DERIVED_SAMPLE_NS`] of trace time.
+struct DerivedSamples {
+    samples: Samples,
+    /// Per device ordinal: the trace time of its next sample.
+    next: Vec<u64>,
+}
+
+impl DerivedSamples {
+    fn new(wall: u64) -> Self {
+        DerivedSamples {
+            samples: Samples::new(wall),
+            next: vec![],
+        }
+    }
+
+    /// An event at `t_ns` left `device` with `totals`.
+    #[inline(always)]
+    fn observe(&mut self, t_ns: u64, device: u32, totals: DeviceTotals) {
+        // (A device ordinal beyond any machine's gets no derived samples.)
+        let d = device as usize;
+        if d < 1024 && self.next.len() <= d {
+            self.next.resize(d + 1, 0);
+        }
+        if let Some(next) = self.next.get_mut(d)
+            && t_ns >= *next
+        {
+            (self.samples).push(t_ns, device, totals.allocated, totals.reserved, None);
+            *next = (t_ns / DERIVED_SAMPLE_NS + 1) * DERIVED_SAMPLE_NS;
+        }
+    }
+}
+
+/// A block's `alloc`, `free` or `free_requested` row, `None` for other records.
 #[inline(always)]
-fn event_row(record: &Record) -> Option<EventRow<'_>> {
-    let row = match record {
-        Record::Alloc(a) => EventRow {
-            t_ns: a.t,
+fn block_event(record: &Record) -> Option<BlockEvent> {
+    Some(match record {
+        Record::Alloc(a) => BlockEvent {
             kind: "alloc",
-            device: Some(a.device),
-            stream: Some(a.stream),
-            size: Some(a.size),
+            t_ns: a.t,
+            device: a.device,
+            stream: a.stream,
+            size: a.size,
             requested: Some(a.requested),
-            address: Some(a.address),
-            stack_id: Some(a.stack),
-            thread: Some(a.thread),
-            ..EventRow::default()
+            address: a.address,
+            stack: a.stack,
+            thread: a.thread,
         },
-        Record::Free(f) | Record::FreeRequested(f) => EventRow {
-            t_ns: f.t,
+        Record::Free(f) | Record::FreeRequested(f) => BlockEvent {
             kind: if matches!(record, Record::Free(_)) {
                 "free"
             } else {
                 "free_requested"
             },
-            device: Some(f.device),
-            stream: Some(f.stream),
-            size: Some(f.size),
-            address: Some(f.address),
-            stack_id: Some(f.stack),
-            thread: Some(f.thread),
-            ..EventRow::default()
+            t_ns: f.t,
+            device: f.device,
+            stream: f.stream,
+            size: f.size,
+            requested: None,
+            address: f.address,
+            stack: f.stack,
+            thread: f.thread,
         },
+        _ => return None,
+    })
+}
+
+/// The `events` row of a record other than a block's event ([`block_event`]), without its
+/// ordinal and device totals; `None` for records that are not events (definitions,
+/// checkpoints, samples, drop counts).
+fn event_row(record: &Record) -> Option<EventRow<'_>> {
+    let row = match record {
         Record::FreeCompleted(f) => EventRow {
             t_ns: f.t,
             kind: "free_completed",
