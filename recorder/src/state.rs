@@ -96,6 +96,7 @@ impl ProgramContext {
 
 impl LiveState {
     /// The byte totals of `device` (zero for a device never seen).
+    #[inline]
     pub fn device_totals(&self, device: u32) -> DeviceTotals {
         self.totals.get(&device).copied().unwrap_or_default()
     }

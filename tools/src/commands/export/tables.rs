@@ -144,7 +144,17 @@ impl Events {
     /// How the table's columns are encoded.
     pub const LAYOUT: Layout = Layout {
         uncompressed: &["size", "address"],
-        delta: &["seq", "t_ns", "wall_ns", "allocated", "reserved"],
+        delta: &[
+            "seq",
+            "t_ns",
+            "wall_ns",
+            "allocated",
+            "reserved",
+            "device",
+            "stream",
+            "thread",
+            "stack_id",
+        ],
         statistics: &["seq", "t_ns", "wall_ns", "device", "allocated", "reserved"],
     };
 
