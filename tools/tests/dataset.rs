@@ -570,3 +570,87 @@ print(json.dumps(rows))
         "every free has a category"
     );
 }
+
+/// Every file under `root`, by its path relative to `root`, with its bytes.
+fn files_under(root: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files = vec![];
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                let name = path.strip_prefix(root).unwrap().display().to_string();
+                files.push((name, std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+#[test]
+fn ranks_exported_by_several_threads_are_written_and_reported_as_by_one() {
+    let dir = scratch("dataset-jobs");
+    let job = write_job(&dir.join("job"), 12);
+    let job_arg = job.display().to_string();
+    let export = |jobs: &str| {
+        let root = dir.join(format!("ds-j{jobs}"));
+        let out = cachealloc(
+            &dir,
+            &[
+                "export",
+                &job_arg,
+                "-o",
+                &root.display().to_string(),
+                "--job",
+                "big",
+                "--jobs",
+                jobs,
+            ],
+        );
+        // The last line names the output directory, which differs.
+        let report: Vec<String> = out.lines().map(str::to_string).collect();
+        (report[..report.len() - 1].to_vec(), files_under(&root))
+    };
+    let (one_report, one_files) = export("1");
+    assert_eq!(one_report.len(), 12, "{one_report:?}");
+    assert_eq!(one_files.len(), 36, "three tables for each of 12 ranks");
+    for jobs in ["4", "0"] {
+        let (report, files) = export(jobs);
+        assert_eq!(
+            report, one_report,
+            "--jobs {jobs}: the ranks reported in order"
+        );
+        assert!(
+            files == one_files,
+            "--jobs {jobs}: the same files, byte for byte"
+        );
+    }
+}
+
+#[test]
+fn two_traces_of_one_rank_are_refused_before_anything_is_written() {
+    let dir = scratch("dataset-twice");
+    let job = write_job(&dir.join("job"), 3);
+    // A second copy of rank 1's trace, under another directory name.
+    let copy = job.join("node-b-2001-rank1");
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(job.join("node-a-1001-rank1")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, copy.join(path.file_name().unwrap())).unwrap();
+    }
+    let root = dir.join("ds");
+    let out = Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+        .args(["export", &job.display().to_string(), "-o"])
+        .arg(&root)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("a second trace of rank 1"),
+        "{stderr}"
+    );
+    assert!(!root.exists(), "nothing written: {:?}", files_under(&root));
+}

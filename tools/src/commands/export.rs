@@ -7,6 +7,11 @@
 //! streaming pass, so memory does not grow with the number of ranks. A trace that is torn (a
 //! process killed mid-write) or corrupt is exported up to the tear, and the command says so;
 //! one whose first files were rotated away is exported from its oldest remaining file.
+//!
+//! Ranks are independent: `--jobs` exports several at once, each in one thread, each streaming
+//! its own trace, so memory grows with the jobs (each holds one row group of its rank), never
+//! with the ranks. Every trace's header is read first, so that a job's name and every rank are
+//! known, and two traces of one rank refused, before anything is written.
 
 mod column;
 mod context;
@@ -16,6 +21,8 @@ pub mod tables;
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
 
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{FRAME_PYTHON, pool_name};
@@ -51,6 +58,10 @@ pub struct ExportArgs {
     /// The job's name, the `job=` partition (default: the host name in the first trace).
     #[arg(long, value_parser = parse_job)]
     pub job: Option<String>,
+    /// Traces exported at once, each by one thread holding one row group of its rank in memory
+    /// (tens of MB); 0: one per CPU.
+    #[arg(short = 'j', long, default_value_t = 0)]
+    pub jobs: usize,
 }
 
 /// A job name usable as a directory name and a partition value.
@@ -111,16 +122,18 @@ pub struct RankExport {
 /// Run the command.
 pub fn run(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Error> {
     let dirs = trace_dirs(&args.traces)?;
-    let mut job = args.job.clone();
-    let mut ranks: HashSet<i64> = HashSet::new();
+    let ranks = plan_ranks(&dirs, args.job.clone(), &args.output)?;
+    let jobs = match args.jobs {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     let mut events = 0;
-    for (index, dir) in dirs.iter().enumerate() {
-        let r = export_trace(dir, index, &mut job, &args.output, &mut ranks)?;
+    for_each_exported(&ranks, jobs, |plan, r| {
         events += r.events;
         writeln!(
             out,
             "{}: rank {}: {} events, {} stack frames, {} samples{}",
-            dir.display(),
+            plan.dir.display(),
             r.rank,
             r.events,
             r.frames,
@@ -141,60 +154,140 @@ pub fn run(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Error> {
         if let Some(tear) = &r.torn {
             writeln!(out, "  torn: {tear}; exported up to the tear")?;
         }
-    }
+        Ok(())
+    })?;
+    let job = ranks.first().map_or("", |p| p.job.as_str());
     writeln!(
         out,
         "exported {} trace{} ({events} events) to {} (schema version {})",
         dirs.len(),
         if dirs.len() == 1 { "" } else { "s" },
-        args.output
-            .join(format!("job={}", job.unwrap_or_default()))
-            .display(),
+        args.output.join(format!("job={job}")).display(),
         tables::SCHEMA_VERSION
     )?;
     Ok(())
 }
 
-/// Export one trace into `root/job=<job>/rank=<rank>/`. `job` is set from the trace's host when
-/// still unknown; `ranks` holds the ranks already exported (two traces of one rank are refused).
-pub fn export_trace(
-    dir: &Path,
-    index: usize,
-    job: &mut Option<String>,
+/// One trace to export: where from, where to, and what its files say of it.
+#[derive(Debug, Clone)]
+pub struct RankPlan {
+    /// The trace directory.
+    pub dir: PathBuf,
+    /// Its rank: the trace's `RANK`, else its position among the traces given.
+    pub rank: i64,
+    /// The job's name.
+    pub job: String,
+    /// The partition directory, `root/job=<job>/rank=<rank>`.
+    pub part: PathBuf,
+    /// The trace's first header.
+    pub header: cachealloc_recorder::schema::Header,
+}
+
+/// Read every trace's header: each one's rank (two traces of one rank are refused) and
+/// partition under `root`; the job is `job`, else named after the first trace's host.
+pub fn plan_ranks(
+    dirs: &[PathBuf],
+    mut job: Option<String>,
     root: &Path,
-    ranks: &mut HashSet<i64>,
-) -> Result<RankExport, Error> {
-    let mut walk = TraceWalk::open(dir)?;
-    let first = walk.step();
-    let header = match (&first, &walk.header) {
-        (Some(Ok(_)), Some(h)) => h.clone(),
-        (Some(Err(e)), _) => return Err(Error::Message(e.clone())),
-        _ => {
+) -> Result<Vec<RankPlan>, Error> {
+    let mut seen: HashSet<i64> = HashSet::new();
+    let mut plans = Vec::with_capacity(dirs.len());
+    for (index, dir) in dirs.iter().enumerate() {
+        let mut walk = TraceWalk::open(dir)?;
+        let first = walk.step_ref().map(|s| s.map(|_| ()));
+        let header = match (first, &walk.header) {
+            (Some(Ok(())), Some(h)) => h.clone(),
+            (Some(Err(e)), _) => return Err(Error::Message(e)),
+            _ => {
+                return Err(Error::Message(format!(
+                    "{}: the trace has no readable header",
+                    dir.display()
+                )));
+            }
+        };
+        let rank = if header.rank >= 0 {
+            i64::from(header.rank)
+        } else {
+            index as i64
+        };
+        if !seen.insert(rank) {
             return Err(Error::Message(format!(
-                "{}: the trace has no readable header",
+                "{}: a second trace of rank {rank} (export the runs of one rank under different --job names)",
                 dir.display()
             )));
         }
-    };
-    let rank = if header.rank >= 0 {
-        i64::from(header.rank)
-    } else {
-        index as i64
-    };
-    if !ranks.insert(rank) {
-        return Err(Error::Message(format!(
-            "{}: a second trace of rank {rank} (export the runs of one rank under different --job names)",
-            dir.display()
-        )));
+        let job = job
+            .get_or_insert_with(|| job_from_host(&header.host))
+            .clone();
+        let part = root.join(format!("job={job}")).join(format!("rank={rank}"));
+        plans.push(RankPlan {
+            dir: dir.clone(),
+            rank,
+            job,
+            part,
+            header,
+        });
     }
-    let job = job
-        .get_or_insert_with(|| job_from_host(&header.host))
-        .clone();
-    let part = root.join(format!("job={job}")).join(format!("rank={rank}"));
-    std::fs::create_dir_all(&part).map_err(|e| format!("{}: {e}", part.display()))?;
+    Ok(plans)
+}
+
+/// Export every plan with up to `jobs` threads, calling `done` with each result in the plans'
+/// order as soon as it and those before it are written. The first error (in that order) stops
+/// the export: ranks not yet begun are left, and it is returned.
+pub fn for_each_exported(
+    plans: &[RankPlan],
+    jobs: usize,
+    mut done: impl FnMut(&RankPlan, &RankExport) -> Result<(), Error>,
+) -> Result<(), Error> {
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let (tx, rx) = mpsc::channel::<(usize, Result<RankExport, Error>)>();
+        for _ in 0..jobs.clamp(1, plans.len().max(1)) {
+            let tx = tx.clone();
+            let (next, stop) = (&next, &stop);
+            scope.spawn(move || {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= plans.len() || stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let result = export_rank(&plans[i]);
+                    if tx.send((i, result)).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        // Results arrive in any order; they are handed on in the plans' order.
+        let mut waiting: Vec<Option<Result<RankExport, Error>>> =
+            (0..plans.len()).map(|_| None).collect();
+        let mut handed = 0;
+        let mut outcome = Ok(());
+        for (i, result) in rx {
+            waiting[i] = Some(result);
+            while outcome.is_ok()
+                && let Some(result) = waiting.get_mut(handed).and_then(Option::take)
+            {
+                outcome = result.and_then(|r| done(&plans[handed], &r));
+                handed += 1;
+            }
+            if outcome.is_err() {
+                stop.store(true, Ordering::Relaxed);
+            }
+        }
+        outcome
+    })
+}
+
+/// Export one trace into its partition, replacing what is there.
+pub fn export_rank(plan: &RankPlan) -> Result<RankExport, Error> {
+    let (dir, part, header) = (&plan.dir, &plan.part, &plan.header);
+    std::fs::create_dir_all(part).map_err(|e| format!("{}: {e}", part.display()))?;
     let metadata = vec![
-        ("cachealloc.job".to_string(), job.clone()),
-        ("cachealloc.rank".to_string(), rank.to_string()),
+        ("cachealloc.job".to_string(), plan.job.clone()),
+        ("cachealloc.rank".to_string(), plan.rank.to_string()),
         ("cachealloc.trace".to_string(), dir.display().to_string()),
         ("cachealloc.host".to_string(), header.host.clone()),
         ("cachealloc.pid".to_string(), header.pid.to_string()),
@@ -208,14 +301,14 @@ pub fn export_trace(
     // with it, from its first record (see `context`).
     let mut row_context = None;
     let written = loop {
-        match write_rank(dir, &part, &metadata, wall, row_context.as_mut())? {
+        match write_rank(dir, part, &metadata, wall, row_context.as_mut())? {
             Walked::Done(written) => break written,
             Walked::ContextFound => row_context = Some(context::RowContext::for_trace(dir)?),
         }
     };
     Ok(RankExport {
-        rank,
-        dir: part,
+        rank: plan.rank,
+        dir: part.clone(),
         first_file: header.file_index,
         ..written
     })

@@ -6,7 +6,7 @@
 //! A category needs the block's whole life, so the categories pass walks the trace first. That
 //! walk is taken only for a trace with context records: the export starts without it and, at the
 //! first context record it meets (the integration's first phase comes with the program's first
-//! forward), starts again with it (`export::export_trace`). A trace without context (a C
+//! forward), starts again with it (`export::export_rank`). A trace without context (a C
 //! program's) is walked once, and both columns are null.
 
 use std::path::Path;
