@@ -333,24 +333,11 @@ fn write_rank(
     mut row_context: Option<&mut context::RowContext>,
 ) -> Result<Walked, Error> {
     let mut walk = TraceWalk::open(dir)?;
-    let mut events_file = TableFile::create(
-        &part.join("events.parquet"),
-        Events::schema(),
-        &Events::LAYOUT,
-        metadata,
-    )?;
-    let mut stacks_file = TableFile::create(
-        &part.join("stacks.parquet"),
-        Stacks::schema(),
-        &Stacks::LAYOUT,
-        metadata,
-    )?;
-    let mut samples_file = TableFile::create(
-        &part.join("samples.parquet"),
-        Samples::schema(),
-        &Samples::LAYOUT,
-        metadata,
-    )?;
+    let create =
+        |name: &str, schema, layout| TableFile::create(&part.join(name), schema, layout, metadata);
+    let mut events_file = create("events.parquet", Events::schema(), &Events::LAYOUT)?;
+    let mut stacks_file = create("stacks.parquet", Stacks::schema(), &Stacks::LAYOUT)?;
+    let mut samples_file = create("samples.parquet", Samples::schema(), &Samples::LAYOUT)?;
     let mut events = Events::new(wall);
     let mut stacks = Stacks::new();
     let mut recorded = Samples::new(wall);
