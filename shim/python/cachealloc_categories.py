@@ -21,7 +21,8 @@ or module alive:
   lifetime]); and not per-module hooks, which `torch.save(model)` would pickle.
 * For the backward pass, the output of a module whose children have children (a decoder
   layer, not its MLP) gets, on its autograd node, a pre-hook (the innermost such module claims
-  it) that names the module on the autograd thread when backward reaches it.
+  it) that names the module on the autograd thread when backward reaches it. The nodes claimed
+  are held until the outermost module returns (a forward's graph, which its output holds).
 * `backward()` (wrapped by `cachealloc_hooks`) is the backward phase; afterwards the known
   parameters' `.grad`s are tagged gradients.
 * Global optimizer step hooks mark the optimizer phase, count steps, and tag the optimizer's
@@ -316,9 +317,12 @@ def _leave(s, module, output):
             # A dict, or transformers' ModelOutput: its first tensor (the loss, when given).
             out = next((v for v in out.values() if isinstance(v, s.tensor)), None)
         node = out.grad_fn if isinstance(out, s.tensor) else None
+        # The nodes claimed in this forward, held until its end: PyTorch's Python object for
+        # an autograd node lives only while referenced, and the next one made can take its
+        # address, so an `id` could make a later module's node look claimed already.
         claimed = t.claimed
-        if node is not None and claimed is not None and id(node) not in claimed:
-            claimed.add(id(node))
+        if node is not None and claimed is not None and node not in claimed:
+            claimed.add(node)
             node.register_prehook(_backward_scope(s, sid))
     t.slot.value = stack[-1][1] if stack else t.outer
     if resume is not None and not stack:
