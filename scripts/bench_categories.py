@@ -30,9 +30,10 @@ and prints, for each variant against `off` (`off+nostacks` for a `+nostacks` one
 first), the median per-round ratio and the median per-round difference in µs, each with a 95 %
 bootstrap interval. Variants: off, on (all hooks), and as diagnostics: no_backward_scopes,
 no_tags, no_phases, only_modules, only_optimizer, no_backward (no backward phase, no
-gradients' tags), empty (global module hooks that do nothing: PyTorch's slow path), and any of
-them with `+nostacks` (stack capture paused, `cachealloc_stacks_pause`: the interplay of the
-hooks with the Python stack walk). `--profile STEPS`: cProfile of STEPS steps with the hooks
+gradients' tags), inert (every wrapper and hook installed but doing nothing, as inside
+torch.compile's tracing), empty (global module hooks that do nothing: PyTorch's slow path),
+and any of them with `+nostacks` (stack capture paused, `cachealloc_stacks_pause`: the
+interplay of the hooks with the Python stack walk). `--profile STEPS`: cProfile of STEPS steps with the hooks
 on, then off. `--tags`: what the tag path costs by itself (µs per call)."""
 import argparse
 import ctypes
@@ -55,6 +56,7 @@ parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--gpu-tags", action=argparse.BooleanOptionalAction, default=True)
 parser.add_argument("--workload", default="llama-tiny")
 parser.add_argument("--autocast", action="store_true")
+parser.add_argument("--baseline-hooks")
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
 
@@ -73,12 +75,39 @@ if cc._state is None or not cc._installers:
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+# --baseline-hooks FILE: another version of cachealloc_categories.py (an earlier commit's),
+# the variant `base`, in the same process. Its module-registration hook patches the model's
+# classes as they are built (ours is off meanwhile: a class patched by one is left alone by the
+# other); ours then patches them too, and each version's `enable` switches its own.
+base = None
+if args.baseline_hooks:
+    import importlib.util
+
+    import torch.optim.optimizer as optimizer_module
+
+    spec = importlib.util.spec_from_file_location("cachealloc_categories_base", args.baseline_hooks)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    cc.enable(False)
+    base.install_module_hooks(module_module)
+    base.install_optimizer_hooks(optimizer_module)
+
 torch.manual_seed(0)
 config = LlamaConfig(
     hidden_size=64, intermediate_size=176, num_hidden_layers=8, num_attention_heads=4,
     num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
 )
 model = LlamaForCausalLM(config)
+if base is not None:
+    base.enable(False)
+    cc._state.enabled = True
+    ours = [
+        h for h in module_module._global_module_registration_hooks.values()
+        if getattr(h, "__globals__", {}).get("__name__") == cc.__name__
+    ]
+    for m in model.modules():
+        if m._modules:
+            ours[0](m, None, None)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 lengths = [16, 32, 24, 64, 40, 48]
 
@@ -103,7 +132,8 @@ def device_of(t):
 
 
 def gpu_like_tag(self, category, tensors):
-    """`_Api.tag` of builds without `_device_of` (before 2026-11-26), CPU tensors as device 0's."""
+    """`_Api.tag` of versions without `_device_of` (before 2026-11-26), CPU tensors as device
+    0's."""
     by_device = {}
     for t in tensors:
         if t is not None:
@@ -113,22 +143,31 @@ def gpu_like_tag(self, category, tensors):
             self.tag_pointers(category, device, pointers)
 
 
-def gpu_like_roots():
-    """The roots' parameters as device 0's in builds without `_device_of`, so that their
-    gradients are tagged."""
-    for root, (first, refs) in list(cc._state.roots.items()):
-        cc._state.roots[root] = (first, [(r, max(d, 0)) for r, d in refs])
-
-
-if args.gpu_tags:
-    if hasattr(cc, "_device_of"):
-        cc._device_of = device_of
+def gpu_like(module):
+    if hasattr(module, "_device_of"):
+        module._device_of = device_of
     else:
-        cc._Api.tag = gpu_like_tag
+        module._Api.tag = gpu_like_tag
+
+
+def gpu_like_roots(module):
+    """The roots' parameters as device 0's in versions without `_device_of`, so that their
+    gradients are tagged."""
+    if not hasattr(module, "_device_of"):
+        for root, (first, refs) in list(module._state.roots.items()):
+            module._state.roots[root] = (first, [(r, max(d, 0)) for r, d in refs])
+
+
+hook_versions = [cc] + ([base] if base is not None else [])
+if args.gpu_tags:
+    for version in hook_versions:
+        gpu_like(version)
 
 api = cc._state.api
 real_phase, real_tag = api.phase, api._tag
-real_backward_begin = cc.backward_begin
+real_backward_begin, real_backward_end = cc.backward_begin, cc.backward_end
+cc._state.is_compiling()  # its first call puts torch's function in its place
+real_is_compiling = cc._state.is_compiling
 
 
 def nothing(*_):
@@ -146,11 +185,20 @@ def switch(label):
     name, _, extra = label.partition("+")
     lib.cachealloc_stacks_pause(1 if extra == "nostacks" else 0)
     parts = {"only_modules": ["module"], "only_optimizer": ["optimizer"]}.get(name)
-    cc.enable(name not in ("off", "empty"), parts)
+    if base is not None:
+        base.enable(False)
+    cc.enable(name not in ("off", "empty", "base"), parts)
+    if name == "base":
+        base.enable(True)
     cc._state.backward_scopes = name != "no_backward_scopes"
     api.phase = nothing if name == "no_phases" else real_phase
     api._tag = nothing if name == "no_tags" else real_tag
     cc.backward_begin = (lambda: None) if name == "no_backward" else real_backward_begin
+    cc.backward_end = real_backward_end
+    if name == "base":  # what cachealloc_hooks' backward() calls
+        cc.backward_begin, cc.backward_end = base.backward_begin, base.backward_end
+    # As inside torch.compile's tracing: every wrapper and hook installed, doing nothing.
+    cc._state.is_compiling = (lambda: True) if name == "inert" else real_is_compiling
     handles = empty_hooks() if name == "empty" else []
     return lambda: [h.remove() for h in handles]
 
@@ -166,31 +214,43 @@ def summarize(rows, labels, field):
     for d in rows:
         if d.get("workload") == args.workload and field in d:
             times.setdefault(d["label"], []).append(float(d[field]))
+    pairs = []
     for label in labels:
         # Against the same variant's `off` (with the same `+…`), else the first variant.
         suffix = label.partition("+")[1:]
-        base = "off" + "".join(suffix)
-        base = base if base in labels else labels[0]
-        if label == base:
+        anchor = "off" + "".join(suffix)
+        anchor = anchor if anchor in labels else labels[0]
+        if label == anchor:
             print(f"{label}: median {statistics.median(times[label]):.3f} ms")
-            continue
-        anchor, other = times[base], times[label]
-        k = min(len(anchor), len(other))
-        ratios = [other[i] / anchor[i] for i in range(k)]
-        diffs = [(other[i] - anchor[i]) * 1000 for i in range(k)]
+        else:
+            pairs.append((anchor, label))
+    if "base" in labels and "on" in labels:
+        pairs.append(("base", "on"))
+    for anchor, label in pairs:
+        a, b = times[anchor], times[label]
+        k = min(len(a), len(b))
+        ratios = [b[i] / a[i] for i in range(k)]
+        diffs = [(b[i] - a[i]) * 1000 for i in range(k)]
         lo, hi = bootstrap(ratios)
         dlo, dhi = bootstrap(diffs)
         print(
-            f"{label}: median {statistics.median(other):.3f} ms, ratio {statistics.median(ratios):.4f}"
+            f"{label}: median {statistics.median(b):.3f} ms, ratio {statistics.median(ratios):.4f}"
             f" [{lo:.4f}, {hi:.4f}], added {statistics.median(diffs):+.0f} us [{dlo:+.0f}, {dhi:+.0f}]"
-            f" over {base} ({k} rounds)"
+            f" over {anchor} ({k} rounds)"
         )
 
 
+labels = args.variants.split(",")
+if "base" in labels and base is None:
+    sys.exit("FAIL: the variant `base` needs --baseline-hooks FILE")
 for i in range(6):
-    step(i)
-if args.gpu_tags and not hasattr(cc, "_device_of"):
-    gpu_like_roots()
+    for label in labels if "base" in labels else ["on"]:
+        switch(label)
+        step(i)
+if args.gpu_tags:
+    for version in hook_versions:
+        gpu_like_roots(version)
+switch("on")
 
 if args.tags:
     s = cc._state
@@ -223,7 +283,6 @@ if args.tags:
     print(f"tags: phase_set {per_call(lambda: real_phase(0, 0)):.2f} us")
     model.zero_grad(set_to_none=True)
 
-labels = args.variants.split(",")
 if args.rounds:
     with open(args.log, "a") as log:
         for r in range(args.rounds):
