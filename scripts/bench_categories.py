@@ -18,7 +18,7 @@ same Python operations and the same `cachealloc_tag` calls as on a GPU); `--no-g
 the hooks as they are (no tags at all).
 
     bench_categories.py ALLOCATOR ROUNDS LOG [--variants off,on,...] [--profile STEPS]
-        [--tags] [--threads N] [--autocast]
+        [--tags] [--threads N] [--autocast] [--baseline-hooks FILE]
 
 Each round runs the same step once per variant (in the variants' order on even rounds, the
 reverse on odd ones), each timed step after an untimed one (a switch patches classes, and
@@ -33,8 +33,10 @@ no_tags, no_phases, only_modules, only_optimizer, no_backward (no backward phase
 gradients' tags), inert (every wrapper and hook installed but doing nothing, as inside
 torch.compile's tracing), empty (global module hooks that do nothing: PyTorch's slow path),
 and any of them with `+nostacks` (stack capture paused, `cachealloc_stacks_pause`: the
-interplay of the hooks with the Python stack walk). `--profile STEPS`: cProfile of STEPS steps with the hooks
-on, then off. `--tags`: what the tag path costs by itself (µs per call)."""
+interplay of the hooks with the Python stack walk), and `base` (with `--baseline-hooks FILE`:
+that version of cachealloc_categories.py, e.g. an earlier commit's, all on; `on` is then also
+compared with it). `--profile STEPS`: cProfile of STEPS steps with the hooks on, then off.
+`--tags`: what the tag path costs by itself (µs per call)."""
 import argparse
 import ctypes
 import random
@@ -275,7 +277,8 @@ if args.tags:
     print(f"tags: tag_gradients() {per_call(s.tag_gradients):.2f} us a call (Python and C)")
     print(f"tags: tag_pointers(gradients) {per_call(lambda: api.tag_pointers(3, 0, grads)):.2f} us")
     array = (ctypes.c_uint64 * len(grads))(*grads)
-    print(f"tags: cachealloc_tag({len(grads)}) {per_call(lambda: real_tag(0, 3, array, len(grads))):.2f} us (C only)")
+    c_only = per_call(lambda: real_tag(0, 3, array, len(grads)))
+    print(f"tags: cachealloc_tag({len(grads)}) {c_only:.2f} us (C only)")
     one = (ctypes.c_uint64 * 1)(grads[0])
     print(f"tags: cachealloc_tag(1) {per_call(lambda: real_tag(0, 3, one, 1)):.2f} us")
     ids = [torch.randint(0, 10, (2, 16))]
