@@ -15,13 +15,16 @@ or module alive:
   (`LlamaForCausalLM.model.layers.3.mlp.down_proj`). The outermost module's entry and exit are
   the forward phase (`cachealloc_phase_set`). Its positional tensor arguments are tagged
   inputs, and its parameters and buffers are tagged when first seen and whenever they move
-  (`cachealloc_tag`). A leaf module (no children; most calls) only sets the slot around its
-  call. Not global module hooks: with any global hook PyTorch takes its slow path for every
-  module call, which alone cost 1.8 % of a Llama step (design.md, Note [Categories by
-  lifetime]); and not per-module hooks, which `torch.save(model)` would pickle.
+  (`cachealloc_tag`). A leaf module only sets the slot around its call; a module inside
+  another (a decoder layer, its attention block and MLP: most wrapped calls) pushes and pops
+  its scope inline, with no further Python call unless it claims a node (below). Not global
+  module hooks: with any global hook PyTorch takes its slow path for every module call, which
+  alone cost 1.8 % of a Llama step (design.md, Note [Categories by lifetime]); and not
+  per-module hooks, which `torch.save(model)` would pickle.
 * For the backward pass, the output of a module whose children have children (a decoder
   layer, not its MLP) gets, on its autograd node, a pre-hook (the innermost such module claims
-  it) that names the module on the autograd thread when backward reaches it.
+  it) that names the module on the autograd thread when backward reaches it. The nodes claimed
+  are held until the outermost module returns (a forward's graph, which its output holds).
 * `backward()` (wrapped by `cachealloc_hooks`) is the backward phase; afterwards the known
   parameters' `.grad`s are tagged gradients.
 * Global optimizer step hooks mark the optimizer phase, count steps, and tag the optimizer's
@@ -33,6 +36,7 @@ or module alive:
 What a hook cannot tell (temporaries, activations) the tools find from lifetimes: see
 design.md, Note [Categories by lifetime].
 """
+import array
 import ctypes
 import sys
 import threading
@@ -70,15 +74,23 @@ class _Api:
         """Tag the blocks of the CUDA tensors among `tensors`, grouped by device."""
         by_device = {}
         for t in tensors:
-            if t is not None and t.is_cuda:
-                by_device.setdefault(t.get_device(), []).append(t.data_ptr())
+            if t is not None:
+                device = _device_of(t)
+                if device >= 0:
+                    by_device.setdefault(device, []).append(t.data_ptr())
         for device, pointers in by_device.items():
             self.tag_pointers(category, device, pointers)
 
     def tag_pointers(self, category, device, pointers):
-        """Tag the blocks of `device` holding `pointers`."""
-        array = (ctypes.c_uint64 * len(pointers))(*pointers)
-        self._tag(device, category, array, len(pointers))
+        """Tag the blocks of `device` holding `pointers` (an `array` of 64-bit words: a tenth of
+        the time of a ctypes array built from the list, for a model's gradients)."""
+        words = array.array("Q", pointers)
+        self._tag(device, category, words.buffer_info()[0], len(words))
+
+
+def _device_of(t):
+    """The device whose blocks hold tensor `t` (-1: not a CUDA tensor)."""
+    return t.get_device() if t.is_cuda else -1
 
 
 def _api():
@@ -98,11 +110,12 @@ class _State:
         # id(module) -> (weak ref, scope id, leaf, claims: see scope_of); module -> its path.
         self.scopes = {}
         self.paths = weakref.WeakKeyDictionary()
-        # root module -> (first parameter's address, [(weak ref to a parameter, its device or
-        # -1 when not on CUDA)]).
-        self.roots = weakref.WeakKeyDictionary()
-        # optimizer -> number of state entries tagged.
-        self.optimizers = weakref.WeakKeyDictionary()
+        # id(root module) -> (weak ref, first parameter's address, {device: [weak refs to its
+        # CUDA parameters there]}); id(optimizer) -> (weak ref, number of state entries
+        # tagged). Plain dicts, emptied by the weak refs' callbacks: a WeakKeyDictionary's
+        # lookups and iteration are Python code, a step's hot path.
+        self.roots = {}
+        self.optimizers = {}
         self.phase = PHASE_NONE
         self.step = 0
         self.lock = threading.Lock()
@@ -128,7 +141,6 @@ class _State:
         t.stack = []
         t.slot = self.api.slot()
         t.claimed = None
-        t.outer = 0
         return t.stack, t.slot
 
     def slot(self):
@@ -145,10 +157,10 @@ class _State:
 
     def scope_of(self, module, stack):
         """(weak ref, scope id, leaf, claims) of `module`, naming its subtree when first seen:
-        `leaf`, it has no children; `claims`, a child of it has children of its own, so its
-        output's autograd node names it in backward (a decoder layer does, its MLP does not:
-        a pre-hook costs microseconds on the autograd thread, so backward is named at the
-        coarser grain)."""
+        `leaf`, it has no children; `claims`, when a child of it has children of its own, the
+        autograd node pre-hook with which its output's node names it in backward (a decoder
+        layer claims, its MLP does not: a pre-hook costs microseconds on the autograd thread,
+        so backward is named at the coarser grain), else None."""
         if stack:
             parent = stack[-1][0]
             prefix = self.paths.get(parent, type(parent).__name__)
@@ -165,8 +177,11 @@ class _State:
                 key = id(sub)
                 ref = weakref.ref(sub, lambda _, key=key, scopes=self.scopes: scopes.pop(key, None))
                 leaf = not sub._modules
-                claims = any(c is not None and c._modules for c in sub._modules.values())
-                self.scopes[key] = (ref, self.api.define(path.encode()), leaf, claims)
+                sid = self.api.define(path.encode())
+                claims = None
+                if any(c is not None and c._modules for c in sub._modules.values()):
+                    claims = _backward_scope(self, sid)
+                self.scopes[key] = (ref, sid, leaf, claims)
         return self.scopes[id(module)]
 
     # Parameters.
@@ -175,36 +190,64 @@ class _State:
         """Tag `root`'s parameters and buffers when first seen or moved."""
         params = list(root.parameters()) + list(root.buffers())
         first = params[0].data_ptr() if params else 0
-        known = self.roots.get(root)
-        if known is not None and known[0] == first:
+        known = self.roots.get(id(root))
+        if known is not None and known[0]() is root and known[1] == first:
             return
-        # Each parameter weakly, with its device (-1: not CUDA), for its gradients.
-        self.roots[root] = (
-            first,
-            [(weakref.ref(p), p.get_device() if p.is_cuda else -1) for p in root.parameters()],
-        )
+        # The CUDA parameters weakly, by device, for their gradients.
+        by_device = {}
+        for p in root.parameters():
+            device = _device_of(p)
+            if device >= 0:
+                by_device.setdefault(device, []).append(weakref.ref(p))
+        self.roots[id(root)] = (_weak(root, self.roots), first, by_device)
         self.api.tag(TAG_PARAMETER, params)
 
     def first_parameter_moved(self, root):
-        known = self.roots.get(root)
-        if known is None:
+        """Whether `root` is new, or its first parameter (`root.parameters()`'s) moved."""
+        known = self.roots.get(id(root))
+        if known is None or known[0]() is not root:
             return True
-        for p in root.parameters():
-            return p.data_ptr() != known[0]
-        return False
+        p = _first_parameter(root)
+        return p is not None and p.data_ptr() != known[1]
 
     def tag_gradients(self):
         """Tag the `.grad`s of the roots' CUDA parameters: one call per device."""
         by_device = {}
-        for _, refs in list(self.roots.values()):
-            for r, device in refs:
-                if device >= 0:
-                    p = r()
-                    g = p.grad if p is not None else None
-                    if g is not None:
-                        by_device.setdefault(device, []).append(g.data_ptr())
+        for _, _, refs_by_device in list(self.roots.values()):
+            for device, refs in refs_by_device.items():
+                pointers = [
+                    g.data_ptr()
+                    for r in refs
+                    if (p := r()) is not None and (g := p.grad) is not None
+                ]
+                if pointers:
+                    by_device.setdefault(device, []).extend(pointers)
         for device, pointers in by_device.items():
             self.api.tag_pointers(TAG_GRADIENT, device, pointers)
+
+
+def _weak(obj, table):
+    """A weak reference to `obj` that takes its entry out of `table` (by `id`) when it goes."""
+    key = id(obj)
+
+    def gone(ref):
+        if table.get(key, (None,))[0] is ref:
+            del table[key]
+
+    return weakref.ref(obj, gone)
+
+
+def _first_parameter(module):
+    """`next(module.parameters(), None)` without its generators (depth first, in registration
+    order, as `named_modules` walks): a root's step starts with it."""
+    pending = [module]
+    while pending:
+        m = pending.pop()
+        for p in m._parameters.values():
+            if p is not None:
+                return p
+        pending.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return None
 
 
 def _never():
@@ -228,34 +271,60 @@ _state = None
 
 
 def _make_call_impl(original):
-    """`nn.Module._call_impl` (what `module(...)` runs) with scopes: a module with children
-    enters and leaves a scope (`_enter`, `_leave`); a leaf only sets its thread's scope slot
-    around the call (its cost is kept to a few loads and stores: most module calls are leaves).
-    Inside torch.compile's tracing it is the original."""
+    """`nn.Module._call_impl` (what `module(...)` runs) with scopes. A module seen before that
+    is a leaf only sets its thread's scope slot around the call; one inside another module (a
+    decoder layer, its attention block and MLP: most wrapped calls) pushes and pops its scope,
+    and claims its output's autograd node, inline; the outermost module, or one not seen
+    before, goes through `_enter` and `_leave`. Every Python operation here counts: in a
+    training step the objects it touches are out of the CPU's caches, a microsecond or more
+    each (BENCHMARKS.md, "the hooks' host cost on CPU"). Inside torch.compile's tracing it is
+    the original."""
+    s = _state
+    scopes, threads = s.scopes, s.threads
 
     def _call_impl(self, *args, **kwargs):
-        s = _state
         if s.is_compiling():
             return original(self, *args, **kwargs)
-        entry = s.scopes.get(id(self))
-        if entry is not None and entry[2] and entry[0]() is self:
+        entry = scopes.get(id(self))
+        if entry is not None and entry[0]() is self:
             try:
-                slot = s.threads.slot
+                slot = threads.slot
             except AttributeError:
                 slot = s.thread()[1]
             outer = slot.value
-            slot.value = entry[1]
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                slot.value = outer
-        _enter(s, self, entry, args)
+            if entry[2]:
+                slot.value = entry[1]
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    slot.value = outer
+            stack = threads.stack
+            if stack:
+                # What `_enter` and `_leave` do for a module inside another, without them.
+                claims = entry[3]
+                item = (self, entry[1], None, claims, outer)
+                stack.append(item)
+                slot.value = entry[1]
+                output = None
+                try:
+                    output = original(self, *args, **kwargs)
+                    return output
+                finally:
+                    if stack and stack[-1] is item:
+                        stack.pop()
+                        if claims is not None and output is not None and s.backward_scopes:
+                            if s.is_grad_enabled():
+                                _claim(threads, claims, output, s.tensor)
+                        slot.value = outer
+                    else:
+                        _leave(s, threads, self, output)
+        t = _enter(s, self, entry, args)
         output = None
         try:
             output = original(self, *args, **kwargs)
             return output
         finally:
-            _leave(s, self, output)
+            _leave(s, t, self, output)
 
     _call_impl._cachealloc_original = original
     # Stacks leave this frame out: a program's stacks are the same with the wrapper as without.
@@ -264,11 +333,11 @@ def _make_call_impl(original):
 
 
 def _enter(s, module, entry, args):
-    """A module with children (or one not seen before) is called: push its scope. The
-    outermost one on its thread begins the forward phase: between steps it also tags the
-    inputs, and the parameters when new or moved; inside a backward it is a recomputation
-    (activation checkpointing), a forward that gives the phase back to the backward at its
-    end."""
+    """A module is called that needs the thread's module stack: push its scope; returns the
+    thread's state. The outermost one on its thread begins the forward phase: between steps it
+    also tags the inputs, and the parameters when new or moved; inside a backward it is a
+    recomputation (activation checkpointing), a forward that gives the phase back to the
+    backward at its end."""
     t = s.threads
     try:
         stack, slot = t.stack, t.slot
@@ -278,8 +347,6 @@ def _enter(s, module, entry, args):
         entry = s.scope_of(module, stack)
     resume = None  # the phase to put back when this module returns
     if not stack:
-        # The scope the thread was in (in a backward, the module a node named): back at the end.
-        t.outer = slot.value
         if s.phase == PHASE_NONE:
             resume = PHASE_NONE
             s.set_phase(PHASE_FORWARD)
@@ -290,49 +357,70 @@ def _enter(s, module, entry, args):
         elif s.phase == PHASE_BACKWARD:
             resume = PHASE_BACKWARD
             s.set_phase(PHASE_FORWARD)
-    stack.append((module, entry[1], resume, entry[3]))
+    # With the scope the thread was in (for the outermost, in a backward, the module a node
+    # named): back in it at the end.
+    stack.append((module, entry[1], resume, entry[3], slot.value))
     slot.value = entry[1]
+    return t
 
 
-def _leave(s, module, output):
-    """The module returned (or raised: `output` None): pop its scope; its output's autograd
-    node, unless an inner module's claimed it, names it in backward; the outermost one ends
-    the forward phase."""
-    t = s.threads
+def _leave(s, t, module, output):
+    """The module returned (or raised: `output` None): pop the thread's stack to it (an entry
+    above it, whose leave was skipped, goes with it), then `_left`."""
     stack = t.stack
-    # Pop to this module (one whose leave was skipped is dropped with it).
     while stack:
-        top, sid, resume, claims = stack.pop()
-        if top is module:
-            break
-    else:
-        t.slot.value = 0
-        return
-    if claims and s.backward_scopes and output is not None and s.is_grad_enabled():
-        out = output
-        if isinstance(out, (tuple, list)) and out:
-            out = out[0]
-        elif not isinstance(out, s.tensor) and hasattr(out, "values"):
-            # A dict, or transformers' ModelOutput: its first tensor (the loss, when given).
-            out = next((v for v in out.values() if isinstance(v, s.tensor)), None)
-        node = out.grad_fn if isinstance(out, s.tensor) else None
-        claimed = t.claimed
-        if node is not None and claimed is not None and id(node) not in claimed:
-            claimed.add(id(node))
-            node.register_prehook(_backward_scope(s, sid))
-    t.slot.value = stack[-1][1] if stack else t.outer
-    if resume is not None and not stack:
+        item = stack.pop()
+        if item[0] is module:
+            _left(s, t, t.slot, item, output)
+            return
+    t.slot.value = 0
+
+
+def _left(s, t, slot, item, output):
+    """The module of stack entry `item`, popped, returned: its output's autograd node, unless
+    an inner module's claimed it, names it in backward; the thread is back in the scope the
+    module was called in; the outermost one ends the forward phase."""
+    _, _, resume, claims, outer = item
+    if claims is not None and output is not None and s.backward_scopes and s.is_grad_enabled():
+        _claim(t, claims, output, s.tensor)
+    slot.value = outer
+    if resume is not None and not t.stack:
         s.set_phase(resume)
         t.claimed = None
 
 
+def _claim(t, hook, output, tensor):
+    """Pre-hook `hook` (a module's: `_backward_scope`) on the autograd node of `output` (its
+    first tensor) names the module in backward, unless an inner module's claimed the node."""
+    if not isinstance(output, tensor):
+        if isinstance(output, (tuple, list)):
+            output = output[0] if output else None
+        elif hasattr(output, "values"):
+            # A dict, or transformers' ModelOutput: its first tensor (the loss, when given).
+            output = next((v for v in output.values() if isinstance(v, tensor)), None)
+        if not isinstance(output, tensor):
+            return
+    node = output.grad_fn
+    # The nodes claimed in this forward, held until its end: PyTorch's Python object for an
+    # autograd node lives only while referenced, and the next one made can take its address,
+    # so an `id` could make a later module's node look claimed already.
+    claimed = t.claimed
+    if node is not None and claimed is not None and node not in claimed:
+        claimed.add(node)
+        node.register_prehook(hook)
+
+
 def _backward_scope(s, sid):
     """A pre-hook of a module's output's autograd node: the autograd thread is in the module."""
+    threads, slots = s.threads, s.backward_slots
 
     def enter(grad_outputs):
-        slot = s.slot()
+        try:
+            slot = threads.slot
+        except AttributeError:
+            slot = s.thread()[1]
         slot.value = sid
-        s.backward_slots[id(slot)] = slot
+        slots[id(slot)] = slot
 
     return enter
 
@@ -378,8 +466,9 @@ def _optimizer_post(optimizer, args, kwargs):
     if s.is_compiling():
         return
     count = len(optimizer.state)
-    if s.optimizers.get(optimizer) != count:
-        s.optimizers[optimizer] = count
+    known = s.optimizers.get(id(optimizer))
+    if known is None or known[0]() is not optimizer or known[1] != count:
+        s.optimizers[id(optimizer)] = (_weak(optimizer, s.optimizers), count)
         state = []
         for per_param in optimizer.state.values():
             if isinstance(per_param, dict):

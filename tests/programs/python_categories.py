@@ -4,16 +4,18 @@ of PyTorch's API the integration uses (nn.Module's `_call_impl` and module-regis
 autograd nodes' pre-hooks, `torch.autograd.backward`, the optimizer's step hooks), with tensors
 whose storage is cudaMalloc'd. A small model (Net: a Block of two Linears, and a Linear head)
 trains three steps, the third recomputing its Block during backward (activation
-checkpointing); each kind of allocation has its own size, so the trace can be checked
-(tests/tests/python.rs):
+checkpointing), then a Stack of two Layers runs a forward; each kind of allocation has its own
+size, so the trace can be checked (tests/tests/python.rs):
 
     input 3072, Linear outputs 32768, the Block's temporary 1024, weights 65536,
     backward's temporaries 5120, gradients 65536 (like the weights), optimizer state 131072,
-    the optimizer's temporary 2048, the recomputation's input 3584.
+    the optimizer's temporary 2048, the recomputation's input 3584; the Stack's input 4096,
+    its outputs 4608.
 
-Here it checks what the trace cannot show: the model's results are unchanged, the hooks keep
-nothing alive, a pickled model names nothing of cachealloc's, and `enable(False)` gives the
-classes back their own `_call_impl`. Usage: python_categories.py. Prints "OK python_categories".
+Here it checks what the trace cannot show: the model's results are unchanged, each claiming
+module's node gets its pre-hook, the hooks keep nothing alive, a pickled model names nothing of
+cachealloc's, and `enable(False)` gives the classes back their own `_call_impl`. Usage:
+python_categories.py. Prints "OK python_categories".
 """
 import gc
 import os
@@ -25,7 +27,7 @@ import weakref
 root = tempfile.mkdtemp()
 files = {
     "torch/__init__.py": '''
-import ctypes, types
+import ctypes, types, weakref
 ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
 _rt = ctypes.CDLL(None)
 _rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
@@ -38,7 +40,23 @@ class Tensor:
             raise RuntimeError("cudaMalloc")
         self._ptr, self.nbytes, self.param = p.value, nbytes, param
         self.grad = None
-        self.grad_fn = None
+        self._node = None
+    @property
+    def grad_fn(self):
+        """As PyTorch's: the node's Python object, made when asked for, alive only while
+        someone holds it (the node keeps a weak reference), so that a later node's object can
+        take its address."""
+        node = self._node
+        if node is None:
+            return None
+        obj = node.py() if node.py is not None else None
+        if obj is None:
+            obj = NodeObject(node)
+            node.py = weakref.ref(obj)
+        return obj
+    @grad_fn.setter
+    def grad_fn(self, node):
+        self._node = node
     def data_ptr(self):
         return self._ptr
     def get_device(self):
@@ -47,6 +65,14 @@ class Tensor:
         _rt.cudaFree(self._ptr)
     def __reduce__(self):
         return (Tensor, (self.nbytes, self.param))
+class NodeObject:
+    # Padded to a size of its own (past pymalloc's 512 bytes: malloc's), so that the next one
+    # made takes the address of the last one freed, as PyTorch's node objects can.
+    __slots__ = ("node", "__weakref__") + tuple(f"_pad{i}" for i in range(70))
+    def __init__(self, node):
+        self.node = node
+    def register_prehook(self, fn):
+        self.node.register_prehook(fn)
 _grad = [True]
 def is_grad_enabled():
     return _grad[0]
@@ -92,7 +118,7 @@ _graph = []
 class Node:
     """An autograd node: what backward runs, holding what the forward saved."""
     def __init__(self, saved):
-        self.saved, self.prehooks = saved, []
+        self.saved, self.prehooks, self.py = saved, [], None
         _graph.append(self)
     def register_prehook(self, fn):
         self.prehooks.append(fn)
@@ -244,6 +270,52 @@ if "_call_impl" in Linear.__dict__:
     fail("a leaf class was patched")
 if b"cachealloc" in pickle.dumps(net):
     fail("a pickled model names cachealloc")
+
+
+# Two modules that claim nodes, one after the other (a forward, of its own sizes: input 4096,
+# outputs 4608): each one's node gets its pre-hook, though the first node's Python object is
+# gone, and its address free, by the time the second is made (as in PyTorch).
+class Leaf(nn.Module):
+    def forward(self, x):
+        out = torch.Tensor(4608)
+        out.grad_fn = Node(saved=None)
+        return out
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.leaf = Leaf()
+
+    def forward(self, x):
+        return self.leaf(x)
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Layer()
+        self.b = Layer()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+made = len(torch.autograd._graph)
+out = Stack()(torch.Tensor(4096))
+hooks = [len(node.prehooks) for node in torch.autograd._graph[made:]]
+if hooks != [1, 1]:
+    fail(f"each Layer's output node gets one pre-hook (the Stack's is the second's): {hooks}")
+del out, torch.autograd._graph[made:]
 if not cachealloc_categories.enable(False):
     fail("enable(False) found no hooks")
 if "_call_impl" in Net.__dict__ or "_call_impl" in Block.__dict__:

@@ -367,7 +367,20 @@ fn the_integration_tells_each_allocations_module_phase_and_category() {
         PHASE_OPTIMIZER,
         0,
     ];
-    assert_eq!(phases, [&step[..], &step[..], &recomputed[..]].concat());
+    // Then the Stack's forward alone.
+    let forward = [PHASE_FORWARD, 0];
+    assert_eq!(
+        phases,
+        [&step[..], &step[..], &recomputed[..], &forward[..]].concat()
+    );
+    // The Stack's outputs are named by the Layer each was made in.
+    let mut stack_outputs: Vec<String> = seen[&4608].iter().map(|c| c.0.clone()).collect();
+    stack_outputs.sort();
+    assert_eq!(
+        stack_outputs,
+        ["Stack.a.inner", "Stack.b.inner"],
+        "the Stack's outputs"
+    );
 
     let out = Run::new("python3", &[script])
         .env("CACHEALLOC_CONF", "categories:off")
