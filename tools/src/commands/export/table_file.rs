@@ -36,10 +36,6 @@ pub const ROW_GROUP_ROWS: usize = 1 << 20;
 /// How a table's columns are encoded, beyond the defaults (zstd, dictionaries where values
 /// repeat, no statistics).
 pub struct Layout {
-    /// Columns left uncompressed: those zstd shrinks by less than a seventh (dictionary indices
-    /// of values that rarely repeat, such as addresses and sizes), where compressing would cost
-    /// a tenth of the export for 3 % of the dataset's size.
-    pub uncompressed: &'static [&'static str],
     /// Columns written with delta encoding: times, ordinals and running totals, which change
     /// little from a row to the next, and integers that hardly change at all (a device, a
     /// stream, a thread): for those deltas take the bytes of a dictionary's run-length indices
@@ -94,10 +90,6 @@ impl TableFile {
             props = props
                 .set_column_dictionary_enabled(path.clone(), false)
                 .set_column_encoding(path, Encoding::DELTA_BINARY_PACKED);
-        }
-        for column in layout.uncompressed {
-            props =
-                props.set_column_compression(ColumnPath::from(*column), Compression::UNCOMPRESSED);
         }
         for column in layout.statistics {
             props = props

@@ -143,7 +143,6 @@ pub struct Events {
 impl Events {
     /// How the table's columns are encoded.
     pub const LAYOUT: Layout = Layout {
-        uncompressed: &["size", "address"],
         delta: &[
             "seq",
             "t_ns",
@@ -358,7 +357,6 @@ pub struct Stacks {
 impl Stacks {
     /// How the table's columns are encoded (stack ids grow through the table).
     pub const LAYOUT: Layout = Layout {
-        uncompressed: &[],
         delta: &[],
         statistics: &["stack_id"],
     };
@@ -448,7 +446,6 @@ pub struct Samples {
 impl Samples {
     /// How the table's columns are encoded.
     pub const LAYOUT: Layout = Layout {
-        uncompressed: &[],
         delta: &["t_ns", "wall_ns", "allocated", "reserved"],
         statistics: &["t_ns", "wall_ns", "device", "allocated", "reserved"],
     };
