@@ -290,7 +290,11 @@ fn the_integration_tells_each_allocations_module_phase_and_category() {
         }
         state.apply(r);
     }
-    let live: Vec<_> = state.blocks.keys().copied().collect();
+    let live: Vec<_> = state
+        .blocks
+        .values()
+        .map(|b| (b.device, b.address))
+        .collect();
     for (device, address) in live {
         note(&state, device, address);
     }
