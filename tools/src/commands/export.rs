@@ -13,9 +13,9 @@
 //! with the ranks. Every trace's header is read first, so that a job's name and every rank are
 //! known, and two traces of one rank refused, before anything is written.
 
-mod column;
+pub mod column;
 mod context;
-mod table_file;
+pub mod table_file;
 pub mod tables;
 
 use std::collections::HashSet;

@@ -1,13 +1,13 @@
 //! [`TableFile`]: one table's Parquet file, written column by column through Parquet's own
 //! column writers (the `parquet` crate's low-level API), fed the columns a table gathered
-//! ([`Col`]) without building Arrow arrays.
+//! ([`super::column::Col`]) without building Arrow arrays.
 //!
 //! The file is still what Arrow's writer would make of the table's Arrow schema: the Parquet
 //! schema is converted from it, and the Arrow schema is stored in the file's key-value metadata
 //! (`ARROW:schema`), so pyarrow reads the same types and schema metadata back.
 //!
 //! Row groups hold up to [`ROW_GROUP_ROWS`] rows. Parquet writes a row group's columns one after
-//! the other, so each column's pages are kept in memory ([`MemoryPages`]) until the row group is
+//! the other, so each column's pages are kept in memory (`MemoryPages`) until the row group is
 //! full, then spliced into the file in column order: memory is bounded by one row group's
 //! encoded pages, whatever the trace's length.
 
