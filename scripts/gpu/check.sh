@@ -5,12 +5,17 @@
 # machine; WORKLOADS holds
 # mlp_train.py and gpt2_train.py. Builds the C test programs of tests/programs with
 # `nvcc -cudart shared` (the runtime's door; scripts/gpu/doors.sh covers nvcc's static default
-# and the driver's doors), runs them under the shim,
-# again with expandable_segments:True (CUDA virtual memory), then runs the training workloads
-# (and infer_varbatch.py) natively and under the shim, with fixed and with expandable segments,
-# and checks that the losses agree to 1e-6.
-# Prints one PASS/FAIL line per check and exits non-zero if any failed.
+# and the driver's doors), runs them under the shim with fixed segments, with the default
+# (expandable segments for stream-ordered allocations) and with expandable_segments:True (CUDA
+# virtual memory for every allocation), then runs the training workloads (and infer_varbatch.py)
+# natively and under the shim, with the default and with fixed segments, and checks that the
+# losses agree to 1e-6.
+# Prints one PASS/FAIL line per check and exits non-zero if any failed. PARTS (default: all of
+# "programs python tools torch multi categories compile training") picks the sections to run, so that
+# they can be split over device calls; the multi-GPU checks skip themselves on one GPU.
 set -uo pipefail
+PARTS=${PARTS:-programs python tools torch multi categories compile training}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 LIB="$(realpath "$1")/libcachealloc.so"
 WORK="$(realpath "$2")"
 [ -f "$LIB" ] || { echo "FAIL no $LIB (was the folder carried to this machine?)"; exit 1; }
@@ -21,18 +26,6 @@ fail() { echo "FAIL $*"; FAILED=1; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-
-for src in tests/programs/*.c; do
-    name=$(basename "$src" .c)
-    [ "$name" = slow_fill_fake ] && continue  # fakecuda's slow_fill; slow_fill.cu replaces it
-    case "$name" in
-        lib*) continue;;                            # helper libraries of the Python tests
-        driver_*|dlsym_next|map_race) continue;;    # fakecuda-only (host writes to device memory; preloaded helpers; fakecuda's timing)
-        mem_pools) continue;;                       # its use_on_oom part needs fakecuda's device-wide capacity; mem_pools.py covers MemPool here
-    esac
-    nvcc -cudart shared -O2 -Itests/programs -o "$BIN/$name" "$src" tests/programs/slow_fill.cu -lpthread \
-        || fail "build $name"
-done
 
 # judge NAME LABEL OUTPUT: passes when the output has "OK NAME" and the shim's exit summary (a
 # program that passes without the shim loaded proves nothing), or says it skipped.
@@ -64,32 +57,74 @@ run_py() {
     judge "$1" "$1 $2" "$out"
 }
 
+# BOTH_ENV (words VAR=VALUE) goes to both runs, NATIVE_ENV to the native one.
+both() {
+    local script=$1 tag=$2; shift 2
+    local native shim
+    native=$(env LABEL=native ${BOTH_ENV:-} ${NATIVE_ENV:-} timeout 300 python3 "scripts/gpu/$script" 2>&1 | grep -E "^$tag .*passed=")
+    shim=$(env LABEL=shim ${BOTH_ENV:-} "$@" LD_PRELOAD="$LIB" timeout 300 python3 "scripts/gpu/$script" 2>&1 | grep -E "^$tag |^cachealloc:")
+    echo "native: $native"; echo "$shim" | grep -v "ok=True"
+    local n s
+    n=$(sed -n 's/.*passed=\([0-9]*\/[0-9]*\).*/\1/p' <<< "$native")
+    s=$(sed -n 's/.*passed=\([0-9]*\/[0-9]*\).*/\1/p' <<< "$shim" | tail -1)
+    if [ -n "$s" ] && [ "$n" = "$s" ] && [ "${s%/*}" = "${s#*/}" ]; then pass "$script ${BOTH_ENV:-} $* $s"; else fail "$script ${BOTH_ENV:-} $* native=$n shim=$s"; fi
+}
+
+FIXED=CACHEALLOC_CONF=expandable_segments:False
+EXP=CACHEALLOC_CONF=expandable_segments:True
+
+if part programs || part multi; then
+for src in tests/programs/*.c; do
+    name=$(basename "$src" .c)
+    [ "$name" = slow_fill_fake ] && continue  # fakecuda's slow_fill; slow_fill.cu replaces it
+    case "$name" in
+        lib*) continue;;                            # helper libraries of the Python tests
+        driver_*|dlsym_next|map_race) continue;;    # fakecuda-only (host writes to device memory; preloaded helpers; fakecuda's timing)
+        mem_pools) continue;;                       # its use_on_oom part needs fakecuda's device-wide capacity; mem_pools.py covers MemPool here
+    esac
+    if ! part programs; then case "$name" in multi_gpu|peer_access) ;; *) continue;; esac; fi
+    nvcc -cudart shared -O2 -Itests/programs -o "$BIN/$name" "$src" tests/programs/slow_fill.cu -lpthread \
+        || fail "build $name"
+done
+fi
+
+if part programs; then
+
+
+# Fixed segments (`cudaMalloc`'s), named: the default maps stream-ordered allocations.
+run basic "$FIXED" --
+run race "$FIXED" -- nonblocking
+run race "$FIXED" -- blocking
+run race "$FIXED" -- nonblocking late
+run threads "$FIXED" -- 8 300
+run oom CACHEALLOC_CONF=expandable_segments:False,per_process_memory_fraction:0.001 --
+run badfree "$FIXED" --
+run meminfo "$FIXED" --
+run fork "$FIXED" --
+run exit_nofree "$FIXED" --
+run ipc "$FIXED" --
+run ipc_share "$FIXED" --
+run ipc_share "$FIXED" -- desc
+run device_reset "$FIXED" --
+run stream_ordered "$FIXED" --
+run graph_capture "$FIXED" --
+run capture_pools "$FIXED" --
+run capture_streams "$FIXED" --
+run allocator_settings "$FIXED" --
+run entry_point "$FIXED" --
+run load "$FIXED" -- 4 300 1
+run exit_paths "$FIXED" -- thread
+run exit_paths "$FIXED" -- signals
+# The default: expandable segments for stream-ordered allocations, fixed segments for cudaMalloc
+# (whose pointers keep answering the driver as a cudaMalloc's: IPC handles, contexts).
 run basic X=1 --
-run race X=1 -- nonblocking
-run race X=1 -- blocking
-run race X=1 -- nonblocking late
-run threads X=1 -- 8 300
-run oom CACHEALLOC_CONF=per_process_memory_fraction:0.001 --
-run badfree X=1 --
-run meminfo X=1 --
-run fork X=1 --
-run exit_nofree X=1 --
 run ipc X=1 --
 run ipc_share X=1 --
-run ipc_share X=1 -- desc
-run multi_gpu X=1 --
-run device_reset X=1 --
 run stream_ordered X=1 --
 run graph_capture X=1 --
-run capture_pools X=1 --
 run capture_streams X=1 --
-run allocator_settings X=1 --
-run entry_point X=1 --
-run load X=1 -- 4 300 1
-run exit_paths X=1 -- thread
-run exit_paths X=1 -- signals
+run fork X=1 --
 # Expandable segments (CUDA's virtual memory): the same programs, pooled by mapping.
-EXP=CACHEALLOC_CONF=expandable_segments:True
 run basic "$EXP" --
 run race "$EXP" -- nonblocking
 run threads "$EXP" -- 8 300
@@ -97,25 +132,20 @@ run load "$EXP" -- 4 300 1
 run stream_ordered "$EXP" --
 run graph_capture "$EXP" --
 run capture_streams "$EXP" --
-run multi_gpu "$EXP" --
-run peer_access "$EXP" --
 run ipc_share "$EXP" -- desc
 run ipc_share "$EXP" -- desc big
-run peer_access "$EXP" -- pool
-run peer_access "$EXP" -- race
-run peer_access X=1 -- pool-fixed
 run device_reset "$EXP" --
 run fork "$EXP" --
 run oom CACHEALLOC_CONF=expandable_segments:True,per_process_memory_fraction:0.001 --
 out=$(CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" "$BIN/threads" 4 100 2>&1)
 if grep -q "maps into expandable segments" <<< "$out"; then pass "expandable segments engaged"; else fail "expandable segments engaged"; echo "$out" | tail -3; fi
 
-run_py peer_access.py expandable_segments:True
-run_py multi_gpu_torch.py ""
-run_py multi_gpu_torch.py expandable_segments:True
+fi
+
+if part python; then
 
 # Control: without fences the race must be caught.
-out=$(CACHEALLOC_CONF=reuse:immediate LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
+out=$(CACHEALLOC_CONF=reuse:immediate,expandable_segments:False LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
 if grep -q "overwritten by the old work" <<< "$out"; then pass "race control (reuse:immediate is caught)"; else fail "race control"; echo "$out" | tail -3; fi
 
 # Python through ctypes: the runtime PyTorch ships.
@@ -144,6 +174,9 @@ else
     fail "python stacks (no libcudart.so.13 or no cachealloc binary in $(dirname "$LIB"))"
 fi
 
+fi
+
+if part tools; then
 # The tools on a PyTorch run's trace: summary, and a snapshot PyTorch's own viewer code reads.
 # (_memory_viz's `segments` and `memory` download flamegraph.pl, which this machine cannot.)
 if [ -x "$CA" ]; then
@@ -164,6 +197,9 @@ if [ -x "$CA" ]; then
     fi
 fi
 
+fi
+
+if part torch; then
 # PyTorch's CUDA graphs and memory API under the shim, as without it.
 out=$(LD_PRELOAD="$LIB" timeout 300 python3 "$WORK/graphs.py" 2>&1)
 echo "$out" | grep -E '^(graphs|cachealloc:)'
@@ -174,19 +210,9 @@ if grep -q '^api result=PASS' <<< "$out"; then pass "torch_memory_api.py"; else 
 
 # PyTorch's features that live in its native allocator (issue 22), natively and under the shim:
 # each script's checks must all pass under the shim where they all pass natively.
-both() {
-    local script=$1 tag=$2; shift 2
-    local native shim
-    native=$(LABEL=native timeout 300 python3 "scripts/gpu/$script" 2>&1 | grep -E "^$tag .*passed=")
-    shim=$(LABEL=shim env "$@" LD_PRELOAD="$LIB" timeout 300 python3 "scripts/gpu/$script" 2>&1 | grep -E "^$tag |^cachealloc:")
-    echo "native: $native"; echo "$shim" | grep -v "ok=True"
-    local n s
-    n=$(sed -n 's/.*passed=\([0-9]*\/[0-9]*\).*/\1/p' <<< "$native")
-    s=$(sed -n 's/.*passed=\([0-9]*\/[0-9]*\).*/\1/p' <<< "$shim" | tail -1)
-    if [ -n "$s" ] && [ "$n" = "$s" ] && [ "${s%/*}" = "${s#*/}" ]; then pass "$script $* $s"; else fail "$script $* native=$n shim=$s"; fi
-}
 both mem_pools.py mem_pools
 both ipc_torch.py ipc
+both ipc_torch.py ipc CACHEALLOC_CONF=expandable_segments:False
 both memory_history.py memory_api
 both torch_settings.py torch_settings
 # Tensors in expandable segments (mapped memory, shared through POSIX file descriptors): natively
@@ -198,23 +224,57 @@ echo "native: $native"; echo "$shim" | grep -v "ok=True"
 n=$(sed -n 's/.*passed=\([0-9]*\/[0-9]*\).*/\1/p' <<< "$native")
 s=$(sed -n 's/.*passed=\([0-9]*\/[0-9]*\).*/\1/p' <<< "$shim" | tail -1)
 if [ -n "$s" ] && [ "$n" = "$s" ] && [ "${s%/*}" = "${s#*/}" ]; then pass "ipc_torch.py expandable segments $s"; else fail "ipc_torch.py expandable segments native=$n shim=$s"; fi
+fi
+
+if part multi; then
+# Two GPUs (each check skips itself on one): the C programs across devices, peer access to fixed
+# and mapped memory (and the race mode), PyTorch on two devices; a consumer process on GPU 1 of
+# tensors from GPU 0 (the default, fixed and expandable segments); a graph captured on GPU 1
+# while GPU 0 trains; a MemPool on both.
+run multi_gpu "$FIXED" --
+run multi_gpu X=1 --
+run peer_access X=1 --
+run multi_gpu "$EXP" --
+run peer_access "$EXP" --
+run peer_access "$EXP" -- pool
+run peer_access "$EXP" -- race
+run peer_access "$FIXED" -- pool-fixed
+run_py peer_access.py expandable_segments:True
+run_py peer_access.py expandable_segments:False
+run_py multi_gpu_torch.py ""
+run_py multi_gpu_torch.py expandable_segments:False
+run_py multi_gpu_torch.py expandable_segments:True
+BOTH_ENV=CONSUMER_DEVICE=1 both ipc_torch.py ipc
+BOTH_ENV=CONSUMER_DEVICE=1 both ipc_torch.py ipc CACHEALLOC_CONF=expandable_segments:False
+BOTH_ENV=CONSUMER_DEVICE=1 NATIVE_ENV=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True both ipc_torch.py ipc CACHEALLOC_CONF=expandable_segments:True
+both multi_gpu_features.py multi_gpu_features
+both multi_gpu_features.py multi_gpu_features CACHEALLOC_CONF=expandable_segments:False
+fi
+
+if part categories; then
 # Memory by category (issue 23): cachealloc's categories against the program's own count.
 out=$(scripts/gpu/categories.sh "$(dirname "$LIB")" 2>&1)
 echo "$out" | grep -Ev '^(PASS|FAIL) '
 for m in llama cnn; do
     if grep -q "^PASS categories $m" <<< "$out"; then pass "categories $m"; else fail "categories $m"; fi
 done
+fi
+
+if part compile; then
 out=$(ROUNDS=2 CALLS=10 LD_PRELOAD="$LIB" timeout 400 python3 scripts/gpu/compile_reduce_overhead.py 2>&1 | grep '^workload=')
 echo "$out"
 if grep -q "ok=True" <<< "$out"; then pass "torch.compile reduce-overhead on a transformers GPT-2"; else fail "compile_reduce_overhead.py"; fi
 
+fi
+
+if part training; then
 # Training: losses with and without the shim agree, with fixed and with expandable segments.
 for w in mlp_train gpt2_train multistream infer_varbatch; do
     script="$WORK/$w.py"; [ -f "$script" ] || script="scripts/gpu/$w.py"
     native=$(python3 "$script" 2>&1 | grep '^workload=')
     a=$(echo "$native" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p')
     echo "native: $native"
-    for conf in "" expandable_segments:True; do
+    for conf in "" expandable_segments:False; do
         shim=$(CACHEALLOC_CONF="$conf" LD_PRELOAD="$LIB" python3 "$script" 2>&1 | grep -E '^(workload=|cachealloc:)')
         echo "shim $conf: $shim"
         b=$(echo "$shim" | sed -n 's/.*loss=\([0-9.e+-]*\).*/\1/p')
@@ -225,5 +285,6 @@ for w in mlp_train gpt2_train multistream infer_varbatch; do
         fi
     done
 done
+fi
 [ "$FAILED" = 0 ] && echo "ALL PASSED" || echo "SOME FAILED"
 exit "$FAILED"

@@ -1,37 +1,65 @@
 #!/usr/bin/env bash
 # Multi-GPU DDP under the shim against PyTorch native (run on a machine with 2 GPUs, from the
-# repository root):   scripts/gpu/ddp.sh LIBDIR WORKLOADS [REPEATS]
-# Runs WORKLOADS/ddp_gpt2.py with torchrun on 2 ranks, native and under the shim alternating,
-# REPEATS times; prints each run's line, then median step time and peak reserved (rank 0, as
-# torch reports it: under the shim, its pools' peak through the default pool's attributes)
-# and their ratios, and whether the losses agree. With EXPANDABLE=1, a third run per round,
-# shim_exp, has CACHEALLOC_CONF=expandable_segments:True.
+# repository root):   scripts/gpu/ddp.sh LIBDIR WORKLOADS [ROUNDS]
+# Runs WORKLOADS/ddp_gpt2.py with torchrun on 2 ranks (through ddp_per_rank.py, which adds each
+# rank's peaks), each configuration of LABELS in its own job, ROUNDS rounds in a rotating
+# order. Labels: native (PyTorch's caching allocator); shim (the shim's default configuration:
+# trace on, Python stacks, categories, expandable segments); shim_fixed
+# (`expandable_segments:False`); shim_notrace (`trace:off`). Prints the lines, then for each
+# shim label the median step time and rank 0's peak reserved against native's with the paired
+# rounds' 95 % interval (ratio_ci.py), each rank's median peaks, and whether the losses equal
+# native's. LOG=FILE keeps the lines.
 set -uo pipefail
 LIB="$(realpath "$1")/libcachealloc.so"
 WORK="$(realpath "$2")"
-REPEATS=${3:-3}
+ROUNDS=${3:-3}
+read -r -a LABELS <<< "${LABELS:-native shim shim_fixed}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-LOG=$(mktemp)
-for r in $(seq "$REPEATS"); do
-    LABEL=native torchrun --nproc_per_node=2 "$WORK/ddp_gpt2.py" 2>&1 | grep '^workload=' | tee -a "$LOG"
-    LABEL=shim CACHEALLOC_CONF=log:quiet,trace:off LD_PRELOAD="$LIB" torchrun --nproc_per_node=2 "$WORK/ddp_gpt2.py" 2>&1 \
-        | grep '^workload=' | tee -a "$LOG"
-    if [ "${EXPANDABLE:-0}" = 1 ]; then
-        LABEL=shim_exp CACHEALLOC_CONF=log:quiet,trace:off,expandable_segments:True LD_PRELOAD="$LIB" \
-            torchrun --nproc_per_node=2 "$WORK/ddp_gpt2.py" 2>&1 | grep '^workload=' | tee -a "$LOG"
-    fi
+LOG=${LOG:-$(mktemp)}
+TRACES=$(mktemp -d)
+conf() {
+    case $1 in
+        shim) echo "log:quiet,trace_dir:$TRACES";;
+        shim_fixed) echo "log:quiet,trace_dir:$TRACES,expandable_segments:False";;
+        shim_notrace) echo "log:quiet,trace:off";;
+        shim_exp) echo "log:quiet,trace_dir:$TRACES,expandable_segments:True";;
+    esac
+}
+n=${#LABELS[@]}
+for r in $(seq 0 $((ROUNDS - 1))); do
+    for i in $(seq 0 $((n - 1))); do
+        label=${LABELS[$(((i + r) % n))]}
+        if [ "$label" = native ]; then
+            LABEL=native torchrun --nproc_per_node=2 scripts/gpu/ddp_per_rank.py "$WORK/ddp_gpt2.py" 2>&1 \
+                | grep -E '^(workload=|rank_peak )' | tee -a "$LOG"
+        else
+            LABEL=$label CACHEALLOC_CONF=$(conf "$label") LD_PRELOAD="$LIB" \
+                torchrun --nproc_per_node=2 scripts/gpu/ddp_per_rank.py "$WORK/ddp_gpt2.py" 2>&1 \
+                | grep -E '^(workload=|rank_peak |cachealloc: .*(error|failed))' | tee -a "$LOG"
+        fi
+        rm -rf "${TRACES:?}"/*
+    done
 done
-LABELS=(shim); [ "${EXPANDABLE:-0}" = 1 ] && LABELS+=(shim_exp)
-python3 scripts/gpu/medians.py "$LOG" native "${LABELS[@]}"
+for label in "${LABELS[@]}"; do
+    [ "$label" = native ] && continue
+    python3 scripts/gpu/ratio_ci.py "$LOG" native "$label"
+    python3 scripts/gpu/ratio_ci.py "$LOG" native "$label" torch_max_reserved_MB
+done
 python3 - "$LOG" <<'PY'
 import re, statistics, sys
 rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in open(sys.argv[1])]
-labels = [l for l in ("native", "shim", "shim_exp") if any(r.get("label") == l for r in rows)]
-def med(label):
-    return statistics.median(float(r["torch_max_reserved_MB"]) for r in rows if r.get("label") == label)
-losses = {label: {r["loss_sum"] for r in rows if r.get("label") == label} for label in labels}
-for label in labels[1:]:
-    print(f"memory workload=ddp_gpt2 label={label} native_reserved_MB={med('native'):.1f} "
-          f"{label}_reserved_MB={med(label):.1f} reserved_ratio={med(label) / med('native'):.3f} "
-          f"losses_equal={losses['native'] == losses[label]}")
+steps = [r for r in rows if "step_ms" in r]
+peaks = [r for r in rows if "rank" in r]
+labels = list(dict.fromkeys(r["label"] for r in steps))
+for label in labels:
+    for rank in sorted({r["rank"] for r in peaks}):
+        mine = [r for r in peaks if r["label"] == label and r["rank"] == rank]
+        if mine:
+            print(f"rank_peaks label={label} rank={rank} runs={len(mine)} "
+                  f"reserved_MB={statistics.median(float(r['torch_max_reserved_MB']) for r in mine):.1f} "
+                  f"allocated_MB={statistics.median(float(r['torch_max_allocated_MB']) for r in mine):.1f}")
+losses = {label: {r["loss_sum"] for r in steps if r["label"] == label} for label in labels}
+for label in labels:
+    if label != "native" and "native" in losses:
+        print(f"losses label={label} equal_to_native={losses[label] == losses['native']} {sorted(losses[label])}")
 PY

@@ -10,6 +10,10 @@ live in mapped memory, shared through POSIX file descriptors; EXPANDABLE=1 adds 
 producer's tensor really lies in mapped memory (its range is not a `cudaMalloc` allocation:
 `cuMemGetAddressRange` then names a mapping, which `cuPointerGetAttribute`'s MAPPED says).
 
+With CONSUMER_DEVICE=1 (two GPUs) the consumer runs on GPU 1: it copies each tensor it receives
+from the producer's GPU 0 to its own device before checking it, and its write back is a copy from
+GPU 1 into the producer's memory.
+
 Prints one line per check, `ipc label=L check=NAME ok=True|False detail=...`, and a last
 `ipc label=L passed=N/M`.
 """
@@ -25,26 +29,39 @@ label = os.environ.get("LABEL", "-")
 ROUNDS = 200
 
 
+CONSUMER_DEVICE = int(os.environ.get("CONSUMER_DEVICE", "0"))
+
+
+def mine(t):
+    """The received tensor on the consumer's own device (a copy across GPUs where they differ)."""
+    return t.to(f"cuda:{CONSUMER_DEVICE}")
+
+
 def consumer(queue, done, results):
+    torch.cuda.set_device(CONSUMER_DEVICE)
     torch.cuda.init()
     ok = True
     # 1. Values and a write back.
     t, expected = queue.get()
-    ok &= bool(torch.equal(t.cpu(), expected))
-    t.mul_(2)
+    ok &= bool(torch.equal(mine(t).cpu(), expected))
+    if CONSUMER_DEVICE == t.device.index:
+        t.mul_(2)
+    else:
+        t.copy_(mine(t) * 2)
+    torch.cuda.synchronize(t.device)
     torch.cuda.synchronize()
     del t
     done.put("wrote")
     # 2. Views into one allocation.
     views = queue.get()
-    ok &= all(float(v.sum()) == float(i) * v.numel() for i, v in enumerate(views))
+    ok &= all(float(mine(v).sum()) == float(i) * v.numel() for i, v in enumerate(views))
     del views
     done.put("views")
     # 3. Many round trips: hold each tensor until the next arrives.
     held = None
     for i in range(ROUNDS):
         t = queue.get()
-        ok &= float(t[0, 0]) == float(i)
+        ok &= float(mine(t)[0, 0]) == float(i)
         held = t
     del held, t
     torch.cuda.synchronize()
@@ -71,6 +88,9 @@ def main():
         results.append(bool(ok))
         print(f"ipc label={label} check={name} ok={bool(ok)} detail={detail}", flush=True)
 
+    if CONSUMER_DEVICE >= torch.cuda.device_count():
+        print(f"ipc label={label} passed=0/0 skipped: no GPU {CONSUMER_DEVICE}", flush=True)
+        return 0
     queue, done, out = mp.Queue(), mp.Queue(), mp.Queue()
     if os.environ.get("EXPANDABLE"):
         x = torch.ones(1 << 20, device="cuda")

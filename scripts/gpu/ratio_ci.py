@@ -13,8 +13,8 @@ log, anchor, other = sys.argv[1], sys.argv[2], sys.argv[3]
 field = sys.argv[4] if len(sys.argv) > 4 else "step_ms"
 rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in open(log)]
 for w in dict.fromkeys(r["workload"] for r in rows if "workload" in r):
-    a = [float(r[field]) for r in rows if r.get("workload") == w and r.get("label") == anchor]
-    b = [float(r[field]) for r in rows if r.get("workload") == w and r.get("label") == other]
+    a = [float(r[field]) for r in rows if r.get("workload") == w and r.get("label") == anchor and field in r]
+    b = [float(r[field]) for r in rows if r.get("workload") == w and r.get("label") == other and field in r]
     n = min(len(a), len(b))
     if n == 0:
         continue

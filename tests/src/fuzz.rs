@@ -3,7 +3,7 @@
 //! runs over the kept corpus and seeded random inputs. Each function panics when the property
 //! it names is broken; anything else it is given is fine.
 
-use cachealloc_core::{Allocator, AllocatorConfig, Config, FenceMode, SimDevice};
+use cachealloc_core::{Allocator, AllocatorConfig, Config, Expandable, FenceMode, SimDevice};
 
 /// The configuration parser: never panics; a configuration it accepts prints (`to_conf_string`)
 /// as text it accepts again, to the same allocator settings.
@@ -35,10 +35,16 @@ pub fn trace_file(bytes: &[u8]) {
 /// The allocator core under an arbitrary operation sequence (2 bytes per operation) on a
 /// simulated device whose fences complete only when told: the invariants hold after every
 /// operation, live blocks never overlap, and a free of a live block always succeeds. With
-/// expandable segments (the first byte's second bit), live blocks also never share memory
-/// (moved memory is mapped at several places) and always have memory behind them.
+/// expandable segments (the first byte's second bit; its third keeps the synchronous API's
+/// requests in fixed segments), live blocks also never share memory (moved memory is mapped at
+/// several places) and always have memory behind them.
 pub fn allocator_ops(bytes: &[u8]) {
     let expandable = bytes.first().is_some_and(|b| b & 2 == 2);
+    let mode = match bytes.first() {
+        Some(b) if b & 2 == 2 && b & 4 == 4 => Expandable::StreamOrdered,
+        Some(b) if b & 2 == 2 => Expandable::On,
+        _ => Expandable::Off,
+    };
     let mut device = SimDevice::with_fence_mode(512 << 20, FenceMode::Manual);
     if expandable {
         device = device.with_map_granularity(2 << 20);
@@ -49,7 +55,7 @@ pub fn allocator_ops(bytes: &[u8]) {
         } else {
             u64::MAX
         },
-        expandable_segments: expandable,
+        expandable_segments: mode,
         ..AllocatorConfig::default()
     };
     let alloc = Allocator::new(device, config);

@@ -83,7 +83,7 @@ fn a_device_without_virtual_memory_gets_fixed_segments() {
     out.assert_pooled("threads");
     assert_eq!(
         out.stderr
-            .matches("expandable_segments:True ignored")
+            .matches("expandable segments unavailable on device 0")
             .count(),
         1,
         "{}",

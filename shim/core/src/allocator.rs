@@ -40,7 +40,7 @@ use std::fmt;
 use spin::mutex::{SpinMutex, SpinMutexGuard};
 use spin::relax::Yield;
 
-use crate::config::AllocatorConfig;
+use crate::config::{AllocatorConfig, Expandable};
 use crate::device::{Device, DeviceError};
 use crate::events::{Event, Observer};
 use crate::oom::OomReport;
@@ -136,13 +136,14 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         let total = device.mem_info().total;
         let limit = (total as f64 * config.per_process_memory_fraction) as u64;
         let mut pools = Pools::new(&config);
-        if config.expandable_segments
+        if config.expandable_segments.any()
             && let Some(granularity) = device.map_granularity()
         {
             pools.enable_expandable(Geometry {
                 moves: device.can_alias(),
                 ..Geometry::for_device(granularity, total)
             });
+            pools.set_synchronous_fixed(config.expandable_segments == Expandable::StreamOrdered);
         }
         Allocator {
             pools: Lock::new(pools),
@@ -228,7 +229,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         changes: &mut SegmentChanges,
         is_retry: bool,
     ) -> Served<'a, D::Fence> {
-        if pools.grows_expandable() {
+        if pools.grows_expandable_for(request.stream) {
             return self.map_and_serve(pools, request, changes, is_retry);
         }
         let (grown, mut pools) = self.grow(pools, request.segment_size, is_retry);
@@ -254,7 +255,8 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         self.limit
     }
 
-    /// Whether the allocator grows expandable segments (asked for, and the device can map).
+    /// Whether the allocator grows expandable segments (asked for, and the device can map), for
+    /// stream-ordered requests at least (see [`Expandable`]).
     pub fn expandable(&self) -> bool {
         self.pools.lock().grows_expandable()
     }
@@ -439,7 +441,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         pools.stats.num_ooms += 1;
         // With expandable segments, what the device could not give is the request's granules.
         let segment_size = match pools.expandable() {
-            Some(geometry) if pools.grows_expandable() => {
+            Some(geometry) if pools.grows_expandable_for(request.stream) => {
                 sizes::round_up(rounded, geometry.granularity)
             }
             _ => segment_size,

@@ -33,6 +33,38 @@ pub enum ReusePolicy {
     Immediate,
 }
 
+/// Which allocations grow the pools by mapping memory into expandable segments (CUDA's virtual
+/// memory), `expandable_segments`; where the device cannot map, every kind is fixed segments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expandable {
+    /// `False`: fixed segments (`cudaMalloc`'s) for everything.
+    Off,
+    /// The default (`stream_ordered`): stream-ordered allocations (`cudaMallocAsync`,
+    /// `cuMemAllocAsync`: PyTorch's route) map into expandable segments; the synchronous API
+    /// (`cudaMalloc`, `cuMemAlloc`) keeps fixed segments, whose pointers answer the driver as a
+    /// `cudaMalloc`'s do (`cudaIpcGetMemHandle`, their context, their allocation's range).
+    /// Natively stream-ordered memory comes from the driver's pools, which never answered so.
+    StreamOrdered,
+    /// `True`: expandable segments for every allocation, as PyTorch's `expandable_segments:True`.
+    On,
+}
+
+impl Expandable {
+    /// Whether the pools may map at all.
+    pub fn any(self) -> bool {
+        self != Expandable::Off
+    }
+
+    /// The value as the configuration writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Expandable::Off => "False",
+            Expandable::StreamOrdered => "stream_ordered",
+            Expandable::On => "True",
+        }
+    }
+}
+
 /// Which stacks the recorder captures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StackMode {
@@ -90,7 +122,7 @@ pub struct AllocatorConfig {
     /// Fraction of device memory this process may reserve (`per_process_memory_fraction`).
     pub per_process_memory_fraction: f64,
     /// `expandable_segments`.
-    pub expandable_segments: bool,
+    pub expandable_segments: Expandable,
     /// `reuse`.
     pub reuse: ReusePolicy,
 }
@@ -151,7 +183,7 @@ impl Default for AllocatorConfig {
             roundup: Roundup::None,
             garbage_collection_threshold: 0.0,
             per_process_memory_fraction: 1.0,
-            expandable_segments: false,
+            expandable_segments: Expandable::StreamOrdered,
             reuse: ReusePolicy::Auto,
         }
     }
@@ -217,6 +249,21 @@ impl Config {
     pub fn parse(text: &str, source_name: &str) -> Result<Config, ConfigError> {
         let mut config = Config::default();
         config.apply(text, source_name)?;
+        Ok(config)
+    }
+
+    /// Parse the allocator configuration a trace header recorded
+    /// ([`AllocatorConfig::to_conf_string`]). Traces of cachealloc 0.6 and before were written
+    /// when fixed segments were the default and named `expandable_segments` only when it was on:
+    /// there its absence means `False`.
+    pub fn parse_recorded(text: &str, source_name: &str) -> Result<Config, ConfigError> {
+        let mut config = Config::parse(text, source_name)?;
+        let named = split_entries(text, source_name)?
+            .iter()
+            .any(|(key, _)| *key == "expandable_segments");
+        if !named {
+            config.allocator.expandable_segments = Expandable::Off;
+        }
         Ok(config)
     }
 
@@ -321,9 +368,12 @@ impl AllocatorConfig {
                 self.per_process_memory_fraction
             ));
         }
-        if self.expandable_segments {
-            parts.push("expandable_segments:True".to_string());
-        }
+        // Always written: traces before 0.7 (fixed segments by default) wrote it only when on,
+        // and a reader tells them apart by its absence (`Config::parse_recorded`).
+        parts.push(format!(
+            "expandable_segments:{}",
+            self.expandable_segments.as_str()
+        ));
         parts.push(format!("reuse:{}", self.reuse));
         parts.join(",")
     }

@@ -76,7 +76,7 @@ pub mod sizes;
 pub mod stats;
 
 pub use allocator::{AllocError, Allocator, SegmentChanges};
-pub use config::{AllocatorConfig, Config, ConfigError, ReusePolicy};
+pub use config::{AllocatorConfig, Config, ConfigError, Expandable, ReusePolicy};
 pub use device::{Device, DeviceError, MemInfo, SharedLimit};
 pub use events::{Event, Observer};
 pub use oom::{OomReport, format_bytes};

@@ -322,6 +322,9 @@ pub struct Pools<F> {
     /// the program may switch at run time, and both kinds then live side by side: each block
     /// follows the rules of its own segment's kind).
     grows_expandable: bool,
+    /// Whether the synchronous API's requests grow by fixed segments even while
+    /// `grows_expandable` ([`Pools::set_synchronous_fixed`]).
+    synchronous_fixed: bool,
     /// The expandable segments: stream, pool, segment.
     ranges: Vec<(u64, PoolKind, SegmentId)>,
     /// The live mappings of expandable segments, by address: one per map, unmapped whole.
@@ -364,6 +367,7 @@ impl<F: Clone> Pools<F> {
             growing: 0,
             expandable: None,
             grows_expandable: false,
+            synchronous_fixed: false,
             ranges: Vec::new(),
             mappings: BTreeMap::new(),
             parked: BTreeMap::new(),

@@ -505,7 +505,7 @@ impl CudaDevice {
             Err(why) => {
                 if !SAID.swap(true, Ordering::Relaxed) {
                     crate::log::info!(
-                        "expandable_segments:True ignored on device {}: {why}; using fixed \
+                        "expandable segments unavailable on device {}: {why}; using fixed \
                          segments",
                         self.ordinal
                     );

@@ -362,7 +362,7 @@ impl Shim {
                     driver,
                     device,
                     self.streams.clone(),
-                    config.expandable_segments,
+                    config.expandable_segments.any(),
                 ),
                 config,
                 observer,

@@ -1,7 +1,7 @@
 //! What the shim reports about itself: the exit summary, annotations (`cachealloc_annotate`)
 //! and the stats JSON (`cachealloc_stats_json`).
 
-use cachealloc_core::format_bytes;
+use cachealloc_core::{Expandable, format_bytes};
 
 use crate::log;
 use crate::process::{ExitFacts, shim, started_shim};
@@ -44,8 +44,13 @@ fn print_summary(facts: ExitFacts) {
     }
     for (device, s) in &facts.stats {
         let requests = s.num_cache_hits + s.num_device_alloc;
-        let (allocs, frees) = if facts.expandable.contains(device) {
+        let every_request_maps =
+            crate::settings::get().config.allocator.expandable_segments == Expandable::On;
+        let (allocs, frees) = if facts.expandable.contains(device) && every_request_maps {
             ("maps into expandable segments", "unmaps")
+        } else if facts.expandable.contains(device) {
+            // The default: stream-ordered requests map, `cudaMalloc`'s get fixed segments.
+            ("maps and device allocations", "unmaps and device frees")
         } else {
             ("device allocations", "device frees")
         };

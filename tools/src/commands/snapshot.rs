@@ -325,13 +325,13 @@ fn segments<'a>(
 /// `allocator_settings`, from the recorded configuration (PyTorch writes `SIZE_MAX`, read as
 /// -1, for an unlimited `max_split_size`).
 fn settings(conf: &str) -> Settings {
-    let config = Config::parse(conf, "the trace header").unwrap_or_default();
+    let config = Config::parse_recorded(conf, "the trace header").unwrap_or_default();
     let a = &config.allocator;
     Settings {
         conf: conf.to_string(),
         max_split_size: i64::try_from(a.max_split_size).unwrap_or(-1),
         garbage_collection_threshold: a.garbage_collection_threshold,
-        expandable_segments: a.expandable_segments,
+        expandable_segments: a.expandable_segments.any(),
         pinned_num_register_threads: 1,
         release_lock_on_cudamalloc: false,
         pinned_use_cuda_host_register: false,

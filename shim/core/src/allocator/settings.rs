@@ -3,7 +3,7 @@
 //! ([`Allocator::set_expandable`]).
 
 use super::Allocator;
-use crate::config::AllocatorConfig;
+use crate::config::{AllocatorConfig, Expandable};
 use crate::device::Device;
 use crate::events::Observer;
 use crate::pools::expandable::Geometry;
@@ -20,16 +20,18 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// `_set_allocator_settings("expandable_segments:…")`): from now on the allocator grows by
     /// mapping into expandable segments, or by fixed segments. Segments of the other kind stay
     /// and serve what they hold, each block under its own segment's rules (Note [Expandable
-    /// segments]). Returns whether it grows expandable segments now (not where the device
-    /// cannot map memory).
-    pub fn set_expandable(&self, on: bool) -> bool {
+    /// segments]). With [`Expandable::StreamOrdered`] only stream-ordered requests map. Returns
+    /// whether it grows expandable segments now (not where the device cannot map memory).
+    pub fn set_expandable(&self, mode: Expandable) -> bool {
         let mut pools = self.pools.lock();
-        if !on {
+        if !mode.any() {
             pools.disable_expandable();
             return false;
         }
+        let synchronous_fixed = mode == Expandable::StreamOrdered;
         if let Some(geometry) = pools.expandable() {
             pools.enable_expandable(geometry);
+            pools.set_synchronous_fixed(synchronous_fixed);
             return true;
         }
         drop(pools);
@@ -43,6 +45,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         let mut pools = self.pools.lock();
         let geometry = pools.expandable().unwrap_or(geometry);
         pools.enable_expandable(geometry);
+        pools.set_synchronous_fixed(synchronous_fixed);
         true
     }
 }

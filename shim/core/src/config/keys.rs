@@ -8,7 +8,7 @@ use super::values::{
     bad, bad_because, choose, parse_bool, parse_file_mode, parse_fraction, parse_int,
     parse_max_split, parse_roundup,
 };
-use super::{Config, LogLevel, ReusePolicy, StackMode, TorchCaching};
+use super::{Config, Expandable, LogLevel, ReusePolicy, StackMode, TorchCaching};
 
 /// One configuration key: its name, its valid values (for error messages and `--help`), whether
 /// `PYTORCH_CUDA_ALLOC_CONF` may set it (the allocator's keys), and how its value is read into
@@ -78,10 +78,16 @@ pub const KEYS: &[Key] = &[
     },
     Key {
         name: "expandable_segments",
-        valid: "True or False",
+        valid: "True, False or stream_ordered",
         from_pytorch: true,
         set: |c, k, v| {
-            c.allocator.expandable_segments = parse_bool(k, v)?;
+            c.allocator.expandable_segments = if v.eq_ignore_ascii_case("stream_ordered") {
+                Expandable::StreamOrdered
+            } else if parse_bool(k, v)? {
+                Expandable::On
+            } else {
+                Expandable::Off
+            };
             Ok(())
         },
     },

@@ -18,7 +18,7 @@ fn parses_every_kind_of_value() {
     .unwrap();
     assert_eq!(c.allocator.max_split_size, 256 << 20);
     assert_eq!(c.allocator.garbage_collection_threshold, 0.6);
-    assert!(c.allocator.expandable_segments);
+    assert_eq!(c.allocator.expandable_segments, Expandable::On);
     assert_eq!(c.allocator.reuse, ReusePolicy::Fenced);
     assert_eq!(c.allocator.per_process_memory_fraction, 0.5);
     assert!(!c.pool && !c.compress);
@@ -164,4 +164,33 @@ fn trace_mode_is_an_octal_mode_of_read_and_write_bits_keeping_the_owners() {
     for bad in ["0700", "0400", "0644x", "", "0o", "1600", "0601", "9"] {
         Config::parse(&format!("trace_mode:{bad}"), "t").unwrap_err();
     }
+}
+
+#[test]
+fn expandable_segments_for_stream_ordered_allocations_are_the_default_and_recorded() {
+    assert_eq!(
+        Config::default().allocator.expandable_segments,
+        Expandable::StreamOrdered
+    );
+    for (text, want) in [
+        ("expandable_segments:False", Expandable::Off),
+        ("expandable_segments:True", Expandable::On),
+        (
+            "expandable_segments:stream_ordered",
+            Expandable::StreamOrdered,
+        ),
+    ] {
+        let c = Config::parse(text, "t").unwrap();
+        assert_eq!(c.allocator.expandable_segments, want, "{text}");
+        let recorded = c.allocator.to_conf_string();
+        let again = Config::parse_recorded(&recorded, "t").unwrap();
+        assert_eq!(again.allocator, c.allocator, "{recorded}");
+    }
+    // A trace of 0.6 or before named the key only when it was on.
+    let old = Config::parse_recorded("reuse:auto", "t").unwrap();
+    assert_eq!(old.allocator.expandable_segments, Expandable::Off);
+    let old = Config::parse_recorded("expandable_segments:True,reuse:auto", "t").unwrap();
+    assert_eq!(old.allocator.expandable_segments, Expandable::On);
+    let e = Config::parse("expandable_segments:sometimes", "t").unwrap_err();
+    assert!(e.to_string().contains("stream_ordered"), "{e}");
 }

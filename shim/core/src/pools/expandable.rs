@@ -206,10 +206,18 @@ impl Unmapping {
 }
 
 impl<F: Clone> Pools<F> {
-    /// Grow by mapping memory into expandable segments of this geometry from now on.
+    /// Grow by mapping memory into expandable segments of this geometry from now on, for every
+    /// request (until [`Pools::set_synchronous_fixed`]).
     pub fn enable_expandable(&mut self, geometry: Geometry) {
         self.expandable = Some(geometry);
         self.grows_expandable = true;
+        self.synchronous_fixed = false;
+    }
+
+    /// Whether requests of the synchronous API ([`NO_STREAM`]) keep growing by fixed segments
+    /// while stream-ordered ones map ([`Expandable::StreamOrdered`](crate::Expandable)).
+    pub fn set_synchronous_fixed(&mut self, fixed: bool) {
+        self.synchronous_fixed = fixed;
     }
 
     /// Grow by fixed segments from now on (`expandable_segments:False` at run time); the
@@ -224,9 +232,15 @@ impl<F: Clone> Pools<F> {
         self.expandable
     }
 
-    /// Whether the pools grow by mapping into expandable segments now.
+    /// Whether the pools grow by mapping into expandable segments now (stream-ordered requests
+    /// at least).
     pub fn grows_expandable(&self) -> bool {
         self.grows_expandable
+    }
+
+    /// Whether a request for `stream` grows by mapping into an expandable segment now.
+    pub fn grows_expandable_for(&self, stream: u64) -> bool {
+        self.grows_expandable && !(self.synchronous_fixed && stream == NO_STREAM)
     }
 
     /// A reserved range at `address` becomes a range of `stream` for requests like `rounded`;

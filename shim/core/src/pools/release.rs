@@ -186,11 +186,17 @@ impl<F: Clone> Pools<F> {
             stats.active_bytes.decrease(b.pool, b.size);
             stats.requested_bytes.decrease(b.pool, b.requested);
         }
-        let (fencing, expandable, grows) = (self.fencing, self.expandable, self.grows_expandable);
+        let (fencing, expandable, grows, synchronous_fixed) = (
+            self.fencing,
+            self.expandable,
+            self.grows_expandable,
+            self.synchronous_fixed,
+        );
         *self = Pools::new(&config);
         self.fencing = fencing;
         self.expandable = expandable;
         self.grows_expandable = grows;
+        self.synchronous_fixed = synchronous_fixed;
         self.stats = stats;
     }
 }

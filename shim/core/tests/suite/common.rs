@@ -5,17 +5,26 @@ use std::sync::Mutex;
 
 use cachealloc_core::sizes::Roundup;
 use cachealloc_core::{
-    AllocError, Allocation, Allocator, AllocatorConfig, BlockState, Event, FenceMode, Freed,
-    NO_STREAM, Observer, ReusePolicy, SegmentChanges, SimDevice, Stats,
+    AllocError, Allocation, Allocator, AllocatorConfig, BlockState, Event, Expandable, FenceMode,
+    Freed, NO_STREAM, Observer, ReusePolicy, SegmentChanges, SimDevice, Stats,
 };
 
 pub(crate) const MIB: u64 = 1 << 20;
 
+/// Fixed segments (`expandable_segments:False`) with the other keys at their defaults: the
+/// configuration of the tests of PyTorch's segment rules (the default is expandable segments).
+pub(crate) fn fixed() -> AllocatorConfig {
+    AllocatorConfig {
+        expandable_segments: Expandable::Off,
+        ..AllocatorConfig::default()
+    }
+}
+
 /// The config presets every suite runs over.
 pub(crate) fn presets() -> Vec<(&'static str, AllocatorConfig)> {
-    let base = AllocatorConfig::default();
+    let base = fixed();
     vec![
-        ("default", base.clone()),
+        ("fixed", base.clone()),
         (
             "max_split",
             AllocatorConfig {
@@ -61,14 +70,14 @@ pub(crate) fn presets() -> Vec<(&'static str, AllocatorConfig)> {
         (
             "expandable",
             AllocatorConfig {
-                expandable_segments: true,
+                expandable_segments: Expandable::On,
                 ..base.clone()
             },
         ),
         (
             "expandable_all",
             AllocatorConfig {
-                expandable_segments: true,
+                expandable_segments: Expandable::On,
                 max_split_size: 64 * MIB,
                 roundup: Roundup::Uniform(2),
                 garbage_collection_threshold: 0.8,

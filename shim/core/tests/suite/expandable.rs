@@ -5,15 +5,16 @@
 
 use cachealloc_core::sim::FenceMode;
 use cachealloc_core::{
-    AllocError, Allocator, AllocatorConfig, BlockState, NO_STREAM, ReusePolicy, SimDevice,
+    AllocError, Allocator, AllocatorConfig, BlockState, Expandable, NO_STREAM, ReusePolicy,
+    SimDevice,
 };
 
-use crate::common::{Checked, GRANULARITY, MIB};
+use crate::common::{Checked, GRANULARITY, MIB, fixed};
 
 fn expandable() -> AllocatorConfig {
     AllocatorConfig {
-        expandable_segments: true,
-        ..AllocatorConfig::default()
+        expandable_segments: Expandable::On,
+        ..fixed()
     }
 }
 
@@ -65,11 +66,11 @@ fn a_variable_workload_reserves_less_than_with_fixed_segments() {
         }
         (peak_reserved, peak_allocated)
     };
-    let (fixed, _) = run(AllocatorConfig::default());
+    let (fixed_peak, _) = run(fixed());
     let (expandable, allocated) = run(expandable());
     assert!(
-        expandable < fixed,
-        "expandable {expandable} vs fixed {fixed} bytes"
+        expandable < fixed_peak,
+        "expandable {expandable} vs fixed {fixed_peak} bytes"
     );
     assert!(
         expandable <= allocated + 2 * GRANULARITY,
@@ -512,7 +513,7 @@ fn parked_places_are_bounded_when_memory_keeps_moving() {
 /// rules (the invariants hold after every step).
 #[test]
 fn expandable_segments_switched_at_run_time_live_beside_fixed_ones() {
-    let c = Checked::new(1 << 34, AllocatorConfig::default());
+    let c = Checked::new(1 << 34, fixed());
     let in_expandable = |address: u64| {
         c.alloc
             .snapshot()
@@ -523,7 +524,10 @@ fn expandable_segments_switched_at_run_time_live_beside_fixed_ones() {
     };
     let fixed = c.malloc(30 * MIB);
     assert!(!in_expandable(fixed.address));
-    assert!(c.alloc.set_expandable(true), "the simulated device can map");
+    assert!(
+        c.alloc.set_expandable(Expandable::On),
+        "the simulated device can map"
+    );
     assert!(c.alloc.expandable());
     let mapped = c.malloc(30 * MIB);
     assert!(
@@ -536,7 +540,7 @@ fn expandable_segments_switched_at_run_time_live_beside_fixed_ones() {
     // The fixed segment's free 30 MiB block still serves a request its rules allow.
     let again = c.malloc(30 * MIB);
     assert_eq!(again.address, fixed.address);
-    assert!(!c.alloc.set_expandable(false));
+    assert!(!c.alloc.set_expandable(Expandable::Off));
     assert!(!c.alloc.expandable());
     let grown = c.malloc(50 * MIB);
     assert!(
@@ -549,7 +553,7 @@ fn expandable_segments_switched_at_run_time_live_beside_fixed_ones() {
     c.empty_cache();
     assert_eq!(reserved(&c), 0, "empty_cache gives back both kinds");
     assert!(
-        c.alloc.set_expandable(true),
+        c.alloc.set_expandable(Expandable::On),
         "and on again, with the geometry kept"
     );
     let last = c.malloc(3 * MIB);
@@ -559,9 +563,9 @@ fn expandable_segments_switched_at_run_time_live_beside_fixed_ones() {
 
 #[test]
 fn expandable_segments_at_run_time_need_a_device_that_maps() {
-    let c = Checked::on(SimDevice::new(1 << 30), AllocatorConfig::default());
+    let c = Checked::on(SimDevice::new(1 << 30), fixed());
     assert!(
-        !c.alloc.set_expandable(true),
+        !c.alloc.set_expandable(Expandable::On),
         "no virtual memory: fixed segments"
     );
     assert!(!c.alloc.expandable());

@@ -3,7 +3,7 @@
 
 use cachealloc_core::{AllocatorConfig, BlockState, ReusePolicy};
 
-use crate::common::{Checked, MIB};
+use crate::common::{Checked, MIB, fixed};
 
 /// Fill the rest of the small segment that begins with a 4 KiB block (small-pool requests only).
 fn fill_small_segment(c: &Checked) {
@@ -16,7 +16,7 @@ fn fenced() -> Checked {
         1 << 34,
         AllocatorConfig {
             reuse: ReusePolicy::Fenced,
-            ..AllocatorConfig::default()
+            ..fixed()
         },
     )
 }
@@ -102,7 +102,7 @@ fn immediate_reuse_hands_the_block_back_at_once() {
         1 << 34,
         AllocatorConfig {
             reuse: ReusePolicy::Immediate,
-            ..AllocatorConfig::default()
+            ..fixed()
         },
     );
     let a = c.malloc(4096);
@@ -118,7 +118,7 @@ fn immediate_reuse_hands_the_block_back_at_once() {
 
 #[test]
 fn auto_gates_cached_blocks_at_the_first_stream() {
-    let c = Checked::manual(1 << 34, AllocatorConfig::default());
+    let c = Checked::manual(1 << 34, fixed());
     assert_eq!(c.alloc.config().reuse, ReusePolicy::Auto);
     let a = c.malloc(4096);
     fill_small_segment(&c);
@@ -140,7 +140,7 @@ fn auto_gates_cached_blocks_at_the_first_stream() {
 
 #[test]
 fn gate_completes_through_polling() {
-    let c = Checked::manual(1 << 34, AllocatorConfig::default());
+    let c = Checked::manual(1 << 34, fixed());
     let a = c.malloc(4096);
     c.free(a.address);
     c.alloc.start_fencing().unwrap();
@@ -244,7 +244,7 @@ fn no_barrier_without_fencing() {
         1 << 34,
         AllocatorConfig {
             reuse: ReusePolicy::Immediate,
-            ..AllocatorConfig::default()
+            ..fixed()
         },
     );
     c.alloc.fence_barrier().unwrap();

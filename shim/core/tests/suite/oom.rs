@@ -3,7 +3,7 @@
 
 use cachealloc_core::{AllocError, AllocatorConfig, OomReport, PoolKind};
 
-use crate::common::{Checked, MIB};
+use crate::common::{Checked, MIB, fixed};
 
 fn expect_oom(c: &Checked, size: u64) -> OomReport {
     match c.try_malloc(size) {
@@ -15,7 +15,7 @@ fn expect_oom(c: &Checked, size: u64) -> OomReport {
 /// Three 20 MiB segments on a 64 MiB device, each holding three 6 MiB blocks; the middle block
 /// of every segment stays live. 4 MiB of the device stay free.
 fn fragmented() -> (Checked, Vec<Vec<u64>>) {
-    let c = Checked::new(64 * MIB, AllocatorConfig::default());
+    let c = Checked::new(64 * MIB, fixed());
     let mut segments = Vec::new();
     for _ in 0..3 {
         let blocks: Vec<u64> = (0..3).map(|_| c.malloc(6 * MIB).address).collect();
@@ -86,7 +86,7 @@ fn release_and_retry_serves_a_request_that_fits_after_release() {
 fn memory_fraction_limits_reserved_memory() {
     let config = AllocatorConfig {
         per_process_memory_fraction: 0.5,
-        ..AllocatorConfig::default()
+        ..fixed()
     };
     let c = Checked::new(100 * MIB, config);
     c.malloc(40 * MIB);
@@ -104,7 +104,7 @@ fn memory_fraction_limits_reserved_memory() {
 fn oversize_segments_are_released_before_emptying_the_cache() {
     let config = AllocatorConfig {
         max_split_size: 40 * MIB,
-        ..AllocatorConfig::default()
+        ..fixed()
     };
     let c = Checked::new(128 * MIB, config);
     let small = c.malloc(4096);
@@ -126,7 +126,7 @@ fn oversize_segments_are_released_before_emptying_the_cache() {
 fn garbage_collection_releases_old_cached_segments_before_growing() {
     let config = AllocatorConfig {
         garbage_collection_threshold: 0.5,
-        ..AllocatorConfig::default()
+        ..fixed()
     };
     let c = Checked::new(100 * MIB, config);
     let a = c.malloc(30 * MIB);
@@ -144,7 +144,7 @@ fn garbage_collection_releases_old_cached_segments_before_growing() {
 
 #[test]
 fn injected_device_failure_takes_the_retry_path() {
-    let c = Checked::new(1 << 30, AllocatorConfig::default());
+    let c = Checked::new(1 << 30, fixed());
     let a = c.malloc(12 * MIB);
     c.free(a.address);
     c.device().fail_next_allocs(1);
@@ -160,7 +160,7 @@ fn injected_device_failure_takes_the_retry_path() {
 
 #[test]
 fn a_request_larger_than_the_device_fails_cleanly() {
-    let c = Checked::new(1 << 30, AllocatorConfig::default());
+    let c = Checked::new(1 << 30, fixed());
     let report = expect_oom(&c, u64::MAX - 1);
     assert!(report.rounded >= u64::MAX - 512);
     assert_eq!(c.stats().reserved_bytes.all.current, 0);

@@ -9,7 +9,9 @@
 
 use cachealloc_core::sizes::PoolKind;
 use cachealloc_core::sizes::Roundup;
-use cachealloc_core::{AllocError, AllocatorConfig, BlockState, NO_STREAM, ReusePolicy};
+use cachealloc_core::{
+    AllocError, AllocatorConfig, BlockState, Expandable, NO_STREAM, ReusePolicy,
+};
 use proptest::prelude::*;
 
 use crate::common::{Checked, GRANULARITY, MIB};
@@ -31,7 +33,7 @@ enum Op {
     StreamCreated,
     FlushFences,
     /// The program switches expandable segments on or off at run time.
-    SetExpandable(bool),
+    SetExpandable(Expandable),
 }
 
 fn size_strategy() -> impl Strategy<Value = u64> {
@@ -65,7 +67,12 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => Just(Op::CompleteFences),
         1 => Just(Op::StreamCreated),
         1 => Just(Op::FlushFences),
-        1 => any::<bool>().prop_map(Op::SetExpandable),
+        1 => prop_oneof![
+            Just(Expandable::Off),
+            Just(Expandable::StreamOrdered),
+            Just(Expandable::On)
+        ]
+        .prop_map(Op::SetExpandable),
     ]
 }
 
@@ -85,7 +92,11 @@ fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {
             Just(ReusePolicy::Fenced),
             Just(ReusePolicy::Immediate)
         ],
-        any::<bool>(),
+        prop_oneof![
+            Just(Expandable::Off),
+            Just(Expandable::StreamOrdered),
+            Just(Expandable::On)
+        ],
     )
         .prop_map(
             |(max_split_size, roundup, gc, fraction, reuse, expandable_segments)| AllocatorConfig {
@@ -151,9 +162,12 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
     let fenced_from_start = config.reuse == ReusePolicy::Fenced;
     let auto = config.reuse == ReusePolicy::Auto;
     let immediate = config.reuse == ReusePolicy::Immediate;
+    let config_mode = config.expandable_segments;
     let c = Checked::manual(capacity, config);
     // Whether growth maps into expandable segments now (the program may switch).
     let mut grows_expandable = c.alloc.expandable();
+    // Whether the synchronous API's requests keep fixed segments meanwhile.
+    let mut synchronous_fixed = config_mode == Expandable::StreamOrdered;
     let mut live: Vec<LiveBlock> = Vec::new();
     let mut unsafe_ranges: Vec<Unsafe> = Vec::new();
     let mut fencing = fenced_from_start;
@@ -201,8 +215,9 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                     // released, the device or the limit has no room for the new segment —
                     // with expandable segments, for the granules the request still needs
                     // beyond the free memory before the best unmapped place.
-                    let needed = if grows_expandable {
-                        let stream = STREAMS[s % STREAMS.len()];
+                    let stream = STREAMS[s % STREAMS.len()];
+                    let needed = if grows_expandable && !(synchronous_fixed && stream == NO_STREAM)
+                    {
                         let needed = least_to_map(&c, report.rounded, report.pool, stream);
                         prop_assert!(needed <= report.segment_size);
                         needed
@@ -284,9 +299,10 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                 c.alloc.flush_fences().unwrap();
                 c.check();
             }
-            Op::SetExpandable(on) => {
-                grows_expandable = c.alloc.set_expandable(on);
-                prop_assert_eq!(grows_expandable, on, "the simulated device maps");
+            Op::SetExpandable(mode) => {
+                grows_expandable = c.alloc.set_expandable(mode);
+                synchronous_fixed = mode == Expandable::StreamOrdered;
+                prop_assert_eq!(grows_expandable, mode.any(), "the simulated device maps");
                 c.check();
             }
         }

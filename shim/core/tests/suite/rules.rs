@@ -3,10 +3,10 @@
 use cachealloc_core::sizes::{LARGE_BUFFER, Roundup};
 use cachealloc_core::{AllocatorConfig, BlockState, FreeError, NO_STREAM, PoolKind};
 
-use crate::common::{Checked, MIB};
+use crate::common::{Checked, MIB, fixed};
 
 fn default() -> Checked {
-    Checked::new(1 << 34, AllocatorConfig::default())
+    Checked::new(1 << 34, fixed())
 }
 
 #[test]
@@ -106,7 +106,7 @@ fn ten_mib_gets_its_own_segment() {
 fn max_split_size_blocks_are_never_split() {
     let config = AllocatorConfig {
         max_split_size: 32 * MIB,
-        ..AllocatorConfig::default()
+        ..fixed()
     };
     let c = Checked::new(1 << 34, config);
     let big = c.malloc(32 * MIB); // exactly max_split: oversize
@@ -126,7 +126,7 @@ fn max_split_size_blocks_are_never_split() {
     // A 32 MiB block serves requests down to max_split but not one more than 20 MiB smaller.
     let cfg = AllocatorConfig {
         max_split_size: 24 * MIB,
-        ..AllocatorConfig::default()
+        ..fixed()
     };
     let c = Checked::new(1 << 34, cfg);
     let huge = c.malloc(50 * MIB);
@@ -222,7 +222,7 @@ fn best_fit_prefers_smallest_then_lowest_address() {
 fn roundup_divisions_make_near_sizes_share_blocks() {
     let config = AllocatorConfig {
         roundup: Roundup::Uniform(4),
-        ..AllocatorConfig::default()
+        ..fixed()
     };
     let c = Checked::new(1 << 34, config);
     let a = c.malloc(5 * MIB + 3);
@@ -351,7 +351,7 @@ fn a_replayed_growth_gets_a_new_segment_at_the_planned_address() {
     let device = SimDevice::new(1 << 34);
     let planned = 0x5000_0000_0000;
     device.plan_addresses([(20 * MIB, 0x1000_0000_0000), (20 * MIB, planned)]);
-    let a = Allocator::new(device, AllocatorConfig::default());
+    let a = Allocator::new(device, fixed());
     // The first small segment does not match the plan's size: fresh address, plan kept.
     let small = a.malloc(4096, 0).unwrap();
     assert_ne!(small.segment_address, 0x1000_0000_0000);
@@ -377,7 +377,7 @@ fn settings_changed_at_run_time_apply_to_later_requests() {
     assert_eq!(before.size, size, "no rounding by default");
     c.alloc.set_policy(&AllocatorConfig {
         roundup: Roundup::Uniform(4),
-        ..AllocatorConfig::default()
+        ..fixed()
     });
     let after = c.malloc(size);
     assert_eq!(
@@ -387,7 +387,7 @@ fn settings_changed_at_run_time_apply_to_later_requests() {
     );
     c.alloc.set_policy(&AllocatorConfig {
         max_split_size: 40 * MIB,
-        ..AllocatorConfig::default()
+        ..fixed()
     });
     assert_eq!(c.stats().max_split_size, 40 * MIB);
     let plain = c.malloc(size);

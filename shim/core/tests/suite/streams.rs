@@ -4,7 +4,7 @@
 
 use cachealloc_core::{AllocatorConfig, BlockState, NO_STREAM, ReusePolicy};
 
-use crate::common::{Checked, MIB};
+use crate::common::{Checked, MIB, fixed};
 
 const A: u64 = 0xa000;
 const B: u64 = 0xb000;
@@ -16,7 +16,7 @@ fn with_streams(policy: ReusePolicy) -> Checked {
         1 << 34,
         AllocatorConfig {
             reuse: policy,
-            ..AllocatorConfig::default()
+            ..fixed()
         },
     );
     c.alloc.start_fencing().unwrap();
@@ -155,7 +155,7 @@ fn reuse_immediate_never_fences() {
 
 #[test]
 fn the_first_stream_gates_only_blocks_without_a_stream() {
-    let c = Checked::manual(1 << 34, AllocatorConfig::default());
+    let c = Checked::manual(1 << 34, fixed());
     let sync = c.malloc(4096);
     let on_a = c.malloc_on(4096, A);
     c.free(sync.address);
@@ -189,7 +189,7 @@ fn empty_cache_releases_every_streams_segments() {
 
 #[test]
 fn out_of_memory_releases_other_streams_cache_before_failing() {
-    let c = Checked::manual(64 * MIB, AllocatorConfig::default());
+    let c = Checked::manual(64 * MIB, fixed());
     c.alloc.start_fencing().unwrap();
     let x = c.malloc_on(40 * MIB, A);
     c.free_on(x.address, A);

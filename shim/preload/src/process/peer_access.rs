@@ -3,6 +3,8 @@
 //! may use the memory our pools hold for that device too; see `backend/vmm.rs`, Note [Peer
 //! access to mapped memory].
 
+use cachealloc_core::Expandable;
+
 use super::Shim;
 use crate::log;
 use crate::settings;
@@ -51,10 +53,16 @@ impl Shim {
             return;
         }
         // Only `cudaMalloc`'s segments need it: enabling it otherwise would make the program's
-        // own `cudaDeviceEnablePeerAccess` answer "already enabled".
+        // own `cudaDeviceEnablePeerAccess` answer "already enabled". Unless every request maps
+        // (`expandable_segments:True` on a device that can), the pool has or may get some:
+        // the default keeps them for the synchronous API.
+        let every_request_maps = |mode: Expandable| mode == Expandable::On;
         let fixed_segments = match self.allocator_of(owner) {
-            Some(alloc) => cachealloc_core::Device::map_granularity(alloc.device()).is_none(),
-            None => !settings::get().config.allocator.expandable_segments,
+            Some(alloc) => {
+                cachealloc_core::Device::map_granularity(alloc.device()).is_none()
+                    || !every_request_maps(alloc.config().expandable_segments)
+            }
+            None => !every_request_maps(settings::get().config.allocator.expandable_segments),
         };
         if fixed_segments
             && let Err(e) =

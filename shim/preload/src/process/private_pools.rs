@@ -171,7 +171,7 @@ impl Shim {
         // A private pool keeps its memory: no collection, and fixed segments (an unmap would
         // give memory back).
         config.garbage_collection_threshold = 0.0;
-        config.expandable_segments = false;
+        config.expandable_segments = cachealloc_core::Expandable::Off;
         if settings.no_split {
             config.max_split_size = 0; // every block is oversize: never split
         }

@@ -68,7 +68,7 @@ impl Shim {
         for alloc in self.allocators() {
             alloc.set_policy(&policy);
             if let Some(on) = expandable
-                && alloc.set_expandable(on) != on
+                && alloc.set_expandable(on) != on.any()
             {
                 static SAID: AtomicBool = AtomicBool::new(false);
                 if !SAID.swap(true, Ordering::Relaxed) {

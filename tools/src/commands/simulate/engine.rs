@@ -404,7 +404,7 @@ pub fn simulate_dir(
 
 /// The trace's recorded config `recorded`, amended by `conf`.
 pub(super) fn config_from(recorded: &str, conf: Option<&str>) -> Result<Config, Error> {
-    let mut config = Config::parse(recorded, "the trace's recorded config")
+    let mut config = Config::parse_recorded(recorded, "the trace's recorded config")
         .map_err(|e| Error::Message(e.to_string()))?;
     if let Some(conf) = conf {
         config
