@@ -233,7 +233,6 @@ if part multi; then
 # while GPU 0 trains; a MemPool on both.
 run multi_gpu "$FIXED" --
 run multi_gpu X=1 --
-run peer_access X=1 --
 run multi_gpu "$EXP" --
 run peer_access "$EXP" --
 run peer_access "$EXP" -- pool

@@ -12,7 +12,7 @@ producer's tensor really lies in mapped memory (its range is not a `cudaMalloc` 
 
 With CONSUMER_DEVICE=1 (two GPUs) the consumer runs on GPU 1: it copies each tensor it receives
 from the producer's GPU 0 to its own device before checking it, and its write back is a copy from
-GPU 1 into the producer's memory.
+GPU 1 into the producer's memory (CONSUMER_COPY=0: it reads them where they lie instead).
 
 Prints one line per check, `ipc label=L check=NAME ok=True|False detail=...`, and a last
 `ipc label=L passed=N/M`.
@@ -32,9 +32,13 @@ ROUNDS = 200
 CONSUMER_DEVICE = int(os.environ.get("CONSUMER_DEVICE", "0"))
 
 
+COPY = os.environ.get("CONSUMER_COPY", "1") != "0"
+
+
 def mine(t):
-    """The received tensor on the consumer's own device (a copy across GPUs where they differ)."""
-    return t.to(f"cuda:{CONSUMER_DEVICE}")
+    """The received tensor on the consumer's own device (a copy across GPUs where they differ;
+    with CONSUMER_COPY=0 the tensor itself, read where it lies)."""
+    return t.to(f"cuda:{CONSUMER_DEVICE}") if COPY else t
 
 
 def consumer(queue, done, results):

@@ -226,8 +226,6 @@ def _oom_observers(native):
     native._cuda_attach_out_of_memory_observer = attach_out_of_memory_observer
 
 
-#: PyTorch's pool id -> the device of a MemPool made under the library (for snapshots).
-_POOL_DEVICES = {}
 #: id() of each `_cuda_CUDAAllocator` made by `CUDAPluggableAllocator` -> (allocator, its
 #: alloc and free function addresses): what a `MemPool(allocator)` takes its segments from.
 _FOREIGN_ALLOCATORS = {}
@@ -256,7 +254,6 @@ def _mem_pool_class(api, torch_c, original):
             flags = (1 if use_on_oom else 0) | (2 if no_split else 0)
             if api.retain(self._device, pool_key(self._id), flags, alloc_fn, free_fn) < 0:
                 raise RuntimeError("cachealloc: MemPool needs the library's pools (pool:on)")
-            _POOL_DEVICES[self._id] = self._device
 
         @property
         def id(self):
@@ -286,11 +283,16 @@ def _mem_pool_class(api, torch_c, original):
 
 
 def _pool_snapshot(api, pool_id):
-    """PyTorch's snapshot of one pool: its segments now, read from the library."""
+    """PyTorch's snapshot of one pool: its segments now, on every device it was used on (a
+    pool made on one device serves `use_mem_pool(pool, device=…)` on others), read from the
+    library."""
     import json
 
-    device = _POOL_DEVICES.get(tuple(pool_id), 0)
-    segments = json.loads(text(api.snapshot, device, pool_key(pool_id)))
+    import torch
+
+    segments = []
+    for device in range(torch.cuda.device_count()):
+        segments += json.loads(text(api.snapshot, device, pool_key(pool_id)))
     for segment in segments:
         segment["segment_pool_id"] = tuple(segment["segment_pool_id"])
     return {"segments": segments, "device_traces": []}

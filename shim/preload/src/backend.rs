@@ -39,7 +39,7 @@ use crate::streams::StreamRegistry;
 pub mod budget;
 mod vmm;
 
-pub use vmm::{Exported, HANDLE_TYPE_POSIX_FD, note_peer_access};
+pub use vmm::{Exported, HANDLE_TYPE_POSIX_FD, access_for, access_for_accessors, note_peer_access};
 
 /// A program's own allocator for a private pool's segments: PyTorch's `CUDAPluggableAllocator`
 /// pair given to `MemPool(allocator)` (say, `ncclMemAlloc` for NCCL's registered buffers). Its

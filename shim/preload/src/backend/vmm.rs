@@ -83,8 +83,14 @@ fn accessors(owner: i32) -> impl Iterator<Item = i32> {
     std::iter::once(owner).chain((0..64).filter(move |a| peers & (1 << a) != 0))
 }
 
+/// Read and write access to memory of `owner` for every device that may use it (itself and the
+/// peers noted so far): what memory mapped for `owner` is given, received memory too.
+pub fn access_for_accessors(owner: i32) -> Vec<sys::CUmemAccessDesc> {
+    accessors(owner).map(access_for).collect()
+}
+
 /// Read and write access for `device`.
-fn access_for(device: i32) -> sys::CUmemAccessDesc {
+pub fn access_for(device: i32) -> sys::CUmemAccessDesc {
     sys::CUmemAccessDesc {
         location: sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,

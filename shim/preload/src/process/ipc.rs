@@ -354,3 +354,10 @@ pub fn ipc_close_shared(shared: &Shared) -> CudaError {
 pub fn ipc_release(counter: &str, slot: u64) -> Result<(), String> {
     ipc_counters::release(counter, slot)
 }
+
+/// `accessor` may now use `owner`'s memory (peer access): the blocks of expandable segments
+/// received from other processes for `owner` become its to use too. Returns how many of their
+/// ranges could not be granted.
+pub(super) fn grant_received_to_peer(owner: i32, accessor: i32) -> usize {
+    expandable::grant_peer(owner, accessor)
+}

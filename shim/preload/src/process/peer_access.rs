@@ -81,6 +81,14 @@ impl Shim {
         if !crate::backend::note_peer_access(owner, accessor) {
             return; // already granted (the runtime's call and the driver's both come here)
         }
+        let received = super::ipc::grant_received_to_peer(owner, accessor);
+        if received > 0 {
+            log::error!(
+                "device {accessor} enabled peer access to device {owner}, but {received} ranges \
+                 of memory received from other processes could not be shared with it \
+                 (cuMemSetAccess failed)"
+            );
+        }
         let Some(alloc) = self.allocator_of(owner) else {
             return; // no pool yet: its maps will grant access as they are made
         };

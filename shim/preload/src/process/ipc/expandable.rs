@@ -1,8 +1,9 @@
 //! Blocks of expandable segments received from another process (see Note [IPC of pooled
 //! memory] in `process::ipc`): the sender's file descriptors taken over (`pidfd_getfd`, else
 //! `/proc/PID/fd/N`), their memory imported, mapped in order into a range reserved here, and
-//! made readable and writable by the current device; unmapped with the last block received
-//! through the same range.
+//! made readable and writable by the current device and the devices that have peer access to it
+//! (a process on GPU 1 copying a tensor received from GPU 0, say; [`grant_peer`] for peers that
+//! come later); unmapped with the last block received through the same range.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -23,6 +24,8 @@ struct Opened {
     /// Where it is mapped here, and its size.
     base: u64,
     size: u64,
+    /// The device it was mapped for (the memory's own).
+    device: i32,
     /// The file descriptors taken from the sender, closed with the range.
     _fds: Vec<OwnedFd>,
     /// Blocks received through it and not let go.
@@ -61,6 +64,7 @@ pub fn open(share: &MappedShare) -> Result<u64, String> {
         Opened {
             base,
             size: share.size(),
+            device,
             _fds: fds,
             blocks: 1,
         },
@@ -156,23 +160,41 @@ fn map(share: &MappedShare, fds: &[OwnedFd], device: i32) -> Result<u64, String>
         }
         at += len;
     }
-    let access = sys::CUmemAccessDesc {
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: device,
-        },
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    };
-    // SAFETY: the range is mapped throughout (just above), by whole mappings; one valid
-    // descriptor.
-    let code = call_driver!(cuMemSetAccess(base, size as usize, &access, 1));
+    // The device and its peers (the `opened` lock, held by the caller, orders this against
+    // `grant_peer`: a peer noted later is granted there).
+    let access = crate::backend::access_for_accessors(device);
+    // SAFETY: the range is mapped throughout (just above), by whole mappings; `access` holds
+    // `access.len()` valid descriptors.
+    let code = call_driver!(cuMemSetAccess(
+        base,
+        size as usize,
+        access.as_ptr(),
+        access.len()
+    ));
     if code != SUCCESS {
         return undo(
             size,
-            format!("cuMemSetAccess for device {device} returned {code}"),
+            format!("cuMemSetAccess for device {device} and its peers returned {code}"),
         );
     }
     Ok(base)
+}
+
+/// `accessor` may now use `owner`'s memory (peer access): give it the ranges received from
+/// other processes and mapped for `owner`. Returns how many could not be granted.
+pub fn grant_peer(owner: i32, accessor: i32) -> usize {
+    let opened = opened().lock().unwrap_or_else(|p| p.into_inner());
+    let access = crate::backend::access_for(accessor);
+    let mut failed = 0;
+    for o in opened.values().filter(|o| o.device == owner) {
+        // SAFETY: a range `map` mapped whole and has not unmapped (it is in `opened`); one
+        // valid descriptor.
+        let code = call_driver!(cuMemSetAccess(o.base, o.size as usize, &access, 1));
+        if code != SUCCESS {
+            failed += 1;
+        }
+    }
+    failed
 }
 
 /// One way of taking a sender's descriptor: its name (for the error) and the call.
