@@ -415,9 +415,10 @@ pub(super) fn config_from(recorded: &str, conf: Option<&str>) -> Result<Config, 
 }
 
 /// The configs `--sweep` tries, on top of the recorded one.
-const SWEEP: [&str; 12] = [
+const SWEEP: [&str; 13] = [
     "",
     "expandable_segments:True",
+    "expandable_segments:stream_ordered",
     "expandable_segments:False",
     "expandable_segments:True,roundup_power2_divisions:4",
     "max_split_size_mb:64",
