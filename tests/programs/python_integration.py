@@ -56,6 +56,7 @@ os.makedirs(os.path.join(root, "torch", "cuda"))
 with open(os.path.join(root, "torch", "cuda", "__init__.py"), "w") as f:
     f.write(
         "def current_device():\n    return 0\n"
+        "def device_count():\n    return 1\n"
         "def memory_snapshot(*args, **kwargs):\n"
         "    from torch.cuda.memory import memory_snapshot\n"
         "    return memory_snapshot(*args, **kwargs)\n"
