@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use super::values::{
     bad, bad_because, choose, parse_bool, parse_file_mode, parse_fraction, parse_int,
-    parse_max_split, parse_roundup,
+    parse_max_split, parse_memory_fraction, parse_roundup,
 };
 use super::{Config, Expandable, LogLevel, ReusePolicy, StackMode, TorchCaching};
 
@@ -63,16 +63,16 @@ pub const KEYS: &[Key] = &[
         valid: "a number strictly between 0.0 and 1.0",
         from_pytorch: true,
         set: |c, k, v| {
-            c.allocator.garbage_collection_threshold = parse_fraction(k, v, false)?;
+            c.allocator.garbage_collection_threshold = parse_fraction(k, v)?;
             Ok(())
         },
     },
     Key {
         name: "per_process_memory_fraction",
-        valid: "a number in (0.0, 1.0]",
+        valid: "a number in [0.0, 1.0]",
         from_pytorch: true,
         set: |c, k, v| {
-            c.allocator.per_process_memory_fraction = parse_fraction(k, v, true)?;
+            c.allocator.per_process_memory_fraction = parse_memory_fraction(k, v)?;
             Ok(())
         },
     },

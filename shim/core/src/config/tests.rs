@@ -75,6 +75,7 @@ fn errors_name_the_key_and_the_choices() {
         "garbage_collection_threshold:1.0",
         "garbage_collection_threshold:0",
         "per_process_memory_fraction:1.5",
+        "per_process_memory_fraction:-0.1",
         "roundup_power2_divisions:3",
         "roundup_power2_divisions:[300:2]",
         "roundup_power2_divisions:[512:2,256:4]",
@@ -193,4 +194,14 @@ fn expandable_segments_for_stream_ordered_allocations_are_the_default_and_record
     assert_eq!(old.allocator.expandable_segments, Expandable::On);
     let e = Config::parse("expandable_segments:sometimes", "t").unwrap_err();
     assert!(e.to_string().contains("stream_ordered"), "{e}");
+}
+
+#[test]
+fn a_memory_fraction_of_zero_is_pytorchs_no_memory() {
+    // PyTorch takes per_process_memory_fraction in [0.0, 1.0] (its test_allocator_memory_
+    // fraction_setting reads 0.0 back).
+    for (text, want) in [("0.0", 0.0), ("0", 0.0), ("0.5", 0.5), ("1.0", 1.0)] {
+        let c = Config::parse(&format!("per_process_memory_fraction:{text}"), "t").unwrap();
+        assert_eq!(c.allocator.per_process_memory_fraction, want, "{text}");
+    }
 }

@@ -105,10 +105,18 @@ pub(super) fn parse_file_mode(value: &str) -> Option<u32> {
     (mode & !0o666 == 0 && mode & 0o600 == 0o600).then_some(mode)
 }
 
-pub(super) fn parse_fraction(key: &str, value: &str, one_allowed: bool) -> Result<f64, String> {
-    let ok = |f: f64| f > 0.0 && (f < 1.0 || (one_allowed && f == 1.0));
+/// A process's share of device memory, `[0.0, 1.0]` as PyTorch's `per_process_memory_fraction`
+/// (0.0: no memory at all, as `set_per_process_memory_fraction(0.0)`).
+pub(super) fn parse_memory_fraction(key: &str, value: &str) -> Result<f64, String> {
     match value.parse::<f64>() {
-        Ok(f) if ok(f) => Ok(f),
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(bad(key, value)),
+    }
+}
+
+pub(super) fn parse_fraction(key: &str, value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(f) if f > 0.0 && f < 1.0 => Ok(f),
         _ => Err(bad(key, value)),
     }
 }
