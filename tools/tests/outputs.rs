@@ -256,3 +256,89 @@ fn the_report_by_category_renders_in_pytorchs_colours() {
     assert!(green > 2000, "only {green} PARAMETER pixels");
     assert!(gold > 500, "only {gold} OPTIMIZER_STATE pixels");
 }
+
+/// Under the default (`expandable_segments:stream_ordered`) a process has fixed segments
+/// (`cudaMalloc`'s) beside mapped runs of expandable segments: the snapshot marks each as it
+/// is, and a run without expandable segments marks none.
+#[test]
+fn snapshot_marks_fixed_and_mapped_segments_apart() {
+    use cachealloc_recorder::schema::*;
+    use cachealloc_recorder::{MonotonicClock, Record, TraceWriter, WriterConfig};
+
+    const FIXED: u64 = 0x7f00_0000_0000;
+    const MAPPED: u64 = 0x7e00_0000_0000;
+    let kinds = |config: &str| {
+        let work = scratch(&format!("segment-kinds-{}", config.len()));
+        let header = Header {
+            version: FORMAT_VERSION,
+            file_index: 0,
+            pid: 78,
+            host: "test".into(),
+            rank: -1,
+            local_rank: -1,
+            world_size: -1,
+            cmdline: vec!["python".into()],
+            wall_clock_base_ns: 1_790_000_000_000_000_000,
+            monotonic_base_ns: 0,
+            config: config.into(),
+            devices: vec![DeviceInfo {
+                index: 0,
+                name: "Test GPU".into(),
+                total_memory: 16 << 30,
+            }],
+            modules: vec![],
+        };
+        let trace = work.join("trace");
+        let writer = WriterConfig::new(&trace, 1 << 30, 4, false);
+        let mut w = TraceWriter::create(writer, header, MonotonicClock).unwrap();
+        let segment = |t, address| SegmentEvent {
+            t,
+            device: 0,
+            address,
+            size: 2 << 20,
+            pool: POOL_SMALL,
+            stack: 0,
+        };
+        let alloc = |t, address, stream| Alloc {
+            t,
+            device: 0,
+            stream,
+            address,
+            requested: 4096,
+            size: 4096,
+            stack: 0,
+            thread: 1,
+        };
+        for r in [
+            Record::SegmentAlloc(segment(1000, FIXED)),
+            Record::Alloc(alloc(2000, FIXED, 0)),
+            Record::SegmentMap(segment(3000, MAPPED)),
+            Record::Alloc(alloc(4000, MAPPED, 7)),
+        ] {
+            w.write(&r).unwrap();
+        }
+        w.finish().unwrap();
+        cachealloc(&work, &["snapshot", "trace", "-o", "snap.pickle"]);
+        let script = "import pickle, sys\n\
+            s = pickle.load(open(sys.argv[1], 'rb'))\n\
+            print(sorted((seg['address'], seg['is_expandable']) for seg in s['segments']))";
+        let out = Command::new("python3")
+            .args(["-c", script, work.join("snap.pickle").to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(
+        kinds("expandable_segments:stream_ordered,reuse:auto"),
+        format!("[({MAPPED}, True), ({FIXED}, False)]")
+    );
+    assert_eq!(
+        kinds("expandable_segments:False,reuse:auto"),
+        format!("[({MAPPED}, False), ({FIXED}, False)]")
+    );
+}

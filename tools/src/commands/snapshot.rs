@@ -19,7 +19,7 @@
 //! each stack's frames, built once per stack: a window of 100 000 events with 20-frame stacks
 //! is written without 2 million frame dictionaries in memory.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -237,8 +237,9 @@ fn entries<'a>(
 }
 
 /// `segments`: each live segment with its blocks tiling it, gaps as `inactive` blocks.
-/// The live segments with their blocks; with `expandable`, each is a contiguous mapped run of
-/// an expandable segment (as PyTorch reports them).
+/// The live segments with their blocks; with `expandable` (the run mapped some memory), each
+/// segment not allocated whole is a contiguous mapped run of an expandable segment (as PyTorch
+/// reports them). A segment known only from a checkpoint counts as mapped then.
 fn segments<'a>(
     state: &LiveState,
     shown: &Window,
@@ -308,7 +309,7 @@ fn segments<'a>(
             stream: 0,
             segment_type: cachealloc_recorder::schema::pool_name(seg.pool),
             segment_pool_id: (0, 0),
-            is_expandable: expandable,
+            is_expandable: expandable && !shown.fixed_segments.contains(&(seg.device, seg.address)),
             frames: frames_of(
                 shown
                     .segment_stacks
@@ -353,6 +354,10 @@ struct Window {
     block_stacks: HashMap<(u32, u64), u32>,
     /// See `block_stacks`.
     segment_stacks: HashMap<(u32, u64), u32>,
+    /// The live segments allocated whole (`segment_alloc`: fixed segments, `cudaMalloc`'s), as
+    /// against runs mapped into expandable segments: under the default
+    /// (`expandable_segments:stream_ordered`) a process has both.
+    fixed_segments: HashSet<(u32, u64)>,
 }
 
 /// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
@@ -369,6 +374,7 @@ fn walk_with_window(
         ordinals: HashMap::new(),
         block_stacks: HashMap::new(),
         segment_stacks: HashMap::new(),
+        fixed_segments: HashSet::new(),
     };
     // Each live segment's allocation stack, for its release's entry.
     let mut segment_allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
@@ -428,6 +434,7 @@ fn walk_with_window(
             }
             Record::SegmentAlloc(s) => {
                 segment_allocated_at.insert((s.device, s.address), s.stack);
+                window.fixed_segments.insert((s.device, s.address));
                 if history.given() {
                     let shown = history.block_stack(s.stack);
                     window.segment_stacks.insert((s.device, s.address), shown);
@@ -441,6 +448,7 @@ fn walk_with_window(
             Record::SegmentMap(s) => Some(history.event_stack(EventKind::Alloc, s.stack, 0)),
             Record::SegmentFree(s) => {
                 window.segment_stacks.remove(&(s.device, s.address));
+                window.fixed_segments.remove(&(s.device, s.address));
                 let at = segment_allocated_at.remove(&(s.device, s.address));
                 Some(history.event_stack(EventKind::Free, s.stack, at.unwrap_or(0)))
             }
