@@ -19,7 +19,7 @@
 //! each stack's frames, built once per stack: a window of 100 000 events with 20-frame stacks
 //! is written without 2 million frame dictionaries in memory.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -34,9 +34,11 @@ use crate::format::bytes;
 use crate::progress::Progress;
 use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
-use history::{Cursor, EventKind, PYTHON_ONLY};
+use history::{Cursor, PYTHON_ONLY};
+use window::{Window, walk_with_window};
 
 mod history;
+mod window;
 
 /// `cachealloc snapshot`'s arguments.
 #[derive(clap::Args, Debug)]
@@ -338,144 +340,6 @@ fn settings(conf: &str) -> Settings {
         pinned_use_cuda_host_register: false,
         roundup_power2_divisions: HashMap::new(),
     }
-}
-
-/// What the walk to the snapshot's moment kept: the last events, each with the stack its entry
-/// shows and, for an allocation, its ordinal among `Alloc` records; and whether context records
-/// came before the moment.
-struct Window {
-    events: VecDeque<(Record, u32, u64)>,
-    has_context: bool,
-    /// Each block live (allocated or pending) at the moment: its `Alloc` record's ordinal
-    /// (`None`: from a checkpoint).
-    ordinals: HashMap<(u32, u64), Option<u64>>,
-    /// The stack each live block and segment shows, where the program's history settings
-    /// decide it.
-    block_stacks: HashMap<(u32, u64), u32>,
-    /// See `block_stacks`.
-    segment_stacks: HashMap<(u32, u64), u32>,
-    /// The live segments allocated whole (`segment_alloc`: fixed segments, `cudaMalloc`'s), as
-    /// against runs mapped into expandable segments: under the default
-    /// (`expandable_segments:stream_ordered`) a process has both.
-    fixed_segments: HashSet<(u32, u64)>,
-}
-
-/// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
-fn walk_with_window(
-    dir: &Path,
-    index: u64,
-    events: usize,
-    mut history: Cursor,
-) -> Result<(TraceWalk, Window), Error> {
-    let mut walk = TraceWalk::open(dir)?;
-    let mut window = Window {
-        events: VecDeque::new(),
-        has_context: false,
-        ordinals: HashMap::new(),
-        block_stacks: HashMap::new(),
-        segment_stacks: HashMap::new(),
-        fixed_segments: HashSet::new(),
-    };
-    // Each live segment's allocation stack, for its release's entry.
-    let mut segment_allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
-    // The stack of each free not yet completed, for its `free_completed` entry.
-    let mut freed_by: HashMap<(u32, u64), u32> = HashMap::new();
-    let mut allocs = 0u64;
-    // The allocation stack of each live block: a free without a stack of its own shows its
-    // block's (as PyTorch does when it records no free context).
-    let mut allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
-    while let Some(step) = walk.step() {
-        let step = step?;
-        if !step.in_checkpoint
-            && let Some(t) = step.record.time()
-            && history.advance(t)
-        {
-            window.events.clear();
-        }
-        let mut ordinal = u64::MAX;
-        let stack = match &step.record {
-            r if r.is_context() => {
-                window.has_context = true;
-                None
-            }
-            Record::Alloc(a) => {
-                ordinal = allocs;
-                allocs += 1;
-                allocated_at.insert((a.device, a.address), a.stack);
-                window.ordinals.insert((a.device, a.address), Some(ordinal));
-                if history.given() {
-                    let shown = history.block_stack(a.stack);
-                    window.block_stacks.insert((a.device, a.address), shown);
-                }
-                Some(history.event_stack(EventKind::Alloc, a.stack, 0))
-            }
-            Record::CheckpointBlock(b) => {
-                allocated_at.insert((b.device, b.address), b.stack);
-                window.ordinals.entry((b.device, b.address)).or_insert(None);
-                None
-            }
-            Record::FreeRequested(f) => {
-                let at = allocated_at.get(&(f.device, f.address)).copied();
-                freed_by.insert((f.device, f.address), f.stack);
-                Some(history.event_stack(EventKind::Free, f.stack, at.unwrap_or(0)))
-            }
-            Record::Free(f) => {
-                window.ordinals.remove(&(f.device, f.address));
-                window.block_stacks.remove(&(f.device, f.address));
-                let at = allocated_at.remove(&(f.device, f.address));
-                Some(history.event_stack(EventKind::Free, f.stack, at.unwrap_or(0)))
-            }
-            Record::FreeCompleted(f) => {
-                window.ordinals.remove(&(f.device, f.address));
-                window.block_stacks.remove(&(f.device, f.address));
-                let at = allocated_at.remove(&(f.device, f.address)).unwrap_or(0);
-                let own = freed_by.remove(&(f.device, f.address)).unwrap_or(0);
-                Some(history.event_stack(EventKind::Free, own, at))
-            }
-            Record::SegmentAlloc(s) => {
-                segment_allocated_at.insert((s.device, s.address), s.stack);
-                window.fixed_segments.insert((s.device, s.address));
-                if history.given() {
-                    let shown = history.block_stack(s.stack);
-                    window.segment_stacks.insert((s.device, s.address), shown);
-                }
-                Some(history.event_stack(EventKind::Alloc, s.stack, 0))
-            }
-            Record::CheckpointSegment(s) => {
-                segment_allocated_at.insert((s.device, s.address), s.stack);
-                None
-            }
-            Record::SegmentMap(s) => Some(history.event_stack(EventKind::Alloc, s.stack, 0)),
-            Record::SegmentFree(s) => {
-                window.segment_stacks.remove(&(s.device, s.address));
-                window.fixed_segments.remove(&(s.device, s.address));
-                let at = segment_allocated_at.remove(&(s.device, s.address));
-                Some(history.event_stack(EventKind::Free, s.stack, at.unwrap_or(0)))
-            }
-            Record::SegmentUnmap(s) => Some(history.event_stack(EventKind::Free, s.stack, 0)),
-            Record::Oom(o) => Some(history.event_stack(EventKind::Alloc, o.stack, 0)),
-            _ => None,
-        };
-        if let Some(stack) = stack
-            && !step.in_checkpoint
-            && history.keeps_events()
-        {
-            window.events.push_back((step.record, stack, ordinal));
-            // The last `events` events (a record makes one or two entries).
-            if window.events.len() > events.max(1) {
-                window.events.pop_front();
-            }
-        }
-        if step.index >= index {
-            return Ok((walk, window));
-        }
-    }
-    // The whole trace was walked: the program's changes after its last record (a history
-    // cleared just before the snapshot) apply too.
-    if history.advance(u64::MAX) {
-        window.events.clear();
-    }
-    Ok((walk, window))
 }
 
 /// Write the snapshot of `dir` through record `index`, with up to `events` trace entries per
