@@ -4,6 +4,7 @@
 
 pub mod job;
 pub mod program;
+pub mod python;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
