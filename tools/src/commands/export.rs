@@ -15,6 +15,7 @@
 
 pub mod column;
 mod context;
+mod delta;
 mod ranks;
 pub mod table_file;
 pub mod tables;

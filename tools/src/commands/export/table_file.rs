@@ -18,17 +18,23 @@ use std::sync::{Arc, Mutex, PoisonError};
 use arrow_schema::SchemaRef;
 use bytes::Bytes;
 use parquet::arrow::{ArrowSchemaConverter, add_encoded_arrow_schema_to_metadata};
-use parquet::basic::{Compression, Encoding, ZstdLevel};
+use parquet::basic::{Compression, Encoding, Type as PhysicalType, ZstdLevel};
 use parquet::column::page::{CompressedPage, PageWriteSpec, PageWriter};
-use parquet::column::writer::{ColumnWriter, get_column_writer};
+use parquet::column::writer::{ColumnCloseResult, ColumnWriter, get_column_writer};
 use parquet::errors::ParquetError;
 use parquet::file::metadata::KeyValue;
 use parquet::file::properties::{EnabledStatistics, WriterProperties, WriterPropertiesPtr};
 use parquet::file::writer::{SerializedFileWriter, SerializedPageWriter, TrackedWrite};
 use parquet::schema::types::{ColumnDescPtr, ColumnPath};
 
-use super::column::ColRef;
+use super::column::{ColRef, Levels};
+use super::delta::DeltaChunk;
 use crate::Error;
+
+/// zstd's fastest positive level, for every column.
+fn zstd_level() -> ZstdLevel {
+    ZstdLevel::try_new(1).expect("a valid level")
+}
 
 /// Rows of a row group (at most).
 pub const ROW_GROUP_ROWS: usize = 1 << 20;
@@ -54,19 +60,26 @@ pub struct Layout {
 pub struct TableFile {
     file: SerializedFileWriter<File>,
     props: WriterPropertiesPtr,
+    layout: &'static Layout,
     /// Each leaf column's writer for the row group being gathered.
     columns: Vec<ColumnChunk>,
     /// Rows in the row group being gathered.
     group_rows: usize,
+    /// Levels all null and all present, for the crate's writers, which take one per row.
+    uniform: [Vec<i16>; 2],
     /// Rows written.
     pub rows: u64,
 }
 
-/// One column of the row group being gathered: its writer, and the pages it wrote so far.
-struct ColumnChunk {
-    descr: ColumnDescPtr,
-    writer: ColumnWriter<'static>,
-    pages: MemoryPages,
+/// One column of the row group being gathered: the crate's column writer and the pages it
+/// wrote so far, or, for an integer column of [`Layout::delta`], a [`DeltaChunk`].
+enum ColumnChunk {
+    Crate {
+        descr: ColumnDescPtr,
+        writer: Box<ColumnWriter<'static>>,
+        pages: MemoryPages,
+    },
+    Delta(Box<DeltaChunk>),
 }
 
 impl TableFile {
@@ -75,15 +88,12 @@ impl TableFile {
     pub fn create(
         path: &Path,
         schema: SchemaRef,
-        layout: &Layout,
+        layout: &'static Layout,
         metadata: &[(String, String)],
     ) -> Result<Self, Error> {
         let file = File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        // zstd's fastest positive level.
         let mut props = WriterProperties::builder()
-            .set_compression(Compression::ZSTD(
-                ZstdLevel::try_new(1).expect("a valid level"),
-            ))
+            .set_compression(Compression::ZSTD(zstd_level()))
             .set_statistics_enabled(EnabledStatistics::None);
         for column in layout.delta {
             let path = ColumnPath::from(*column);
@@ -124,13 +134,15 @@ impl TableFile {
             .schema_descr()
             .columns()
             .iter()
-            .map(|descr| ColumnChunk::new(descr.clone(), &props))
+            .map(|descr| ColumnChunk::new(descr.clone(), &props, layout))
             .collect::<Result<_, _>>()?;
         Ok(TableFile {
             file,
             props,
+            layout,
             columns,
             group_rows: 0,
+            uniform: [Vec::new(), Vec::new()],
             rows: 0,
         })
     }
@@ -146,7 +158,7 @@ impl TableFile {
             )));
         }
         for (chunk, column) in self.columns.iter_mut().zip(batch.iter_mut()) {
-            chunk.write(rows, column)?;
+            chunk.write(rows, column, &mut self.uniform)?;
             column.clear();
         }
         self.rows += rows as u64;
@@ -176,10 +188,8 @@ impl TableFile {
     fn flush_row_group(&mut self) -> Result<(), Error> {
         let mut group = self.file.next_row_group().map_err(parquet_error)?;
         for chunk in &mut self.columns {
-            let fresh = ColumnChunk::new(chunk.descr.clone(), &self.props)?;
-            let done = std::mem::replace(chunk, fresh);
-            let close = done.writer.close().map_err(parquet_error)?;
-            let bytes = done.pages.into_bytes()?;
+            let fresh = ColumnChunk::new(chunk.descr().clone(), &self.props, self.layout)?;
+            let (bytes, close) = std::mem::replace(chunk, fresh).close()?;
             group.append_column(&bytes, close).map_err(parquet_error)?;
         }
         group.close().map_err(parquet_error)?;
@@ -189,36 +199,97 @@ impl TableFile {
 }
 
 impl ColumnChunk {
-    fn new(descr: ColumnDescPtr, props: &WriterPropertiesPtr) -> Result<Self, Error> {
+    fn new(
+        descr: ColumnDescPtr,
+        props: &WriterPropertiesPtr,
+        layout: &Layout,
+    ) -> Result<Self, Error> {
+        let delta = layout.delta.contains(&descr.name())
+            && matches!(
+                descr.physical_type(),
+                PhysicalType::INT32 | PhysicalType::INT64
+            );
+        if delta {
+            let statistics = layout.statistics.contains(&descr.name());
+            let chunk = DeltaChunk::new(descr, zstd_level(), statistics)?;
+            return Ok(ColumnChunk::Delta(Box::new(chunk)));
+        }
         let pages = MemoryPages::default();
         let writer = get_column_writer(descr.clone(), props.clone(), Box::new(pages.clone()));
-        Ok(ColumnChunk {
+        let writer = Box::new(writer);
+        Ok(ColumnChunk::Crate {
             descr,
             writer,
             pages,
         })
     }
 
-    /// Write `rows` rows of `column`, whose type must be this column's.
-    fn write(&mut self, rows: usize, column: &ColRef<'_>) -> Result<(), Error> {
-        let defs = |d| levels(&self.descr, rows, d);
-        let written = match (&mut self.writer, column) {
+    fn descr(&self) -> &ColumnDescPtr {
+        match self {
+            ColumnChunk::Crate { descr, .. } => descr,
+            ColumnChunk::Delta(d) => d.descr(),
+        }
+    }
+
+    /// The chunk's pages and what the row group needs of it.
+    fn close(self) -> Result<(Bytes, ColumnCloseResult), Error> {
+        match self {
+            ColumnChunk::Crate { writer, pages, .. } => {
+                let close = writer.close().map_err(parquet_error)?;
+                Ok((pages.into_bytes()?, close))
+            }
+            ColumnChunk::Delta(d) => match d.descr().physical_type() {
+                PhysicalType::INT32 => d.close::<i32>(),
+                _ => d.close::<i64>(),
+            },
+        }
+    }
+
+    /// Write `rows` rows of `column`, whose type must be this column's; `uniform` lends the
+    /// crate's writers levels all null and all present.
+    fn write(
+        &mut self,
+        rows: usize,
+        column: &ColRef<'_>,
+        uniform: &mut [Vec<i16>; 2],
+    ) -> Result<(), Error> {
+        let (descr, writer) = match self {
+            ColumnChunk::Delta(d) => {
+                let nullable = d.descr().max_def_level() > 0;
+                return match column {
+                    ColRef::Int32(c) if d.descr().physical_type() == PhysicalType::INT32 => {
+                        d.write(rows, &c.values, c.levels(nullable))
+                    }
+                    ColRef::Int64(c) if d.descr().physical_type() == PhysicalType::INT64 => {
+                        d.write(rows, &c.values, c.levels(nullable))
+                    }
+                    _ => Err(Error::Message(format!(
+                        "writing Parquet: column {} given values of another type",
+                        d.descr().name()
+                    ))),
+                };
+            }
+            ColumnChunk::Crate { descr, writer, .. } => (descr, writer),
+        };
+        let nullable = descr.max_def_level() > 0;
+        let defs = level_slice(descr, rows, column.levels(nullable), uniform)?;
+        let written = match (writer.as_mut(), column) {
             (ColumnWriter::Int32ColumnWriter(w), ColRef::Int32(c)) => {
-                w.write_batch(&c.values, defs(&c.defs)?, None)
+                w.write_batch(&c.values, defs, None)
             }
             (ColumnWriter::Int64ColumnWriter(w), ColRef::Int64(c)) => {
-                w.write_batch(&c.values, defs(&c.defs)?, None)
+                w.write_batch(&c.values, defs, None)
             }
             (ColumnWriter::ByteArrayColumnWriter(w), ColRef::Str(c)) => {
-                w.write_batch(&c.values, defs(&c.defs)?, None)
+                w.write_batch(&c.values, defs, None)
             }
             (ColumnWriter::BoolColumnWriter(w), ColRef::Bool(c)) => {
-                w.write_batch(&c.values, defs(&c.defs)?, None)
+                w.write_batch(&c.values, defs, None)
             }
             _ => {
                 return Err(Error::Message(format!(
                     "writing Parquet: column {} given values of another type",
-                    self.descr.name()
+                    descr.name()
                 )));
             }
         };
@@ -227,16 +298,25 @@ impl ColumnChunk {
     }
 }
 
-/// A batch's definition levels for `descr`: `None` for a required column, else all `rows` of
-/// them.
-fn levels<'d>(
+/// A batch's definition levels for `descr`, one per row, as the crate's writers take them:
+/// `None` for a required column; levels all equal are lent from `uniform`.
+fn level_slice<'d>(
     descr: &ColumnDescPtr,
     rows: usize,
-    defs: &'d [i16],
+    levels: Levels<'d>,
+    uniform: &'d mut [Vec<i16>; 2],
 ) -> Result<Option<&'d [i16]>, Error> {
-    if descr.max_def_level() == 0 {
-        return Ok(None);
-    }
+    let defs = match levels {
+        Levels::Required => return Ok(None),
+        Levels::Each(defs) => defs,
+        Levels::Uniform(level, n) => {
+            let buf = &mut uniform[usize::from(level != 0)];
+            if buf.len() < n {
+                buf.resize(n, level);
+            }
+            &buf[..n]
+        }
+    };
     if defs.len() != rows {
         return Err(Error::Message(format!(
             "writing Parquet: column {}: {} levels for {rows} rows",
