@@ -103,17 +103,6 @@ impl DeltaInt for i32 {
     }
 }
 
-/// A page's definition levels.
-#[derive(Clone, Copy)]
-enum PageLevels<'a> {
-    /// A required column's: none.
-    None,
-    /// Every row's is this one.
-    Run(i16),
-    /// One per row.
-    Each(&'a [i16]),
-}
-
 /// One column chunk being written (see the module docs).
 pub struct DeltaChunk {
     descr: ColumnDescPtr,
@@ -182,23 +171,32 @@ impl DeltaChunk {
         let (mut row, mut value) = (0, 0);
         while row < rows {
             let n = (rows - row).min(PAGE_ROWS);
-            let (page_levels, k) = match levels {
+            // The page begins with its levels, behind their length.
+            self.page.clear();
+            let k = match levels {
+                Levels::Required => n,
                 Levels::Each(defs) => {
-                    let defs = &defs[row..row + n];
-                    (
-                        PageLevels::Each(defs),
-                        defs.iter().filter(|&&d| d != 0).count(),
-                    )
+                    self.page.extend_from_slice(&[0; 4]);
+                    let k = encode_levels(&defs[row..row + n], &mut self.page);
+                    let len = (self.page.len() - 4) as u32;
+                    self.page[..4].copy_from_slice(&len.to_le_bytes());
+                    k
                 }
                 Levels::Uniform(level, _) => {
-                    (PageLevels::Run(level), if level != 0 { n } else { 0 })
+                    // One RLE run of the page's rows.
+                    let mut run = Vec::with_capacity(8);
+                    uleb((n as u64) << 1, &mut run);
+                    run.push(u8::from(level != 0));
+                    self.page
+                        .extend_from_slice(&(run.len() as u32).to_le_bytes());
+                    self.page.extend_from_slice(&run);
+                    if level != 0 { n } else { 0 }
                 }
-                Levels::Required => (PageLevels::None, n),
             };
             if value + k > values.len() {
                 return Err(self.error(format!("{} values for more present", values.len())));
             }
-            self.write_page(n, &values[value..value + k], page_levels)?;
+            self.write_page(n, &values[value..value + k])?;
             row += n;
             value += k;
         }
@@ -215,28 +213,9 @@ impl DeltaChunk {
         ))
     }
 
-    /// Encode, compress and write one page of `rows` rows.
-    fn write_page<T: DeltaInt>(
-        &mut self,
-        rows: usize,
-        values: &[T],
-        levels: PageLevels<'_>,
-    ) -> Result<(), Error> {
-        self.page.clear();
-        if !matches!(levels, PageLevels::None) {
-            self.page.extend_from_slice(&[0; 4]);
-            match levels {
-                PageLevels::Each(defs) => encode_levels(defs, &mut self.page),
-                _ => {
-                    // One RLE run of the page's rows.
-                    let level = matches!(levels, PageLevels::Run(l) if l != 0);
-                    uleb((rows as u64) << 1, &mut self.page);
-                    self.page.push(u8::from(level));
-                }
-            }
-            let len = (self.page.len() - 4) as u32;
-            self.page[..4].copy_from_slice(&len.to_le_bytes());
-        }
+    /// Encode, compress and write one page of `rows` rows, whose levels are already in the
+    /// page.
+    fn write_page<T: DeltaInt>(&mut self, rows: usize, values: &[T]) -> Result<(), Error> {
         encode_delta(values, &mut self.page);
         if self.statistics && !values.is_empty() {
             let (mut min, mut max) = (i64::MAX, i64::MIN);
@@ -416,10 +395,12 @@ fn pack(values: &[u64; MINIBLOCK], width: usize, out: &mut Vec<u8>) {
 
 /// Append definition levels (0 or 1) as the RLE/bit-packed hybrid of bit width 1: a run of 8
 /// or more equal levels as one RLE run, what lies between as bit-packed groups of 8 (the last
-/// group padded with zeros, which readers ignore past the page's count).
-pub fn encode_levels(levels: &[i16], out: &mut Vec<u8>) {
+/// group padded with zeros, which readers ignore past the page's count). Returns the levels 1
+/// (the values present).
+pub fn encode_levels(levels: &[i16], out: &mut Vec<u8>) -> usize {
     let n = levels.len();
     let mut i = 0;
+    let mut present = 0;
     // Bit-packed groups gathered, not yet written.
     let mut groups: Vec<u8> = Vec::new();
     let flush = |groups: &mut Vec<u8>, out: &mut Vec<u8>| {
@@ -430,18 +411,22 @@ pub fn encode_levels(levels: &[i16], out: &mut Vec<u8>) {
         }
     };
     while i < n {
-        let v = levels[i];
-        let run = levels[i..].iter().take_while(|&&l| l == v).count();
-        if run >= 8 {
+        // The next 8 levels as a byte; a run is looked for only where they are all equal.
+        let group = &levels[i..n.min(i + 8)];
+        let mut byte = 0u8;
+        for (k, &l) in group.iter().enumerate() {
+            byte |= u8::from(l != 0) << k;
+        }
+        if group.len() == 8 && (byte == 0 || byte == 0xff) {
+            let v = levels[i];
+            let run = 8 + levels[i + 8..].iter().take_while(|&&l| l == v).count();
             flush(&mut groups, out);
             uleb((run as u64) << 1, out);
             out.push(u8::from(v != 0));
+            present += if v != 0 { run } else { 0 };
             i += run;
         } else {
-            let mut byte = 0u8;
-            for (k, &l) in levels[i..n.min(i + 8)].iter().enumerate() {
-                byte |= u8::from(l != 0) << k;
-            }
+            present += byte.count_ones() as usize;
             groups.push(byte);
             i += 8;
             // (At most 63 groups to a run, as the crate writes them.)
@@ -451,6 +436,7 @@ pub fn encode_levels(levels: &[i16], out: &mut Vec<u8>) {
         }
     }
     flush(&mut groups, out);
+    present
 }
 
 #[cfg(test)]
@@ -614,8 +600,9 @@ mod tests {
                     })
                     .collect();
                 let mut out = vec![];
-                encode_levels(&levels, &mut out);
+                let present = encode_levels(&levels, &mut out);
                 assert_eq!(decode_levels(&out, n), levels, "{n} levels, mix {mix}");
+                assert_eq!(present, levels.iter().filter(|&&l| l == 1).count());
             }
         }
         let mut out = vec![];
