@@ -42,11 +42,14 @@ pub const ROW_GROUP_ROWS: usize = 1 << 20;
 /// How a table's columns are encoded, beyond the defaults (zstd, dictionaries where values
 /// repeat, no statistics).
 pub struct Layout {
-    /// Columns written with delta encoding: times, ordinals and running totals, which change
-    /// little from a row to the next, and integers that hardly change at all (a device, a
-    /// stream, a thread): for those deltas take the bytes of a dictionary's run-length indices
-    /// at a third of the work (interning each value in the dictionary costs more than
-    /// computing its delta).
+    /// Columns written with delta encoding ([`DeltaChunk`]): times, ordinals and running
+    /// totals, which change little from a row to the next, and integers that hardly change at
+    /// all (a device, a stream, a thread): for those deltas take the bytes of a dictionary's
+    /// run-length indices at a third of the work (interning each value in the dictionary costs
+    /// more than computing its delta). And `requested`, whose values are too many for a
+    /// dictionary to pay: about 110 000 distinct in a row group of a long trace, where each
+    /// value's search of the dictionary missed the caches (an eighth of the export's time), for
+    /// files 2 % larger on a long trace and 2 % smaller for a job of short ranks.
     pub delta: &'static [&'static str],
     /// Columns with statistics (each column chunk's minimum, maximum and nulls): those a query
     /// engine can prune row groups with — times and ordinals (which only grow), running totals

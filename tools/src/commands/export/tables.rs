@@ -153,6 +153,7 @@ impl Events {
             "stream",
             "thread",
             "stack_id",
+            "requested",
         ],
         statistics: &["seq", "t_ns", "wall_ns", "device", "allocated", "reserved"],
     };
