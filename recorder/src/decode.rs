@@ -25,6 +25,7 @@ struct Body<'a> {
 
 impl<'a> Body<'a> {
     /// Open a body that must be a fixarray of `fields` elements.
+    #[inline(always)]
     fn array(bytes: &'a [u8], fields: u8) -> Option<Body<'a>> {
         debug_assert!(fields < 16);
         let (&marker, rest) = bytes.split_first()?;
@@ -32,6 +33,7 @@ impl<'a> Body<'a> {
     }
 
     /// The next unsigned integer, in any of MessagePack's unsigned forms.
+    #[inline(always)]
     fn uint(&mut self) -> Option<u64> {
         let (&marker, rest) = self.bytes.split_first()?;
         let (value, rest) = match marker {
@@ -58,19 +60,23 @@ impl<'a> Body<'a> {
         Some(value)
     }
 
+    #[inline(always)]
     fn u64(&mut self) -> Option<u64> {
         self.uint()
     }
 
+    #[inline(always)]
     fn u32(&mut self) -> Option<u32> {
         u32::try_from(self.uint()?).ok()
     }
 
+    #[inline(always)]
     fn u8(&mut self) -> Option<u8> {
         u8::try_from(self.uint()?).ok()
     }
 
     /// `value` if the body was read to its last byte.
+    #[inline(always)]
     fn end<T>(self, value: T) -> Option<T> {
         self.bytes.is_empty().then_some(value)
     }
