@@ -23,7 +23,7 @@ pub use super::table_file::{Layout, TableFile};
 pub const SCHEMA_VERSION: &str = "1";
 
 /// Rows gathered before they are handed to the Parquet writer as one batch.
-pub const BATCH_ROWS: usize = 64 * 1024;
+pub const BATCH_ROWS: usize = 16 * 1024;
 
 fn field(name: &str, data_type: DataType, nullable: bool) -> Field {
     Field::new(name, data_type, nullable)
