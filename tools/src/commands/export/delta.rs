@@ -216,14 +216,9 @@ impl DeltaChunk {
     /// Encode, compress and write one page of `rows` rows, whose levels are already in the
     /// page.
     fn write_page<T: DeltaInt>(&mut self, rows: usize, values: &[T]) -> Result<(), Error> {
-        encode_delta(values, &mut self.page);
-        if self.statistics && !values.is_empty() {
-            let (mut min, mut max) = (i64::MAX, i64::MIN);
-            for &v in values {
-                let v = v.wide();
-                min = if v < min { v } else { min };
-                max = if v > max { v } else { max };
-            }
+        if !self.statistics {
+            encode_delta(values, &mut self.page);
+        } else if let Some((min, max)) = encode_delta_with::<T, true>(values, &mut self.page) {
             self.min_max = Some(match self.min_max {
                 None => (min, max),
                 Some((a, b)) => (a.min(min), b.max(max)),
@@ -331,27 +326,44 @@ fn zigzag(v: i64, out: &mut Vec<u8>) {
 /// widths and the miniblocks of `delta - minimum`, 32 values bit-packed from the lowest bit
 /// (the last block's unused miniblocks have width 0 and no bytes).
 pub fn encode_delta<T: DeltaInt>(values: &[T], out: &mut Vec<u8>) {
+    encode_delta_with::<T, false>(values, out);
+}
+
+/// [`encode_delta`], and with `STATS` the values' minimum and maximum, sign-extended (found in
+/// the same pass; `None` for no values).
+#[inline(always)]
+fn encode_delta_with<T: DeltaInt, const STATS: bool>(
+    values: &[T],
+    out: &mut Vec<u8>,
+) -> Option<(i64, i64)> {
     uleb(BLOCK as u64, out);
     uleb(MINIBLOCKS as u64, out);
     uleb(values.len() as u64, out);
     let Some(&first) = values.first() else {
         zigzag(0, out);
-        return;
+        return None;
     };
     zigzag(first.wide(), out);
-    let mut prev = first;
+    let (mut lo_value, mut hi_value) = (first.wide(), first.wide());
     let mut deltas = [0i64; BLOCK];
-    for block in values[1..].chunks(BLOCK) {
-        let n = block.len();
+    let mut start = 0;
+    while start + 1 < values.len() {
+        // The block's values and the one before them: 128 deltas, or fewer at the end.
+        let window = &values[start..values.len().min(start + 1 + BLOCK)];
+        let n = window.len() - 1;
+        start += n;
+        // The minimum delta in the column's width (an `i32` delta is sign-extended, so `i64`'s
+        // order is its own).
         let mut min = i64::MAX;
-        for (d, &v) in deltas.iter_mut().zip(block) {
-            *d = v.delta(prev);
-            prev = v;
-        }
-        // The minimum in the column's width (an `i32` delta is sign-extended, so `i64`'s order
-        // is its own).
-        for &d in &deltas[..n] {
-            min = min.min(d);
+        for (d, pair) in deltas.iter_mut().zip(window.windows(2)) {
+            let x = pair[1].delta(pair[0]);
+            *d = x;
+            min = if x < min { x } else { min };
+            if STATS {
+                let v = pair[1].wide();
+                lo_value = if v < lo_value { v } else { lo_value };
+                hi_value = if v > hi_value { v } else { hi_value };
+            }
         }
         zigzag(min, out);
         let widths_at = out.len();
@@ -370,6 +382,7 @@ pub fn encode_delta<T: DeltaInt>(values: &[T], out: &mut Vec<u8>) {
             pack(&packed, width, out);
         }
     }
+    Some((lo_value, hi_value))
 }
 
 /// Append 32 values of `width` bits each, from the lowest bit: `4 * width` bytes.
@@ -566,6 +579,14 @@ mod tests {
                     decode_delta(&out, true)
                 };
                 assert_eq!(back, wide, "i64, {n} values");
+                let mut again = vec![];
+                let stats = encode_delta_with::<i64, true>(&wide, &mut again);
+                assert_eq!(again, out, "the same bytes with statistics");
+                let expected = wide
+                    .iter()
+                    .min()
+                    .map(|&lo| (lo, *wide.iter().max().unwrap()));
+                assert_eq!(stats, expected, "minimum and maximum");
                 let narrow: Vec<i32> = wide.iter().map(|&v| v as i32).collect();
                 let mut out = vec![];
                 encode_delta(&narrow, &mut out);
