@@ -30,8 +30,9 @@ it has to adjust:
   `_cuda_memorySnapshot` (segments, blocks, frames and `device_traces` read from the trace the
   recorder keeps anyway, by the `cachealloc snapshot` command beside the library, showing what
   the history settings keep), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
-  `_accelerator_resetAccumulatedStats`; `_cuda_getMemoryFraction` answers 1.0, not the
-  backend's "unlimited" over the device's memory, while no fraction is set. So `memory_stats`,
+  `_accelerator_resetAccumulatedStats`; `_cuda_getMemoryFraction` answers the library's fraction
+  (`cachealloc_memory_fraction`: set at run time or by `per_process_memory_fraction`), 1.0
+  while none is set, not the backend's "unlimited" over the device's memory. So `memory_stats`,
   `memory_summary`, `_record_memory_history`, `_snapshot`, `memory_snapshot` and
   `_dump_snapshot` work unchanged, and a snapshot has history even when the program never asked
   for it.
@@ -44,6 +45,12 @@ it has to adjust:
   `_cuda_releasePool` route the calling thread's allocations to it
   (`cachealloc_mem_pool_begin_thread`/`_end_thread`). `memory_snapshot(pool.id)` and
   `pool.snapshot()` read the pool's segments from the library.
+* `torch.Tensor.record_stream` — PyTorch's backend would make a side stream wait for the
+  recorded streams when the tensor is freed, which a CUDA graph capture cannot allow (the
+  process aborts). For memory of the library's pools it is given to the library instead
+  (`cachealloc_record_stream`), which keeps the freed block from reuse until the work queued on
+  those streams has run, as PyTorch's native allocator does (Note [Recorded streams]); other
+  memory stays with PyTorch's `record_stream`.
 * `torch.storage` — sending a CUDA tensor to another process (`torch.multiprocessing`) needs
   PyTorch's native allocator (its backend refuses `shareIpcHandle`). `UntypedStorage`'s
   `_share_cuda_`, `_new_shared_cuda` and `_release_ipc_counter_cuda` are replaced by ones served

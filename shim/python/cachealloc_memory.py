@@ -337,6 +337,37 @@ def _mem_pools(memory, native):
     return api
 
 
+def _record_stream(tensor_class):
+    """Give `Tensor.record_stream` to the library (Note [Recorded streams] in the library's
+    `process::recorded_streams`): PyTorch's backend would make a side stream wait for the
+    recorded streams at the free, which a CUDA graph capture cannot allow (the process
+    aborts). Tensors whose memory is not the library's, and streams that are not CUDA streams,
+    stay with PyTorch."""
+    api = c_functions(record="cachealloc_record_stream")
+    original = getattr(tensor_class, "record_stream", None)
+    if api is None or original is None or getattr(original, "_cachealloc_wrapped", False):
+        return
+    import ctypes
+
+    api.record.restype = ctypes.c_int
+    api.record.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
+
+    def record_stream(self, stream):
+        handle = getattr(stream, "cuda_stream", None)
+        if handle is not None and self.is_cuda and not self.is_sparse:
+            try:
+                address = self.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):
+                address = 0
+            if address and api.record(address, handle) == 0:
+                return None
+        return original(self, stream)
+
+    record_stream._cachealloc_wrapped = True
+    record_stream.__doc__ = original.__doc__
+    tensor_class.record_stream = record_stream
+
+
 def _settings_setter(original, apply):
     """`original` (a `torch._C` setter of allocator settings), then the library's."""
 
@@ -379,9 +410,25 @@ def adjust(memory):
     # The backend answers the memory fraction as its limit over the device's memory, and its
     # limit is "unlimited" (2**64 - 1) until one is set: a "fraction" of millions, which
     # set_per_process_memory_fraction then refuses to take back. Unset is 1.0, as natively.
+    # The library's own fraction comes first: it is the one in force for all of the device's
+    # pools, set from `per_process_memory_fraction` (0.0 included) or at run time.
     get_fraction = getattr(native, "_cuda_getMemoryFraction", None)
+    library_fraction = c_functions(get="cachealloc_memory_fraction")
     if get_fraction is not None:
-        native._cuda_getMemoryFraction = lambda device: min(get_fraction(device), 1.0)
+        if library_fraction is not None:
+            import ctypes
+
+            library_fraction.get.restype = ctypes.c_double
+            library_fraction.get.argtypes = [ctypes.c_int]
+
+        def memory_fraction(device):
+            if library_fraction is not None:
+                fraction = library_fraction.get(int(device))
+                if fraction >= 0.0:
+                    return fraction
+            return min(get_fraction(device), 1.0)
+
+        native._cuda_getMemoryFraction = memory_fraction
     # torch.accelerator's memory functions read the same statistics through these.
     if hasattr(native, "_accelerator_getDeviceStats"):
         native._accelerator_getDeviceStats = memory_stats
@@ -425,4 +472,7 @@ def adjust(memory):
     if hasattr(native, "_cuda_record_memory_history_legacy"):
         native._cuda_record_memory_history_legacy = _record_history_legacy
     native._cuda_memorySnapshot = memory_snapshot
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "Tensor"):
+        _record_stream(torch.Tensor)
     say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")

@@ -4,7 +4,7 @@ package made here) turns CUDA graph trees off on the cudaMallocAsync route; and 
 torch.cuda.memory replaces torch._C's memory statistics, history and snapshot entry points on
 that route (checked against an allocation made through the runtime, with fakecuda), and
 torch.cuda.MemPool and use_mem_pool with the library's private pools (a pool of the program's
-own allocator among them).
+own allocator among them); Tensor.record_stream for the library's blocks.
 Usage: python_integration.py EXPECTED_TREES   (True or False: False means the integration acts).
 Prints "OK python_integration"."""
 import os
@@ -27,6 +27,14 @@ package = os.path.join(root, "torch", "_inductor")
 os.makedirs(package)
 for d in (os.path.join(root, "torch"), package):
     open(os.path.join(d, "__init__.py"), "w").close()
+# torch.Tensor's record_stream as PyTorch's backend takes it (noting what reached it).
+with open(os.path.join(root, "torch", "__init__.py"), "w") as f:
+    f.write(
+        "class Tensor:\n"
+        "    recorded_by_pytorch = []\n"
+        "    def record_stream(self, stream):\n"
+        "        Tensor.recorded_by_pytorch.append(stream)\n"
+    )
 with open(os.path.join(package, "config.py"), "w") as f:
     f.write("class triton:\n    cudagraph_trees = True\n    cudagraphs = False\n")
 # torch._C's memory entry points as the cudaMallocAsync backend answers them, and the module
@@ -251,6 +259,73 @@ def check_history_settings(torch, glob):
     record(None, None, "python", 1000)
 
 
+def check_record_stream(torch, glob):
+    """Tensor.record_stream is the library's for its blocks: a block freed while work on a
+    recorded stream may still use it is not reused until that work is done; PyTorch's backend
+    never sees the stream. Another address stays PyTorch's."""
+    import threading
+    import types
+
+    class Storage:
+        def __init__(self, address):
+            self.address = address
+
+        def data_ptr(self):
+            return self.address
+
+    class CudaTensor(torch.Tensor):
+        is_cuda = True
+        is_sparse = False
+
+        def __init__(self, address):
+            self.address = address
+
+        def untyped_storage(self):
+            return Storage(self.address)
+
+    glob.cudaMallocAsync.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p]
+    glob.cudaFreeAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    glob.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    glob.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+
+    def stream():
+        s = ctypes.c_void_p()
+        if glob.cudaStreamCreate(ctypes.byref(s)) != 0:
+            fail("cudaStreamCreate failed")
+        return s
+
+    def malloc_on(s):
+        p = ctypes.c_void_p()
+        if glob.cudaMallocAsync(ctypes.byref(p), 1 << 20, s) != 0:
+            fail("cudaMallocAsync failed")
+        return p
+
+    own, user = stream(), stream()
+    gate = threading.Event()
+    hold = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: gate.wait(30))
+    if glob.cudaLaunchHostFunc(user, hold, None) != 0:
+        fail("cudaLaunchHostFunc failed")
+    block = malloc_on(own)
+    CudaTensor(block.value).record_stream(types.SimpleNamespace(cuda_stream=user.value))
+    if torch.Tensor.recorded_by_pytorch:
+        fail("record_stream of the library's block reached PyTorch's backend")
+    glob.cudaFreeAsync(block, own)
+    while_busy = malloc_on(own)
+    gate.set()
+    glob.cudaStreamSynchronize(user)
+    after = malloc_on(own)
+    if while_busy.value == block.value:
+        fail("a block was reused while work on its recorded stream could still use it")
+    if after.value != block.value:
+        fail("a block was not reused once the work on its recorded stream was done")
+    glob.cudaFreeAsync(while_busy, own)
+    glob.cudaFreeAsync(after, own)
+    foreign = types.SimpleNamespace(cuda_stream=user.value)
+    CudaTensor(0x1000).record_stream(foreign)
+    if torch.Tensor.recorded_by_pytorch != [foreign]:
+        fail("record_stream of memory that is not the library's did not reach PyTorch's backend")
+
+
 if expected:
     if torch._C._cuda_memoryStats(0) != "native":
         fail("the memory entry points were replaced where the integration must not act")
@@ -283,10 +358,14 @@ else:
         fail(f"an unset memory fraction reads {torch._C._cuda_getMemoryFraction(0)}")
     # set_per_process_memory_fraction limits the library's pools (fakecuda: 1 GiB).
     torch._C._cuda_setMemoryFraction(0.25, 0)
+    if torch._C._cuda_getMemoryFraction(0) != 0.25:
+        fail(f"the fraction set (0.25) reads back {torch._C._cuda_getMemoryFraction(0)}")
     big = ctypes.c_void_p()
     if glob.cudaMalloc(ctypes.byref(big), 512 << 20) == 0:
         fail("512 MiB were allocated under a fraction of 0.25 of 1 GiB")
     torch._C._cuda_setMemoryFraction(1.0, 0)
+    if torch._C._cuda_getMemoryFraction(0) != 1.0:
+        fail(f"the fraction lifted (1.0) reads back {torch._C._cuda_getMemoryFraction(0)}")
     if glob.cudaMalloc(ctypes.byref(big), 512 << 20) != 0:
         fail("512 MiB could not be allocated once the fraction was lifted")
     glob.cudaFree(big)
@@ -374,6 +453,8 @@ else:
     if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
         fail("history was shown after _record_memory_history(None)")
     check_history_settings(torch, glob)
+    # (Its streams turn fenced reuse on: after the checks that assume none.)
+    check_record_stream(torch, glob)
 
     # Out-of-memory observers hear of an allocation that fails.
     heard = []

@@ -73,6 +73,13 @@ impl OnPanic for u64 {
     }
 }
 
+/// A fraction: -1.0, which no fraction is.
+impl OnPanic for f64 {
+    fn on_panic() -> Self {
+        -1.0
+    }
+}
+
 impl OnPanic for () {
     fn on_panic() -> Self {}
 }

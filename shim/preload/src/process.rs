@@ -23,6 +23,7 @@
 //! | `allocations` | serves allocations and frees (pooled or passed through and traced), cached free bytes, empty cache, stats |
 //! | `stream_lifecycle` | a stream's pool key, whether it captures, its creation and destruction |
 //! | `graph_capture` | the barrier fence and the private pool at a capture's start, deferred releases at the last one's end |
+//! | `recorded_streams` | `record_stream`: frees that wait for the work of a block's other streams (Note [Recorded streams]) |
 //! | `private_pools` | private pools (Note [Private pools]): those of graph captures (Note [Capture pools]) and PyTorch's `MemPool`s (Note [PyTorch MemPools]) |
 //! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
 //! | `torch_settings` | PyTorch's memory settings at run time: the memory fraction, the allocator settings, caching on or off |
@@ -60,6 +61,7 @@ mod peer_access;
 mod pointers;
 mod private_pools;
 pub mod program_context;
+mod recorded_streams;
 mod stream_lifecycle;
 mod torch_settings;
 
@@ -141,6 +143,8 @@ pub struct Shim {
     private_pools: private_pools::PrivatePools,
     /// Blocks shared with other processes.
     ipc: ipc::IpcBook,
+    /// Streams recorded for blocks (`record_stream`), and frees waiting for them.
+    recorded: recorded_streams::RecordedStreams,
 }
 
 /// What runs at the shim's first CUDA use, set by the constructor ([`at_start`]).
@@ -256,6 +260,7 @@ fn start() -> Option<Shim> {
         started: std::time::Instant::now(),
         default_pools: std::sync::Mutex::new(Vec::new()),
         private_pools: private_pools::PrivatePools::default(),
+        recorded: recorded_streams::RecordedStreams::default(),
         ipc: ipc::IpcBook::default(),
     })
 }
@@ -373,7 +378,11 @@ impl Shim {
             );
             if config_fraction_set {
                 // The fraction limits the device's private pools too (backend::budget).
-                crate::backend::budget::set_limit(device, alloc.limit());
+                crate::backend::budget::set_limit(
+                    device,
+                    alloc.limit(),
+                    alloc.config().per_process_memory_fraction,
+                );
             }
             Pool::new(alloc)
         });

@@ -21,13 +21,20 @@ const MAX_DEVICES: usize = 64;
 pub struct DeviceBudget {
     limit: AtomicU64,
     held: AtomicU64,
+    /// The fraction of the device's memory the limit was set from, as `f64` bits
+    /// ([`NO_FRACTION`]: never set).
+    fraction: AtomicU64,
 }
+
+/// `DeviceBudget::fraction`'s value until a limit is set (not the bits of any fraction).
+const NO_FRACTION: u64 = u64::MAX;
 
 impl DeviceBudget {
     const fn new() -> Self {
         DeviceBudget {
             limit: AtomicU64::new(u64::MAX),
             held: AtomicU64::new(0),
+            fraction: AtomicU64::new(NO_FRACTION),
         }
     }
 
@@ -57,6 +64,15 @@ impl DeviceBudget {
     pub fn limit(&self) -> u64 {
         self.limit.load(Ordering::Acquire)
     }
+
+    /// The fraction of the device's memory the limit was set from, as given (PyTorch's
+    /// `get_per_process_memory_fraction` reads it back exactly), if one was set.
+    pub fn fraction(&self) -> Option<f64> {
+        match self.fraction.load(Ordering::Acquire) {
+            NO_FRACTION => None,
+            bits => Some(f64::from_bits(bits)),
+        }
+    }
 }
 
 static BUDGETS: [DeviceBudget; MAX_DEVICES] = [const { DeviceBudget::new() }; MAX_DEVICES];
@@ -70,11 +86,12 @@ pub fn of(ordinal: i32) -> &'static DeviceBudget {
         .unwrap_or(&UNLIMITED)
 }
 
-/// Limit what device `ordinal`'s pools hold to `bytes` in all (what is already held stays; new
-/// memory is refused until it fits).
-pub fn set_limit(ordinal: i32, bytes: u64) {
+/// Limit what device `ordinal`'s pools hold to `bytes` in all, `fraction` of its memory (what
+/// is already held stays; new memory is refused until it fits).
+pub fn set_limit(ordinal: i32, bytes: u64, fraction: f64) {
     if let Some(budget) = usize::try_from(ordinal).ok().and_then(|i| BUDGETS.get(i)) {
         budget.limit.store(bytes, Ordering::Release);
+        budget.fraction.store(fraction.to_bits(), Ordering::Release);
     }
 }
 
@@ -103,5 +120,20 @@ mod tests {
         assert_eq!(b.held(), 30);
         b.give_back(1000);
         assert_eq!(b.held(), 0, "never below zero");
+    }
+
+    #[test]
+    fn a_limit_keeps_the_fraction_it_was_set_from_exactly() {
+        assert_eq!(of(63).fraction(), None, "never set");
+        set_limit(63, 0, 0.0);
+        assert_eq!(of(63).fraction(), Some(0.0));
+        set_limit(63, 123, 0.1);
+        assert_eq!(of(63).fraction(), Some(0.1));
+        assert_eq!(of(63).limit(), 123);
+        assert_eq!(
+            of(64).fraction(),
+            None,
+            "beyond the table: unlimited, no fraction"
+        );
     }
 }

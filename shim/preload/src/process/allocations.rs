@@ -27,6 +27,7 @@ impl Shim {
     /// A thread allocating to a `MemPool` gets its memory there (Note [PyTorch MemPools]); when the
     /// ordinary pool is out of memory, a `use_on_oom` pool may lend a cached block.
     pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
+        self.free_recorded_when_done(false);
         if let Some(served) = self.thread_pool_malloc(device, size, stream) {
             return self.observed(device, size, served);
         }
@@ -40,6 +41,13 @@ impl Shim {
             served => served,
         };
         let served = self.after_releasing_unused(served, &pool.alloc, device, size, stream);
+        // Blocks waiting for their recorded streams' work: wait for it, and try again.
+        let served = match served {
+            Err(cuda::ERROR_MEMORY_ALLOCATION) if self.free_recorded_when_done(true) > 0 => {
+                self.serve(&pool.alloc, device, size, stream)
+            }
+            served => served,
+        };
         let served = match served {
             Err(cuda::ERROR_MEMORY_ALLOCATION) => self
                 .oom_fallback(device, size, stream)
@@ -137,6 +145,9 @@ impl Shim {
     /// current).
     /// A block another process still holds (IPC) is freed when it lets go.
     pub fn free(&self, address: u64, stream: u64) -> Option<CudaError> {
+        if let Some(deferred) = self.free_after_recorded_streams(address, stream) {
+            return Some(deferred);
+        }
         if let Some(held) = self.ipc_hold(address, stream) {
             return Some(held);
         }
@@ -239,6 +250,8 @@ impl Shim {
     /// Private pools still in use keep theirs (Note [Private pools]).
     pub fn empty_cache(&self) -> Result<(), CudaError> {
         self.ipc_collect();
+        // As PyTorch's native `empty_cache`, wait for the work of recorded streams first.
+        self.free_recorded_when_done(true);
         self.with_free_stack(|| {
             for alloc in self.allocators() {
                 alloc.empty_cache().map_err(|e| {

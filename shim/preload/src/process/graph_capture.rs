@@ -31,6 +31,7 @@ impl Shim {
     pub fn capture_ended(&self, stream: usize, graph: Option<usize>) {
         let last = self.streams.capture_ended(Stream(stream));
         self.capture_pool_end(stream, graph);
+        self.recorded_capture_ended(stream);
         if last {
             self.release_unused_private_pools(false, None);
             for pool in self.pools() {

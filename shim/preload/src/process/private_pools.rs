@@ -344,6 +344,25 @@ impl Shim {
     }
 
     /// Run `f` on the allocator of each private pool of `device`.
+    /// Run `f` on every private pool's allocator, with its device.
+    pub(super) fn for_each_private_pool_anywhere(
+        &self,
+        mut f: impl FnMut(i32, &Allocator<CudaDevice, DeviceObserver>),
+    ) {
+        if !self.private_pools.any.load(Ordering::Acquire) {
+            return;
+        }
+        for pool in self
+            .private_pools
+            .pools
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            f(pool.device, &pool.alloc);
+        }
+    }
+
     pub(super) fn for_each_private_pool(
         &self,
         device: i32,

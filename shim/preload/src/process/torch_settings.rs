@@ -27,9 +27,28 @@ impl Shim {
         } else {
             (total as f64 * fraction) as u64
         };
-        crate::backend::budget::set_limit(device, bytes);
+        crate::backend::budget::set_limit(device, bytes, fraction);
         log::debug!("device {device}: its pools may hold {fraction} of {total} bytes");
         Ok(())
+    }
+
+    /// The fraction of `device`'s memory its pools may hold: the one set last (at run time, or
+    /// from `per_process_memory_fraction` when the device's pool was made), else the
+    /// configuration's (PyTorch's `get_per_process_memory_fraction`; 1.0: no limit).
+    pub fn memory_fraction(&self, device: i32) -> f64 {
+        if let Some(fraction) = crate::backend::budget::of(device).fraction() {
+            return fraction;
+        }
+        let runtime = (self.runtime_allocator.lock()).unwrap_or_else(|p| p.into_inner());
+        match runtime.as_ref() {
+            Some(config) => config.per_process_memory_fraction,
+            None => {
+                crate::settings::get()
+                    .config
+                    .allocator
+                    .per_process_memory_fraction
+            }
+        }
     }
 
     /// PyTorch's allocator settings changed at run time (`_set_allocator_settings`, a

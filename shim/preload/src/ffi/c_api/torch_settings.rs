@@ -1,6 +1,7 @@
 //! The C API's calls for PyTorch's memory settings at run time, made by the Python
 //! integration (see [`crate::process`]'s `torch_settings`): the memory fraction, the allocator
-//! settings, caching on or off; and each segment's pool and kind, for PyTorch's snapshots.
+//! settings, caching on or off, `record_stream`; and each segment's pool and kind, for
+//! PyTorch's snapshots.
 
 use std::ffi::{c_char, c_int};
 
@@ -25,6 +26,21 @@ pub extern "C" fn cachealloc_set_memory_fraction(device: c_int, fraction: f64) -
             None => cuda::ERROR_INITIALIZATION,
         },
         || cuda::ERROR_INITIALIZATION,
+    )
+}
+
+/// The fraction of `device`'s memory that its pools may hold (PyTorch's
+/// `get_per_process_memory_fraction`): see `Shim::memory_fraction`. Returns -1.0 where the
+/// library has no pools (passthrough).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_memory_fraction(device: c_int) -> f64 {
+    guarded(
+        "cachealloc_memory_fraction",
+        || match process::shim().filter(|s| s.healthy()) {
+            Some(shim) => shim.memory_fraction(device),
+            None => -1.0,
+        },
+        || -1.0,
     )
 }
 
@@ -96,4 +112,20 @@ pub unsafe extern "C" fn cachealloc_segments_json(
     );
     // SAFETY: the caller's contract.
     unsafe { write_text(&text, buf, len) }
+}
+
+/// `tensor.record_stream(stream)` for the block at `address` (the base of the tensor's
+/// storage): work queued on `stream` uses it, and its free waits for that work (Note [Recorded
+/// streams] in `process::recorded_streams`). Returns 0 if recorded, 1 if `address` is not a
+/// live block of ours (the Python integration then leaves the call to PyTorch).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_record_stream(address: u64, stream: usize) -> c_int {
+    guarded(
+        "cachealloc_record_stream",
+        || match process::shim().filter(|s| s.healthy()) {
+            Some(shim) if shim.record_stream(address, shim.stream_key(stream)) => 0,
+            _ => 1,
+        },
+        || 1,
+    )
 }

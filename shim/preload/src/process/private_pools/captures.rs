@@ -41,11 +41,11 @@
 //!   Fences, too, ask before they record an event on a stream while a capture is under way: an
 //!   event recorded on a joined stream, or a query of it, would break the capture.
 //!
-//! Not covered: graphs made and destroyed only through the driver API, and a block freed in a
-//! capture after `record_stream` on a joined stream (PyTorch's backend makes the freeing stream
-//! wait for those streams in the graph, so the block is reused behind them; PyTorch's native
-//! allocator, with `graph_capture_record_stream_reuse`, would instead keep it until the graph
-//! joins them).
+//! Not covered: graphs made and destroyed only through the driver API. A block freed in a
+//! capture after `record_stream` on a joined stream waits for the capture's end (Note
+//! [Recorded streams]); PyTorch's native allocator, with `graph_capture_record_stream_reuse`,
+//! follows the graph's edges and may reuse it within the capture once the graph joins those
+//! streams back.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -182,6 +182,16 @@ impl Shim {
         }
     }
 
+    /// The stream whose capture `stream` takes part in (itself if it began it), if it
+    /// captures into one of ours.
+    pub(in crate::process) fn capture_origin(&self, stream: usize) -> Option<usize> {
+        let book = self.private_book();
+        if let Some(&origin) = book.joined.get(&stream) {
+            return Some(origin);
+        }
+        book.capturing.contains_key(&stream).then_some(stream)
+    }
+
     /// The pool `stream` is capturing into, if it is capturing.
     fn capturing_pool(&self, stream: usize) -> Option<Arc<PrivatePool>> {
         if !self
@@ -199,6 +209,7 @@ impl Shim {
     /// through a door we do not see).
     pub fn capture_malloc(&self, stream: usize, size: u64) -> Option<Result<u64, CudaError>> {
         let pool = self.capturing_pool(stream)?;
+        self.free_recorded_when_done(false);
         let served = self.serve(&pool.alloc, pool.device, size, stream as u64);
         Some(self.observed(pool.device, size, served))
     }

@@ -1,0 +1,247 @@
+//! `record_stream`: blocks that the program used on streams other than the one they were
+//! allocated for, kept from reuse until that work is done.
+//!
+//! # Note [Recorded streams]
+//!
+//! `tensor.record_stream(s)` tells PyTorch's allocator that work queued on `s` uses the
+//! tensor's memory, so that freeing the tensor must not let another allocation have the memory
+//! before that work has run. PyTorch's native allocator keeps the streams with the block and,
+//! at the free, records an event on each; the block becomes reusable once they have completed
+//! (and, during a graph capture with `graph_capture_record_stream_reuse`, once the capture has
+//! joined them). PyTorch's `cudaMallocAsync` backend, which the shim runs under, instead makes a
+//! side stream wait for every recorded stream at the free and frees the block on it. During a
+//! capture that wait is illegal (an event of a capturing stream waited on by one that is not,
+//! or the reverse) and the backend's error kills the process (`std::terminate` in a deleter):
+//! PyTorch's `test_graph_capture_pre_capture_stream_use` aborts that way.
+//!
+//! So the Python integration gives `Tensor.record_stream` to the library
+//! (`cachealloc_record_stream`), and PyTorch's backend never sees the streams. Here:
+//!
+//! * Recording `s` for a live pooled block notes `s` with the block's address; a block that is
+//!   not ours is left to PyTorch (the call answers "not ours").
+//! * Freeing a block with recorded streams (other than the freeing stream, which orders the
+//!   free itself) does not free it yet: a fence is recorded on each recorded stream that is not
+//!   capturing, and the free waits in a list ([`DeferredFree`]). A recorded stream that is
+//!   capturing — one that joined a capture — cannot be fenced (an event on it would be part of
+//!   the graph, and querying it is illegal); the free then also waits for that capture to end,
+//!   by which time the capture has joined the stream back (CUDA refuses to end a capture
+//!   otherwise).
+//! * The waiting frees are looked at on every allocation (one atomic load while there are
+//!   none), at the end of a capture and before `empty_cache`; those whose fences have completed
+//!   (a query: never a wait) and whose capture has ended are freed then, as the program freed
+//!   them, on the stream it freed them on. An allocation that runs out of memory waits for them
+//!   (outside captures) and tries again.
+//!
+//! A block freed while its recorded work has not run is thus still active in the statistics, as
+//! PyTorch's native allocator counts it. Not covered: `recordStream` called from PyTorch's C++
+//! (its NCCL process group, for instance) still reaches PyTorch's backend, whose side-stream
+//! wait is right outside captures; and a capture's block whose recorded streams are joined back
+//! before the capture ends is reusable only after the capture, where the native allocator,
+//! following the graph's edges, may reuse it within the same capture
+//! (`test_graph_capture_reclaim_2_streams`).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cachealloc_core::{BlockState, Device};
+
+use super::Shim;
+use crate::cuda::{self, CudaError};
+use crate::gpu::fences::Fence;
+use crate::log;
+
+/// The streams recorded for live blocks, and the frees waiting for them.
+#[derive(Debug, Default)]
+pub(super) struct RecordedStreams {
+    /// Whether any stream was ever recorded (the free path looks no further until then).
+    any: AtomicBool,
+    /// Whether frees are waiting (allocations look no further while none are).
+    waiting: AtomicBool,
+    book: Mutex<Book>,
+}
+
+#[derive(Debug, Default)]
+struct Book {
+    /// Block address → the streams recorded for it (stream keys).
+    uses: HashMap<u64, Vec<u64>>,
+    waiting: Vec<DeferredFree>,
+}
+
+/// A free that waits for the work queued on a block's recorded streams.
+#[derive(Debug)]
+struct DeferredFree {
+    /// The device whose ordinary pool recorded the fences.
+    device: i32,
+    address: u64,
+    /// The stream the program freed the block on.
+    stream: u64,
+    /// One fence per recorded stream that was not capturing at the free.
+    fences: Vec<Fence>,
+    /// The stream whose capture a recorded stream had joined, if one had: the free also waits
+    /// for that capture to end.
+    capture: Option<usize>,
+}
+
+impl Shim {
+    /// `tensor.record_stream(stream)` for the block at `address`: work queued on `stream` uses
+    /// it. Returns false if `address` is not the base of a live block of ours (the caller leaves
+    /// it to PyTorch).
+    pub fn record_stream(&self, address: u64, stream: u64) -> bool {
+        if self.device_of_live_block(address).is_none() {
+            return false;
+        }
+        let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
+        let streams = book.uses.entry(address).or_default();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+        self.recorded.any.store(true, Ordering::Release);
+        true
+    }
+
+    /// The free of `address` on `stream`, if streams were recorded for it: it waits for them
+    /// (Note [Recorded streams]). `None`: nothing recorded, free it now.
+    pub(super) fn free_after_recorded_streams(
+        &self,
+        address: u64,
+        stream: u64,
+    ) -> Option<CudaError> {
+        if !self.recorded.any.load(Ordering::Acquire) {
+            return None;
+        }
+        let recorded = {
+            let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
+            book.uses.remove(&address)?
+        };
+        let others: Vec<u64> = recorded.into_iter().filter(|&s| s != stream).collect();
+        if others.is_empty() {
+            return None;
+        }
+        let device = self.device_of_live_block(address)?;
+        let pool = self.pool(device).ok()?;
+        let mut fences = Vec::with_capacity(others.len());
+        let mut capture = None;
+        for &s in &others {
+            if self.is_capturing(s as usize) {
+                capture = capture.or_else(|| self.capture_origin(s as usize));
+                continue;
+            }
+            match pool.alloc.device().record_stream_fence(s) {
+                Ok(fence) => fences.push(fence),
+                Err(e) => {
+                    // Without the fence, wait for the stream's work here (never during a
+                    // capture: a capturing stream is not fenced at all).
+                    log::error!("record_stream: fencing stream {s:#x}: {e}; waiting for it");
+                    if let Ok(fence) = pool.alloc.device().record_fence() {
+                        let _ = pool.alloc.device().wait_fence(&fence);
+                        pool.alloc.device().release_fence(fence);
+                    }
+                }
+            }
+        }
+        if fences.is_empty() && capture.is_none() {
+            return None;
+        }
+        let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
+        book.waiting.push(DeferredFree {
+            device,
+            address,
+            stream,
+            fences,
+            capture,
+        });
+        self.recorded.waiting.store(true, Ordering::Release);
+        Some(cuda::SUCCESS)
+    }
+
+    /// Free the waiting blocks whose recorded work is done (with `wait`, outside captures: wait
+    /// for it). Returns how many were freed.
+    pub(super) fn free_recorded_when_done(&self, wait: bool) -> usize {
+        if !self.recorded.waiting.load(Ordering::Acquire) {
+            return 0;
+        }
+        let wait = wait && !self.streams.captures_active();
+        let ready: Vec<DeferredFree> = {
+            let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
+            let (ready, still): (Vec<_>, Vec<_>) = std::mem::take(&mut book.waiting)
+                .into_iter()
+                .partition(|d| self.recorded_work_done(d, wait));
+            book.waiting = still;
+            self.recorded
+                .waiting
+                .store(!book.waiting.is_empty(), Ordering::Release);
+            ready
+        };
+        let freed = ready.len();
+        for d in ready {
+            if let Ok(pool) = self.pool(d.device) {
+                for fence in d.fences {
+                    pool.alloc.device().release_fence(fence);
+                }
+            }
+            if let Some(code) = self.free(d.address, d.stream)
+                && code != cuda::SUCCESS
+            {
+                log::error!(
+                    "freeing {:#x} after its recorded streams: error {code}",
+                    d.address
+                );
+            }
+        }
+        freed
+    }
+
+    /// The capture that began on `origin` ended: frees that waited for it wait no more for it.
+    pub(super) fn recorded_capture_ended(&self, origin: usize) {
+        if !self.recorded.waiting.load(Ordering::Acquire) {
+            return;
+        }
+        {
+            let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
+            for d in book.waiting.iter_mut() {
+                if d.capture == Some(origin) {
+                    d.capture = None;
+                }
+            }
+        }
+        self.free_recorded_when_done(false);
+    }
+
+    /// Whether `d`'s recorded work is done (its capture ended, its fences completed).
+    fn recorded_work_done(&self, d: &DeferredFree, wait: bool) -> bool {
+        if d.capture.is_some() {
+            return false;
+        }
+        let Ok(pool) = self.pool(d.device) else {
+            return true; // no pool: nothing to wait with (never after a free of ours)
+        };
+        let device = pool.alloc.device();
+        d.fences.iter().all(|fence| {
+            device.fence_completed(fence) || (wait && device.wait_fence(fence).is_ok())
+        })
+    }
+
+    /// The device of the live block whose base is `address`, in an ordinary or a private pool.
+    fn device_of_live_block(&self, address: u64) -> Option<i32> {
+        let live = |info: Option<cachealloc_core::AddressInfo>| {
+            info.is_some_and(|i| i.block_address == address && i.state == BlockState::Active)
+        };
+        let ordinary = self.devices.iter().enumerate().find_map(|(device, slot)| {
+            let pool = slot.get()?;
+            (pool.may_contain(address) && live(pool.alloc.lookup(address))).then_some(device as i32)
+        });
+        ordinary.or_else(|| {
+            let mut found = None;
+            self.for_each_private_pool_anywhere(|device, alloc| {
+                if found.is_none()
+                    && alloc.device().may_contain(address)
+                    && live(alloc.lookup(address))
+                {
+                    found = Some(device);
+                }
+            });
+            found
+        })
+    }
+}
