@@ -258,6 +258,30 @@ fn python_host_through_ctypes() {
         }
         run.output().assert_ok("ctypes");
     }
+    // A child whose settings the shim refuses (it passes everything through) gets back
+    // PyTorch's settings without the backend its parent's shim added: PyTorch's own allocator
+    // then runs, and checks them itself.
+    let child = Run::new(
+        &python,
+        &[
+            script,
+            "max_split_size_mb:64,per_process_memory_fraction:-0.1",
+            "unset",
+            "environment-only",
+        ],
+    )
+    .env(
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "max_split_size_mb:64,backend:cudaMallocAsync,per_process_memory_fraction:-0.1",
+    )
+    .env("CACHEALLOC_ADDED_TORCH_BACKEND", "PYTORCH_CUDA_ALLOC_CONF")
+    .output();
+    child.assert_ok("ctypes");
+    assert!(
+        child.stderr.contains("passing every CUDA call through"),
+        "{}",
+        child.stderr
+    );
 }
 
 fn assert_no_shim_failure(stderr: &str) {

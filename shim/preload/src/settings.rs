@@ -53,6 +53,7 @@ pub fn on_load() {
     let settings = get();
     if let Some(problem) = &settings.problem {
         log::error!("{problem}; passing every CUDA call through unchanged");
+        undo_inherited_torch_backend();
         return;
     }
     let config = &settings.config;
@@ -85,6 +86,10 @@ const TORCH_ALLOC_VARS: [&str; 3] = [
     "PYTORCH_ALLOC_CONF",
 ];
 
+/// Set in the environment when the shim added PyTorch's backend to its settings, so that a child
+/// process (which inherits both) can tell the backend was not the user's choice.
+const ADDED_BACKEND_MARK: &str = "CACHEALLOC_ADDED_TORCH_BACKEND";
+
 /// Add `backend:cudaMallocAsync` to PyTorch's allocator settings, unless the user chose a
 /// backend or turned PyTorch's caching off themselves.
 fn select_torch_async_backend() {
@@ -109,8 +114,50 @@ fn select_torch_async_backend() {
     };
     // SAFETY: this runs in the library's constructor, before `main`, while the process has no
     // other threads that could read the environment concurrently.
-    unsafe { std::env::set_var(var, &value) };
+    unsafe {
+        std::env::set_var(var, &value);
+        std::env::set_var(ADDED_BACKEND_MARK, var);
+    };
     log::debug!("set {var}={value} so that every tensor reaches the pool with its stream");
+}
+
+/// In a process where the shim passes everything through (its settings are bad), take back the
+/// backend a parent's shim added to PyTorch's settings: PyTorch then runs as without the shim
+/// (its native allocator, which also checks the settings and names what is wrong), not on a
+/// `cudaMallocAsync` backend that nothing serves.
+fn undo_inherited_torch_backend() {
+    let Ok(var) = std::env::var(ADDED_BACKEND_MARK) else {
+        return;
+    };
+    let Some(value) = std::env::var(&var).ok() else {
+        return;
+    };
+    let restored = torch_without_added_backend(&value);
+    // SAFETY: this runs in the library's constructor, before `main`, while the process has no
+    // other threads that could read the environment concurrently.
+    unsafe {
+        match &restored {
+            Some(conf) => std::env::set_var(&var, conf),
+            None => std::env::remove_var(&var),
+        }
+        std::env::remove_var(ADDED_BACKEND_MARK);
+    };
+    log::debug!("took back the backend:cudaMallocAsync a parent process added to {var}");
+}
+
+/// `conf` without the `backend:cudaMallocAsync` entry that [`torch_with_async_backend`] added;
+/// `None` when nothing else is left.
+fn torch_without_added_backend(conf: &str) -> Option<String> {
+    let rest: Vec<&str> = conf
+        .split(',')
+        .filter(|item| {
+            let mut kv = item.splitn(2, ':');
+            let key = kv.next().unwrap_or("").trim();
+            let value = kv.next().unwrap_or("").trim();
+            !(key == "backend" && value == "cudaMallocAsync") && !item.trim().is_empty()
+        })
+        .collect();
+    (!rest.is_empty()).then(|| rest.join(","))
 }
 
 /// `conf` (a `PYTORCH_CUDA_ALLOC_CONF` value) with `backend:cudaMallocAsync` added, or `None`
@@ -134,7 +181,7 @@ fn torch_with_async_backend(conf: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::torch_with_async_backend;
+    use super::{torch_with_async_backend, torch_without_added_backend};
 
     #[test]
     fn the_async_backend_joins_the_users_settings_unless_a_backend_is_named() {
@@ -151,5 +198,20 @@ mod tests {
             None
         );
         assert_eq!(torch_with_async_backend("backend:cudaMallocAsync"), None);
+    }
+
+    #[test]
+    fn the_added_backend_is_taken_back_and_the_users_settings_kept() {
+        assert_eq!(torch_without_added_backend("backend:cudaMallocAsync"), None);
+        assert_eq!(
+            torch_without_added_backend(
+                "max_split_size_mb:256,backend:cudaMallocAsync,per_process_memory_fraction:-0.1"
+            )
+            .as_deref(),
+            Some("max_split_size_mb:256,per_process_memory_fraction:-0.1")
+        );
+        for conf in ["max_split_size_mb:256", "backend:native"] {
+            assert_eq!(torch_without_added_backend(conf).as_deref(), Some(conf));
+        }
     }
 }
