@@ -154,7 +154,8 @@ fn torch_without_added_backend(conf: &str) -> Option<String> {
             let mut kv = item.splitn(2, ':');
             let key = kv.next().unwrap_or("").trim();
             let value = kv.next().unwrap_or("").trim();
-            !(key == "backend" && value == "cudaMallocAsync") && !item.trim().is_empty()
+            let added = key == "backend" && value == "cudaMallocAsync";
+            !(added || item.trim().is_empty())
         })
         .collect();
     (!rest.is_empty()).then(|| rest.join(","))
