@@ -555,7 +555,7 @@ mod tests {
                 x ^= x >> 7;
                 x ^= x << 17;
                 v = match (x >> 60, i % 300 < 100) {
-                    (_, true) => v + 1,
+                    (_, true) => v.wrapping_add(1),
                     (0, _) => i64::MIN,
                     (1, _) => i64::MAX,
                     (2..=5, _) => v.wrapping_add((x >> 20) as i64),
