@@ -42,7 +42,7 @@ pub const ROW_GROUP_ROWS: usize = 1 << 20;
 /// How a table's columns are encoded, beyond the defaults (zstd, dictionaries where values
 /// repeat, no statistics).
 pub struct Layout {
-    /// Columns written with delta encoding ([`DeltaChunk`]): times, ordinals and running
+    /// Columns written with delta encoding (`delta::DeltaChunk`): times, ordinals and running
     /// totals, which change little from a row to the next, and integers that hardly change at
     /// all (a device, a stream, a thread): for those deltas take the bytes of a dictionary's
     /// run-length indices at a third of the work (interning each value in the dictionary costs
