@@ -343,7 +343,6 @@ impl Shim {
         });
     }
 
-    /// Run `f` on the allocator of each private pool of `device`.
     /// Run `f` on every private pool's allocator, with its device.
     pub(super) fn for_each_private_pool_anywhere(
         &self,
@@ -363,24 +362,17 @@ impl Shim {
         }
     }
 
+    /// Run `f` on the allocator of each private pool of `device`.
     pub(super) fn for_each_private_pool(
         &self,
         device: i32,
         mut f: impl FnMut(&Allocator<CudaDevice, DeviceObserver>),
     ) {
-        if !self.private_pools.any.load(Ordering::Acquire) {
-            return;
-        }
-        for pool in self
-            .private_pools
-            .pools
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|p| p.device == device)
-        {
-            f(&pool.alloc);
-        }
+        self.for_each_private_pool_anywhere(|d, alloc| {
+            if d == device {
+                f(alloc)
+            }
+        });
     }
 
     /// The segments of `device`'s pools — the ordinary pool's and every private pool's — as a
