@@ -110,6 +110,7 @@ run stream_ordered "$FIXED" --
 run graph_capture "$FIXED" --
 run capture_pools "$FIXED" --
 run capture_streams "$FIXED" --
+run capture_reclaim "$FIXED" --
 run allocator_settings "$FIXED" --
 run entry_point "$FIXED" --
 run load "$FIXED" -- 4 300 1
@@ -123,6 +124,7 @@ run ipc_share X=1 --
 run stream_ordered X=1 --
 run graph_capture X=1 --
 run capture_streams X=1 --
+run capture_reclaim X=1 --
 run fork X=1 --
 # Expandable segments (CUDA's virtual memory): the same programs, pooled by mapping.
 run basic "$EXP" --

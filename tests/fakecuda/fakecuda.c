@@ -62,7 +62,11 @@
  *    invalidates its capture, whatever the mode. The capture ends on the stream it began on
  *    (cuStreamEndCapture on a joined stream fails with 903), which ends the joined streams'
  *    capture too; unlike CUDA, a joined stream need not have been joined back first.
- *    cuStreamGetCaptureInfo (_v2, _v3) answers the status and the capture's id.
+ *    cuStreamGetCaptureInfo (_v2, _v3) answers the status, the capture's id and the stream's
+ *    dependency nodes: each captured operation but an event record or wait is a node that
+ *    depends on the stream's nodes before it, an event recorded in the capture keeps the
+ *    recording stream's nodes, and a wait on it adds them to the waiting stream's (how a stream
+ *    joins another back); cuGraphNodeGetDependencies (and _v2) answers a node's.
  *  - One default memory pool per device, whose attributes report the device's used memory.
  *  - Virtual memory management (CUDA 10.2's VMM API, which expandable segments and XLA use),
  *    with the semantics and error codes of CUDA 13.0 (driver 580) as measured on an H100
@@ -144,6 +148,7 @@
 #define FC_EXPORT __attribute__((visibility("default")))
 #define MAX_DEVICES 8
 #define MAX_STREAMS 256
+#define MAX_CAP_DEPS 16 /* dependency nodes kept per stream, event or node in a capture */
 #define MAX_CONTEXTS 64
 #define DRIVER_VERSION 13000
 
@@ -180,6 +185,8 @@ typedef struct fc_event {
     int npending, cap_pending;
     int captured;        /* last recorded inside a capture: may not be queried */
     fc_graph *capture;   /* that capture (a stream waiting on the event joins it) */
+    int ncap_deps;       /* the recording stream's dependency nodes then */
+    fc_op *cap_deps[MAX_CAP_DEPS];
 } fc_event;
 
 /* Under the lock: whether record `generation` of `e` is enqueued and has not run. */
@@ -217,6 +224,9 @@ struct fc_op {
     void *arg;
     fc_event *event;
     uint64_t event_generation;
+    /* As a node of a captured graph: the nodes it depends on. */
+    int nparents;
+    fc_op *parents[MAX_CAP_DEPS];
     fc_op *next;
 };
 
@@ -234,6 +244,8 @@ struct fc_stream {
     pthread_t capture_thread;
     int capture_invalid;
     int capture_joined;  /* joined the capture through an event (it began on another stream) */
+    int ncap_deps;       /* the nodes its next captured operation depends on */
+    fc_op *cap_deps[MAX_CAP_DEPS];
 };
 
 #define GRAPH_MAGIC 0x9a9a

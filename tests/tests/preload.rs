@@ -366,6 +366,13 @@ fn a_stream_that_joins_a_capture_allocates_from_its_pool_and_is_never_fenced() {
 }
 
 #[test]
+fn a_block_freed_in_a_capture_after_record_stream_is_reused_once_the_graph_joins_its_streams() {
+    let out = Run::c("capture_reclaim", &[]).output();
+    out.assert_pooled("capture_reclaim");
+    assert_no_shim_failure(&out.stderr);
+}
+
+#[test]
 fn allocator_settings_changed_at_run_time_apply_to_pools_made_later() {
     let out = Run::c("allocator_settings", &[]).output();
     out.assert_pooled("allocator_settings");
@@ -475,6 +482,7 @@ fn graph_and_stream_programs_pass_without_the_shim() {
         "graph_capture",
         "capture_pools",
         "capture_streams",
+        "capture_reclaim",
     ] {
         Run::c(name, &[]).without_shim().output().assert_ok(name);
     }

@@ -157,6 +157,11 @@ pub struct Config {
     pub compress: bool,
     /// `oom_checkpoint`: write a full state checkpoint to the trace at an OOM.
     pub oom_checkpoint: bool,
+    /// `graph_capture_record_stream_reuse` (PyTorch's key): a block freed during a graph
+    /// capture after `record_stream` on streams that joined the capture may be reused within
+    /// the capture once the capture's graph has joined those streams back; off, only after the
+    /// capture (Note [Recorded streams] in the shim).
+    pub graph_capture_record_stream_reuse: bool,
     /// `python:on|off`: in a Python process, put the shim's Python integration on
     /// `PYTHONPATH` (it adjusts what PyTorch cannot do on the `cudaMallocAsync` route).
     pub python: bool,
@@ -205,6 +210,7 @@ impl Default for Config {
             stack_depth: 64,
             compress: true,
             oom_checkpoint: true,
+            graph_capture_record_stream_reuse: false,
             python: true,
             categories: true,
             driver_doors: true,
@@ -232,7 +238,6 @@ const TORCH_ONLY_KEYS: &[&str] = &[
     "pinned_num_register_threads",
     "pinned_use_background_threads",
     "pinned_reserve_segment_size_mb",
-    "graph_capture_record_stream_reuse",
 ];
 
 /// The outcome of reading all configuration sources.

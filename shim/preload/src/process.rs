@@ -260,7 +260,7 @@ fn start() -> Option<Shim> {
         started: std::time::Instant::now(),
         default_pools: std::sync::Mutex::new(Vec::new()),
         private_pools: private_pools::PrivatePools::default(),
-        recorded: recorded_streams::RecordedStreams::default(),
+        recorded: recorded_streams::RecordedStreams::new(config.graph_capture_record_stream_reuse),
         ipc: ipc::IpcBook::default(),
     })
 }

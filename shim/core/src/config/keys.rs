@@ -109,6 +109,15 @@ pub const KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "graph_capture_record_stream_reuse",
+        valid: "True or False",
+        from_pytorch: true,
+        set: |c, k, v| {
+            c.graph_capture_record_stream_reuse = parse_bool(k, v)?;
+            Ok(())
+        },
+    },
+    Key {
         name: "pool",
         valid: "on or off",
         from_pytorch: false,

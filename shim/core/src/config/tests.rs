@@ -205,3 +205,18 @@ fn a_memory_fraction_of_zero_is_pytorchs_no_memory() {
         assert_eq!(c.allocator.per_process_memory_fraction, want, "{text}");
     }
 }
+
+#[test]
+fn graph_capture_record_stream_reuse_is_read_from_pytorchs_variable_and_off_by_default() {
+    assert!(!Config::default().graph_capture_record_stream_reuse);
+    let r = Config::from_sources(None, Some("graph_capture_record_stream_reuse:True")).unwrap();
+    assert!(r.config.graph_capture_record_stream_reuse);
+    assert!(r.ignored.is_empty(), "{:?}", r.ignored);
+    let err = Config::parse("graph_capture_record_stream_reuse:maybe", "CACHEALLOC_CONF")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("graph_capture_record_stream_reuse") && err.contains("True or False"),
+        "{err}"
+    );
+}

@@ -93,11 +93,12 @@ pub fn mem_free(
         return real();
     }
     if let Some(shim) = process::shim() {
-        let key = match stream.map(StreamArg::runtime_handle) {
-            Some(handle) if !shim.is_capturing(handle) => shim.stream_key(handle),
-            _ => NO_STREAM,
+        let freed = match stream.map(StreamArg::runtime_handle) {
+            Some(handle) if shim.is_capturing(handle) => shim.free_in_capture(address, handle),
+            Some(handle) => shim.free(address, shim.stream_key(handle)),
+            None => shim.free(address, NO_STREAM),
         };
-        if let Some(code) = shim.free(address, key) {
+        if let Some(code) = freed {
             return code.to_driver();
         }
         shim.passthrough_free(address);

@@ -64,12 +64,12 @@ pub fn free_async(address: u64, stream: usize) -> CudaError {
     if address != 0
         && let Some(shim) = process::shim()
     {
-        let key = if shim.is_capturing(stream) {
-            NO_STREAM
+        let freed = if shim.is_capturing(stream) {
+            shim.free_in_capture(address, stream)
         } else {
-            shim.stream_key(stream)
+            shim.free(address, shim.stream_key(stream))
         };
-        if let Some(code) = shim.free(address, key) {
+        if let Some(code) = freed {
             return code;
         }
         shim.passthrough_free(address);

@@ -145,7 +145,19 @@ impl Shim {
     /// current).
     /// A block another process still holds (IPC) is freed when it lets go.
     pub fn free(&self, address: u64, stream: u64) -> Option<CudaError> {
-        if let Some(deferred) = self.free_after_recorded_streams(address, stream) {
+        self.free_from(address, stream, None)
+    }
+
+    /// [`Shim::free`] of `address` on `stream`, which is capturing a graph: the free is a
+    /// synchronous one for the pools (it happens at capture time; the graph orders the block's
+    /// uses), but `record_stream`'s wait follows the capture's graph from `stream`'s work (Note
+    /// [Recorded streams]).
+    pub fn free_in_capture(&self, address: u64, stream: usize) -> Option<CudaError> {
+        self.free_from(address, cachealloc_core::NO_STREAM, Some(stream))
+    }
+
+    fn free_from(&self, address: u64, stream: u64, capturing: Option<usize>) -> Option<CudaError> {
+        if let Some(deferred) = self.free_after_recorded_streams(address, stream, capturing) {
             return Some(deferred);
         }
         if let Some(held) = self.ipc_hold(address, stream) {

@@ -26,19 +26,28 @@
 //!   the graph, and querying it is illegal); the free then also waits for that capture to end,
 //!   by which time the capture has joined the stream back (CUDA refuses to end a capture
 //!   otherwise).
+//! * With `graph_capture_record_stream_reuse` (PyTorch's key, off by default as in PyTorch),
+//!   a capture's free need not wait for the capture's end. At the free, the shim notes where
+//!   each capturing recorded stream's work stands: its dependency nodes in the capture's graph
+//!   (`cuStreamGetCaptureInfo`). The block may be reused once every one of those nodes precedes
+//!   the freeing stream's next work in the graph — the program has joined the recorded streams
+//!   back into it (`s1.wait_stream(s2)`) — which the shim finds by walking the graph back from
+//!   the freeing stream's dependencies (`cuGraphNodeGetDependencies`;
+//!   [`crate::gpu::captures::Ancestry`], which keeps what it walked for the capture's rest).
+//!   Every replay then orders the recorded work before the block's next use, as the stream
+//!   order did outside the capture. A block whose recorded streams are in another capture than
+//!   the freeing stream's, or whose graph the driver cannot describe, waits for the capture's
+//!   end as without the key.
 //! * The waiting frees are looked at on every allocation (one atomic load while there are
 //!   none), at the end of a capture and before `empty_cache`; those whose fences have completed
-//!   (a query: never a wait) and whose capture has ended are freed then, as the program freed
-//!   them, on the stream it freed them on. An allocation that runs out of memory waits for them
-//!   (outside captures) and tries again.
+//!   (a query: never a wait) and whose capture has ended, or joined their streams back, are
+//!   freed then, as the program freed them, on the stream it freed them on. An allocation that
+//!   runs out of memory waits for them (outside captures) and tries again.
 //!
 //! A block freed while its recorded work has not run is thus still active in the statistics, as
 //! PyTorch's native allocator counts it. Not covered: `recordStream` called from PyTorch's C++
 //! (its NCCL process group, for instance) still reaches PyTorch's backend, whose side-stream
-//! wait is right outside captures; and a capture's block whose recorded streams are joined back
-//! before the capture ends is reusable only after the capture, where the native allocator,
-//! following the graph's edges, may reuse it within the same capture
-//! (`test_graph_capture_reclaim_2_streams`).
+//! wait is right outside captures.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -48,8 +57,10 @@ use cachealloc_core::{BlockState, Device};
 
 use super::Shim;
 use crate::cuda::{self, CudaError};
+use crate::gpu::captures::{self, Ancestry, Node};
 use crate::gpu::fences::Fence;
 use crate::log;
+use crate::streams::Stream;
 
 /// The streams recorded for live blocks, and the frees waiting for them.
 #[derive(Debug, Default)]
@@ -58,6 +69,9 @@ pub(super) struct RecordedStreams {
     any: AtomicBool,
     /// Whether frees are waiting (allocations look no further while none are).
     waiting: AtomicBool,
+    /// `graph_capture_record_stream_reuse`: a capture's free may be reused within the capture
+    /// once the graph has joined its recorded streams back.
+    reuse_in_capture: AtomicBool,
     book: Mutex<Book>,
 }
 
@@ -66,6 +80,25 @@ struct Book {
     /// Block address → the streams recorded for it (stream keys).
     uses: HashMap<u64, Vec<u64>>,
     waiting: Vec<DeferredFree>,
+    /// Freeing stream → what precedes its next work in its capture's graph, with the stream
+    /// that began that capture (forgotten when it ends).
+    ancestry: HashMap<usize, (usize, Ancestry)>,
+}
+
+impl RecordedStreams {
+    /// With `graph_capture_record_stream_reuse` as configured.
+    pub(super) fn new(reuse_in_capture: bool) -> RecordedStreams {
+        let recorded = RecordedStreams::default();
+        recorded
+            .reuse_in_capture
+            .store(reuse_in_capture, Ordering::Relaxed);
+        recorded
+    }
+
+    /// `graph_capture_record_stream_reuse` changed at run time (`_set_allocator_settings`).
+    pub(super) fn set_reuse_in_capture(&self, on: bool) {
+        self.reuse_in_capture.store(on, Ordering::Relaxed);
+    }
 }
 
 /// A free that waits for the work queued on a block's recorded streams.
@@ -79,8 +112,14 @@ struct DeferredFree {
     /// One fence per recorded stream that was not capturing at the free.
     fences: Vec<Fence>,
     /// The stream whose capture a recorded stream had joined, if one had: the free also waits
-    /// for that capture to end.
+    /// for that capture to end, or for the graph to join the recorded streams back.
     capture: Option<usize>,
+    /// Where the work of the capturing recorded streams stood at the free (their dependency
+    /// nodes in the capture's graph), when the block may be reused once they precede the
+    /// freeing stream's work: `None` waits for the capture's end.
+    joined_after: Option<Vec<Node>>,
+    /// The capturing stream the block was freed on, for a free during a capture.
+    freed_on: Option<usize>,
 }
 
 impl Shim {
@@ -100,12 +139,14 @@ impl Shim {
         true
     }
 
-    /// The free of `address` on `stream`, if streams were recorded for it: it waits for them
-    /// (Note [Recorded streams]). `None`: nothing recorded, free it now.
+    /// The free of `address` on `stream` (a pool key; with `capturing`, the free is on that
+    /// capturing stream), if streams were recorded for it: it waits for them (Note [Recorded
+    /// streams]). `None`: nothing recorded, free it now.
     pub(super) fn free_after_recorded_streams(
         &self,
         address: u64,
         stream: u64,
+        capturing: Option<usize>,
     ) -> Option<CudaError> {
         if !self.recorded.any.load(Ordering::Acquire) {
             return None;
@@ -114,7 +155,8 @@ impl Shim {
             let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
             book.uses.remove(&address)?
         };
-        let others: Vec<u64> = recorded.into_iter().filter(|&s| s != stream).collect();
+        let freeing = capturing.map_or(stream, |s| s as u64);
+        let others: Vec<u64> = recorded.into_iter().filter(|&s| s != freeing).collect();
         if others.is_empty() {
             return None;
         }
@@ -122,9 +164,11 @@ impl Shim {
         let pool = self.pool(device).ok()?;
         let mut fences = Vec::with_capacity(others.len());
         let mut capture = None;
+        let mut joined = Vec::new();
         for &s in &others {
             if self.is_capturing(s as usize) {
                 capture = capture.or_else(|| self.capture_origin(s as usize));
+                joined.push(s);
                 continue;
             }
             match pool.alloc.device().record_stream_fence(s) {
@@ -143,6 +187,9 @@ impl Shim {
         if fences.is_empty() && capture.is_none() {
             return None;
         }
+        let joined_after = capture
+            .zip(capturing)
+            .and_then(|(origin, freeing)| self.recorded_work_in_capture(origin, freeing, &joined));
         let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
         book.waiting.push(DeferredFree {
             device,
@@ -150,6 +197,8 @@ impl Shim {
             stream,
             fences,
             capture,
+            joined_after,
+            freed_on: capturing,
         });
         self.recorded.waiting.store(true, Ordering::Release);
         Some(cuda::SUCCESS)
@@ -164,10 +213,12 @@ impl Shim {
         let wait = wait && !self.streams.captures_active();
         let ready: Vec<DeferredFree> = {
             let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
+            let mut ancestry = std::mem::take(&mut book.ancestry);
             let (ready, still): (Vec<_>, Vec<_>) = std::mem::take(&mut book.waiting)
                 .into_iter()
-                .partition(|d| self.recorded_work_done(d, wait));
+                .partition(|d| self.recorded_work_done(d, wait, &mut ancestry));
             book.waiting = still;
+            book.ancestry = ancestry;
             self.recorded
                 .waiting
                 .store(!book.waiting.is_empty(), Ordering::Release);
@@ -202,16 +253,59 @@ impl Shim {
             for d in book.waiting.iter_mut() {
                 if d.capture == Some(origin) {
                     d.capture = None;
+                    d.joined_after = None;
                 }
             }
+            book.ancestry.retain(|_, (began, _)| *began != origin);
         }
         self.free_recorded_when_done(false);
     }
 
-    /// Whether `d`'s recorded work is done (its capture ended, its fences completed).
-    fn recorded_work_done(&self, d: &DeferredFree, wait: bool) -> bool {
-        if d.capture.is_some() {
-            return false;
+    /// With `graph_capture_record_stream_reuse`, where the work of the `joined` recorded
+    /// streams stands in the capture that `origin` began, for a block freed on the capturing
+    /// `stream`: their dependency nodes (the block is reusable once they precede `stream`'s
+    /// work). `None` (wait for the capture's end) without the key, when a stream is in another
+    /// capture than the freeing stream's, or when the driver cannot say.
+    fn recorded_work_in_capture(
+        &self,
+        origin: usize,
+        stream: usize,
+        joined: &[u64],
+    ) -> Option<Vec<Node>> {
+        if !self.recorded.reuse_in_capture.load(Ordering::Relaxed)
+            || self.capture_origin(stream) != Some(origin)
+        {
+            return None;
+        }
+        let mut nodes = Vec::new();
+        for &s in joined {
+            if self.capture_origin(s as usize) != Some(origin) {
+                return None;
+            }
+            nodes.extend(captures::capture_dependencies(Stream(s as usize))?);
+        }
+        Some(nodes)
+    }
+
+    /// Whether `d`'s recorded work is done: its fences completed, and its capture ended or
+    /// joined the recorded streams back into the freeing stream's work (`ancestry`: what is
+    /// known to precede each freeing stream's work).
+    fn recorded_work_done(
+        &self,
+        d: &DeferredFree,
+        wait: bool,
+        ancestry: &mut HashMap<usize, (usize, Ancestry)>,
+    ) -> bool {
+        if let Some(origin) = d.capture {
+            let (Some(nodes), Some(freed_on)) = (&d.joined_after, d.freed_on) else {
+                return false;
+            };
+            let (_, known) = ancestry
+                .entry(freed_on)
+                .or_insert_with(|| (origin, Ancestry::default()));
+            if !known.all_precede(Stream(freed_on), nodes) {
+                return false;
+            }
         }
         let Ok(pool) = self.pool(d.device) else {
             return true; // no pool: nothing to wait with (never after a free of ours)

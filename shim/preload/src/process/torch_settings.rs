@@ -57,8 +57,9 @@ impl Shim {
     /// `roundup_power2_divisions` and `garbage_collection_threshold` take the string's values,
     /// or their defaults, for every device's ordinary pool from the next request on (and for
     /// pools made later);
-    /// `per_process_memory_fraction`, when given, limits each device's pools. PyTorch-only keys
-    /// are PyTorch's. `expandable_segments`, when given, switches how the ordinary pools grow
+    /// `per_process_memory_fraction`, when given, limits each device's pools;
+    /// `graph_capture_record_stream_reuse`, when given, switches reuse within captures (Note
+    /// [Recorded streams]). PyTorch-only keys are PyTorch's. `expandable_segments`, when given, switches how the ordinary pools grow
     /// from now on (their segments of the other kind stay and serve what they hold, as with
     /// PyTorch's); private pools keep fixed segments. The error names the key and its valid
     /// values.
@@ -97,6 +98,9 @@ impl Shim {
                     );
                 }
             }
+        }
+        if given("graph_capture_record_stream_reuse") {
+            (self.recorded).set_reuse_in_capture(resolved.config.graph_capture_record_stream_reuse);
         }
         if given("per_process_memory_fraction") {
             for device in 0..self.device_count as i32 {

@@ -42,10 +42,9 @@
 //!   event recorded on a joined stream, or a query of it, would break the capture.
 //!
 //! Not covered: graphs made and destroyed only through the driver API. A block freed in a
-//! capture after `record_stream` on a joined stream waits for the capture's end (Note
-//! [Recorded streams]); PyTorch's native allocator, with `graph_capture_record_stream_reuse`,
-//! follows the graph's edges and may reuse it within the capture once the graph joins those
-//! streams back.
+//! capture after `record_stream` on a joined stream waits for the capture's end, or, with
+//! `graph_capture_record_stream_reuse`, until the graph joins those streams back (Note
+//! [Recorded streams]).
 
 use std::cell::Cell;
 use std::sync::Arc;
