@@ -217,6 +217,7 @@ both ipc_torch.py ipc
 both ipc_torch.py ipc CACHEALLOC_CONF=expandable_segments:False
 both memory_history.py memory_api
 both torch_settings.py torch_settings
+both profiler_memory.py profiler_memory
 # Tensors in expandable segments (mapped memory, shared through POSIX file descriptors): natively
 # with PyTorch's expandable segments, under the shim with its own; each run first checks that its
 # tensor lies in mapped memory.

@@ -51,6 +51,12 @@ it has to adjust:
   (`cachealloc_record_stream`), which keeps the freed block from reuse until the work queued on
   those streams has run, as PyTorch's native allocator does (Note [Recorded streams]); other
   memory stays with PyTorch's `record_stream`.
+* `torch.profiler` — with `profile_memory=True` the profiler hears of allocations and frees
+  from PyTorch's native allocator only (its backend reports none: no memory in the profile, the
+  memory timeline or `_profile_to_snapshot`). Nothing of PyTorch's is replaced: the library is
+  given c10's `memoryProfilingEnabled`, `reportMemoryUsageToProfiler` and
+  `reportOutOfMemoryToProfiler` from `libc10.so` (`cachealloc_torch_profiler`) and reports as
+  the native allocator does.
 * `torch.storage` — sending a CUDA tensor to another process (`torch.multiprocessing`) needs
   PyTorch's native allocator (its backend refuses `shareIpcHandle`). `UntypedStorage`'s
   `_share_cuda_`, `_new_shared_cuda` and `_release_ipc_counter_cuda` are replaced by ones served

@@ -380,6 +380,37 @@ def _settings_setter(original, apply):
     return set_allocator_settings
 
 
+#: c10's profiler functions by their C++ names: `memoryProfilingEnabled()`,
+#: `reportMemoryUsageToProfiler(void*, int64_t, size_t, size_t, Device)` and
+#: `reportOutOfMemoryToProfiler(int64_t, size_t, size_t, Device)`.
+_PROFILER_SYMBOLS = (
+    "_ZN3c1022memoryProfilingEnabledEv",
+    "_ZN3c1027reportMemoryUsageToProfilerEPvlmmNS_6DeviceE",
+    "_ZN3c1027reportOutOfMemoryToProfilerElmmNS_6DeviceE",
+)
+
+
+def _profiler_reports(torch):
+    """Hand the library c10's profiler functions, so that `torch.profiler` with
+    `profile_memory=True` sees the pools' allocations and frees as the native allocator reports
+    them (PyTorch's `cudaMallocAsync` backend reports none)."""
+    import ctypes
+
+    give = c_functions(give="cachealloc_torch_profiler")
+    path = os.path.join(os.path.dirname(getattr(torch, "__file__", "") or ""), "lib", "libc10.so")
+    if give is None or not os.path.exists(path):
+        return
+    try:
+        c10 = ctypes.CDLL(path)
+        addresses = [ctypes.cast(getattr(c10, name), ctypes.c_void_p).value for name in _PROFILER_SYMBOLS]
+    except (OSError, AttributeError):
+        say(f"{path} has not the profiler's memory functions: torch.profiler sees no CUDA memory")
+        return
+    give.give.restype = ctypes.c_int
+    give.give.argtypes = [ctypes.c_size_t] * 3
+    give.give(*addresses)
+
+
 def adjust(memory):
     if torch_backend() != "cudaMallocAsync":
         return
@@ -475,4 +506,6 @@ def adjust(memory):
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "Tensor"):
         _record_stream(torch.Tensor)
+    if torch is not None:
+        _profiler_reports(torch)
     say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")

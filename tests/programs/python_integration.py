@@ -97,6 +97,13 @@ with open(os.path.join(root, "torch", "cuda", "graphs.py"), "w") as f:
         "    def capture_begin(self, pool=None, capture_error_mode='global'):\n"
         "        self.pool_used = (pool, capture_error_mode)\n"
     )
+# libc10.so's profiler functions, as a stand-in that records what reaches them.
+programs = os.environ.get("CACHEALLOC_TEST_PROGRAMS")
+if programs:
+    import shutil
+
+    os.makedirs(os.path.join(root, "torch", "lib"))
+    shutil.copy(os.path.join(programs, "libc10_profiler.so"), os.path.join(root, "torch", "lib", "libc10.so"))
 sys.path.insert(0, root)
 
 import torch._inductor.config as config  # noqa: E402
@@ -257,6 +264,53 @@ def check_history_settings(torch, glob):
     if not frees or not any(f["name"].endswith("empty_cache") for e in frees for f in e["frames"]):
         fail(f"empty_cache's segment frees have not its stack with context='all': {frees}")
     record(None, None, "python", 1000)
+
+
+def check_profiler(torch, glob):
+    """torch.profiler's memory events: while the profiler records memory (the stand-in's
+    switch), an allocation and its free are reported with the block's size, the device's
+    totals and the device, and an allocation out of memory with its request; nothing while it
+    does not."""
+    c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+
+    def reports():
+        out = []
+        for i in range(c10.profiler_count()):
+            kind, device_type, device_index = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+            address, allocated, reserved = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+            size = ctypes.c_int64()
+            c10.profiler_report(
+                i, ctypes.byref(kind), ctypes.byref(address), ctypes.byref(size), ctypes.byref(allocated),
+                ctypes.byref(reserved), ctypes.byref(device_type), ctypes.byref(device_index),
+            )
+            out.append((kind.value, address.value, size.value, allocated.value, reserved.value,
+                        device_type.value, device_index.value))
+        c10.profiler_clear()
+        return out
+
+    p = ctypes.c_void_p()
+    c10.profiler_clear()
+    glob.cudaMalloc(ctypes.byref(p), 1 << 20)
+    glob.cudaFree(p)
+    if reports():
+        fail("allocations were reported while the profiler did not record memory")
+    c10.profiler_enable(1)
+    if glob.cudaMalloc(ctypes.byref(p), (1 << 20) + 100) != 0:
+        fail("cudaMalloc failed")
+    glob.cudaFree(p)
+    huge = ctypes.c_void_p()
+    glob.cudaMalloc(ctypes.byref(huge), 1 << 44)
+    c10.profiler_enable(0)
+    got = reports()
+    if len(got) != 3:
+        fail(f"the profiler was told {got}, expected an allocation, its free and an OOM")
+    (k1, a1, s1, al1, r1, t1, i1), (k2, a2, s2, al2, r2, t2, i2), (k3, _, s3, _, _, _, _) = got
+    if (k1, k2, k3) != (1, 1, 2) or a1 != p.value or a2 != p.value:
+        fail(f"the profiler's reports are {got} for the block at {p.value:#x}")
+    if s1 != (1 << 20) + 512 or s2 != -s1 or s3 != 1 << 44:
+        fail(f"the profiler was told sizes {s1}, {s2}, {s3}: the block's size, its negation, the request")
+    if not (al1 >= s1 and r1 >= al1 and al2 == al1 - s1 and r2 == r1) or (t1, i1, t2, i2) != (1, 0, 1, 0):
+        fail(f"the profiler's totals or device are wrong: {got}")
 
 
 def check_record_stream(torch, glob):
@@ -464,6 +518,8 @@ else:
         fail("a 16 TiB allocation succeeded")
     if len(heard) != 1 or heard[0][0] != 0 or heard[0][1] != 1 << 44:
         fail(f"the out-of-memory observer heard {heard}")
+    if programs:
+        check_profiler(torch, glob)
 
     # MemPool and use_mem_pool.
     memory = torch.cuda.memory

@@ -510,7 +510,10 @@ fn python_integration_keeps_the_users_sitecustomize_and_serves_graph_trees_stats
         ("torch_caching:keep", "", "True"),
     ];
     for (conf, torch_conf, trees) in cases {
-        let mut run = Run::new(&python, &[script, trees]).env("PYTHONPATH", user_path);
+        let programs = cachealloc_tests::program("");
+        let mut run = Run::new(&python, &[script, trees])
+            .env("PYTHONPATH", user_path)
+            .env("CACHEALLOC_TEST_PROGRAMS", programs.to_str().unwrap());
         let conf = if conf.is_empty() {
             "log:debug".to_string()
         } else {

@@ -26,6 +26,7 @@
 //! | `recorded_streams` | `record_stream`: frees that wait for the work of a block's other streams (Note [Recorded streams]) |
 //! | `private_pools` | private pools (Note [Private pools]): those of graph captures (Note [Capture pools]) and PyTorch's `MemPool`s (Note [PyTorch MemPools]) |
 //! | `default_pool` | the default memory pool's statistics, peak resets and trims (PyTorch's `cudaMallocAsync` route) |
+//! | `torch_profiler` | PyTorch's profiler's memory events (`profile_memory=True`), reported as the native allocator reports them |
 //! | `torch_settings` | PyTorch's memory settings at run time: the memory fraction, the allocator settings, caching on or off |
 //! | `backward` | the stack of the Python thread in `backward()` for the autograd engine's threads |
 //! | `program_context` | what the Python integration says of the program: module scopes, phases, what blocks hold (for memory by category) |
@@ -63,6 +64,7 @@ mod private_pools;
 pub mod program_context;
 mod recorded_streams;
 mod stream_lifecycle;
+mod torch_profiler;
 mod torch_settings;
 
 pub use exit::ExitFacts;
@@ -73,6 +75,7 @@ pub use ipc::{
 };
 pub use pointers::PooledBlock;
 pub use private_pools::{PoolKey, PoolSettings};
+pub use torch_profiler::{TORCH_PROFILER, TorchProfiler};
 
 /// Most devices a process can have (CUDA's own limit is lower in practice).
 const MAX_DEVICES: usize = 64;

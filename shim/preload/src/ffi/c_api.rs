@@ -4,15 +4,17 @@
 //! PyTorch's `CUDAPluggableAllocator` pair; `ipc`: pooled blocks shared with other
 //! processes; `program_context`: module scopes, phases and what blocks hold, for memory by
 //! category; `torch_settings`: PyTorch's memory settings at run time and the segments' facts
-//! its snapshots need.
+//! its snapshots need; `torch_profiler`: PyTorch's profiler's functions, to report memory to.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 mod ipc;
 mod program_context;
+mod torch_profiler;
 mod torch_settings;
 pub use ipc::*;
 pub use program_context::*;
+pub use torch_profiler::*;
 pub use torch_settings::*;
 
 use super::guarded;

@@ -66,6 +66,15 @@ impl Shim {
         size: u64,
         served: Result<u64, CudaError>,
     ) -> Result<u64, CudaError> {
+        if let Some(profiler) = self.memory_profiler() {
+            match served {
+                Ok(address) => self.profile_alloc(profiler, device, address),
+                Err(cuda::ERROR_MEMORY_ALLOCATION) => {
+                    self.profile_out_of_memory(profiler, device, size)
+                }
+                Err(_) => {}
+            }
+        }
         if served == Err(cuda::ERROR_MEMORY_ALLOCATION)
             && let Some(notify) = OOM_OBSERVERS.get()
             && let Some(alloc) = self.allocator_of(device)
@@ -145,7 +154,7 @@ impl Shim {
     /// current).
     /// A block another process still holds (IPC) is freed when it lets go.
     pub fn free(&self, address: u64, stream: u64) -> Option<CudaError> {
-        self.free_from(address, stream, None)
+        self.program_free(address, stream, None)
     }
 
     /// [`Shim::free`] of `address` on `stream`, which is capturing a graph: the free is a
@@ -153,10 +162,37 @@ impl Shim {
     /// uses), but `record_stream`'s wait follows the capture's graph from `stream`'s work (Note
     /// [Recorded streams]).
     pub fn free_in_capture(&self, address: u64, stream: usize) -> Option<CudaError> {
-        self.free_from(address, cachealloc_core::NO_STREAM, Some(stream))
+        self.program_free(address, cachealloc_core::NO_STREAM, Some(stream))
     }
 
-    fn free_from(&self, address: u64, stream: u64, capturing: Option<usize>) -> Option<CudaError> {
+    /// A free the program asked for: told to PyTorch's profiler when it records memory.
+    fn program_free(
+        &self,
+        address: u64,
+        stream: u64,
+        capturing: Option<usize>,
+    ) -> Option<CudaError> {
+        let Some(profiler) = self.memory_profiler() else {
+            return self.free_from(address, stream, capturing);
+        };
+        let block = self.live_block(address);
+        let freed = self.free_from(address, stream, capturing);
+        if freed == Some(cuda::SUCCESS)
+            && let Some(block) = block
+        {
+            self.profile_free(profiler, address, block);
+        }
+        freed
+    }
+
+    /// [`Shim::free`] (on a capturing stream with `capturing`), whoever asks for it: the
+    /// program, or the library releasing a free that waited.
+    pub(super) fn free_from(
+        &self,
+        address: u64,
+        stream: u64,
+        capturing: Option<usize>,
+    ) -> Option<CudaError> {
         if let Some(deferred) = self.free_after_recorded_streams(address, stream, capturing) {
             return Some(deferred);
         }

@@ -53,7 +53,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cachealloc_core::{BlockState, Device};
+use cachealloc_core::Device;
 
 use super::Shim;
 use crate::cuda::{self, CudaError};
@@ -127,7 +127,7 @@ impl Shim {
     /// it. Returns false if `address` is not the base of a live block of ours (the caller leaves
     /// it to PyTorch).
     pub fn record_stream(&self, address: u64, stream: u64) -> bool {
-        if self.device_of_live_block(address).is_none() {
+        if self.live_block(address).map(|(device, _)| device).is_none() {
             return false;
         }
         let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
@@ -160,7 +160,7 @@ impl Shim {
         if others.is_empty() {
             return None;
         }
-        let device = self.device_of_live_block(address)?;
+        let device = self.live_block(address).map(|(device, _)| device)?;
         let pool = self.pool(device).ok()?;
         let mut fences = Vec::with_capacity(others.len());
         let mut capture = None;
@@ -231,7 +231,7 @@ impl Shim {
                     pool.alloc.device().release_fence(fence);
                 }
             }
-            if let Some(code) = self.free(d.address, d.stream)
+            if let Some(code) = self.free_from(d.address, d.stream, None)
                 && code != cuda::SUCCESS
             {
                 log::error!(
@@ -313,29 +313,6 @@ impl Shim {
         let device = pool.alloc.device();
         d.fences.iter().all(|fence| {
             device.fence_completed(fence) || (wait && device.wait_fence(fence).is_ok())
-        })
-    }
-
-    /// The device of the live block whose base is `address`, in an ordinary or a private pool.
-    fn device_of_live_block(&self, address: u64) -> Option<i32> {
-        let live = |info: Option<cachealloc_core::AddressInfo>| {
-            info.is_some_and(|i| i.block_address == address && i.state == BlockState::Active)
-        };
-        let ordinary = self.devices.iter().enumerate().find_map(|(device, slot)| {
-            let pool = slot.get()?;
-            (pool.may_contain(address) && live(pool.alloc.lookup(address))).then_some(device as i32)
-        });
-        ordinary.or_else(|| {
-            let mut found = None;
-            self.for_each_private_pool_anywhere(|device, alloc| {
-                if found.is_none()
-                    && alloc.device().may_contain(address)
-                    && live(alloc.lookup(address))
-                {
-                    found = Some(device);
-                }
-            });
-            found
         })
     }
 }
