@@ -47,25 +47,31 @@ enum CaptureInfo {
     V2(CaptureInfoV2),
 }
 
+/// The driver function called `name`, if libcuda has it.
+///
+/// # Safety
+/// `F` must be the driver's declaration (cuda.h) of the function of that versioned name.
+unsafe fn driver_function<F: Copy>(name: &[u8]) -> Option<F> {
+    // SAFETY: only dlopens libcuda (by cudarc's list of names); no code of it runs.
+    if !unsafe { sys::is_culib_present() } {
+        return None;
+    }
+    // SAFETY: the library is present (checked above); looking a symbol up runs no code, and
+    // the type is the caller's promise.
+    unsafe { sys::culib().get::<F>(name) }.ok().map(|f| *f)
+}
+
 /// The driver's capture-info function: `_v3` (CUDA 12.3 and later), else `_v2` (11.3 and
 /// later); `None` with a driver that has neither (it has no capture to join either).
 fn capture_info() -> Option<CaptureInfo> {
     static FUNCTION: OnceLock<Option<CaptureInfo>> = OnceLock::new();
     *FUNCTION.get_or_init(|| {
-        // SAFETY: only dlopens libcuda (by cudarc's list of names); no code of it runs.
-        if !unsafe { sys::is_culib_present() } {
-            return None;
-        }
-        // SAFETY: the library is present (checked above).
-        let lib = unsafe { sys::culib() };
-        // SAFETY: looking a symbol up runs no code; the types are the driver's declarations of
-        // these versioned functions (cuda.h).
-        if let Ok(f) = unsafe { lib.get::<CaptureInfoV3>(b"cuStreamGetCaptureInfo_v3") } {
-            return Some(CaptureInfo::V3(*f));
-        }
+        // SAFETY: the types are cuda.h's declarations of these versioned functions.
+        let v3 = unsafe { driver_function::<CaptureInfoV3>(b"cuStreamGetCaptureInfo_v3") };
         // SAFETY: as above.
-        let v2 = unsafe { lib.get::<CaptureInfoV2>(b"cuStreamGetCaptureInfo_v2") };
-        v2.ok().map(|f| CaptureInfo::V2(*f))
+        let v2 = || unsafe { driver_function::<CaptureInfoV2>(b"cuStreamGetCaptureInfo_v2") };
+        v3.map(CaptureInfo::V3)
+            .or_else(|| v2().map(CaptureInfo::V2))
     })
 }
 
@@ -189,20 +195,12 @@ enum NodeDependencies {
 fn node_dependencies_function() -> Option<NodeDependencies> {
     static FUNCTION: OnceLock<Option<NodeDependencies>> = OnceLock::new();
     *FUNCTION.get_or_init(|| {
-        // SAFETY: only dlopens libcuda (by cudarc's list of names); no code of it runs.
-        if !unsafe { sys::is_culib_present() } {
-            return None;
-        }
-        // SAFETY: the library is present (checked above).
-        let lib = unsafe { sys::culib() };
-        // SAFETY: looking a symbol up runs no code; the types are the driver's declarations of
-        // these versioned functions (cuda.h).
-        if let Ok(f) = unsafe { lib.get::<NodeDependenciesV2>(b"cuGraphNodeGetDependencies_v2") } {
-            return Some(NodeDependencies::V2(*f));
-        }
+        // SAFETY: the types are cuda.h's declarations of these versioned functions.
+        let v2 = unsafe { driver_function::<NodeDependenciesV2>(b"cuGraphNodeGetDependencies_v2") };
         // SAFETY: as above.
-        let v1 = unsafe { lib.get::<NodeDependenciesV1>(b"cuGraphNodeGetDependencies") };
-        v1.ok().map(|f| NodeDependencies::V1(*f))
+        let v1 = || unsafe { driver_function::<NodeDependenciesV1>(b"cuGraphNodeGetDependencies") };
+        v2.map(NodeDependencies::V2)
+            .or_else(|| v1().map(NodeDependencies::V1))
     })
 }
 

@@ -1,5 +1,6 @@
 //! What the shim says about a pointer the application holds: the pooled block behind it (for
-//! the driver's pointer queries) and whether it may be given an IPC handle.
+//! the driver's pointer queries; the live block a pointer is the base of, in any pool) and
+//! whether it may be given an IPC handle.
 
 use cachealloc_core::format_bytes;
 
@@ -38,6 +39,33 @@ impl Shim {
             } else {
                 Err(())
             })
+        })
+    }
+
+    /// The device and size of the live block whose base is `address`, in an ordinary or a
+    /// private pool.
+    pub(super) fn live_block(&self, address: u64) -> Option<(i32, u64)> {
+        let live = |info: Option<cachealloc_core::AddressInfo>| {
+            info.filter(|i| {
+                i.block_address == address && i.state == cachealloc_core::BlockState::Active
+            })
+            .map(|i| i.block_size)
+        };
+        let ordinary = self.devices.iter().enumerate().find_map(|(device, slot)| {
+            let pool = slot.get()?;
+            if !pool.may_contain(address) {
+                return None;
+            }
+            live(pool.alloc.lookup(address)).map(|size| (device as i32, size))
+        });
+        ordinary.or_else(|| {
+            let mut found = None;
+            self.for_each_private_pool_anywhere(|device, alloc| {
+                if found.is_none() && alloc.device().may_contain(address) {
+                    found = live(alloc.lookup(address)).map(|size| (device, size));
+                }
+            });
+            found
         })
     }
 

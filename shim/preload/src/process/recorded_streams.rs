@@ -114,12 +114,11 @@ struct DeferredFree {
     /// The stream whose capture a recorded stream had joined, if one had: the free also waits
     /// for that capture to end, or for the graph to join the recorded streams back.
     capture: Option<usize>,
-    /// Where the work of the capturing recorded streams stood at the free (their dependency
-    /// nodes in the capture's graph), when the block may be reused once they precede the
-    /// freeing stream's work: `None` waits for the capture's end.
-    joined_after: Option<Vec<Node>>,
-    /// The capturing stream the block was freed on, for a free during a capture.
-    freed_on: Option<usize>,
+    /// For a free on a capturing stream that may be reused within the capture: that stream,
+    /// and where the work of the capturing recorded streams stood at the free (their
+    /// dependency nodes in the capture's graph), which must all precede the stream's work.
+    /// `None` waits for the capture's end.
+    joined_after: Option<(usize, Vec<Node>)>,
 }
 
 impl Shim {
@@ -127,7 +126,7 @@ impl Shim {
     /// it. Returns false if `address` is not the base of a live block of ours (the caller leaves
     /// it to PyTorch).
     pub fn record_stream(&self, address: u64, stream: u64) -> bool {
-        if self.live_block(address).map(|(device, _)| device).is_none() {
+        if self.live_block(address).is_none() {
             return false;
         }
         let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
@@ -160,7 +159,7 @@ impl Shim {
         if others.is_empty() {
             return None;
         }
-        let device = self.live_block(address).map(|(device, _)| device)?;
+        let (device, _) = self.live_block(address)?;
         let pool = self.pool(device).ok()?;
         let mut fences = Vec::with_capacity(others.len());
         let mut capture = None;
@@ -187,9 +186,10 @@ impl Shim {
         if fences.is_empty() && capture.is_none() {
             return None;
         }
-        let joined_after = capture
-            .zip(capturing)
-            .and_then(|(origin, freeing)| self.recorded_work_in_capture(origin, freeing, &joined));
+        let joined_after = capture.zip(capturing).and_then(|(origin, freeing)| {
+            let nodes = self.recorded_work_in_capture(origin, freeing, &joined)?;
+            Some((freeing, nodes))
+        });
         let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
         book.waiting.push(DeferredFree {
             device,
@@ -198,7 +198,6 @@ impl Shim {
             fences,
             capture,
             joined_after,
-            freed_on: capturing,
         });
         self.recorded.waiting.store(true, Ordering::Release);
         Some(cuda::SUCCESS)
@@ -297,9 +296,10 @@ impl Shim {
         ancestry: &mut HashMap<usize, (usize, Ancestry)>,
     ) -> bool {
         if let Some(origin) = d.capture {
-            let (Some(nodes), Some(freed_on)) = (&d.joined_after, d.freed_on) else {
+            let Some((freed_on, nodes)) = &d.joined_after else {
                 return false;
             };
+            let freed_on = *freed_on;
             let (_, known) = ancestry
                 .entry(freed_on)
                 .or_insert_with(|| (origin, Ancestry::default()));

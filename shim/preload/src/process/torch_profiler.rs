@@ -17,8 +17,6 @@
 
 use std::sync::OnceLock;
 
-use cachealloc_core::BlockState;
-
 use super::Shim;
 
 /// c10's profiler functions, as the C API wraps them (this module calls no foreign code).
@@ -72,31 +70,6 @@ impl Shim {
                 s.allocated_bytes.all.current.max(0) as u64,
                 s.reserved_bytes.all.current.max(0) as u64,
             )
-        })
-    }
-
-    /// The device and size of the live block whose base is `address`, in an ordinary or a
-    /// private pool.
-    pub(super) fn live_block(&self, address: u64) -> Option<(i32, u64)> {
-        let live = |info: Option<cachealloc_core::AddressInfo>| {
-            info.filter(|i| i.block_address == address && i.state == BlockState::Active)
-                .map(|i| i.block_size)
-        };
-        let ordinary = self.devices.iter().enumerate().find_map(|(device, slot)| {
-            let pool = slot.get()?;
-            if !pool.may_contain(address) {
-                return None;
-            }
-            live(pool.alloc.lookup(address)).map(|size| (device as i32, size))
-        });
-        ordinary.or_else(|| {
-            let mut found = None;
-            self.for_each_private_pool_anywhere(|device, alloc| {
-                if found.is_none() && alloc.device().may_contain(address) {
-                    found = live(alloc.lookup(address)).map(|size| (device, size));
-                }
-            });
-            found
         })
     }
 }
