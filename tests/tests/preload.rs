@@ -384,6 +384,13 @@ fn allocator_settings_changed_at_run_time_apply_to_pools_made_later() {
 }
 
 #[test]
+fn pool_checkpoints_put_a_pool_back_to_its_layout() {
+    let out = Run::c("pool_checkpoints", &[]).output();
+    out.assert_pooled("pool_checkpoints");
+    assert_no_shim_failure(&out.stderr);
+}
+
+#[test]
 fn mem_pools_route_their_threads_allocations_keep_their_memory_and_lend_it_on_oom() {
     let out = Run::c("mem_pools", &[])
         .env("FAKECUDA_CAPACITY_MB", "100")

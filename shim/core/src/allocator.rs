@@ -46,7 +46,8 @@ use crate::events::{Event, Observer};
 use crate::oom::OomReport;
 use crate::pools::expandable::Geometry;
 use crate::pools::{
-    AddressInfo, Allocation, FreeError, Freed, NO_STREAM, Pools, ReleasedSegment, SegmentSnapshot,
+    AddressInfo, Allocation, Checkpoint, FreeError, Freed, NO_STREAM, Pools, ReleasedSegment,
+    RestoreError, Restored, SegmentSnapshot,
 };
 use crate::sizes::{self, PoolKind};
 use crate::stats::Stats;
@@ -565,6 +566,27 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// Every segment with its blocks.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
         self.pools.lock().snapshot()
+    }
+
+    /// The pools' layout now, for [`Allocator::restore`] (`None` while a block waits for a
+    /// fence); see [Note [Pool checkpoints]](crate::pools::checkpoint#note-pool-checkpoints).
+    pub fn checkpoint(&self) -> Option<Checkpoint> {
+        self.pools.lock().checkpoint()
+    }
+
+    /// Put the pools back to `checkpoint`: free every allocated block, then allocate the
+    /// checkpoint's blocks again at their addresses. The observer hears each free and each
+    /// allocation, in that order.
+    pub fn restore(&self, checkpoint: &Checkpoint) -> Result<Restored, RestoreError> {
+        let mut pools = self.pools.lock();
+        let restored = pools.restore(checkpoint)?;
+        for freed in &restored.freed {
+            self.observer.on_event(Event::FreeRequested(freed));
+        }
+        for allocation in &restored.allocated {
+            self.observer.on_event(Event::Alloc(allocation));
+        }
+        Ok(restored)
     }
 
     /// Run [`Pools::check_invariants`].

@@ -81,7 +81,8 @@ pub use device::{Device, DeviceError, MemInfo, SharedLimit};
 pub use events::{Event, Observer};
 pub use oom::{OomReport, format_bytes};
 pub use pools::{
-    AddressInfo, Allocation, BlockState, FreeError, Freed, NO_STREAM, SegmentSnapshot,
+    AddressInfo, Allocation, BlockState, Checkpoint, CheckpointBlock, CheckpointSegment, FreeError,
+    Freed, NO_STREAM, RestoreError, Restored, SegmentSnapshot,
 };
 pub use sim::{FenceMode, SimDevice};
 pub use sizes::PoolKind;

@@ -74,6 +74,7 @@ pub use ipc::{
     IpcShare, Shared, ipc_close, ipc_close_shared, ipc_open, ipc_open_shared, ipc_release,
 };
 pub use pointers::PooledBlock;
+pub use private_pools::checkpoints::PoolCheckpoint;
 pub use private_pools::{PoolKey, PoolSettings};
 pub use torch_profiler::{TORCH_PROFILER, TorchProfiler};
 

@@ -10,6 +10,7 @@
 //! * `expandable`  — expandable segments: mapping, unmapping, ranges per stream;
 //! * `properties`  — proptest: random sequences against a naive model.
 
+mod checkpoints;
 mod common;
 mod conformance;
 mod expandable;

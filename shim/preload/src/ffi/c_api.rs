@@ -2,17 +2,20 @@
 //! preloaded; `dlsym` them): version, stats as JSON, empty the cache, annotations, the Python
 //! integration's backward-pass markers and private pools (graph captures, `MemPool`s), and
 //! PyTorch's `CUDAPluggableAllocator` pair; `ipc`: pooled blocks shared with other
-//! processes; `program_context`: module scopes, phases and what blocks hold, for memory by
+//! processes; `pool_checkpoints`: graph pools' checkpoints for PyTorch's CUDA graph trees;
+//! `program_context`: module scopes, phases and what blocks hold, for memory by
 //! category; `torch_settings`: PyTorch's memory settings at run time and the segments' facts
 //! its snapshots need; `torch_profiler`: PyTorch's profiler's functions, to report memory to.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 mod ipc;
+mod pool_checkpoints;
 mod program_context;
 mod torch_profiler;
 mod torch_settings;
 pub use ipc::*;
+pub use pool_checkpoints::*;
 pub use program_context::*;
 pub use torch_profiler::*;
 pub use torch_settings::*;

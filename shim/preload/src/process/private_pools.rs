@@ -47,6 +47,7 @@ use crate::log;
 use crate::trace::DeviceObserver;
 
 pub mod captures;
+pub mod checkpoints;
 pub mod mem_pools;
 
 /// A private pool's name: its id and its device.

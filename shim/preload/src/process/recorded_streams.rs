@@ -138,6 +138,16 @@ impl Shim {
         true
     }
 
+    /// Forget what `record_stream` recorded for the block at `address`, which the library freed
+    /// itself (a graph pool put back to a checkpoint).
+    pub(super) fn forget_recorded_uses(&self, address: u64) {
+        if !self.recorded.any.load(Ordering::Acquire) {
+            return;
+        }
+        let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
+        book.uses.remove(&address);
+    }
+
     /// The free of `address` on `stream` (a pool key; with `capturing`, the free is on that
     /// capturing stream), if streams were recorded for it: it waits for them (Note [Recorded
     /// streams]). `None`: nothing recorded, free it now.
