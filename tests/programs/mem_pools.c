@@ -1,14 +1,15 @@
 /* PyTorch's MemPools through the library's C API, as the Python integration's MemPool and
  * use_mem_pool call it (Note [PyTorch MemPools] in the shim's process/private_pools/mem_pools.rs):
  *  - a pool's use count is its references; routing the thread adds one, releasing takes it;
- *  - while a thread allocates to a pool, its allocations on the pool's device come from the
- *    pool (innermost of nested pools), other threads' do not, and the pool's snapshot lists
- *    exactly its blocks;
+ *  - while a thread allocates to a pool, its stream-ordered allocations on the pool's device
+ *    come from the pool (innermost of nested pools), its synchronous ones (a library's own
+ *    cudaMalloc) and other threads' do not, and the pool's snapshot lists exactly its blocks;
  *  - a pool with the program's own allocator gets its segments from it, the allocator's own
  *    cudaMalloc/cudaFree reach CUDA, and the segment goes back through the allocator when the
  *    pool is deleted and its last block freed (not before);
  *  - when the ordinary pool runs out of device memory, a live use_on_oom pool lends a cached
  *    block; a pool without use_on_oom does not, nor a deleted one;
+ *  - the device's stats count the pools' segments and blocks, per kind of pool (small, large);
  *  - a memory fraction (cachealloc_set_memory_fraction, as PyTorch's
  *    set_per_process_memory_fraction) limits the ordinary pool and the MemPools together, and
  *    the use_on_oom lending works under it as under a full device.
@@ -53,6 +54,19 @@ static int segments_of(uint64_t pool) {
     return n;
 }
 
+/* A stat of device 0, PyTorch's name: the device's pools and its private pools together. */
+static long device_stat(const char *key) {
+    static char buf[1 << 16];
+    size_t (*stats)(int, char *, size_t) =
+        (size_t (*)(int, char *, size_t))api("cachealloc_device_stats_json");
+    EXPECT(stats(0, buf, sizeof buf) <= sizeof buf, "stats do not fit");
+    char needle[128];
+    snprintf(needle, sizeof needle, "\"%s\":", key);
+    const char *at = strstr(buf, needle);
+    EXPECT(at != NULL, "no stat %s", key);
+    return strtol(at + strlen(needle), NULL, 10);
+}
+
 static cudaStream_t stream;
 
 static void *side_thread(void *out) {
@@ -91,7 +105,16 @@ int main(void) {
     EXPECT(retain(0, A, 0, NULL, NULL) == 1, "a new pool's use count is 1");
     EXPECT(begin_thread(0, A) == 0 && use_count(0, A) == 2, "routing adds a reference");
     void *in_a, *other, *in_b, *in_a2;
+    long small_segments = device_stat("segment.small_pool.current");
+    long small_active = device_stat("active.small_pool.current");
     CHECK(cudaMallocAsync(&in_a, MIB, stream));
+    EXPECT(device_stat("segment.small_pool.current") == small_segments + 1 &&
+               device_stat("active.small_pool.current") == small_active + 1,
+           "the device's small-pool stats do not count the MemPool's segment and block (%ld -> %ld, %ld -> %ld)", small_segments, device_stat("segment.small_pool.current"), small_active, device_stat("active.small_pool.current"));
+    void *library_buffer; /* a library's own cudaMalloc (cuBLAS's handle buffers): never routed */
+    CHECK(cudaMalloc(&library_buffer, MIB));
+    EXPECT(!pool_has(A, library_buffer), "a cudaMalloc went to the thread's MemPool");
+    CHECK(cudaFree(library_buffer));
     pthread_t t;
     pthread_create(&t, NULL, side_thread, &other);
     pthread_join(t, NULL);

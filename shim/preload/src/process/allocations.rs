@@ -24,11 +24,14 @@ impl Shim {
     }
 
     /// Serve an allocation for `stream` from `device`'s pool.
-    /// A thread allocating to a `MemPool` gets its memory there (Note [PyTorch MemPools]); when the
-    /// ordinary pool is out of memory, a `use_on_oom` pool may lend a cached block.
+    /// A thread allocating to a `MemPool` gets its stream-ordered allocations there (Note
+    /// [PyTorch MemPools]); when the ordinary pool is out of memory, a `use_on_oom` pool may
+    /// lend a cached block.
     pub fn malloc_on(&self, device: i32, size: u64, stream: u64) -> Result<u64, CudaError> {
         self.free_recorded_when_done(false);
-        if let Some(served) = self.thread_pool_malloc(device, size, stream) {
+        if stream != cachealloc_core::NO_STREAM
+            && let Some(served) = self.thread_pool_malloc(device, size, stream)
+        {
             return self.observed(device, size, served);
         }
         self.ipc_collect_now_and_then();

@@ -31,9 +31,14 @@ impl Shim {
         self.allocator_of(device).map(|_| device)
     }
 
-    /// `device`'s stats, if it has a pool.
+    /// `device`'s stats (its ordinary pool's and its private pools'), if it has a pool of
+    /// either kind.
     pub fn device_stats(&self, device: i32) -> Option<Stats> {
-        let mut stats = self.allocator_of(device)?.stats();
+        let mut stats = match self.allocator_of(device) {
+            Some(alloc) => alloc.stats(),
+            None if self.has_private_pool_on(device) => Stats::default(),
+            None => return None,
+        };
         self.add_private_pools(device, &mut stats);
         Some(stats)
     }

@@ -329,19 +329,38 @@ impl Shim {
         self.for_each_private_pool(device, |alloc| {
             let theirs = alloc.stats();
             for (ours, theirs) in [
-                (&mut stats.allocated_bytes.all, &theirs.allocated_bytes.all),
-                (&mut stats.reserved_bytes.all, &theirs.reserved_bytes.all),
-                (&mut stats.active_bytes.all, &theirs.active_bytes.all),
-                (&mut stats.requested_bytes.all, &theirs.requested_bytes.all),
-                (&mut stats.allocation.all, &theirs.allocation.all),
-                (&mut stats.segment.all, &theirs.segment.all),
+                (&mut stats.allocation, &theirs.allocation),
+                (&mut stats.segment, &theirs.segment),
+                (&mut stats.active, &theirs.active),
+                (&mut stats.inactive_split, &theirs.inactive_split),
+                (&mut stats.allocated_bytes, &theirs.allocated_bytes),
+                (&mut stats.reserved_bytes, &theirs.reserved_bytes),
+                (&mut stats.active_bytes, &theirs.active_bytes),
+                (
+                    &mut stats.inactive_split_bytes,
+                    &theirs.inactive_split_bytes,
+                ),
+                (&mut stats.requested_bytes, &theirs.requested_bytes),
             ] {
-                ours.current += theirs.current;
-                ours.peak += theirs.peak;
-                ours.allocated += theirs.allocated;
-                ours.freed += theirs.freed;
+                for (ours, theirs) in [
+                    (&mut ours.all, &theirs.all),
+                    (&mut ours.small_pool, &theirs.small_pool),
+                    (&mut ours.large_pool, &theirs.large_pool),
+                ] {
+                    ours.current += theirs.current;
+                    ours.peak += theirs.peak;
+                    ours.allocated += theirs.allocated;
+                    ours.freed += theirs.freed;
+                }
             }
         });
+    }
+
+    /// Whether `device` has a private pool.
+    pub(super) fn has_private_pool_on(&self, device: i32) -> bool {
+        let mut any = false;
+        self.for_each_private_pool(device, |_| any = true);
+        any
     }
 
     /// Run `f` on every private pool's allocator, with its device.

@@ -17,10 +17,13 @@
 //!   graph left, the pool's memory goes as Note [Private pools] says: tensors that outlive
 //!   their `MemPool` keep their blocks until freed.
 //! * **Routing.** Each thread has a stack of the pools it allocates to, innermost last
-//!   (`use_mem_pool` contexts nest); an allocation on a device goes to the innermost pool of
-//!   that device on the stack, whatever its stream. Other threads (the autograd engine's
-//!   among them) are not routed, as with PyTorch. A capturing stream's capture pool comes
-//!   first.
+//!   (`use_mem_pool` contexts nest); a stream-ordered allocation on a device (PyTorch's are all
+//!   stream-ordered) goes to the innermost pool of that device on the stack, whatever its
+//!   stream. Allocations of the synchronous API (`cudaMalloc`: cuBLAS's, cuDNN's and NCCL's own
+//!   buffers) are not routed, as PyTorch's pools never see them natively (cuBLAS's handle
+//!   buffers in a graph pool made CUDA graph trees see live blocks that no tensor holds).
+//!   Other threads (the autograd engine's among them) are not routed, as with PyTorch. A
+//!   capturing stream's capture pool comes first.
 //! * **The program's allocator.** `MemPool(allocator)`: the pool's segments come from the
 //!   `CUDAPluggableAllocator`'s functions ([`ForeignAllocator`](crate::backend::ForeignAllocator)),
 //!   which may call CUDA themselves: their calls pass through to CUDA.
