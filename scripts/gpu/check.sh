@@ -266,6 +266,10 @@ if part compile; then
 out=$(ROUNDS=2 CALLS=10 LD_PRELOAD="$LIB" timeout 400 python3 scripts/gpu/compile_reduce_overhead.py 2>&1 | grep '^workload=')
 echo "$out"
 if grep -q "ok=True" <<< "$out"; then pass "torch.compile reduce-overhead on a transformers GPT-2"; else fail "compile_reduce_overhead.py"; fi
+# CUDA graph trees on cachealloc's allocator for PyTorch: branches, checkpoints, training.
+out=$(LABEL=shim LD_PRELOAD="$LIB" timeout 300 python3 scripts/gpu/graph_trees.py 2>&1)
+echo "$out" | grep -E '^graph_trees '
+if grep -qE "^graph_trees label=shim passed=([0-9]+)/\1$" <<< "$out"; then pass "graph_trees.py"; else fail "graph_trees.py"; echo "$out" | tail -5; fi
 
 fi
 

@@ -22,9 +22,19 @@ def warn(message):
         print(f"cachealloc: {message}", file=sys.stderr)
 
 
+#: PyTorch's allocator settings variables, in PyTorch's order.
+TORCH_ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+#: The backend PyTorch was configured with, once cachealloc's allocator took its place (and
+#: took `backend:cudaMallocAsync` out of the settings: `cachealloc_torch_allocator`).
+replaced_backend = None
+
+
 def torch_backend():
     """The allocator backend PyTorch was configured with."""
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+    if replaced_backend is not None:
+        return replaced_backend
+    for var in TORCH_ALLOC_VARS:
         conf = os.environ.get(var)
         if conf is not None:
             for item in conf.split(","):

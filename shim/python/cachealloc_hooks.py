@@ -6,11 +6,17 @@ beside it runs any `sitecustomize` it shadows, then calls `install()`. It never 
 itself and never touches the allocation path; it only acts when the program imports a module
 it has to adjust:
 
+* `torch.cuda` — before CUDA is first used, cachealloc's C++ allocator for PyTorch is built
+  against PyTorch's headers (once per PyTorch build, cached), loaded and installed in the place
+  of the `cudaMallocAsync` backend (`cachealloc_torch_allocator`): it serves what the backend
+  served, on the library's pools, plus the checkpoints of graph pools that CUDA graph trees
+  need (Note [Graph trees under the shim]). `torch_allocator:off` keeps the backend.
 * `torch._inductor.config` — `torch.compile(mode="reduce-overhead")` records CUDA graphs through
-  "CUDA graph trees", which need PyTorch's native allocator (its private pools and
-  `checkPoolLiveAllocations`); on the `cudaMallocAsync` backend that routes tensors to
-  cachealloc, graph trees fail. Inductor's older CUDA graph path works on that backend, so graph
-  trees are turned off (`triton.cudagraph_trees = False`); `log:debug` says so.
+  "CUDA graph trees", which need an allocator that checkpoints graph pools and owns the
+  deleters of their tensors. Without cachealloc's allocator installed (no compiler or CUDA
+  headers, `torch_allocator:off`), graph trees would fail on the `cudaMallocAsync` backend;
+  Inductor's older CUDA graph path works there, so graph trees are then turned off
+  (`triton.cudagraph_trees = False`); `log:debug` says so.
 * `torch.cuda.graphs` — a CUDA graph's memory comes from a private pool of the library's, one
   per capture unless graphs share one (`torch.cuda.graph(pool=…)`, `graph_pool_handle()`,
   `make_graphed_callables`). `CUDAGraph.capture_begin` is wrapped to tell the library which
@@ -96,9 +102,22 @@ def _adjusts(name):
     return register
 
 
+@_adjusts("torch.cuda")
+def _torch_cuda(cuda):
+    if torch_backend() != "cudaMallocAsync":
+        return
+    import cachealloc_torch_allocator
+
+    cachealloc_torch_allocator.install()
+
+
 @_adjusts("torch._inductor.config")
 def _inductor_config(config):
+    import cachealloc_torch_allocator
+
     if torch_backend() != "cudaMallocAsync" or not config.triton.cudagraph_trees:
+        return
+    if cachealloc_torch_allocator.installed():
         return
     config.triton.cudagraph_trees = False
     say(

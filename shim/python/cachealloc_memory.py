@@ -436,8 +436,13 @@ def adjust(memory):
             return _pool_snapshot(pools, which[:2])
         return _with_library_facts(_snapshot_from_trace(flush))
 
+    def history_enabled():
+        # What the program asked for (the recorder keeps the history anyway).
+        return bool(_History.changes) and _History.changes[-1][1] != "none"
+
     native._cuda_memoryStats = memory_stats
     native._cuda_resetAccumulatedMemoryStats = reset_accumulated
+    native._cuda_isHistoryEnabled = history_enabled
     # The backend answers the memory fraction as its limit over the device's memory, and its
     # limit is "unlimited" (2**64 - 1) until one is set: a "fraction" of millions, which
     # set_per_process_memory_fraction then refuses to take back. Unset is 1.0, as natively.

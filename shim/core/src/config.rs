@@ -169,6 +169,12 @@ pub struct Config {
     /// each thread's module, the phase of the step and what blocks hold (memory by category and
     /// module); off, the trace has none of it.
     pub categories: bool,
+    /// `torch_allocator:on|off`: in a Python process with PyTorch, the integration builds
+    /// cachealloc's C++ allocator for PyTorch against its headers and installs it in the place
+    /// of PyTorch's `cudaMallocAsync` backend, which serves CUDA graph trees (Note [Graph trees
+    /// under the shim], `shim/python/cachealloc_torch_allocator.cpp`); off, the backend stays
+    /// and graph trees are turned off.
+    pub torch_allocator: bool,
     /// `unwinder:auto|system`: how native stacks are unwound — `auto` is a caching DWARF
     /// unwinder on x86-64 Linux (the system unwinder elsewhere); `system` always uses the
     /// system unwinder (a diagnostic).
@@ -213,6 +219,7 @@ impl Default for Config {
             graph_capture_record_stream_reuse: false,
             python: true,
             categories: true,
+            torch_allocator: true,
             driver_doors: true,
             system_unwinder: false,
             log: LogLevel::Info,

@@ -1,6 +1,7 @@
 //! The Python integration: in a Python process, the constructor puts a directory holding
 //! `sitecustomize.py`, `cachealloc_hooks.py` and the modules it installs (`cachealloc_common.py`,
-//! `cachealloc_memory.py`, `cachealloc_categories.py`; `shim/python/`, embedded in the library)
+//! `cachealloc_memory.py`, `cachealloc_categories.py`, `cachealloc_torch_allocator.py` and the
+//! C++ source it builds; `shim/python/`, embedded in the library)
 //! first on `PYTHONPATH`, so that Python runs them at start-up with no change to the program.
 //! They adjust what PyTorch cannot do on the `cudaMallocAsync` route (see
 //! `cachealloc_hooks.py`); nothing on the allocation path, no import of torch.
@@ -19,7 +20,7 @@ use std::path::{Path, PathBuf};
 use crate::log;
 
 /// The files of the integration: name and text.
-const FILES: [(&str, &str); 5] = [
+const FILES: [(&str, &str); 7] = [
     (
         "sitecustomize.py",
         include_str!("../../python/sitecustomize.py"),
@@ -39,6 +40,14 @@ const FILES: [(&str, &str); 5] = [
     (
         "cachealloc_categories.py",
         include_str!("../../python/cachealloc_categories.py"),
+    ),
+    (
+        "cachealloc_torch_allocator.py",
+        include_str!("../../python/cachealloc_torch_allocator.py"),
+    ),
+    (
+        "cachealloc_torch_allocator.cpp",
+        include_str!("../../python/cachealloc_torch_allocator.cpp"),
     ),
 ];
 

@@ -266,6 +266,15 @@ pub const KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "torch_allocator",
+        valid: "on or off",
+        from_pytorch: false,
+        set: |c, k, v| {
+            c.torch_allocator = parse_bool(k, v)?;
+            Ok(())
+        },
+    },
+    Key {
         name: "driver_doors",
         valid: "on or off",
         from_pytorch: false,

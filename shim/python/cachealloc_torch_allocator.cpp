@@ -1,0 +1,505 @@
+// cachealloc's CUDA allocator for PyTorch: the C++ side of the Python integration.
+//
+// Built by `cachealloc_torch_build.py` against the headers of the PyTorch it runs with (the
+// interface below changes between releases), loaded into the process, and installed in the
+// place of PyTorch's `cudaMallocAsync` backend before CUDA is first used. It serves what the
+// backend served — each allocation a `cudaMallocAsync` on the current stream, each free a
+// `cudaFreeAsync` on the allocation's stream, both answered by the preloaded library's pools —
+// and what the backend refuses: the checkpoints of graph pools that PyTorch's CUDA graph trees
+// need.
+//
+// Note [Graph trees under the shim]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// `torch.compile(mode="reduce-overhead")` records CUDA graphs as a tree whose graphs share one
+// private pool. After recording a graph, Inductor takes a checkpoint of the pool
+// (`_cuda_getCheckpointState`); before recording a new branch it puts the pool back to that
+// checkpoint (`_cuda_setCheckpointPoolState`): the allocator frees every block the pool holds
+// and allocates the checkpoint's blocks again, and PyTorch's binding then swaps the deleters of
+// the tensors' storages — none for the blocks the allocator freed, the allocator's own for the
+// blocks it allocated again — and Inductor asserts that each live storage has the allocator's
+// deleter (`_has_Standard_Deleter`). So the allocator must own the deleter of every storage
+// and the books of every pointer: what only an allocator installed as PyTorch's CUDA allocator
+// can do. The pools and their checkpoints are the library's (`cachealloc_pool_checkpoint`,
+// `cachealloc_pool_restore`, Note [Pool checkpoints]); this file keeps, like the backend it
+// replaces, each pointer's stream and size, and turns the library's answers into PyTorch's
+// types.
+//
+// `name()` is "native": PyTorch and its tests ask `get_allocator_backend()` whether the native
+// allocator's features are there (graph pools shared through `pool=`, checkpoints, snapshots,
+// statistics, MemPools, IPC), and under the shim they are. The rest of those features are
+// served in Python (cachealloc_memory.py), which replaces the `torch._C` entry points that
+// would reach this allocator's snapshot, history and IPC methods.
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace cachealloc_torch {
+
+using namespace c10::cuda::CUDACachingAllocator;
+using c10::DataPtr;
+using c10::DeleterFnPtr;
+using c10::Device;
+using c10::DeviceIndex;
+using c10::MempoolId_t;
+using c10::cuda::CUDAGuard;
+
+// The preloaded library's C API (cachealloc's ffi/c_api): found at installation.
+struct Library {
+  using Address = void (*)(void*, uint64_t);
+  using Block = void (*)(void*, uint64_t, uint64_t, uint64_t);
+  void* (*checkpoint)(int, uint64_t) = nullptr;
+  void (*checkpoint_drop)(void*) = nullptr;
+  int (*restore)(const void*, Address, Block, void*) = nullptr;
+  int (*live_blocks)(int, uint64_t, Address, void*) = nullptr;
+  int (*record_stream)(uint64_t, size_t) = nullptr;
+  int (*mem_pool_retain)(int, uint64_t, unsigned, void*, void*) = nullptr;
+  int (*mem_pool_use_count)(int, uint64_t) = nullptr;
+
+  bool load() {
+    return find(checkpoint, "cachealloc_pool_checkpoint") &&
+        find(checkpoint_drop, "cachealloc_pool_checkpoint_drop") &&
+        find(restore, "cachealloc_pool_restore") &&
+        find(live_blocks, "cachealloc_pool_live_blocks") &&
+        find(record_stream, "cachealloc_record_stream") &&
+        find(mem_pool_retain, "cachealloc_mem_pool_retain") &&
+        find(mem_pool_use_count, "cachealloc_mem_pool_use_count");
+  }
+
+ private:
+  template <typename F>
+  static bool find(F& fn, const char* name) {
+    fn = reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+    return fn != nullptr;
+  }
+};
+
+Library library;
+
+// The library's name for PyTorch's pool id (the Python integration's `pool_key`).
+uint64_t pool_key(MempoolId_t id) {
+  return ((id.first & 0xFFFFFFFFull) << 32) | (id.second & 0xFFFFFFFFull);
+}
+
+// A pool's checkpoint: the library's, released with this.
+struct PoolState : AllocatorState {
+  explicit PoolState(void* handle) : handle(handle) {}
+  ~PoolState() override {
+    library.checkpoint_drop(handle);
+  }
+  PoolState(const PoolState&) = delete;
+  PoolState& operator=(const PoolState&) = delete;
+  void* handle;
+};
+
+// What the allocator knows of a pointer it handed out.
+struct Usage {
+  cudaStream_t stream;
+  DeviceIndex device;
+  size_t size;
+  // Streams `record_stream` named that the library could not take (memory that is not in
+  // its pools): the free waits for them on the device.
+  std::vector<cudaStream_t> other_streams;
+};
+
+void raw_delete_fn(void* ptr);
+
+class Allocator final : public CUDAAllocator {
+ public:
+  DataPtr allocate(size_t size) override {
+    DeviceIndex device = c10::cuda::current_device();
+    void* ptr = nullptr;
+    if (size != 0) {
+      ptr = malloc_on(device, size, c10::cuda::getCurrentCUDAStream(device));
+    }
+    return {ptr, ptr, &raw_delete_fn, Device(c10::DeviceType::CUDA, device)};
+  }
+
+  DeleterFnPtr raw_deleter() const override {
+    return &raw_delete_fn;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  void* raw_alloc(size_t nbytes) override {
+    DeviceIndex device = c10::cuda::current_device();
+    return raw_alloc_with_stream(nbytes, c10::cuda::getCurrentCUDAStream(device));
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (nbytes == 0) {
+      return nullptr;
+    }
+    return malloc_on(c10::cuda::current_device(), nbytes, stream);
+  }
+
+  void raw_delete(void* ptr) override {
+    release(ptr);
+  }
+
+  void init(int device_count) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (devices_.empty()) {
+      devices_.resize(device_count, false);
+    }
+  }
+
+  bool initialized() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !devices_.empty();
+  }
+
+  // The Python integration serves the fraction (`_cuda_setMemoryFraction`,
+  // `_cuda_getMemoryFraction`); C++ callers get the library's through the same C API.
+  double getMemoryFraction(DeviceIndex device) override {
+    using Fraction = double (*)(int);
+    auto fraction = reinterpret_cast<Fraction>(dlsym(RTLD_DEFAULT, "cachealloc_memory_fraction"));
+    double f = fraction ? fraction(device) : -1.0;
+    return f < 0.0 ? 1.0 : f;
+  }
+
+  void setMemoryFraction(double fraction, DeviceIndex device) override {
+    TORCH_CHECK(0 <= fraction && fraction <= 1, "invalid fraction: ", fraction, ". Please set within [0, 1].");
+    using Set = int (*)(int, double);
+    auto set = reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "cachealloc_set_memory_fraction"));
+    TORCH_CHECK(set && set(device, fraction) == 0, "cachealloc: the memory fraction could not be set");
+  }
+
+  std::vector<StreamSegmentSize> getExpandableSegmentSizes(DeviceIndex) override {
+    return {};
+  }
+
+  // `caching_allocator_enable` reaches the library through the Python integration.
+  void enable(bool) override {}
+
+  bool isEnabled() const override {
+    return true;
+  }
+
+  // What the backend did: the library releases its cached segments when the default pool is
+  // trimmed.
+  void emptyCache(MempoolId_t) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t device = 0; device < devices_.size(); ++device) {
+      if (devices_[device]) {
+        CUDAGuard guard(static_cast<DeviceIndex>(device));
+        cudaMemPool_t pool;
+        C10_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, static_cast<int>(device)));
+        C10_CUDA_CHECK(cudaDeviceSynchronize());
+        C10_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+      }
+    }
+  }
+
+  // A workspace size cuDNN may try: the memory free on the device (the library counts its
+  // cached memory in it).
+  void cacheInfo(DeviceIndex device, size_t* largest) override {
+    CUDAGuard guard(device);
+    size_t free_bytes = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    *largest = free_bytes;
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = usage_.find(ptr);
+    TORCH_INTERNAL_ASSERT(it != usage_.end(), "cachealloc: pointer not allocated here");
+    if (size) {
+      *size = it->second.size;
+    }
+    return ptr;
+  }
+
+  void recordStream(const DataPtr& data, c10::cuda::CUDAStream stream) override {
+    void* ptr = data.get();
+    if (!ptr) {
+      return;
+    }
+    if (library.record_stream(reinterpret_cast<uint64_t>(ptr), reinterpret_cast<size_t>(stream.stream())) == 0) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = usage_.find(ptr);
+    if (it != usage_.end() && it->second.stream != stream.stream()) {
+      it->second.other_streams.push_back(stream.stream());
+    }
+  }
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) override {
+    using c10::CachingDeviceAllocator::StatType;
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    if (!device_used(device)) {
+      return stats;
+    }
+    CUDAGuard guard(device);
+    cudaMemPool_t pool;
+    C10_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t reserved = 0, reserved_peak = 0, used = 0, used_peak = 0;
+    C10_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+    C10_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &reserved_peak));
+    C10_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+    C10_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &used_peak));
+    auto all = static_cast<size_t>(StatType::AGGREGATE);
+    stats.allocated_bytes[all].current = used;
+    stats.allocated_bytes[all].peak = used_peak;
+    stats.active_bytes[all].current = used;
+    stats.active_bytes[all].peak = used_peak;
+    stats.reserved_bytes[all].current = reserved;
+    stats.reserved_bytes[all].peak = reserved_peak;
+    return stats;
+  }
+
+  // The Python integration resets the library's accumulated stats (`_cuda_resetAccumulatedMemoryStats`).
+  void resetAccumulatedStats(DeviceIndex) override {}
+
+  void resetPeakStats(DeviceIndex device) override {
+    if (!device_used(device)) {
+      return;
+    }
+    CUDAGuard guard(device);
+    cudaMemPool_t pool;
+    C10_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t zero = 0;
+    C10_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero));
+    C10_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+  }
+
+  // Snapshots are served in Python (`_cuda_memorySnapshot`) from the library's trace.
+  SnapshotInfo snapshot(MempoolId_t, bool) override {
+    return {};
+  }
+
+  // Captures tell the library their pool from Python (`CUDAGraph.capture_begin`), and
+  // `use_mem_pool` routes threads there too; graphs' pools live as long as the library's
+  // books say (Note [Private pools]).
+  void beginAllocateToPool(DeviceIndex, MempoolId_t, std::function<bool(cudaStream_t)>) override {}
+  void endAllocateToPool(DeviceIndex, MempoolId_t) override {}
+  void releasePool(DeviceIndex, MempoolId_t) override {}
+
+  int getPoolUseCount(DeviceIndex device, MempoolId_t id) override {
+    return library.mem_pool_use_count(device, pool_key(id));
+  }
+
+  void createOrIncrefPool(DeviceIndex device, MempoolId_t id, std::shared_ptr<CUDAAllocator> allocator) override {
+    TORCH_CHECK(!allocator, "cachealloc: a MemPool with its own allocator is made in Python");
+    TORCH_CHECK(library.mem_pool_retain(device, pool_key(id), 0, nullptr, nullptr) >= 0,
+                "cachealloc: MemPool needs the library's pools (pool:on)");
+  }
+
+  bool checkPoolLiveAllocations(DeviceIndex device, MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    struct Count {
+      const std::unordered_set<void*>* expected;
+      bool all_expected = true;
+    } count{&expected};
+    auto live = [](void* context, uint64_t address) {
+      auto* c = static_cast<Count*>(context);
+      c->all_expected &= c->expected->count(reinterpret_cast<void*>(address)) == 1;
+    };
+    int n = library.live_blocks(device, pool_key(id), live, &count);
+    return n >= 0 && count.all_expected && static_cast<size_t>(n) == expected.size();
+  }
+
+  // Sharing is served in Python (`_share_cuda_`, `_new_shared_cuda`: Note [IPC of pooled memory]).
+  ShareableHandle shareIpcHandle(void*) override {
+    TORCH_CHECK(false, "cachealloc: CUDA IPC is served by the Python integration (UntypedStorage._share_cuda_)");
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string) override {
+    TORCH_CHECK(false, "cachealloc: CUDA IPC is served by the Python integration (UntypedStorage._new_shared_cuda)");
+  }
+
+  // History is always recorded (the trace); its settings are the Python integration's.
+  bool isHistoryEnabled() override {
+    return false;
+  }
+
+  void recordHistory(bool, CreateContextFn, size_t, RecordContext, bool, const std::vector<std::string>&) override {}
+
+  // Observers attach in Python (`_cuda_attach_out_of_memory_observer`).
+  void attachOutOfMemoryObserver(OutOfMemoryObserver) override {}
+  void attachAllocatorTraceTracker(AllocatorTraceTracker) override {}
+
+  // As the backend: memory of the default pool is made accessible to `dev` (the library gives
+  // the device access to its pools).
+  void enablePeerAccess(DeviceIndex dev, DeviceIndex dev_to_access) override {
+    CUDAGuard guard(dev);
+    cudaMemPool_t pool;
+    C10_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev_to_access));
+    cudaMemAccessDesc desc = {};
+    desc.location.type = cudaMemLocationTypeDevice;
+    desc.location.id = dev;
+    desc.flags = cudaMemAccessFlagsProtReadWrite;
+    C10_CUDA_CHECK(cudaMemPoolSetAccess(pool, &desc, 1));
+  }
+
+  cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dst_device == src_device) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+  }
+
+  std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex device, MempoolId_t id) override {
+    void* handle = library.checkpoint(device, pool_key(id));
+    TORCH_CHECK(handle, "cachealloc: no checkpoint of graph pool (", id.first, ", ", id.second,
+                ") on device ", static_cast<int>(device), ": no such pool, or a block waits for a fence");
+    return std::make_shared<PoolState>(handle);
+  }
+
+  CheckpointDelta setCheckpointPoolState(DeviceIndex device, std::shared_ptr<AllocatorState> state) override {
+    auto pool = std::dynamic_pointer_cast<PoolState>(state);
+    TORCH_CHECK(pool, "cachealloc: not a checkpoint of cachealloc's allocator");
+    struct Restoring {
+      Allocator* self;
+      DeviceIndex device;
+      CheckpointDelta delta;
+    } restoring{this, device, {}};
+    auto freed = [](void* context, uint64_t address) {
+      auto* r = static_cast<Restoring*>(context);
+      void* ptr = reinterpret_cast<void*>(address);
+      r->self->usage_.erase(ptr);
+      r->delta.ptrs_freed.push_back(ptr);
+    };
+    auto allocated = [](void* context, uint64_t address, uint64_t size, uint64_t stream) {
+      auto* r = static_cast<Restoring*>(context);
+      void* ptr = reinterpret_cast<void*>(address);
+      r->self->usage_[ptr] = Usage{reinterpret_cast<cudaStream_t>(stream), r->device, size, {}};
+      r->delta.dataptrs_allocd.emplace_back(ptr, ptr, &raw_delete_fn, Device(c10::DeviceType::CUDA, r->device));
+    };
+    std::lock_guard<std::mutex> lock(mutex_);
+    int code = library.restore(pool->handle, freed, allocated, &restoring);
+    TORCH_CHECK(code == 0, "cachealloc: the graph pool could not be put back to its checkpoint (error ", code,
+                "); see the library's message");
+    return std::move(restoring.delta);
+  }
+
+  std::string name() override {
+    return "native";
+  }
+
+  // Free `ptr` on the stream it was allocated on (after the streams the library could not
+  // take from `record_stream`).
+  void release(void* ptr) {
+    Usage usage;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = usage_.find(ptr);
+      TORCH_INTERNAL_ASSERT(it != usage_.end(), "cachealloc: free of a pointer not allocated here");
+      usage = std::move(it->second);
+      usage_.erase(it);
+    }
+    CUDAGuard guard(usage.device);
+    for (cudaStream_t other : usage.other_streams) {
+      cudaEvent_t event;
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaEventRecord(event, other));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(usage.stream, event, 0));
+      C10_CUDA_CHECK(cudaEventDestroy(event));
+    }
+    C10_CUDA_CHECK(cudaFreeAsync(ptr, usage.stream));
+  }
+
+ private:
+  void* malloc_on(DeviceIndex device, size_t size, cudaStream_t stream) {
+    CUDAGuard guard(device);
+    use_device(device);
+    void* ptr = nullptr;
+    cudaError_t err = cudaMallocAsync(&ptr, size, stream);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      size_t free_bytes = 0, total = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
+                       format_size(size), ". GPU ", static_cast<int>(device), " has a total capacity of ",
+                       format_size(total), " of which ", format_size(free_bytes),
+                       " is free. (cachealloc: see its out-of-memory report above)");
+    }
+    C10_CUDA_CHECK(err);
+    std::lock_guard<std::mutex> lock(mutex_);
+    usage_[ptr] = Usage{stream, device, size, {}};
+    return ptr;
+  }
+
+  // As the backend does at a device's first allocation: keep the default pool's memory (the
+  // library answers for the default pool).
+  void use_device(DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (static_cast<size_t>(device) >= devices_.size() || devices_[device]) {
+      return;
+    }
+    cudaMemPool_t pool;
+    C10_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t threshold = UINT64_MAX;
+    C10_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+    devices_[device] = true;
+  }
+
+  bool device_used(DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<size_t>(device) < devices_.size() && devices_[device];
+  }
+
+  static std::string format_size(uint64_t bytes) {
+    char text[64];
+    if (bytes < (1ull << 20)) {
+      std::snprintf(text, sizeof text, "%.2f KiB", bytes / 1024.0);
+    } else if (bytes < (1ull << 30)) {
+      std::snprintf(text, sizeof text, "%.2f MiB", bytes / 1048576.0);
+    } else {
+      std::snprintf(text, sizeof text, "%.2f GiB", bytes / 1073741824.0);
+    }
+    return text;
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<void*, Usage> usage_;
+  std::vector<bool> devices_;
+};
+
+// Never destroyed: PyTorch frees tensors during the process's exit, after static destructors
+// may have run.
+Allocator& instance = *new Allocator;
+
+void raw_delete_fn(void* ptr) {
+  instance.release(ptr);
+}
+
+}  // namespace cachealloc_torch
+
+// Install the allocator as PyTorch's CUDA allocator. Returns 0 when installed; 1 when PyTorch's
+// allocator is already in use (too late: the integration keeps the backend); 2 when the
+// preloaded library lacks the C API.
+extern "C" __attribute__((visibility("default"))) int cachealloc_torch_allocator_install() {
+  using namespace c10::cuda::CUDACachingAllocator;
+  if (!cachealloc_torch::library.load()) {
+    return 2;
+  }
+  CUDAAllocator* current = allocator.load();
+  if (current == &cachealloc_torch::instance) {
+    return 0;
+  }
+  if (current != nullptr && current->initialized()) {
+    return 1;
+  }
+  allocator.store(&cachealloc_torch::instance);
+  c10::SetAllocator(c10::DeviceType::CUDA, &cachealloc_torch::instance);
+  return 0;
+}

@@ -1,0 +1,174 @@
+"""cachealloc's C++ allocator for PyTorch: built against the headers of the PyTorch in use,
+loaded, and installed in the place of PyTorch's `cudaMallocAsync` backend when `torch.cuda` is
+imported, before CUDA is first used (`cachealloc_torch_allocator.cpp`, Note [Graph trees under
+the shim]). With it, CUDA graph trees (`torch.compile(mode="reduce-overhead")`'s default) work
+on the library's pools.
+
+The build runs once per PyTorch build, compiler and source: about five seconds, with one
+message, into `$XDG_CACHE_HOME/cachealloc/torch-allocator/<hash>/` (else `~/.cache/…`);
+processes that start together wait for one build (a file lock). It needs a C++ compiler
+(`$CXX`, else `c++` or `g++`) and CUDA's runtime headers with their `crt/` directory (a CUDA
+toolkit: `$CUDA_HOME`, `/usr/local/cuda`; or the `nvidia-cuda-runtime` and `nvidia-cuda-crt`
+wheels). Without them, or when the build fails, the backend stays, with one message saying
+why, and graph trees are turned off (`cachealloc_hooks`). `torch_allocator:off` in
+`CACHEALLOC_CONF` keeps the backend.
+"""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+import cachealloc_common
+from cachealloc_common import TORCH_ALLOC_VARS, conf, say, warn
+
+SOURCE = "cachealloc_torch_allocator.cpp"
+
+#: Whether the allocator was installed in this process.
+_installed = False
+
+
+def installed():
+    return _installed
+
+
+def wanted():
+    return "torch_allocator:off" not in conf()
+
+
+def _cuda_include():
+    """A directory with CUDA's `cuda_runtime.h` and the `crt/` headers it includes, or None."""
+    candidates = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "include"))
+    candidates.append("/usr/local/cuda/include")
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for name in sorted(os.listdir(root)):
+                candidates.append(os.path.join(root, name, "include"))
+    except Exception:
+        pass
+    for directory in candidates:
+        if os.path.isfile(os.path.join(directory, "cuda_runtime.h")) and os.path.isfile(
+            os.path.join(directory, "crt", "host_config.h")
+        ):
+            return directory
+    return None
+
+
+def _compiler():
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cachealloc", "torch-allocator")
+
+
+def _build(torch_dir, abi):
+    """The path of the built library, building it if needed; raises with the reason."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), SOURCE)
+    with open(source, "rb") as f:
+        text = f.read()
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
+    cuda_include = _cuda_include()
+    if cuda_include is None:
+        raise RuntimeError(
+            "no CUDA runtime headers with crt/ ($CUDA_HOME, /usr/local/cuda, or the "
+            "nvidia-cuda-runtime and nvidia-cuda-crt wheels)"
+        )
+    lib = os.path.join(torch_dir, "lib")
+    # The C++ runtime is the process's own (libstdc++.so.6, which PyTorch uses): where only
+    # the static library is installed for `-lstdc++`, a second copy inside the allocator
+    # crashes on its first formatted message.
+    flags = [
+        "-std=c++17", "-O2", "-fPIC", "-shared", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(bool(abi))}",
+        "-I", os.path.join(torch_dir, "include"), "-I", cuda_include,
+    ]
+    libraries = ["-L", lib, "-lc10", "-lc10_cuda", "-l:libstdc++.so.6", f"-Wl,-rpath,{lib}"]
+    key = hashlib.sha256()
+    with open(os.path.join(torch_dir, "version.py"), "rb") as f:
+        torch_version = f.read()
+    for part in (text, torch_version, compiler.encode(), " ".join(flags + libraries).encode()):
+        key.update(part)
+        key.update(b"\0")
+    directory = os.path.join(_cache_dir(), key.hexdigest()[:16])
+    target = os.path.join(directory, "libcachealloc_torch_allocator.so")
+    if os.path.isfile(target):
+        return target
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    import fcntl
+
+    with open(os.path.join(directory, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(target):
+            return target
+        warn(f"building its allocator for PyTorch (once per PyTorch build) into {directory}")
+        partial = f"{target}.{os.getpid()}"
+        command = [compiler, *flags, source, "-o", partial, *libraries]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            log = os.path.join(directory, "build.log")
+            with open(log, "w") as f:
+                f.write(" ".join(command) + "\n" + done.stdout + done.stderr)
+            raise RuntimeError(f"the build failed (compiler output in {log})")
+        os.replace(partial, target)
+    return target
+
+
+def _take_backend_out_of_settings():
+    """PyTorch checks, whenever it parses its allocator settings again (at CUDA's
+    initialization), that the backend they name is the allocator in place; the installed one
+    is not the `cudaMallocAsync` backend the shim named (so that PyTorch's tensors reach it), so
+    the name goes. A child process's shim names it again, for its own PyTorch to start on it."""
+    cachealloc_common.replaced_backend = cachealloc_common.torch_backend()
+    for var in TORCH_ALLOC_VARS:
+        value = os.environ.get(var)
+        if value is None:
+            continue
+        rest = [
+            item for item in value.split(",")
+            if item.strip() and item.replace(" ", "") != "backend:cudaMallocAsync"
+        ]
+        if rest:
+            os.environ[var] = ",".join(rest)
+        else:
+            del os.environ[var]
+
+
+def install():
+    """Build, load and install the allocator (see the module's docs). Called when `torch.cuda`
+    has been imported; never raises."""
+    global _installed
+    if _installed or not wanted():
+        return
+    torch_c = sys.modules.get("torch._C")
+    if torch_c is None or not hasattr(torch_c, "_cuda_getAllocatorBackend"):
+        return  # a PyTorch without CUDA
+    try:
+        torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__))
+        library = ctypes.CDLL(_build(torch_dir, getattr(torch_c, "_GLIBCXX_USE_CXX11_ABI", True)))
+        code = library.cachealloc_torch_allocator_install()
+    except Exception as e:
+        warn(f"PyTorch's cudaMallocAsync backend stays, without CUDA graph trees: {e}")
+        return
+    if code == 0:
+        _installed = True
+        _take_backend_out_of_settings()
+        say("installed its allocator for PyTorch (CUDA graph trees served)")
+    elif code == 1:
+        warn("PyTorch's CUDA allocator was in use before cachealloc could install its own; the "
+             "cudaMallocAsync backend stays, without CUDA graph trees")
+    else:
+        warn("the preloaded library lacks the C API of its PyTorch allocator; the "
+             "cudaMallocAsync backend stays, without CUDA graph trees")
