@@ -69,7 +69,20 @@ _CONTEXT = (None, "state", "alloc", "all")
 _STACKS = ("python", "all")
 
 
+#: The actions `skip_actions` may name (the entries' `action` in `device_traces`).
+_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+            "segment_map", "segment_unmap", "snapshot", "oom", "user_defined")
+
+
 def _record_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, *rest, **kw):
+    # PyTorch passes (clear_history, compile_context, global_record_annotations, skip_actions)
+    # after max_entries.
+    skip = list(rest[3] if len(rest) > 3 else kw.get("skip_actions") or [])
+    for action in skip:
+        if action not in _ACTIONS:
+            raise RuntimeError(
+                f"Invalid action {action!r} in skip_actions; expected some of: {', '.join(_ACTIONS)}"
+            )
     # The values PyTorch accepts.
     for value, valid, what in (
         (enabled, _ENABLED, "enabled"),
@@ -95,7 +108,7 @@ def _record_history(enabled="all", context="all", stacks="all", max_entries=sys.
     )
     if enabled is None:
         context = None
-    _History.changes.append((t, enabled or "none", context or "none", stacks))
+    _History.changes.append((t, enabled or "none", context or "none", stacks, "+".join(skip)))
     del _History.changes[: -_History.keep]
     if enabled is not None and isinstance(max_entries, int) and max_entries > 0:
         _History.max_entries = max_entries
@@ -132,7 +145,7 @@ def _snapshot_from_trace(flush):
             "cachealloc: the `cachealloc` command was not found beside the preloaded library"
         )
     events = min(_History.max_entries, 10_000_000)
-    history = ",".join(f"{t}:{e}:{c}:{s}" for t, e, c, s in _History.changes)
+    history = ",".join(":".join(str(part) for part in change) for change in _History.changes)
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "snapshot.pickle")
         done = subprocess.run(

@@ -4,7 +4,9 @@ package made here) turns CUDA graph trees off on the cudaMallocAsync route; and 
 torch.cuda.memory replaces torch._C's memory statistics, history and snapshot entry points on
 that route (checked against an allocation made through the runtime, with fakecuda), and
 torch.cuda.MemPool and use_mem_pool with the library's private pools (a pool of the program's
-own allocator among them); Tensor.record_stream for the library's blocks.
+own allocator among them); Tensor.record_stream for the library's blocks. Importing torch.cuda
+tries to build cachealloc's C++ allocator for PyTorch, which needs PyTorch's and CUDA's
+headers (absent here): the backend stays, with one message, and graph trees go off.
 Usage: python_integration.py EXPECTED_TREES   (True or False: False means the integration acts).
 Prints "OK python_integration"."""
 import os
@@ -41,6 +43,8 @@ with open(os.path.join(package, "config.py"), "w") as f:
 # that calls them.
 with open(os.path.join(root, "torch", "_C.py"), "w") as f:
     f.write(
+        "_GLIBCXX_USE_CXX11_ABI = True\n"
+        "def _cuda_getAllocatorBackend():\n    return 'cudaMallocAsync'\n"
         "def _cuda_memoryStats(device):\n    return 'native'\n"
         "def _cuda_memorySnapshot(*args):\n    raise RuntimeError('native')\n"
         "def _cuda_record_memory_history(*args):\n    raise RuntimeError('native')\n"
@@ -206,6 +210,21 @@ def check_history_settings(torch, glob):
         if glob.cudaMalloc(ctypes.byref(p), 320 << 20) != 0:
             fail("cudaMalloc of a new segment failed")
         return p
+
+    # PyTorch's test_memory_snapshot_skip_actions: the skipped actions are left out of the
+    # events recorded while the setting is in force, the others stay.
+    record(None, None, "python", 1000)
+    record("all", "all", "python", 1000, False, False, False, ["free_requested", "free_completed"])
+    glob.cudaFree(malloc())
+    actions = {e["action"] for t in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in t}
+    if "alloc" not in actions or actions & {"free_requested", "free_completed"}:
+        fail(f"skip_actions=['free_requested', 'free_completed'] left the actions {actions}")
+    try:
+        record("all", "all", "python", 1000, False, False, False, ["frees"])
+        fail("an unknown action in skip_actions was accepted")
+    except RuntimeError as e:
+        if "free_requested" not in str(e):
+            fail(f"the refusal of an unknown action does not name the valid ones: {e}")
 
     # PyTorch's test_memory_plots with context=None: no stack anywhere, segments' included.
     record(None, None, "python", 1000)
@@ -534,8 +553,9 @@ else:
     with memory.use_mem_pool(pool):
         if pool.use_count() != 2:
             fail(f"use_mem_pool's use count is {pool.use_count()}")
-        if glob.cudaMalloc(ctypes.byref(inside), 1 << 20) != 0:
-            fail("cudaMalloc in a MemPool failed")
+        # PyTorch's allocations are stream-ordered (a library's own cudaMalloc is not routed).
+        if glob.cudaMallocAsync(ctypes.byref(inside), 1 << 20, None) != 0:
+            fail("cudaMallocAsync in a MemPool failed")
     if pool.use_count() != 1:
         fail(f"after use_mem_pool the use count is {pool.use_count()}")
     in_pool = blocks_of(pool.snapshot())
@@ -580,7 +600,7 @@ else:
         fail("MemPool.allocator is not the allocator it was given")
     mine = ctypes.c_void_p()
     with memory.use_mem_pool(own):
-        glob.cudaMalloc(ctypes.byref(mine), 4096)
+        glob.cudaMallocAsync(ctypes.byref(mine), 4096, None)
     if [c[0] for c in calls] != ["alloc"] or blocks_of(own.snapshot()) != {mine.value}:
         fail(f"the pool's segment did not come from its allocator: {calls}, {own.snapshot()}")
     del own

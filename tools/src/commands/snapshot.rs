@@ -396,15 +396,18 @@ pub fn write(
     let stacks = window
         .events
         .iter()
-        .map(|(_, stack, _)| *stack)
+        .map(|(_, stack, _, _)| *stack)
         .chain(state.blocks.values().map(|b| b.stack))
         .chain(window.block_stacks.values().copied())
         .chain(window.segment_stacks.values().copied())
         .chain(state.segments.values().map(|s| s.stack));
     let frames = frame_lists(state, stacks);
     let mut traces: Vec<VecDeque<Entry<'_>>> = (0..device_count).map(|_| VecDeque::new()).collect();
-    for (record, stack, ordinal) in &window.events {
+    for (record, stack, ordinal, skipped) in &window.events {
         for (device, entry) in entries(record, *stack, category_of(*ordinal), &frames, wall) {
+            if skipped & history::action_bit(entry.action) != 0 {
+                continue;
+            }
             if let Some(t) = traces.get_mut(device as usize) {
                 t.push_back(entry);
                 if t.len() > events {

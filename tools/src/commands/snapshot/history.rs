@@ -13,9 +13,12 @@
 //!   `"all"` a free its own stack (and `empty_cache`'s segment frees theirs), which the shim
 //!   captures from the moment the program asks (`cachealloc_memory_history`).
 //! * `stacks="python"` leaves native frames out; `"all"` keeps them (when the trace has any).
+//! * `skip_actions` leaves the named actions (`alloc`, `free_requested`, …) out of the events
+//!   recorded while it is in force (and, for the program's first change, before it: events
+//!   before it are the recorder's beyond-PyTorch history).
 //!
 //! The Python integration passes each change with the trace's time at the call
-//! (`T:ENABLED:CONTEXT:STACKS`, comma-separated). Before the first change the snapshot shows
+//! (`T:ENABLED:CONTEXT:STACKS[:SKIP]`, comma-separated; SKIP the skipped actions joined by `+`). Before the first change the snapshot shows
 //! everything, as with `context="all"` (the recorder's history is the beyond-PyTorch default).
 
 use crate::Error;
@@ -58,6 +61,31 @@ pub struct Settings {
     pub context: Context,
     /// `stacks="python"`.
     pub python_only: bool,
+    /// `skip_actions`: a bit per action of [`ACTIONS`].
+    pub skip: u16,
+}
+
+/// The actions of `device_traces` entries, PyTorch's names; `skip_actions` may name any of
+/// them (`snapshot` and `user_defined` are never recorded by cachealloc).
+pub const ACTIONS: [&str; 10] = [
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "oom",
+    "snapshot",
+    "user_defined",
+];
+
+/// The bit of `action` in [`Settings::skip`] (0 for an action not in [`ACTIONS`]).
+pub fn action_bit(action: &str) -> u16 {
+    ACTIONS
+        .iter()
+        .position(|a| *a == action)
+        .map_or(0, |i| 1 << i)
 }
 
 /// What a snapshot shows before the program's first change: everything.
@@ -66,23 +94,36 @@ const EVERYTHING: Settings = Settings {
     enabled: Enabled::All,
     context: Context::All,
     python_only: false,
+    skip: 0,
 };
 
-/// Parse `--history`'s `T:ENABLED:CONTEXT:STACKS,…` (ENABLED `none|state|all`, CONTEXT
-/// `none|state|alloc|all`, STACKS `python|all`), in time order.
+/// Parse `--history`'s `T:ENABLED:CONTEXT:STACKS[:SKIP],…` (ENABLED `none|state|all`, CONTEXT
+/// `none|state|alloc|all`, STACKS `python|all`, SKIP actions of [`ACTIONS`] joined by `+`), in
+/// time order.
 pub fn parse(spec: &str) -> Result<Vec<Settings>, Error> {
     let bad = |item: &str, why: &str| {
         Error::Message(format!(
-            "--history: {why} in {item:?} (expected T:ENABLED:CONTEXT:STACKS with ENABLED \
-             none|state|all, CONTEXT none|state|alloc|all, STACKS python|all)"
+            "--history: {why} in {item:?} (expected T:ENABLED:CONTEXT:STACKS[:SKIP] with \
+             ENABLED none|state|all, CONTEXT none|state|alloc|all, STACKS python|all, SKIP \
+             actions joined by '+' among {})",
+            ACTIONS.join(", ")
         ))
     };
     let mut out: Vec<Settings> = Vec::new();
     for item in spec.split(',').filter(|i| !i.trim().is_empty()) {
         let parts: Vec<&str> = item.trim().split(':').collect();
-        let [t, enabled, context, stacks] = parts[..] else {
-            return Err(bad(item, "four fields needed"));
+        let (t, enabled, context, stacks, skipped) = match parts[..] {
+            [t, e, c, s] => (t, e, c, s, ""),
+            [t, e, c, s, k] => (t, e, c, s, k),
+            _ => return Err(bad(item, "four or five fields needed")),
         };
+        let mut skip = 0;
+        for action in skipped.split('+').filter(|a| !a.is_empty()) {
+            match action_bit(action) {
+                0 => return Err(bad(item, "unknown action to skip")),
+                bit => skip |= bit,
+            }
+        }
         let t = t
             .parse()
             .map_err(|_| bad(item, "the time is not a number"))?;
@@ -112,6 +153,7 @@ pub fn parse(spec: &str) -> Result<Vec<Settings>, Error> {
             enabled,
             context,
             python_only,
+            skip,
         });
     }
     Ok(out)
@@ -135,12 +177,15 @@ pub struct Cursor {
 }
 
 impl Cursor {
-    /// A cursor over `changes` (empty: everything is shown, as without `--history`).
+    /// A cursor over `changes` (empty: everything is shown, as without `--history`). Before
+    /// the first change everything is shown but the actions that change skips: a program that
+    /// asks to skip them never sees them.
     pub fn new(changes: Vec<Settings>) -> Cursor {
+        let skip = changes.first().map_or(0, |c| c.skip);
         Cursor {
             changes,
             next: 0,
-            now: EVERYTHING,
+            now: Settings { skip, ..EVERYTHING },
         }
     }
 
@@ -164,6 +209,11 @@ impl Cursor {
     /// Whether events are kept now.
     pub fn keeps_events(&self) -> bool {
         self.now.enabled == Enabled::All
+    }
+
+    /// The actions skipped now (bits of [`action_bit`]).
+    pub fn skipped_actions(&self) -> u16 {
+        self.now.skip
     }
 
     /// The stack an event of `kind` shows now, or 0 for no frames. `stack` is the event's own
@@ -219,6 +269,8 @@ mod tests {
             "1:all:cpp:all",
             "1:all:all:cpp",
             "5:all:all:all,4:all:all:all",
+            "1:all:all:all:alloc+frees",
+            "1:all:all:all:x:y",
         ] {
             match parse(bad) {
                 Err(Error::Message(e)) => assert!(e.contains("--history"), "{bad}: {e}"),
@@ -257,5 +309,25 @@ mod tests {
         assert_eq!(c2.event_stack(EventKind::Alloc, 9, 0), 0);
         c.advance(1);
         assert!(c.keeps_events());
+    }
+
+    #[test]
+    fn skipped_actions_apply_while_in_force() {
+        let mut c =
+            Cursor::new(parse("10:all:all:all:free_requested+segment_map,20:all:all:all").unwrap());
+        assert_eq!(
+            c.skipped_actions(),
+            action_bit("free_requested") | action_bit("segment_map"),
+            "the first change's skipped actions are not shown before it either"
+        );
+        c.advance(15);
+        assert_eq!(
+            c.skipped_actions(),
+            action_bit("free_requested") | action_bit("segment_map")
+        );
+        assert_ne!(c.skipped_actions() & action_bit("free_requested"), 0);
+        assert_eq!(c.skipped_actions() & action_bit("alloc"), 0);
+        c.advance(25);
+        assert_eq!(c.skipped_actions(), 0);
     }
 }

@@ -12,10 +12,10 @@ use crate::Error;
 use crate::walk::TraceWalk;
 
 /// What the walk to the snapshot's moment kept: the last events, each with the stack its entry
-/// shows and, for an allocation, its ordinal among `Alloc` records; and whether context records
-/// came before the moment.
+/// shows, for an allocation its ordinal among `Alloc` records, and the actions skipped when it
+/// was recorded (`skip_actions`); and whether context records came before the moment.
 pub(super) struct Window {
-    pub(super) events: VecDeque<(Record, u32, u64)>,
+    pub(super) events: VecDeque<(Record, u32, u64, u16)>,
     pub(super) has_context: bool,
     /// Each block live (allocated or pending) at the moment: its `Alloc` record's ordinal
     /// (`None`: from a checkpoint).
@@ -131,7 +131,10 @@ pub(super) fn walk_with_window(
             && !step.in_checkpoint
             && history.keeps_events()
         {
-            window.events.push_back((step.record, stack, ordinal));
+            let skipped = history.skipped_actions();
+            window
+                .events
+                .push_back((step.record, stack, ordinal, skipped));
             // The last `events` events (a record makes one or two entries).
             if window.events.len() > events.max(1) {
                 window.events.pop_front();
