@@ -24,9 +24,13 @@
 // replaces, each pointer's stream and size, and turns the library's answers into PyTorch's
 // types.
 //
-// `name()` is "native": PyTorch and its tests ask `get_allocator_backend()` whether the native
-// allocator's features are there (graph pools shared through `pool=`, checkpoints, snapshots,
-// statistics, MemPools, IPC), and under the shim they are. The rest of those features are
+// `name()` is "native" when the shim chose PyTorch's backend (the program chose none):
+// PyTorch and its tests ask `get_allocator_backend()` whether the native allocator's features
+// are there (graph pools shared through `pool=`, checkpoints, snapshots, statistics, MemPools,
+// IPC), and under the shim they are. A program that asked for `backend:cudaMallocAsync` itself
+// is answered "cudaMallocAsync", as it configured. (PyTorch checks, when it parses its settings
+// again, that the backend they name is the allocator's name: the integration takes the
+// shim's `backend:cudaMallocAsync` out of them.) The rest of those features are
 // served in Python (cachealloc_memory.py), which replaces the `torch._C` entry points that
 // would reach this allocator's snapshot, history and IPC methods.
 
@@ -121,6 +125,9 @@ void raw_delete_fn(void* ptr);
 class Allocator final : public CUDAAllocator {
  public:
   DataPtr allocate(size_t size) override {
+    constexpr size_t one_exabyte = 1ull << 60;
+    TORCH_CHECK_WITH(OutOfMemoryError, size < one_exabyte,
+                     "CUDA out of memory. Tried to allocate more than 1EB memory.");
     DeviceIndex device = c10::cuda::current_device();
     void* ptr = nullptr;
     if (size != 0) {
@@ -392,7 +399,12 @@ class Allocator final : public CUDAAllocator {
   }
 
   std::string name() override {
-    return "native";
+    return name_;
+  }
+
+  // What `name()` answers: set once, at installation.
+  void set_name(std::string name) {
+    name_ = std::move(name);
   }
 
   // Free `ptr` on the stream it was allocated on (after the streams the library could not
@@ -469,6 +481,7 @@ class Allocator final : public CUDAAllocator {
     return text;
   }
 
+  std::string name_ = "native";
   std::mutex mutex_;
   std::unordered_map<void*, Usage> usage_;
   std::vector<bool> devices_;
@@ -484,10 +497,10 @@ void raw_delete_fn(void* ptr) {
 
 }  // namespace cachealloc_torch
 
-// Install the allocator as PyTorch's CUDA allocator. Returns 0 when installed; 1 when PyTorch's
-// allocator is already in use (too late: the integration keeps the backend); 2 when the
-// preloaded library lacks the C API.
-extern "C" __attribute__((visibility("default"))) int cachealloc_torch_allocator_install() {
+// Install the allocator as PyTorch's CUDA allocator, answering `name` (a NUL-terminated string)
+// as the backend's name. Returns 0 when installed; 1 when PyTorch's allocator is already in use
+// (too late: the integration keeps the backend); 2 when the preloaded library lacks the C API.
+extern "C" __attribute__((visibility("default"))) int cachealloc_torch_allocator_install(const char* name) {
   using namespace c10::cuda::CUDACachingAllocator;
   if (!cachealloc_torch::library.load()) {
     return 2;
@@ -499,6 +512,7 @@ extern "C" __attribute__((visibility("default"))) int cachealloc_torch_allocator
   if (current != nullptr && current->initialized()) {
     return 1;
   }
+  cachealloc_torch::instance.set_name(name ? name : "native");
   allocator.store(&cachealloc_torch::instance);
   c10::SetAllocator(c10::DeviceType::CUDA, &cachealloc_torch::instance);
   return 0;

@@ -10,7 +10,8 @@ processes that start together wait for one build (a file lock). It needs a C++ c
 (`$CXX`, else `c++` or `g++`) and CUDA's runtime headers with their `crt/` directory (a CUDA
 toolkit: `$CUDA_HOME`, `/usr/local/cuda`; or the `nvidia-cuda-runtime` and `nvidia-cuda-crt`
 wheels). Without them, or when the build fails, the backend stays, with one message saying
-why, and graph trees are turned off (`cachealloc_hooks`). `torch_allocator:off` in
+why, and graph trees are turned off (`cachealloc_hooks`); a failed build is not tried again
+(its compiler output stays in `build.log` of that directory: remove it to try again). `torch_allocator:off` in
 `CACHEALLOC_CONF` keeps the backend.
 """
 import ctypes
@@ -104,8 +105,11 @@ def _build(torch_dir, abi):
         key.update(b"\0")
     directory = os.path.join(_cache_dir(), key.hexdigest()[:16])
     target = os.path.join(directory, "libcachealloc_torch_allocator.so")
+    log = os.path.join(directory, "build.log")
     if os.path.isfile(target):
         return target
+    if os.path.isfile(log):
+        raise RuntimeError(f"its build failed before (compiler output in {log}; remove it to try again)")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     import fcntl
 
@@ -118,12 +122,24 @@ def _build(torch_dir, abi):
         command = [compiler, *flags, source, "-o", partial, *libraries]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            log = os.path.join(directory, "build.log")
             with open(log, "w") as f:
                 f.write(" ".join(command) + "\n" + done.stdout + done.stderr)
             raise RuntimeError(f"the build failed (compiler output in {log})")
         os.replace(partial, target)
     return target
+
+
+def _backend_named_by_shim():
+    """Whether `backend:cudaMallocAsync` is in PyTorch's settings because the shim put it there
+    (it names the variable it changed), and no other of PyTorch's variables names a backend
+    (the program's own choice, which PyTorch then reads)."""
+    var = os.environ.get("CACHEALLOC_ADDED_TORCH_BACKEND")
+    if var is None or "backend:cudaMallocAsync" not in os.environ.get(var, "").replace(" ", ""):
+        return False
+    for other in TORCH_ALLOC_VARS:
+        if other != var and "backend:" in os.environ.get(other, "").replace(" ", ""):
+            return False
+    return True
 
 
 def _take_backend_out_of_settings():
@@ -158,13 +174,18 @@ def install():
     try:
         torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__))
         library = ctypes.CDLL(_build(torch_dir, getattr(torch_c, "_GLIBCXX_USE_CXX11_ABI", True)))
-        code = library.cachealloc_torch_allocator_install()
+        chosen_by_shim = _backend_named_by_shim()
+        install_allocator = library.cachealloc_torch_allocator_install
+        install_allocator.restype = ctypes.c_int
+        install_allocator.argtypes = [ctypes.c_char_p]
+        code = install_allocator(b"native" if chosen_by_shim else b"cudaMallocAsync")
     except Exception as e:
         warn(f"PyTorch's cudaMallocAsync backend stays, without CUDA graph trees: {e}")
         return
     if code == 0:
         _installed = True
-        _take_backend_out_of_settings()
+        if chosen_by_shim:
+            _take_backend_out_of_settings()
         say("installed its allocator for PyTorch (CUDA graph trees served)")
     elif code == 1:
         warn("PyTorch's CUDA allocator was in use before cachealloc could install its own; the "
