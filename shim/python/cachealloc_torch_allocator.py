@@ -4,15 +4,15 @@ imported, before CUDA is first used (`cachealloc_torch_allocator.cpp`, Note [Gra
 the shim]). With it, CUDA graph trees (`torch.compile(mode="reduce-overhead")`'s default) work
 on the library's pools.
 
-The build runs once per PyTorch build, compiler and source: about five seconds, with one
+The build runs once per PyTorch build, compiler and source: about six seconds, with one
 message, into `$XDG_CACHE_HOME/cachealloc/torch-allocator/<hash>/` (else `~/.cache/…`);
 processes that start together wait for one build (a file lock). It needs a C++ compiler
 (`$CXX`, else `c++` or `g++`) and CUDA's runtime headers with their `crt/` directory (a CUDA
 toolkit: `$CUDA_HOME`, `/usr/local/cuda`; or the `nvidia-cuda-runtime` and `nvidia-cuda-crt`
 wheels). Without them, or when the build fails, the backend stays, with one message saying
 why, and graph trees are turned off (`cachealloc_hooks`); a failed build is not tried again
-(its compiler output stays in `build.log` of that directory: remove it to try again). `torch_allocator:off` in
-`CACHEALLOC_CONF` keeps the backend.
+(its compiler output stays in `build.log` of that directory: remove it to try again).
+`torch_allocator:off` in `CACHEALLOC_CONF` keeps the backend.
 """
 import ctypes
 import hashlib
@@ -35,7 +35,12 @@ def installed():
 
 
 def wanted():
-    return "torch_allocator:off" not in conf()
+    """Whether `CACHEALLOC_CONF` leaves `torch_allocator` on (the library validated it)."""
+    for item in conf().split(","):
+        key, _, value = item.partition(":")
+        if key == "torch_allocator" and value.lower() in ("off", "false", "0", "no"):
+            return False
+    return True
 
 
 def _cuda_include():
