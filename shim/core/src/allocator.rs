@@ -46,12 +46,12 @@ use crate::events::{Event, Observer};
 use crate::oom::OomReport;
 use crate::pools::expandable::Geometry;
 use crate::pools::{
-    AddressInfo, Allocation, Checkpoint, FreeError, Freed, NO_STREAM, Pools, ReleasedSegment,
-    RestoreError, Restored, SegmentSnapshot,
+    AddressInfo, Allocation, FreeError, Freed, NO_STREAM, Pools, ReleasedSegment, SegmentSnapshot,
 };
 use crate::sizes::{self, PoolKind};
 use crate::stats::Stats;
 
+mod checkpoint;
 mod expandable;
 mod maintenance;
 mod oom_report;
@@ -566,27 +566,6 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// Every segment with its blocks.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
         self.pools.lock().snapshot()
-    }
-
-    /// The pools' layout now, for [`Allocator::restore`] (`None` while a block waits for a
-    /// fence); see [Note [Pool checkpoints]](crate::pools::checkpoint#note-pool-checkpoints).
-    pub fn checkpoint(&self) -> Option<Checkpoint> {
-        self.pools.lock().checkpoint()
-    }
-
-    /// Put the pools back to `checkpoint`: free every allocated block, then allocate the
-    /// checkpoint's blocks again at their addresses. The observer hears each free and each
-    /// allocation, in that order.
-    pub fn restore(&self, checkpoint: &Checkpoint) -> Result<Restored, RestoreError> {
-        let mut pools = self.pools.lock();
-        let restored = pools.restore(checkpoint)?;
-        for freed in &restored.freed {
-            self.observer.on_event(Event::FreeRequested(freed));
-        }
-        for allocation in &restored.allocated {
-            self.observer.on_event(Event::Alloc(allocation));
-        }
-        Ok(restored)
     }
 
     /// Run [`Pools::check_invariants`].

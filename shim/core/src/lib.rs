@@ -28,8 +28,8 @@
 //! | module | what |
 //! |---|---|
 //! | [`sizes`] | rounding, pool choice, segment size, split rules — and the note on their waste |
-//! | [`pools`] | segments, blocks, split and merge, stats bookkeeping; its submodules: `free` (freeing, merging, the free lists), `free_list`, `fences` (fence batches), `cross_stream`, `release` (segments out for release), `expandable` (ranges, maps, unmaps, recycling), `queries` (lookup, snapshots), `invariants` (`check_invariants`) |
-//! | [`allocator`] | the lock and the out-of-memory ladder around [`pools::Pools`]; its submodules: `expandable` (mapping and unmapping outside the lock), `maintenance` (empty cache, fences, device reset) |
+//! | [`pools`] | segments, blocks, split and merge, stats bookkeeping; its submodules: `carve` (handing out a block), `checkpoint` (a pool's layout and putting it back to one), `free` (freeing, merging, the free lists), `free_list`, `fences` (fence batches), `cross_stream`, `release` (segments out for release), `expandable` (ranges, maps, unmaps, recycling), `queries` (lookup, snapshots), `invariants` (`check_invariants`) |
+//! | [`allocator`] | the lock and the out-of-memory ladder around [`pools::Pools`]; its submodules: `checkpoint` (checkpoints and restores under the lock), `expandable` (mapping and unmapping outside the lock), `maintenance` (empty cache, fences, device reset) |
 //! | [`events`] | the [`Event`]s an [`Observer`] (the recorder) hears, in order |
 //! | [`oom`] | [`OomReport`]: what is known about a request that failed |
 //! | [`device`] | the [`Device`] trait: the only source of memory and fences |
