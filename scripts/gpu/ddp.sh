@@ -5,7 +5,9 @@
 # rank's peaks), each configuration of LABELS in its own job, ROUNDS rounds in a rotating
 # order. Labels: native (PyTorch's caching allocator); shim (the shim's default configuration:
 # trace on, Python stacks, categories, expandable segments); shim_fixed
-# (`expandable_segments:False`); shim_notrace (`trace:off`). Prints the lines, then for each
+# (`expandable_segments:False`); shim_notrace (`trace:off`); shim_nocat (`categories:off`);
+# native_exp (PyTorch's own `expandable_segments:True`, no shim); shim_b (the default
+# configuration with the library in the folder LIB_B: another build, to compare two). Prints the lines, then for each
 # shim label the median step time and rank 0's peak reserved against native's with the paired
 # rounds' 95 % interval (ratio_ci.py), each rank's median peaks, and whether the losses equal
 # native's. LOG=FILE keeps the lines.
@@ -19,9 +21,10 @@ LOG=${LOG:-$(mktemp)}
 TRACES=$(mktemp -d)
 conf() {
     case $1 in
-        shim) echo "log:quiet,trace_dir:$TRACES";;
+        shim|shim_b) echo "log:quiet,trace_dir:$TRACES";;
         shim_fixed) echo "log:quiet,trace_dir:$TRACES,expandable_segments:False";;
         shim_notrace) echo "log:quiet,trace:off";;
+        shim_nocat) echo "log:quiet,trace_dir:$TRACES,categories:off";;
         shim_exp) echo "log:quiet,trace_dir:$TRACES,expandable_segments:True";;
     esac
 }
@@ -29,11 +32,14 @@ n=${#LABELS[@]}
 for r in $(seq 0 $((ROUNDS - 1))); do
     for i in $(seq 0 $((n - 1))); do
         label=${LABELS[$(((i + r) % n))]}
-        if [ "$label" = native ]; then
-            LABEL=native torchrun --nproc_per_node=2 scripts/gpu/ddp_per_rank.py "$WORK/ddp_gpt2.py" 2>&1 \
+        if [ "${label%_exp}" = native ]; then
+            [ "$label" = native_exp ] && export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+            LABEL=$label torchrun --nproc_per_node=2 scripts/gpu/ddp_per_rank.py "$WORK/ddp_gpt2.py" 2>&1 \
                 | grep -E '^(workload=|rank_peak )' | tee -a "$LOG"
+            unset PYTORCH_CUDA_ALLOC_CONF
         else
-            LABEL=$label CACHEALLOC_CONF=$(conf "$label") LD_PRELOAD="$LIB" \
+            lib=$LIB; [ "$label" = shim_b ] && lib="$(realpath "$LIB_B")/libcachealloc.so"
+            LABEL=$label CACHEALLOC_CONF=$(conf "$label") LD_PRELOAD="$lib" \
                 torchrun --nproc_per_node=2 scripts/gpu/ddp_per_rank.py "$WORK/ddp_gpt2.py" 2>&1 \
                 | grep -E '^(workload=|rank_peak |cachealloc: .*(error|failed))' | tee -a "$LOG"
         fi

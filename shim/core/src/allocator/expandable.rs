@@ -93,7 +93,9 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                 // A new high-water mark: give back free memory first, moving what fits into
                 // the plan (see the Notes).
                 let holes = pools.take_to_recycle(&plan, beyond_peak);
-                to_unmap.extend(pools.plan_moves(&mut plan, holes));
+                let rest = pools.plan_moves(&mut plan, holes);
+                // What cannot move is unmapped only if that needs no wait for the device.
+                to_unmap.extend(pools.keep_busy_mapped(rest, &self.device));
                 for m in &plan.moves {
                     self.observer.on_event(Event::SegmentUnmap {
                         address: m.from,
@@ -173,6 +175,9 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             });
         }
         let wait = pools.unmapping_needs_wait(&taken, &self.device);
+        if wait {
+            pools.stats.num_fence_waits += 1;
+        }
         let (results, mut pools) = self.unlocked(pools, || {
             // See Note [Unmapping without a wait]: idle memory needs no wait, the rest one.
             let waited = if wait {

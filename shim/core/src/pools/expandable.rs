@@ -50,10 +50,11 @@
 //!   at its peak, and the peak grows only when the live blocks need it. Where the driver allows
 //!   it, the memory given up *moves* into the map rather than being unmapped and created again,
 //!   and can flip back later with no driver call ([Note [Moving memory instead of unmapping
-//!   it]](moves#note-moving-memory-instead-of-unmapping-it)); what cannot move is unmapped,
-//!   which waits for the device only when the memory may still be in use ([Note [Unmapping
-//!   without a wait]](idle#note-unmapping-without-a-wait)). Below the peak nothing is given
-//!   up, so a run whose shapes have all been seen at their peak makes no device calls.
+//!   it]](moves#note-moving-memory-instead-of-unmapping-it)); what cannot move is unmapped
+//!   if no kernel may still use it, and otherwise stays mapped, since waiting for the device
+//!   would cost more than the memory is worth ([Note [Unmapping without a wait]](idle#note-unmapping-without-a-wait),
+//!   [Note [Recycling never waits]](idle#note-recycling-never-waits)). Below the peak nothing
+//!   is given up, so a run whose shapes have all been seen at their peak makes no device calls.
 //! * **Switching at run time.** The program may turn expandable segments on or off while it
 //!   runs (PyTorch's `_set_allocator_settings`): growth then maps into ranges, or takes fixed
 //!   segments, from the next request on, and segments of the other kind stay and serve what they

@@ -3,7 +3,6 @@
 //! the fallback on a device without virtual memory. (The conformance suite runs its scenarios
 //! over expandable presets too, and the property test over random sequences.)
 
-use cachealloc_core::sim::FenceMode;
 use cachealloc_core::{
     AllocError, Allocator, AllocatorConfig, BlockState, Expandable, NO_STREAM, ReusePolicy,
     SimDevice,
@@ -11,14 +10,14 @@ use cachealloc_core::{
 
 use crate::common::{Checked, GRANULARITY, MIB, fixed};
 
-fn expandable() -> AllocatorConfig {
+pub(crate) fn expandable() -> AllocatorConfig {
     AllocatorConfig {
         expandable_segments: Expandable::On,
         ..fixed()
     }
 }
 
-fn reserved(c: &Checked) -> u64 {
+pub(crate) fn reserved(c: &Checked) -> u64 {
     c.stats().reserved_bytes.all.current as u64
 }
 
@@ -120,53 +119,8 @@ fn empty_cache_unmaps_whole_free_granules_and_keeps_live_memory() {
     assert_eq!(c.device().used(), 0, "everything unmapped");
 }
 
-/// Note [Unmapping without a wait]: an unmap waits for the device only when the memory became
-/// free after the stamp of the range's last completed idle fence. (Recycling unmaps here: the
-/// device cannot move memory.)
-#[test]
-fn unmapping_waits_for_the_device_only_when_the_memory_may_be_in_use() {
-    let device =
-        SimDevice::with_fence_mode(1 << 30, FenceMode::Manual).with_map_granularity(GRANULARITY);
-    device.set_aliasing(false);
-    let c = Checked::on(device, expandable());
-    let synchronizes = || c.device().counters().synchronizes;
-    let a = c.malloc(4 * MIB); // maps: the range's idle fence, stamped before any free
-    c.malloc(4 * MIB);
-    let x = c.malloc(8 * MIB);
-    assert_eq!(reserved(&c), 16 * MIB);
-    c.free(x.address);
-    c.device().complete_fences();
-    c.empty_cache();
-    assert_eq!(
-        synchronizes(),
-        1,
-        "freed after the only stamp: it may be in use"
-    );
-    assert_eq!(reserved(&c), 8 * MIB);
-    // A map after a's free stamps a new fence; once it completes, a's memory is idle.
-    c.free(a.address);
-    let y = c.malloc(8 * MIB);
-    c.device().complete_fences();
-    // Nothing free fits 8 MiB, and mapping it would pass the peak: a's memory is recycled,
-    // without a wait.
-    let z = c.malloc(8 * MIB);
-    assert_eq!(synchronizes(), 1, "idle memory is unmapped without a wait");
-    assert!(!c.device().is_backed(a.address, a.size));
-    assert_eq!(
-        reserved(&c),
-        20 * MIB,
-        "a recycled: only b, y and z are mapped"
-    );
-    // The control: y, freed after the last stamp, waits although every fence completed.
-    c.free(y.address);
-    c.device().complete_fences();
-    c.empty_cache();
-    assert_eq!(synchronizes(), 2);
-    assert!(c.device().is_backed(z.address, z.size));
-}
-
 /// Driver calls so far: mappings made, aliases made, unmaps.
-fn driver_calls(c: &Checked) -> (u64, u64, u64) {
+pub(crate) fn driver_calls(c: &Checked) -> (u64, u64, u64) {
     let k = c.device().counters();
     (k.maps, k.aliases, k.unmaps)
 }

@@ -8,12 +8,14 @@
 //! * `conformance` — one scenario suite instantiated for every preset;
 //! * `streams`     — stream-ordered reuse: blocks per stream, fences only where needed;
 //! * `expandable`  — expandable segments: mapping, unmapping, ranges per stream;
+//! * `expandable_waits` — when expandable segments wait for the device (unmaps, recycling);
 //! * `properties`  — proptest: random sequences against a naive model.
 
 mod checkpoints;
 mod common;
 mod conformance;
 mod expandable;
+mod expandable_waits;
 mod fences;
 mod oom;
 mod properties;

@@ -25,6 +25,20 @@
 //! about one map; none is recorded while a graph capture is under way
 //! ([`Device::record_idle_fence`] answers `None`): an event on a capturing stream would join
 //! the graph.
+//!
+//! # Note [Recycling never waits]
+//!
+//! Releasing memory (`empty_cache`, the out-of-memory ladder) must give it back, so it waits
+//! when it has to. Recycling only keeps reserved memory at its peak, and a wait for the device
+//! costs far more than the memory is worth: the drain idles the GPU while the program's CPU
+//! queues work again. On DDP training of GPT-2 on two H200s (five sequence lengths in turn),
+//! the longest step mapped once per cycle and, every other cycle, unmapped memory freed during
+//! the cycle, after a drain: those steps took about 2 ms longer (1.9 % of a 97 ms step) and
+//! the run 0.5 % (BENCHMARKS.md, "DDP: recycling without a wait"). So recycling moves what it
+//! can, unmaps what is idle, and leaves what may still be in use mapped and free where it
+//! was ([`Pools::keep_busy_mapped`]): reserved memory then passes the old peak by that much,
+//! and the next cycles, finding the higher peak, recycle less. What a drain would have given
+//! back is bounded by the mappings a map takes (a sixty-fourth of a map each).
 
 use super::{MapPlan, Pools, SegmentId, Unmapping};
 use crate::device::Device;
@@ -95,12 +109,36 @@ impl<F: Clone> Pools<F> {
     ) -> bool {
         let mut wait = false;
         for u in taken {
-            self.refresh_idle(u.range, device);
-            let idle_before = self.range_idle(u.range).idle_before;
-            wait |= u.free_since >= idle_before;
-            // A parked place was last used before it was parked (see moves.rs).
-            wait |= u.aliases.iter().any(|a| a.since >= idle_before);
+            wait |= self.may_be_in_use(u, device);
         }
         wait
+    }
+
+    /// Of memory taken for recycling, what may still be in use stays mapped, back in the pools
+    /// as it was; the rest is returned, to be unmapped without a wait. See [Note [Recycling
+    /// never waits]](self#note-recycling-never-waits).
+    pub fn keep_busy_mapped<D: Device<Fence = F>>(
+        &mut self,
+        taken: Vec<Unmapping>,
+        device: &D,
+    ) -> Vec<Unmapping> {
+        let mut idle = Vec::with_capacity(taken.len());
+        for u in taken {
+            if self.may_be_in_use(&u, device) {
+                self.keep_mapped(u);
+            } else {
+                idle.push(u);
+            }
+        }
+        idle
+    }
+
+    /// Whether kernels queued before now may still use `u`'s memory or one of its parked
+    /// places.
+    fn may_be_in_use<D: Device<Fence = F>>(&mut self, u: &Unmapping, device: &D) -> bool {
+        self.refresh_idle(u.range, device);
+        let idle_before = self.range_idle(u.range).idle_before;
+        // A parked place was last used before it was parked (see moves.rs).
+        u.free_since >= idle_before || u.aliases.iter().any(|a| a.since >= idle_before)
     }
 }

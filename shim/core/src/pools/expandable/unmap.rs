@@ -111,13 +111,30 @@ impl<F: Clone> Pools<F> {
 
     /// Unmapping failed: the memory is still there, free again.
     pub fn unmap_failed(&mut self, unmapping: Unmapping) {
+        let now = self.lookups;
+        self.back_to_free(unmapping, now);
+    }
+
+    /// Memory taken for unmapping is not unmapped after all: it goes back to the pools as it
+    /// was (free since the same moment), its parked places parked again.
+    pub(in crate::pools) fn keep_mapped(&mut self, unmapping: Unmapping) {
+        for alias in &unmapping.aliases {
+            self.restore_alias(alias, &unmapping);
+            self.release_place(alias.block);
+        }
+        let since = unmapping.free_since;
+        self.back_to_free(unmapping, since);
+    }
+
+    /// The memory of `unmapping` is free again in its pool, freed at the stamp `since`.
+    fn back_to_free(&mut self, unmapping: Unmapping, since: u64) {
         self.stats
             .reserved_bytes
             .increase(unmapping.pool, unmapping.size);
         let b = &mut self.blocks[unmapping.block as usize];
         b.busy = false;
         b.state = BlockState::Free;
-        b.free_since = self.lookups;
+        b.free_since = since;
         self.make_free(unmapping.block);
     }
 

@@ -1,0 +1,103 @@
+//! Expandable segments' waits for the device: an unmap waits only when the memory may still be
+//! in use (Note [Unmapping without a wait]), and recycling never waits (Note [Recycling never
+//! waits]).
+
+use cachealloc_core::SimDevice;
+use cachealloc_core::sim::FenceMode;
+
+use crate::common::{Checked, GRANULARITY, MIB};
+use crate::expandable::{driver_calls, expandable, reserved};
+
+/// Note [Unmapping without a wait]: an unmap waits for the device only when the memory became
+/// free after the stamp of the range's last completed idle fence. (Recycling unmaps here: the
+/// device cannot move memory.)
+#[test]
+fn unmapping_waits_for_the_device_only_when_the_memory_may_be_in_use() {
+    let device =
+        SimDevice::with_fence_mode(1 << 30, FenceMode::Manual).with_map_granularity(GRANULARITY);
+    device.set_aliasing(false);
+    let c = Checked::on(device, expandable());
+    let synchronizes = || c.device().counters().synchronizes;
+    let a = c.malloc(4 * MIB); // maps: the range's idle fence, stamped before any free
+    c.malloc(4 * MIB);
+    let x = c.malloc(8 * MIB);
+    assert_eq!(reserved(&c), 16 * MIB);
+    c.free(x.address);
+    c.device().complete_fences();
+    c.empty_cache();
+    assert_eq!(
+        synchronizes(),
+        1,
+        "freed after the only stamp: it may be in use"
+    );
+    assert_eq!(reserved(&c), 8 * MIB);
+    // A map after a's free stamps a new fence; once it completes, a's memory is idle.
+    c.free(a.address);
+    let y = c.malloc(8 * MIB);
+    c.device().complete_fences();
+    // Nothing free fits 8 MiB, and mapping it would pass the peak: a's memory is recycled,
+    // without a wait.
+    let z = c.malloc(8 * MIB);
+    assert_eq!(synchronizes(), 1, "idle memory is unmapped without a wait");
+    assert!(!c.device().is_backed(a.address, a.size));
+    assert_eq!(
+        reserved(&c),
+        20 * MIB,
+        "a recycled: only b, y and z are mapped"
+    );
+    // The control: y, freed after the last stamp, waits although every fence completed.
+    c.free(y.address);
+    c.device().complete_fences();
+    c.empty_cache();
+    assert_eq!(synchronizes(), 2);
+    assert!(c.device().is_backed(z.address, z.size));
+}
+
+/// Note [Recycling never waits]: memory that cannot move and may still be in use is not
+/// recycled (that would wait for the device): it stays mapped and free, and reserved memory
+/// passes the old peak. Once idle, such memory is recycled by an unmap, still without a wait.
+#[test]
+fn recycling_leaves_memory_that_may_be_in_use_mapped_rather_than_wait() {
+    let device =
+        SimDevice::with_fence_mode(1 << 30, FenceMode::Manual).with_map_granularity(GRANULARITY);
+    device.set_aliasing(false);
+    let c = Checked::on(device, expandable());
+    let synchronizes = || c.device().counters().synchronizes;
+    c.malloc(8 * MIB); // maps: the range's idle fence, stamped before any free
+    let b = c.malloc(8 * MIB);
+    c.malloc(8 * MIB);
+    c.free(b.address);
+    let d = c.malloc(16 * MIB);
+    assert_eq!(synchronizes(), 0, "no wait for the device");
+    assert_eq!(driver_calls(&c).2, 0, "nothing unmapped");
+    assert!(c.device().is_backed(b.address, b.size), "b's memory stays");
+    assert_eq!(
+        reserved(&c),
+        40 * MIB,
+        "past the old peak of 24 MiB by b's 8"
+    );
+    assert_eq!(c.stats().num_fence_waits, 0);
+    // b's memory is free in the pools, as it was: 8 MiB come from it with no map.
+    let maps = driver_calls(&c).0;
+    let e = c.malloc(8 * MIB);
+    assert_eq!(e.address, b.address);
+    assert_eq!(driver_calls(&c).0, maps);
+    // Freed again: a map past the peak keeps it while it may be in use, and records a fence
+    // stamped after its free.
+    c.free(e.address);
+    c.device().complete_fences();
+    c.malloc(9 * MIB);
+    assert!(c.device().is_backed(b.address, b.size));
+    assert_eq!(reserved(&c), 50 * MIB);
+    // That fence completed, b's memory is idle: the next map past the peak recycles it by an
+    // unmap, without a wait.
+    c.device().complete_fences();
+    c.malloc(12 * MIB);
+    assert_eq!(synchronizes(), 0, "idle memory: no wait");
+    assert!(
+        !c.device().is_backed(b.address, b.size),
+        "b's memory recycled"
+    );
+    assert_eq!(driver_calls(&c).2, 1);
+    assert!(c.device().is_backed(d.address, d.size));
+}
