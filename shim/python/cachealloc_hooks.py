@@ -33,6 +33,8 @@ it has to adjust:
   `_cuda_setMemoryFraction` (the fraction then limits every pool of the device together, as
   natively: `cachealloc_set_memory_fraction`),
   `_cuda_record_memory_history` (its settings over time: `cachealloc_memory_history`),
+  `_cuda_setMemoryMetadata`/`_cuda_getMemoryMetadata` (the metadata over time, with the
+  trace's time from `cachealloc_trace_time`),
   `_cuda_memorySnapshot` (segments, blocks, frames and `device_traces` read from the trace the
   recorder keeps anyway, by the `cachealloc snapshot` command beside the library, showing what
   the history settings keep), and `torch.accelerator`'s `_accelerator_getDeviceStats` and

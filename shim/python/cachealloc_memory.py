@@ -55,7 +55,8 @@ class _History:
     """What `_record_memory_history` asked, over time: each change with the trace's time at the
     call, which `cachealloc snapshot --history` applies (what each setting keeps, as PyTorch's
     native allocator keeps it: docs in the tool's `snapshot::history`). Before the first call
-    the snapshot shows the recorder's whole history."""
+    nothing shows, as natively; a program that never calls it gets the recorder's whole
+    history."""
 
     changes = []
     max_entries = 100_000
@@ -114,6 +115,33 @@ def _record_history(enabled="all", context="all", stacks="all", max_entries=sys.
         _History.max_entries = max_entries
 
 
+class _Metadata:
+    """What `_set_memory_metadata` set, over time: each text with the trace's time at the call,
+    which `cachealloc snapshot --metadata` puts on the events recorded from then on (as
+    `user_metadata`, as PyTorch's native allocator does)."""
+
+    changes = []
+    current = ""
+    keep = 4096
+
+
+def _set_metadata(metadata):
+    import ctypes
+
+    api = c_functions(now="cachealloc_trace_time")
+    if api is None:
+        return
+    api.now.restype = ctypes.c_uint64
+    api.now.argtypes = []
+    _Metadata.current = str(metadata)
+    _Metadata.changes.append((api.now(), _Metadata.current))
+    del _Metadata.changes[: -_Metadata.keep]
+
+
+def _get_metadata():
+    return _Metadata.current
+
+
 def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
                            trace_alloc_record_context=False, record_context_cpp=False, *rest, **kw):
     """`_record_memory_history(True, …)`, PyTorch's older form, in the newer one's terms."""
@@ -148,9 +176,17 @@ def _snapshot_from_trace(flush):
     history = ",".join(":".join(str(part) for part in change) for change in _History.changes)
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "snapshot.pickle")
+        metadata = []
+        if _Metadata.changes:
+            import json
+
+            metadata = ["--metadata", os.path.join(scratch, "metadata.json")]
+            with open(metadata[1], "w") as f:
+                json.dump(_Metadata.changes, f)
         done = subprocess.run(
             [tool, "snapshot", trace, "--events", str(events), "-o", out]
-            + (["--history", history] if history else []),
+            + (["--history", history] if history else [])
+            + metadata,
             capture_output=True,
             text=True,
         )
@@ -521,6 +557,8 @@ def adjust(memory):
     if hasattr(native, "_cuda_record_memory_history_legacy"):
         native._cuda_record_memory_history_legacy = _record_history_legacy
     native._cuda_memorySnapshot = memory_snapshot
+    native._cuda_setMemoryMetadata = _set_metadata
+    native._cuda_getMemoryMetadata = _get_metadata
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "Tensor"):
         _record_stream(torch.Tensor)

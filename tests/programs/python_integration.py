@@ -226,6 +226,36 @@ def check_history_settings(torch, glob):
         if "free_requested" not in str(e):
             fail(f"the refusal of an unknown action does not name the valid ones: {e}")
 
+    # PyTorch's test_memory_plots_metadata: the events recorded while the program's memory
+    # metadata is set carry it as user_metadata; those after it is cleared carry "".
+    record(None, None, "python", 1000)
+    torch._C._cuda_setMemoryMetadata("metadata test")
+    record("all", "alloc", "python", 1000)
+    glob.cudaFree(malloc())
+    torch._C._cuda_setMemoryMetadata("")
+    if torch._C._cuda_getMemoryMetadata() != "":
+        fail("_cuda_getMemoryMetadata does not answer what was set last")
+    events = [e for t in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in t]
+    if not events or any(e.get("user_metadata") != "metadata test" for e in events):
+        fail(f"events recorded under metadata lack it: {[e.get('user_metadata') for e in events]}")
+    glob.cudaFree(malloc())
+    events = [e for t in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in t]
+    if events[-1].get("user_metadata") != "":
+        fail(f"an event after the metadata was cleared carries {events[-1].get('user_metadata')!r}")
+
+    # PyTorch's test_memory_plots: a free block shows the size requested of the block freed
+    # last inside it, as PyTorch's merged free block keeps the freed one's.
+    record(None, None, "python", 1000)
+    record("all", "all", "python", 1000)
+    odd = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(odd), 12345) != 0:
+        fail("cudaMalloc of 12345 bytes failed")
+    glob.cudaFree(odd)
+    free_blocks = [b for seg in torch._C._cuda_memorySnapshot(None)["segments"] for b in seg["blocks"]
+                   if b["state"] == "inactive" and b["address"] <= odd.value < b["address"] + b["size"]]
+    if [b["requested_size"] for b in free_blocks] != [12345]:
+        fail(f"the free block holding a freed 12345-byte request shows {free_blocks}")
+
     # PyTorch's test_memory_plots with context=None: no stack anywhere, segments' included.
     record(None, None, "python", 1000)
     record("all", None, "python", 1000)
@@ -514,14 +544,21 @@ else:
         fail("reset_accumulated_memory_stats left the accumulated bytes")
 
     torch._C._cuda_record_memory_history("all", "all", "all", 1000)
+    after = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(after), 8192) != 0:
+        fail("cudaMalloc after the history began failed")
     snapshot = torch._C._cuda_memorySnapshot(None)
     blocks = [b for seg in snapshot["segments"] for b in seg["blocks"]]
     mine = [b for b in blocks if b["address"] == ptr.value]
     if len(mine) != 1 or mine[0]["state"] != "active_allocated" or mine[0]["size"] < 3 << 20:
         fail(f"the snapshot does not hold the allocation at {ptr.value:#x}: {blocks}")
-    actions = [e["action"] for trace in snapshot["device_traces"] for e in trace]
-    if "alloc" not in actions:
-        fail(f"the snapshot's history has no alloc: {actions}")
+    if mine[0]["frames"]:
+        fail("a block allocated before the program's history began shows a stack")
+    # As natively, the history begins at the program's first call.
+    allocs = [e["addr"] for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
+    if after.value not in allocs or ptr.value in allocs:
+        fail(f"the history should hold the allocation after its start, not the one before: {allocs}")
+    glob.cudaFree(after)
     torch._C._cuda_record_memory_history(None, None, "all", 1000)
     if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
         fail("history was shown after _record_memory_history(None)")

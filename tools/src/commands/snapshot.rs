@@ -58,6 +58,12 @@ pub struct SnapshotArgs {
     /// shows (`T:ENABLED:CONTEXT:STACKS,…`; the Python integration passes them).
     #[arg(long)]
     pub history: Option<String>,
+    /// The program's memory metadata over time (`torch.cuda.memory._set_memory_metadata`): a
+    /// JSON file holding a list of `[T, TEXT]` in time order (the Python integration writes
+    /// it). Each entry of `device_traces` gets the text in force at its time as
+    /// `user_metadata` (empty before the first).
+    #[arg(long)]
+    pub metadata: Option<PathBuf>,
 }
 
 /// One frame, as PyTorch writes it.
@@ -138,6 +144,11 @@ struct Entry<'a> {
     stream: u64,
     frames: &'a [Frame],
     time_us: u64,
+    /// The program's memory metadata when the entry was recorded (`_set_memory_metadata`).
+    user_metadata: &'a str,
+    /// The record's time on the trace's clock.
+    #[serde(skip)]
+    t: u64,
     /// An allocation's category (on `alloc` entries, as `_memory_viz.profile_plot` writes it).
     #[serde(skip_serializing_if = "Option::is_none")]
     category: Option<&'static str>,
@@ -182,6 +193,8 @@ fn entries<'a>(
         stream,
         frames,
         time_us: (wall_base_ns + t) / 1000,
+        user_metadata: "",
+        t,
         category: None,
     };
     match record {
@@ -231,6 +244,8 @@ fn entries<'a>(
                 stream: 0,
                 frames,
                 time_us: (wall_base_ns + o.t) / 1000,
+                user_metadata: "",
+                t: o.t,
                 category: None,
             },
         )],
@@ -250,10 +265,10 @@ fn segments<'a>(
     expandable: bool,
 ) -> Vec<Segment<'a>> {
     let frames_of = |stack: u32| frames.get(&stack).map_or(NO_FRAMES, Vec::as_slice);
-    let inactive = |address, size| Block {
+    let inactive = |device, address, size| Block {
         address,
         size,
-        requested_size: 0,
+        requested_size: shown.requested_of_free(device, address, address + size),
         state: "inactive",
         frames: NO_FRAMES,
         category: None,
@@ -267,7 +282,7 @@ fn segments<'a>(
         let end = seg.address + seg.size;
         for b in ordered.range(seg.device, seg.address, end) {
             if b.address > cursor {
-                blocks.push(inactive(cursor, b.address - cursor));
+                blocks.push(inactive(seg.device, cursor, b.address - cursor));
             }
             let block_state = if b.pending == 0 {
                 allocated += b.size;
@@ -299,7 +314,7 @@ fn segments<'a>(
             cursor = b.address + b.size;
         }
         if cursor < end {
-            blocks.push(inactive(cursor, end - cursor));
+            blocks.push(inactive(seg.device, cursor, end - cursor));
         }
         out.push(Segment {
             device: seg.device,
@@ -353,6 +368,7 @@ pub fn write(
     output: &Path,
     categories: Option<Outcome>,
     history: Cursor,
+    metadata: &[(u64, String)],
 ) -> Result<TraceWalk, Error> {
     let (walk, window) = walk_with_window(dir, index, events, history)?;
     // Categories need each block's whole life: a pass over the whole trace, only for traces
@@ -404,10 +420,11 @@ pub fn write(
     let frames = frame_lists(state, stacks);
     let mut traces: Vec<VecDeque<Entry<'_>>> = (0..device_count).map(|_| VecDeque::new()).collect();
     for (record, stack, ordinal, skipped) in &window.events {
-        for (device, entry) in entries(record, *stack, category_of(*ordinal), &frames, wall) {
+        for (device, mut entry) in entries(record, *stack, category_of(*ordinal), &frames, wall) {
             if skipped & history::action_bit(entry.action) != 0 {
                 continue;
             }
+            entry.user_metadata = metadata_at(metadata, entry.t);
             if let Some(t) = traces.get_mut(device as usize) {
                 t.push_back(entry);
                 if t.len() > events {
@@ -438,6 +455,29 @@ pub fn write(
     Ok(walk)
 }
 
+/// The metadata in force at `t`: the text of the last change at or before it.
+fn metadata_at(changes: &[(u64, String)], t: u64) -> &str {
+    match changes.partition_point(|(at, _)| *at <= t) {
+        0 => "",
+        i => &changes[i - 1].1,
+    }
+}
+
+/// `--metadata`'s file: `[[T, TEXT], …]`, sorted by time here (a program's calls come in order
+/// anyway).
+fn read_metadata(path: &Path) -> Result<Vec<(u64, String)>, Error> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::Message(format!("{}: {e}", path.display())))?;
+    let mut changes: Vec<(u64, String)> = serde_json::from_str(&text).map_err(|e| {
+        Error::Message(format!(
+            "{}: not a list of [time, text] pairs: {e}",
+            path.display()
+        ))
+    })?;
+    changes.sort_by_key(|(t, _)| *t);
+    Ok(changes)
+}
+
 /// A categories pass that keeps every allocation's category, and each device's peak.
 fn every_allocation() -> Plan {
     Plan {
@@ -455,6 +495,10 @@ pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
         Some(spec) => history::parse(spec)?,
         None => vec![],
     });
+    let metadata = match &args.metadata {
+        Some(path) => read_metadata(path)?,
+        None => vec![],
+    };
     let dir = one_trace(&args.trace)?;
     let (index, label, categories) = if args.when.at_peak {
         let outcome = categories::pass::run(
@@ -479,7 +523,7 @@ pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
         let (index, label) = resolve_when(&dir, &args.when)?;
         (index, label, None)
     };
-    let walk = write(&dir, index, events, output, categories, history)?;
+    let walk = write(&dir, index, events, output, categories, history, &metadata)?;
     let reserved: u64 = walk.state.segments.values().map(|s| s.size).sum();
     writeln!(
         out,

@@ -14,12 +14,14 @@
 //!   captures from the moment the program asks (`cachealloc_memory_history`).
 //! * `stacks="python"` leaves native frames out; `"all"` keeps them (when the trace has any).
 //! * `skip_actions` leaves the named actions (`alloc`, `free_requested`, …) out of the events
-//!   recorded while it is in force (and, for the program's first change, before it: events
-//!   before it are the recorder's beyond-PyTorch history).
+//!   recorded while it is in force.
 //!
 //! The Python integration passes each change with the trace's time at the call
-//! (`T:ENABLED:CONTEXT:STACKS[:SKIP]`, comma-separated; SKIP the skipped actions joined by `+`). Before the first change the snapshot shows
-//! everything, as with `context="all"` (the recorder's history is the beyond-PyTorch default).
+//! (`T:ENABLED:CONTEXT:STACKS[:SKIP]`, comma-separated; SKIP the skipped actions joined by
+//! `+`). Before the program's first change nothing shows, as natively, where no history was
+//! recorded then (events, and the stacks of blocks allocated before it): a program that turns
+//! its history on expects what came after. A program that never says anything gets the
+//! recorder's whole history, as with `context="all"` (the beyond-PyTorch default).
 
 use crate::Error;
 
@@ -88,7 +90,7 @@ pub fn action_bit(action: &str) -> u16 {
         .map_or(0, |i| 1 << i)
 }
 
-/// What a snapshot shows before the program's first change: everything.
+/// What a snapshot shows of a program that never changed its history settings: everything.
 const EVERYTHING: Settings = Settings {
     t: 0,
     enabled: Enabled::All,
@@ -178,14 +180,21 @@ pub struct Cursor {
 
 impl Cursor {
     /// A cursor over `changes` (empty: everything is shown, as without `--history`). Before
-    /// the first change everything is shown but the actions that change skips: a program that
-    /// asks to skip them never sees them.
+    /// the first change nothing is shown (see the module docs).
     pub fn new(changes: Vec<Settings>) -> Cursor {
-        let skip = changes.first().map_or(0, |c| c.skip);
+        let now = if changes.is_empty() {
+            EVERYTHING
+        } else {
+            Settings {
+                enabled: Enabled::Off,
+                context: Context::Off,
+                ..EVERYTHING
+            }
+        };
         Cursor {
             changes,
             next: 0,
-            now: Settings { skip, ..EVERYTHING },
+            now,
         }
     }
 
@@ -289,7 +298,11 @@ mod tests {
                 .unwrap(),
         );
         assert!(!c2.advance(5));
-        assert_eq!(c2.event_stack(EventKind::Alloc, 3, 0), 3);
+        assert!(
+            !c2.keeps_events(),
+            "before the program's first change, nothing was recorded"
+        );
+        assert_eq!(c2.block_stack(3), 0);
         assert!(!c2.advance(10));
         assert_eq!(c2.event_stack(EventKind::Alloc, 3, 0), 3 | PYTHON_ONLY);
         assert_eq!(
@@ -315,11 +328,6 @@ mod tests {
     fn skipped_actions_apply_while_in_force() {
         let mut c =
             Cursor::new(parse("10:all:all:all:free_requested+segment_map,20:all:all:all").unwrap());
-        assert_eq!(
-            c.skipped_actions(),
-            action_bit("free_requested") | action_bit("segment_map"),
-            "the first change's skipped actions are not shown before it either"
-        );
         c.advance(15);
         assert_eq!(
             c.skipped_actions(),

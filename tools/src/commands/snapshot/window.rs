@@ -2,7 +2,7 @@
 //! the stack its entry shows, and what each live block and segment was (its ordinal, its
 //! shown stack, a fixed segment or a mapped run).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::Path;
 
 use cachealloc_recorder::Record;
@@ -29,6 +29,21 @@ pub(super) struct Window {
     /// against runs mapped into expandable segments: under the default
     /// (`expandable_segments:stream_ordered`) a process has both.
     pub(super) fixed_segments: HashSet<(u32, u64)>,
+    /// Each address a block was freed at: when (the record's index) and the size its program
+    /// had requested. A free block shows the request of the last block freed inside it, as
+    /// PyTorch's merged free block keeps the freed block's (`requested_size` of an `inactive`
+    /// block).
+    pub(super) last_frees: BTreeMap<(u32, u64), (u64, u64)>,
+}
+
+impl Window {
+    /// The size requested by the block freed last inside `[address, end)` of `device` (0 if
+    /// none was).
+    pub(super) fn requested_of_free(&self, device: u32, address: u64, end: u64) -> u64 {
+        (self.last_frees.range((device, address)..(device, end)))
+            .max_by_key(|(_, (index, _))| *index)
+            .map_or(0, |(_, (_, requested))| *requested)
+    }
 }
 
 /// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
@@ -46,7 +61,10 @@ pub(super) fn walk_with_window(
         block_stacks: HashMap::new(),
         segment_stacks: HashMap::new(),
         fixed_segments: HashSet::new(),
+        last_frees: BTreeMap::new(),
     };
+    // The size requested of each live block, for `last_frees`.
+    let mut requested_of: HashMap<(u32, u64), u64> = HashMap::new();
     // Each live segment's allocation stack, for its release's entry.
     let mut segment_allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
     // The stack of each free not yet completed, for its `free_completed` entry.
@@ -73,6 +91,7 @@ pub(super) fn walk_with_window(
                 ordinal = allocs;
                 allocs += 1;
                 allocated_at.insert((a.device, a.address), a.stack);
+                requested_of.insert((a.device, a.address), a.requested);
                 window.ordinals.insert((a.device, a.address), Some(ordinal));
                 if history.given() {
                     let shown = history.block_stack(a.stack);
@@ -91,12 +110,18 @@ pub(super) fn walk_with_window(
                 Some(history.event_stack(EventKind::Free, f.stack, at.unwrap_or(0)))
             }
             Record::Free(f) => {
+                if let Some(requested) = requested_of.remove(&(f.device, f.address)) {
+                    (window.last_frees).insert((f.device, f.address), (step.index, requested));
+                }
                 window.ordinals.remove(&(f.device, f.address));
                 window.block_stacks.remove(&(f.device, f.address));
                 let at = allocated_at.remove(&(f.device, f.address));
                 Some(history.event_stack(EventKind::Free, f.stack, at.unwrap_or(0)))
             }
             Record::FreeCompleted(f) => {
+                if let Some(requested) = requested_of.remove(&(f.device, f.address)) {
+                    (window.last_frees).insert((f.device, f.address), (step.index, requested));
+                }
                 window.ordinals.remove(&(f.device, f.address));
                 window.block_stacks.remove(&(f.device, f.address));
                 let at = allocated_at.remove(&(f.device, f.address)).unwrap_or(0);

@@ -197,3 +197,11 @@ pub extern "C" fn cachealloc_memory_history(free_stacks: c_int, native_frames: c
         || 0,
     )
 }
+
+/// The trace's clock now (ns, the records' time base), so that the Python integration can tell
+/// `cachealloc snapshot --metadata` when the program's memory metadata changed
+/// (`torch.cuda.memory._set_memory_metadata`).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_trace_time() -> u64 {
+    guarded("cachealloc_trace_time", crate::trace::now, || 0)
+}
