@@ -276,6 +276,19 @@ def check_history_settings(torch, glob):
     if "state_alloc" not in blocks or "should_capture1" not in blocks:
         fail("context='state' lost the stacks of live blocks")
 
+    # PyTorch's test_memory_plots_free_stack with context="state": a segment none of whose
+    # blocks is live shows no stack (PyTorch's segments do not keep it).
+    def segment_then_free():
+        p = ctypes.c_void_p()
+        # Larger than any segment cached so far: a new one.
+        if glob.cudaMalloc(ctypes.byref(p), 410 << 20) != 0:
+            fail("cudaMalloc of a new segment failed")
+        glob.cudaFree(p)
+
+    segment_then_free()
+    if "segment_then_free" in json.dumps(torch._C._cuda_memorySnapshot(None)):
+        fail("a cached segment with no live block shows the stack that allocated it")
+
     def with_cpp_frames():
         return malloc()
 

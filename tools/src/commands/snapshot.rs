@@ -327,13 +327,19 @@ fn segments<'a>(
             segment_type: cachealloc_recorder::schema::pool_name(seg.pool),
             segment_pool_id: (0, 0),
             is_expandable: expandable && !shown.fixed_segments.contains(&(seg.device, seg.address)),
-            frames: frames_of(
-                shown
-                    .segment_stacks
-                    .get(&(seg.device, seg.address))
-                    .copied()
-                    .unwrap_or(seg.stack),
-            ),
+            // PyTorch's snapshot shows a segment's allocation stack only while it holds a
+            // live block; so does this one when the program gave its history settings.
+            frames: if active == 0 && shown.history_given {
+                NO_FRAMES
+            } else {
+                frames_of(
+                    shown
+                        .segment_stacks
+                        .get(&(seg.device, seg.address))
+                        .copied()
+                        .unwrap_or(seg.stack),
+                )
+            },
             blocks,
         });
     }

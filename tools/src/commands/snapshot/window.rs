@@ -34,6 +34,9 @@ pub(super) struct Window {
     /// PyTorch's merged free block keeps the freed block's (`requested_size` of an `inactive`
     /// block).
     pub(super) last_frees: BTreeMap<(u32, u64), (u64, u64)>,
+    /// Whether the program gave its history settings: a segment with no live block then shows
+    /// no stack, as PyTorch's do.
+    pub(super) history_given: bool,
 }
 
 impl Window {
@@ -62,6 +65,7 @@ pub(super) fn walk_with_window(
         segment_stacks: HashMap::new(),
         fixed_segments: HashSet::new(),
         last_frees: BTreeMap::new(),
+        history_given: history.given(),
     };
     // The size requested of each live block, for `last_frees`.
     let mut requested_of: HashMap<(u32, u64), u64> = HashMap::new();
@@ -141,7 +145,13 @@ pub(super) fn walk_with_window(
                 segment_allocated_at.insert((s.device, s.address), s.stack);
                 None
             }
-            Record::SegmentMap(s) => Some(history.event_stack(EventKind::Alloc, s.stack, 0)),
+            Record::SegmentMap(s) => {
+                if history.given() {
+                    let shown = history.block_stack(s.stack);
+                    window.segment_stacks.insert((s.device, s.address), shown);
+                }
+                Some(history.event_stack(EventKind::Alloc, s.stack, 0))
+            }
             Record::SegmentFree(s) => {
                 window.segment_stacks.remove(&(s.device, s.address));
                 window.fixed_segments.remove(&(s.device, s.address));
