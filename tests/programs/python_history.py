@@ -1,0 +1,208 @@
+"""PyTorch's memory-history settings as `_snapshot()` shows them under the shim, part of
+python_integration.py (which calls `check_history_settings` with its stand-in torch and the
+runtime's library): what PyTorch's own tests (test_memory_plots_*, the snapshot tests) check of
+the settings, of `skip_actions` and of `_set_memory_metadata`."""
+import ctypes
+import sys
+
+
+def fail(why):
+    print(f"FAIL: {why}")
+    sys.exit(1)
+
+
+def check_history_settings(torch, glob):
+    """What `_record_memory_history`'s settings keep in `_snapshot()`, as PyTorch's own tests
+    (test_memory_plots_*) check them: no stacks with context=None, free stacks only with
+    context="all", the history cleared by enabled=None, no events with enabled="state"."""
+    import json
+
+    record = torch._C._cuda_record_memory_history
+
+    def malloc():
+        p = ctypes.c_void_p()
+        if glob.cudaMalloc(ctypes.byref(p), 4096) != 0:
+            fail("cudaMalloc failed")
+        return p
+
+    def should_capture1():
+        return malloc()
+
+    def should_not_capture():
+        return malloc()
+
+    def should_capture2():
+        return malloc()
+
+    def thefree(p):
+        glob.cudaFree(p)
+
+    def snapshot_text(part):
+        return json.dumps(torch._C._cuda_memorySnapshot(None)[part])
+
+    # PyTorch's test_memory_plots_free_stack, with its default stacks="all".
+    for context in ("alloc", "all", "state"):
+        record("all", context, "all", 1000)
+
+        def thealloc_torch():
+            return malloc()
+
+        def thefree_torch(p):
+            glob.cudaFree(p)
+
+        thefree_torch(thealloc_torch())
+        text_all = json.dumps(torch._C._cuda_memorySnapshot(None))
+        if ("thefree_torch" in text_all) != (context == "all") or (
+            "thealloc_torch" in text_all
+        ) != (context != "state"):
+            fail(f"test_memory_plots_free_stack with context={context}: {text_all}")
+        record(None, None, "all", 1000)
+
+    record("all", "all", "python", 1000)
+    kept = should_capture1()
+    record("all", None, "python", 1000)
+    hidden = should_not_capture()
+    record("all", "all", "python", 1000)
+    also_kept = should_capture2()
+    thefree(hidden)
+    traces = snapshot_text("device_traces")
+    for name, shown in (("should_capture1", True), ("should_not_capture", False),
+                        ("should_capture2", True), ("thefree", True)):
+        if (name in traces) != shown:
+            fail(f"with the settings of PyTorch's test_memory_plots_history_context, "
+                 f"{name} {'is missing from' if shown else 'is in'} the history")
+
+    def thealloc():
+        return malloc()
+
+    def thefree_alloc_context(p):
+        glob.cudaFree(p)
+
+    record(None, None, "python", 1000)
+    record("all", "alloc", "python", 1000)
+    thefree_alloc_context(thealloc())
+    traces = snapshot_text("device_traces")
+    if "should_capture1" in traces or "thealloc" not in traces or "thefree_alloc_context" in traces:
+        fail(f"enabled=None did not clear the history, or context='alloc' kept a free stack: {traces}")
+
+    def segment_without_context():
+        p = ctypes.c_void_p()
+        if glob.cudaMalloc(ctypes.byref(p), 320 << 20) != 0:
+            fail("cudaMalloc of a new segment failed")
+        return p
+
+    # PyTorch's test_memory_snapshot_skip_actions: the skipped actions are left out of the
+    # events recorded while the setting is in force, the others stay.
+    record(None, None, "python", 1000)
+    record("all", "all", "python", 1000, False, False, False, ["free_requested", "free_completed"])
+    glob.cudaFree(malloc())
+    actions = {e["action"] for t in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in t}
+    if "alloc" not in actions or actions & {"free_requested", "free_completed"}:
+        fail(f"skip_actions=['free_requested', 'free_completed'] left the actions {actions}")
+    try:
+        record("all", "all", "python", 1000, False, False, False, ["frees"])
+        fail("an unknown action in skip_actions was accepted")
+    except RuntimeError as e:
+        if "free_requested" not in str(e):
+            fail(f"the refusal of an unknown action does not name the valid ones: {e}")
+
+    # PyTorch's test_memory_plots_metadata: the events recorded while the program's memory
+    # metadata is set carry it as user_metadata; those after it is cleared carry "".
+    record(None, None, "python", 1000)
+    torch._C._cuda_setMemoryMetadata("metadata test")
+    record("all", "alloc", "python", 1000)
+    glob.cudaFree(malloc())
+    torch._C._cuda_setMemoryMetadata("")
+    if torch._C._cuda_getMemoryMetadata() != "":
+        fail("_cuda_getMemoryMetadata does not answer what was set last")
+    events = [e for t in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in t]
+    if not events or any(e.get("user_metadata") != "metadata test" for e in events):
+        fail(f"events recorded under metadata lack it: {[e.get('user_metadata') for e in events]}")
+    glob.cudaFree(malloc())
+    events = [e for t in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in t]
+    if events[-1].get("user_metadata") != "":
+        fail(f"an event after the metadata was cleared carries {events[-1].get('user_metadata')!r}")
+
+    # PyTorch's test_memory_plots: a free block shows the size requested of the block freed
+    # last inside it, as PyTorch's merged free block keeps the freed one's.
+    record(None, None, "python", 1000)
+    record("all", "all", "python", 1000)
+    odd = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(odd), 12345) != 0:
+        fail("cudaMalloc of 12345 bytes failed")
+    glob.cudaFree(odd)
+    free_blocks = [b for seg in torch._C._cuda_memorySnapshot(None)["segments"] for b in seg["blocks"]
+                   if b["state"] == "inactive" and b["address"] <= odd.value < b["address"] + b["size"]]
+    if [b["requested_size"] for b in free_blocks] != [12345]:
+        fail(f"the free block holding a freed 12345-byte request shows {free_blocks}")
+
+    # PyTorch's test_memory_plots with context=None: no stack anywhere, segments' included.
+    record(None, None, "python", 1000)
+    record("all", None, "python", 1000)
+    big = segment_without_context()
+    if "segment_without_context" in json.dumps(torch._C._cuda_memorySnapshot(None)):
+        fail("context=None showed the stack of a segment allocated meanwhile")
+    glob.cudaFree(big)
+
+    def state_alloc():
+        return malloc()
+
+    record("state", "state", "python", 1000)
+    live = state_alloc()
+    snapshot = torch._C._cuda_memorySnapshot(None)
+    if any(snapshot["device_traces"]):
+        fail("enabled='state' kept events")
+    blocks = json.dumps(snapshot["segments"])
+    if "state_alloc" not in blocks or "should_capture1" not in blocks:
+        fail("context='state' lost the stacks of live blocks")
+
+    # PyTorch's test_memory_plots_free_stack with context="state": a segment none of whose
+    # blocks is live shows no stack (PyTorch's segments do not keep it).
+    def segment_then_free():
+        p = ctypes.c_void_p()
+        # Larger than any segment cached so far: a new one.
+        if glob.cudaMalloc(ctypes.byref(p), 410 << 20) != 0:
+            fail("cudaMalloc of a new segment failed")
+        glob.cudaFree(p)
+
+    segment_then_free()
+    if "segment_then_free" in json.dumps(torch._C._cuda_memorySnapshot(None)):
+        fail("a cached segment with no live block shows the stack that allocated it")
+
+    def with_cpp_frames():
+        return malloc()
+
+    def python_frames_only():
+        return malloc()
+
+    def native_frames(name):
+        entries = [e for trace in torch._C._cuda_memorySnapshot(None)["device_traces"]
+                   for e in trace if e["action"] == "alloc"
+                   and any(f["name"].endswith(name) for f in e["frames"])]
+        if len(entries) != 1:
+            fail(f"no single alloc entry of {name}: {entries}")
+        return [f for f in entries[0]["frames"] if not f["filename"].endswith(".py")]
+
+    record("all", "alloc", "all", 1000)
+    cpp = with_cpp_frames()
+    if not native_frames("with_cpp_frames"):
+        fail("stacks='all' recorded no native frames")
+    record("all", "alloc", "python", 1000)
+    python_only = python_frames_only()
+    if native_frames("python_frames_only"):
+        fail("stacks='python' showed native frames")
+    glob.cudaFree(cpp)
+    glob.cudaFree(python_only)
+
+    def empty_cache():
+        glob.cachealloc_empty_cache()
+
+    record("all", "all", "python", 1000)
+    for p in (kept, also_kept, live):
+        glob.cudaFree(p)
+    empty_cache()
+    frees = [e for trace in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in trace
+             if e["action"] == "segment_free"]
+    if not frees or not any(f["name"].endswith("empty_cache") for e in frees for f in e["frames"]):
+        fail(f"empty_cache's segment frees have not its stack with context='all': {frees}")
+    record(None, None, "python", 1000)
