@@ -250,8 +250,7 @@ pub struct Stats {
     pub num_device_alloc: u64,
     /// Segment releases made on the device.
     pub num_device_free: u64,
-    /// Times the allocator blocked waiting for the device: for a reuse fence, or before
-    /// unmapping memory that kernels may still use.
+    /// Times an allocation blocked waiting for a reuse fence.
     pub num_fence_waits: u64,
     /// Requests served from cached blocks (no device allocation).
     pub num_cache_hits: u64,

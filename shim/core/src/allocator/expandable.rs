@@ -175,9 +175,6 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             });
         }
         let wait = pools.unmapping_needs_wait(&taken, &self.device);
-        if wait {
-            pools.stats.num_fence_waits += 1;
-        }
         let (results, mut pools) = self.unlocked(pools, || {
             // See Note [Unmapping without a wait]: idle memory needs no wait, the rest one.
             let waited = if wait {
