@@ -8,15 +8,21 @@ use cachealloc_core::sim::FenceMode;
 use crate::common::{Checked, GRANULARITY, MIB};
 use crate::expandable::{driver_calls, expandable, reserved};
 
+/// Expandable segments on a device whose fences complete only when told to (so that memory
+/// stays "maybe in use") and that cannot move memory (so that recycling unmaps).
+fn manual_fences_without_moves() -> Checked {
+    let device =
+        SimDevice::with_fence_mode(1 << 30, FenceMode::Manual).with_map_granularity(GRANULARITY);
+    device.set_aliasing(false);
+    Checked::on(device, expandable())
+}
+
 /// Note [Unmapping without a wait]: an unmap waits for the device only when the memory became
 /// free after the stamp of the range's last completed idle fence. (Recycling unmaps here: the
 /// device cannot move memory.)
 #[test]
 fn unmapping_waits_for_the_device_only_when_the_memory_may_be_in_use() {
-    let device =
-        SimDevice::with_fence_mode(1 << 30, FenceMode::Manual).with_map_granularity(GRANULARITY);
-    device.set_aliasing(false);
-    let c = Checked::on(device, expandable());
+    let c = manual_fences_without_moves();
     let synchronizes = || c.device().counters().synchronizes;
     let a = c.malloc(4 * MIB); // maps: the range's idle fence, stamped before any free
     c.malloc(4 * MIB);
@@ -58,10 +64,7 @@ fn unmapping_waits_for_the_device_only_when_the_memory_may_be_in_use() {
 /// passes the old peak. Once idle, such memory is recycled by an unmap, still without a wait.
 #[test]
 fn recycling_leaves_memory_that_may_be_in_use_mapped_rather_than_wait() {
-    let device =
-        SimDevice::with_fence_mode(1 << 30, FenceMode::Manual).with_map_granularity(GRANULARITY);
-    device.set_aliasing(false);
-    let c = Checked::on(device, expandable());
+    let c = manual_fences_without_moves();
     let synchronizes = || c.device().counters().synchronizes;
     c.malloc(8 * MIB); // maps: the range's idle fence, stamped before any free
     let b = c.malloc(8 * MIB);
