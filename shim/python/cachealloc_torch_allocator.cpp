@@ -43,6 +43,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -121,6 +122,62 @@ struct Usage {
 };
 
 void raw_delete_fn(void* ptr);
+
+// Note [Compile regions]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// `_record_memory_history(compile_context=True)` makes PyTorch tell the allocator when a
+// thread enters and leaves a region that `torch.compile` made ("Torch-Compiled Region: 0/0"),
+// and PyTorch's snapshot names, on each entry of `device_traces`, the region its thread was in
+// ("N/A" outside any). The entries here come from the library's trace, which knows no regions,
+// so the allocator keeps each change (the trace's time, the region now innermost) and the
+// Python integration hands them to `cachealloc snapshot --compile-context`, which names each
+// entry by the change in force at its time. By time, not by thread: an allocation another
+// thread makes while a compiled region runs is named by that region (PyTorch's stack is the
+// thread's own). The last `kKeptChanges` changes are kept: a program that calls compiled
+// code for ever does not grow the allocator.
+constexpr const char* kNoCompileRegion = "N/A";
+
+std::vector<std::string>& compile_stack() {
+  thread_local std::vector<std::string> stack;
+  return stack;
+}
+
+struct CompileRegions {
+  static constexpr size_t kKeptChanges = 1 << 16;
+
+  void change(const std::string& region) {
+    static auto now = reinterpret_cast<uint64_t (*)()>(dlsym(RTLD_DEFAULT, "cachealloc_trace_time"));
+    if (now == nullptr) {
+      return;
+    }
+    uint64_t t = now();
+    std::lock_guard<std::mutex> lock(mutex);
+    if (changes.size() >= kKeptChanges) {
+      changes.erase(changes.begin(), changes.begin() + kKeptChanges / 2);
+    }
+    changes.emplace_back(t, region);
+  }
+
+  // "TIME\tREGION\n" per change (tabs and newlines in a name become spaces).
+  std::string text() {
+    std::lock_guard<std::mutex> lock(mutex);
+    std::string out;
+    for (const auto& [t, region] : changes) {
+      out += std::to_string(t);
+      out += '\t';
+      for (char c : region) {
+        out += (c == '\t' || c == '\n') ? ' ' : c;
+      }
+      out += '\n';
+    }
+    return out;
+  }
+
+  std::mutex mutex;
+  std::vector<std::pair<uint64_t, std::string>> changes;
+};
+
+CompileRegions compile_regions;
 
 class Allocator final : public CUDAAllocator {
  public:
@@ -337,6 +394,22 @@ class Allocator final : public CUDAAllocator {
     return false;
   }
 
+  // PyTorch's record-function callbacks, installed by `_record_memory_history(...,
+  // compile_context=True)`, name the compiled region a thread enters and leaves (Note
+  // [Compile regions]).
+  void pushCompileContext(std::string& region) override {
+    compile_stack().push_back(region);
+    compile_regions.change(region);
+  }
+
+  void popCompileContext() override {
+    auto& stack = compile_stack();
+    if (!stack.empty()) {
+      stack.pop_back();
+    }
+    compile_regions.change(stack.empty() ? std::string(kNoCompileRegion) : stack.back());
+  }
+
   void recordHistory(bool, CreateContextFn, size_t, RecordContext, bool, const std::vector<std::string>&) override {}
 
   // Observers attach in Python (`_cuda_attach_out_of_memory_observer`).
@@ -496,6 +569,16 @@ void raw_delete_fn(void* ptr) {
 }
 
 }  // namespace cachealloc_torch
+
+// The compiled regions' changes (Note [Compile regions]) as "TIME\tREGION\n" lines: copies
+// at most `capacity` bytes into `out` and returns the text's whole length.
+extern "C" __attribute__((visibility("default"))) size_t cachealloc_torch_compile_regions(char* out, size_t capacity) {
+  std::string text = cachealloc_torch::compile_regions.text();
+  if (out != nullptr) {
+    std::memcpy(out, text.data(), std::min(capacity, text.size()));
+  }
+  return text.size();
+}
 
 // Install the allocator as PyTorch's CUDA allocator, answering `name` (a NUL-terminated string)
 // as the backend's name. Returns 0 when installed; 1 when PyTorch's allocator is already in use

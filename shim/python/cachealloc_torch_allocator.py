@@ -28,10 +28,32 @@ SOURCE = "cachealloc_torch_allocator.cpp"
 
 #: Whether the allocator was installed in this process.
 _installed = False
+#: The loaded allocator library (ctypes), once installed.
+_library = None
 
 
 def installed():
     return _installed
+
+
+def compile_regions():
+    """The compiled regions the program's threads entered and left while PyTorch told the
+    allocator (`_record_memory_history(compile_context=True)`): `[(trace time, innermost
+    region or "N/A"), …]` in order (Note [Compile regions]); empty without the allocator."""
+    if _library is None:
+        return []
+    get = _library.cachealloc_torch_compile_regions
+    get.restype = ctypes.c_size_t
+    get.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    size = get(None, 0)
+    buffer = ctypes.create_string_buffer(size + 1)
+    size = min(get(buffer, size), size)
+    changes = []
+    for line in buffer.raw[:size].decode("utf-8", "replace").splitlines():
+        t, _, region = line.partition("\t")
+        if t.isdigit():
+            changes.append((int(t), region))
+    return changes
 
 
 def wanted():
@@ -170,7 +192,7 @@ def _take_backend_out_of_settings():
 def install():
     """Build, load and install the allocator (see the module's docs). Called when `torch.cuda`
     has been imported; never raises."""
-    global _installed
+    global _installed, _library
     if _installed or not wanted():
         return
     torch_c = sys.modules.get("torch._C")
@@ -189,6 +211,7 @@ def install():
         return
     if code == 0:
         _installed = True
+        _library = library
         if chosen_by_shim:
             _take_backend_out_of_settings()
         say("installed its allocator for PyTorch (CUDA graph trees served)")

@@ -123,6 +123,35 @@ def check_history_settings(torch, glob):
     if events[-1].get("user_metadata") != "":
         fail(f"an event after the metadata was cleared carries {events[-1].get('user_metadata')!r}")
 
+    # PyTorch's test_memory_compile_regions: each entry names the compiled region it was
+    # recorded in ("N/A" outside any). The C++ allocator for PyTorch keeps the regions
+    # PyTorch tells it; here (no C++ allocator) its list is stood in, with the trace's times.
+    import cachealloc_torch_allocator
+
+    now = glob.cachealloc_trace_time
+    now.restype = ctypes.c_uint64
+    record(None, None, "python", 1000)
+    record("all", "all", "python", 1000, False, True)  # compile_context=True
+    outside = malloc()
+    regions = [(now(), "Torch-Compiled Region: 0/0")]
+    inside = malloc()
+    regions.append((now(), "N/A"))
+    after_region = malloc()
+    told = cachealloc_torch_allocator.compile_regions
+    cachealloc_torch_allocator.compile_regions = lambda: regions
+    try:
+        entries = [e for t in torch._C._cuda_memorySnapshot(None)["device_traces"] for e in t]
+    finally:
+        cachealloc_torch_allocator.compile_regions = told
+    named = {e["addr"]: e.get("compile_context") for e in entries if e["action"] == "alloc"}
+    expected = {outside.value: "N/A", inside.value: "Torch-Compiled Region: 0/0", after_region.value: "N/A"}
+    if any(named.get(addr) != region for addr, region in expected.items()):
+        fail(f"compile_context of the allocations: {named}, expected {expected}")
+    if any("compile_context" not in e for e in entries):
+        fail("an entry lacks compile_context (PyTorch writes it on every entry)")
+    for p in (outside, inside, after_region):
+        glob.cudaFree(p)
+
     # PyTorch's test_memory_plots: a free block shows the size requested of the block freed
     # last inside it, as PyTorch's merged free block keeps the freed one's.
     record(None, None, "python", 1000)

@@ -35,9 +35,11 @@ use crate::progress::Progress;
 use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
 use history::{Cursor, PYTHON_ONLY};
+use texts::{EntryTexts, NO_COMPILE_CONTEXT, TextOverTime};
 use window::{Window, walk_with_window};
 
 mod history;
+mod texts;
 mod window;
 
 /// `cachealloc snapshot`'s arguments.
@@ -64,6 +66,12 @@ pub struct SnapshotArgs {
     /// `user_metadata` (empty before the first).
     #[arg(long)]
     pub metadata: Option<PathBuf>,
+    /// The compiled regions the program ran in over time (`_record_memory_history(…,
+    /// compile_context=True)`): a JSON file of `[T, REGION]` in time order (the Python
+    /// integration writes it). Each entry of `device_traces` gets the region in force at its
+    /// time as `compile_context` (`N/A` outside any).
+    #[arg(long)]
+    pub compile_context: Option<PathBuf>,
 }
 
 /// One frame, as PyTorch writes it.
@@ -146,6 +154,8 @@ struct Entry<'a> {
     time_us: u64,
     /// The program's memory metadata when the entry was recorded (`_set_memory_metadata`).
     user_metadata: &'a str,
+    /// The compiled region the program was in (`N/A` outside any; `--compile-context`).
+    compile_context: &'a str,
     /// The record's time on the trace's clock.
     #[serde(skip)]
     t: u64,
@@ -194,6 +204,7 @@ fn entries<'a>(
         frames,
         time_us: (wall_base_ns + t) / 1000,
         user_metadata: "",
+        compile_context: NO_COMPILE_CONTEXT,
         t,
         category: None,
     };
@@ -245,6 +256,7 @@ fn entries<'a>(
                 frames,
                 time_us: (wall_base_ns + o.t) / 1000,
                 user_metadata: "",
+                compile_context: NO_COMPILE_CONTEXT,
                 t: o.t,
                 category: None,
             },
@@ -374,7 +386,7 @@ pub fn write(
     output: &Path,
     categories: Option<Outcome>,
     history: Cursor,
-    metadata: &[(u64, String)],
+    texts: &EntryTexts,
 ) -> Result<TraceWalk, Error> {
     let (walk, window) = walk_with_window(dir, index, events, history)?;
     // Categories need each block's whole life: a pass over the whole trace, only for traces
@@ -430,7 +442,8 @@ pub fn write(
             if skipped & history::action_bit(entry.action) != 0 {
                 continue;
             }
-            entry.user_metadata = metadata_at(metadata, entry.t);
+            entry.user_metadata = texts.metadata.at(entry.t);
+            entry.compile_context = texts.compile_context.at(entry.t);
             if let Some(t) = traces.get_mut(device as usize) {
                 t.push_back(entry);
                 if t.len() > events {
@@ -461,29 +474,6 @@ pub fn write(
     Ok(walk)
 }
 
-/// The metadata in force at `t`: the text of the last change at or before it.
-fn metadata_at(changes: &[(u64, String)], t: u64) -> &str {
-    match changes.partition_point(|(at, _)| *at <= t) {
-        0 => "",
-        i => &changes[i - 1].1,
-    }
-}
-
-/// `--metadata`'s file: `[[T, TEXT], …]`, sorted by time here (a program's calls come in order
-/// anyway).
-fn read_metadata(path: &Path) -> Result<Vec<(u64, String)>, Error> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::Message(format!("{}: {e}", path.display())))?;
-    let mut changes: Vec<(u64, String)> = serde_json::from_str(&text).map_err(|e| {
-        Error::Message(format!(
-            "{}: not a list of [time, text] pairs: {e}",
-            path.display()
-        ))
-    })?;
-    changes.sort_by_key(|(t, _)| *t);
-    Ok(changes)
-}
-
 /// A categories pass that keeps every allocation's category, and each device's peak.
 fn every_allocation() -> Plan {
     Plan {
@@ -501,10 +491,13 @@ pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
         Some(spec) => history::parse(spec)?,
         None => vec![],
     });
-    let metadata = match &args.metadata {
-        Some(path) => read_metadata(path)?,
-        None => vec![],
-    };
+    let mut texts = EntryTexts::default();
+    if let Some(path) = &args.metadata {
+        texts.metadata = TextOverTime::read(path, "")?;
+    }
+    if let Some(path) = &args.compile_context {
+        texts.compile_context = TextOverTime::read(path, NO_COMPILE_CONTEXT)?;
+    }
     let dir = one_trace(&args.trace)?;
     let (index, label, categories) = if args.when.at_peak {
         let outcome = categories::pass::run(
@@ -529,7 +522,7 @@ pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
         let (index, label) = resolve_when(&dir, &args.when)?;
         (index, label, None)
     };
-    let walk = write(&dir, index, events, output, categories, history, &metadata)?;
+    let walk = write(&dir, index, events, output, categories, history, &texts)?;
     let reserved: u64 = walk.state.segments.values().map(|s| s.size).sum();
     writeln!(
         out,
