@@ -13,6 +13,8 @@ one line each (`graph_trees check=NAME ok=BOOL ...`), then `graph_trees label=L 
   live        an output of a replay kept across later replays is not overwritten while held
               (cloned values compared), and the pool's live blocks match graph trees' own
               accounting (`check_memory_pool`)
+  frames      a graph break inside a module: Dynamo compiles as many frames with the shim's
+              module wrappers (memory by category) as without them
 """
 import os
 import sys
@@ -28,6 +30,41 @@ results = []
 def check(name, ok, detail=""):
     results.append(bool(ok))
     print(f"graph_trees check={name} ok={bool(ok)} {detail}".rstrip(), flush=True)
+
+
+def check_compiled_frames(x):
+    """A graph break inside a module: Dynamo compiles as many frames with the shim's module
+    wrappers (memory by category) as without them (`cachealloc_categories.enable(False)`;
+    natively both runs are PyTorch's own)."""
+    from torch._dynamo.utils import counters
+
+    class Branching(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(x.shape[1], 16, device=x.device)
+            self.second = torch.nn.Linear(16, 16, device=x.device)
+
+        def forward(self, inp):
+            y = self.first(inp)
+            y = y + 1 if y.sum() > 0 else y - 1  # data-dependent: a graph break
+            return self.second(y)
+
+    model = Branching()
+
+    def frames():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(model, backend="eager")(x)
+        return counters["frames"]["ok"]
+
+    categories = sys.modules.get("cachealloc_categories")
+    with_wrappers = frames()
+    if categories is not None:
+        categories.enable(False)
+    without = frames()
+    if categories is not None:
+        categories.enable(True)
+    check("frames", with_wrappers == without, f"frames={with_wrappers} without_wrappers={without}")
 
 
 def main():
@@ -116,6 +153,8 @@ def main():
     del other, again
     ok = torch.equal(held, held_value)
     check("live", ok)
+
+    check_compiled_frames(x)
 
     passed = sum(results)
     print(f"graph_trees label={label} passed={passed}/{len(results)}", flush=True)
