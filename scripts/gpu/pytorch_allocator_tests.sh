@@ -9,9 +9,10 @@
 # fraction, record_stream, graph, cublas_workspace, caching, allocator, empty_cache, snapshot,
 # mem_get_info, expandable), not host (pinned) memory; SELECT=EXPR replaces that pytest -k
 # expression. Writes $OUT/pytorch_tests.tsv (test, native, shim) and prints the table's counts
-# last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (150 s). The whole run
-# stops after DEADLINE seconds (520), so that it fits one device command; the table then has
-# what finished.
+# last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (150 s). Tests PyTorch
+# marks serial (they read the whole device's memory) run one at a time after the rest. The
+# whole run stops after DEADLINE seconds (520), so that it fits one device command; the table
+# then has what finished.
 set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
@@ -50,8 +51,17 @@ one() {
 }
 export -f one
 export LIB OUT
-while read -r id; do printf '%s native\n%s shim\n' "$id" "$id"; done < "$OUT/selected.txt" \
+# PyTorch's @serialTest() tests (pytest mark "serial") measure the whole device
+# (`mem_get_info`): they run one at a time after the others, with nothing else on the GPU.
+python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
+    | grep '::' > "$OUT/serial.txt"
+pairs() { while read -r id; do printf '%s native\n%s shim\n' "$id" "$id"; done; }
+start=$SECONDS
+grep -vxFf "$OUT/serial.txt" "$OUT/selected.txt" | pairs \
     | timeout "${DEADLINE:-520}" xargs -P "$JOBS" -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
+left=$(( ${DEADLINE:-520} - (SECONDS - start) ))
+[ "$left" -gt 0 ] && pairs < "$OUT/serial.txt" \
+    | timeout "$left" xargs -P 1 -L 1 bash -c 'one "$0" "$1"' >> "$OUT/raw.tsv"
 python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" <<'PY'
 import collections, sys
 rows = collections.defaultdict(dict)
