@@ -18,7 +18,7 @@ use cachealloc_recorder::schema::SegmentState;
 use cachealloc_recorder::{Record, schema, spans};
 
 use cachealloc_core::sizes::PoolKind;
-use cachealloc_core::stats::{Counter, StatKind, Stats};
+use cachealloc_core::stats::{Counter, StatAt, StatKind, Stats};
 
 use crate::walk::Step;
 
@@ -77,6 +77,15 @@ fn segment(address: u64, size: u64, pool: u8) -> SegmentState {
     }
 }
 
+/// Where a change is counted: the whole allocator's statistics (what `cachealloc stats`
+/// shows); the stream-ordered view PyTorch is given is not replayed here.
+fn whole(pool: PoolKind) -> StatAt {
+    StatAt {
+        pool,
+        stream_ordered: false,
+    }
+}
+
 impl DeviceStats {
     fn pool_of(&self, address: u64) -> PoolKind {
         self.segments
@@ -98,12 +107,12 @@ impl DeviceStats {
             },
         );
         let s = &mut self.stats;
-        s.active.increase(pool, 1);
-        s.active_bytes.increase(pool, size);
-        s.requested_bytes.increase(pool, requested);
+        s.active.increase(whole(pool), 1);
+        s.active_bytes.increase(whole(pool), size);
+        s.requested_bytes.increase(whole(pool), requested);
         if !pending {
-            s.allocated_bytes.increase(pool, size);
-            s.allocation.increase(pool, 1);
+            s.allocated_bytes.increase(whole(pool), size);
+            s.allocation.increase(whole(pool), 1);
         }
     }
 
@@ -112,33 +121,37 @@ impl DeviceStats {
             && !b.pending
         {
             b.pending = true;
-            self.stats.allocated_bytes.decrease(b.pool, b.size);
-            self.stats.allocation.decrease(b.pool, 1);
+            self.stats.allocated_bytes.decrease(whole(b.pool), b.size);
+            self.stats.allocation.decrease(whole(b.pool), 1);
         }
     }
 
     fn free_completed(&mut self, address: u64) {
         self.free_requested(address);
         if let Some(b) = self.blocks.remove(&address) {
-            self.stats.active.decrease(b.pool, 1);
-            self.stats.active_bytes.decrease(b.pool, b.size);
-            self.stats.requested_bytes.decrease(b.pool, b.requested);
+            self.stats.active.decrease(whole(b.pool), 1);
+            self.stats.active_bytes.decrease(whole(b.pool), b.size);
+            self.stats
+                .requested_bytes
+                .decrease(whole(b.pool), b.requested);
         }
     }
 
     fn segment(&mut self, address: u64, size: u64, pool: u8) {
         let seg = segment(address, size, pool);
         self.segments.insert(address, seg);
-        self.stats.reserved_bytes.increase(pool_kind(pool), size);
-        self.stats.segment.increase(pool_kind(pool), 1);
+        self.stats
+            .reserved_bytes
+            .increase(whole(pool_kind(pool)), size);
+        self.stats.segment.increase(whole(pool_kind(pool)), 1);
     }
 
     fn segment_free(&mut self, address: u64) {
         if let Some(seg) = self.segments.remove(&address) {
             self.stats
                 .reserved_bytes
-                .decrease(pool_kind(seg.pool), seg.size);
-            self.stats.segment.decrease(pool_kind(seg.pool), 1);
+                .decrease(whole(pool_kind(seg.pool)), seg.size);
+            self.stats.segment.decrease(whole(pool_kind(seg.pool)), 1);
         }
     }
 
@@ -146,14 +159,16 @@ impl DeviceStats {
     /// PyTorch counts expandable segments).
     fn segment_map(&mut self, address: u64, size: u64, pool: u8) {
         spans::map(&mut self.segments, |a| a, segment(address, size, pool));
-        self.stats.reserved_bytes.increase(pool_kind(pool), size);
+        self.stats
+            .reserved_bytes
+            .increase(whole(pool_kind(pool)), size);
     }
 
     fn segment_unmap(&mut self, address: u64, size: u64) {
         if let Some(run) = spans::unmap(&mut self.segments, |a| a, address, size) {
             self.stats
                 .reserved_bytes
-                .decrease(pool_kind(run.pool), size);
+                .decrease(whole(pool_kind(run.pool)), size);
         }
     }
 

@@ -78,7 +78,7 @@ use rustc_hash::FxHashMap;
 
 use crate::config::{AllocatorConfig, ReusePolicy};
 use crate::sizes::{self, PoolKind, Roundup};
-use crate::stats::Stats;
+use crate::stats::{StatAt, Stats};
 
 use free_list::{BlockId, FreeList};
 /// Index of a segment in the segment table.
@@ -136,6 +136,11 @@ struct Block {
 impl Block {
     fn is_split(&self) -> bool {
         self.prev != NIL || self.next != NIL
+    }
+
+    /// Where a change of this block is counted.
+    fn stat_at(&self) -> StatAt {
+        StatAt::new(self.pool, self.stream)
     }
 }
 
@@ -450,8 +455,9 @@ impl<F: Clone> Pools<F> {
             unmapped: BTreeMap::new(),
         });
         self.segment_index.insert(address, segment);
-        self.stats.segment.increase(pool, 1);
-        self.stats.reserved_bytes.increase(pool, segment_size);
+        let at = StatAt::new(pool, stream);
+        self.stats.segment.increase(at, 1);
+        self.stats.reserved_bytes.increase(at, segment_size);
         if sizes::is_oversize(segment_size, self.max_split_size) {
             self.stats.oversize_segments.increase(1);
         }

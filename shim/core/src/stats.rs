@@ -14,6 +14,24 @@
 //! `oversize_allocations` and `oversize_segments` count blocks and segments of at least
 //! `max_split_size`. Plain counters: `num_alloc_retries` (device allocations retried after
 //! releasing cache), `num_ooms`, `num_device_alloc`, `num_device_free`, `num_fence_waits`.
+//!
+//! # Note [PyTorch's view of the statistics]
+//!
+//! Under the shim the pools also serve what libraries allocate for themselves with the
+//! synchronous API: cuBLAS's `cuMemAlloc` of 64 MiB for each handle, cuDNN's, NCCL's, a user's
+//! `cudaMalloc` through ctypes. PyTorch's own allocator never sees those, and its statistics
+//! (`torch.cuda.memory_allocated()`, `memory_reserved()`, `memory_stats()`) leave them out:
+//! PyTorch's `test_cublas_workspace_explicit_allocation` measures the workspace of a first
+//! matmul by `active_bytes.all.allocated`, which under the shim grew by the handle's memory too.
+//! Under the shim every PyTorch allocation is stream-ordered (`cudaMallocAsync`, through
+//! PyTorch's backend or cachealloc's allocator for PyTorch), and every block and segment
+//! belongs to one stream or to the synchronous API ([`NO_STREAM`](crate::NO_STREAM)). So each
+//! [`StatArray`] keeps, besides its `all`/`small_pool`/`large_pool`, the same three for the
+//! blocks and segments of stream-ordered requests alone ([`StatAt`] says which a change is),
+//! and [`Stats::stream_ordered_view`] is what the Python integration gives PyTorch, and what
+//! the default memory pool's attributes answer (a `cudaMallocAsync` pool's memory is
+//! stream-ordered by definition). The whole allocator's statistics stay the library's own
+//! (`cachealloc_stats_json`, the trace, the exit summary).
 
 use crate::sizes::PoolKind;
 
@@ -66,7 +84,31 @@ impl Stat {
     }
 }
 
-/// A statistic kept for all blocks and per pool (PyTorch's `StatArray`).
+/// Where a change is counted: the pool of the block or segment it concerns, and whether that
+/// block or segment serves stream-ordered requests (the view PyTorch is given: Note [PyTorch's
+/// view of the statistics]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatAt {
+    /// The block's or segment's pool.
+    pub pool: PoolKind,
+    /// It serves stream-ordered requests (`cudaMallocAsync`), not the synchronous API.
+    pub stream_ordered: bool,
+}
+
+impl StatAt {
+    /// A block or segment of `pool` that serves `stream` ([`NO_STREAM`](crate::NO_STREAM): the
+    /// synchronous API).
+    pub fn new(pool: PoolKind, stream: u64) -> Self {
+        StatAt {
+            pool,
+            stream_ordered: stream != crate::NO_STREAM,
+        }
+    }
+}
+
+/// A statistic kept for all blocks and per pool (PyTorch's `StatArray`), and the same for the
+/// blocks and segments of stream-ordered requests alone (Note [PyTorch's view of the
+/// statistics]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StatArray {
     /// Both pools together (`all`).
@@ -75,19 +117,49 @@ pub struct StatArray {
     pub small_pool: Stat,
     /// The large pool (`large_pool`).
     pub large_pool: Stat,
+    /// `all`, `small_pool` and `large_pool` of stream-ordered blocks and segments only.
+    pub stream_ordered: [Stat; 3],
 }
 
 impl StatArray {
-    /// Add `amount` to `all` and to the pool's stat.
-    pub fn increase(&mut self, pool: PoolKind, amount: u64) {
+    /// Add `amount` to `all` and to the pool's stat (and to their stream-ordered parts for a
+    /// stream-ordered block or segment).
+    pub fn increase(&mut self, at: StatAt, amount: u64) {
         self.all.increase(amount);
-        self.pool_mut(pool).increase(amount);
+        self.pool_mut(at.pool).increase(amount);
+        if at.stream_ordered {
+            self.stream_ordered[0].increase(amount);
+            self.stream_ordered[Self::index(at.pool)].increase(amount);
+        }
     }
 
-    /// Subtract `amount` from `all` and from the pool's stat.
-    pub fn decrease(&mut self, pool: PoolKind, amount: u64) {
+    /// Subtract `amount` from `all` and from the pool's stat (and from their stream-ordered
+    /// parts for a stream-ordered block or segment).
+    pub fn decrease(&mut self, at: StatAt, amount: u64) {
         self.all.decrease(amount);
-        self.pool_mut(pool).decrease(amount);
+        self.pool_mut(at.pool).decrease(amount);
+        if at.stream_ordered {
+            self.stream_ordered[0].decrease(amount);
+            self.stream_ordered[Self::index(at.pool)].decrease(amount);
+        }
+    }
+
+    fn index(pool: PoolKind) -> usize {
+        match pool {
+            PoolKind::Small => 1,
+            PoolKind::Large => 2,
+        }
+    }
+
+    /// The array of stream-ordered blocks and segments only, as the whole array.
+    fn stream_ordered_view(&self) -> StatArray {
+        let [all, small_pool, large_pool] = self.stream_ordered;
+        StatArray {
+            all,
+            small_pool,
+            large_pool,
+            stream_ordered: self.stream_ordered,
+        }
     }
 
     /// The stat of one pool.
@@ -105,8 +177,16 @@ impl StatArray {
         }
     }
 
-    fn each_mut(&mut self) -> [&mut Stat; 3] {
-        [&mut self.all, &mut self.small_pool, &mut self.large_pool]
+    fn each_mut(&mut self) -> [&mut Stat; 6] {
+        let [o_all, o_small, o_large] = &mut self.stream_ordered;
+        [
+            &mut self.all,
+            &mut self.small_pool,
+            &mut self.large_pool,
+            o_all,
+            o_small,
+            o_large,
+        ]
     }
 
     fn named(&self) -> [(&'static str, &Stat); 3] {
@@ -284,6 +364,17 @@ impl Stats {
         f(&mut self.oversize_segments);
     }
 
+    /// PyTorch's view: these statistics with every array counting only the blocks and segments
+    /// of stream-ordered requests (Note [PyTorch's view of the statistics]); the plain counters
+    /// and the oversize statistics are the whole allocator's.
+    pub fn stream_ordered_view(&self) -> Stats {
+        let mut view = self.clone();
+        for array in view.arrays_mut() {
+            *array = array.stream_ordered_view();
+        }
+        view
+    }
+
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
         [
             &mut self.allocation,
@@ -397,7 +488,9 @@ mod tests {
             max_split_size: u64::MAX,
             ..Stats::default()
         };
-        stats.allocated_bytes.increase(PoolKind::Large, 4096);
+        stats
+            .allocated_bytes
+            .increase(StatAt::new(PoolKind::Large, crate::NO_STREAM), 4096);
         let flat = stats.to_flat();
         let get = |k: &str| flat.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
         assert_eq!(get("allocated_bytes.all.current"), Some(4096));

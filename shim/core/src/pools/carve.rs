@@ -4,6 +4,7 @@
 
 use super::{Allocation, Block, BlockId, BlockState, NIL, Pools};
 use crate::sizes;
+use crate::stats::StatAt;
 
 impl<F: Clone> Pools<F> {
     /// Hand out the (unlisted, free) block `id` for a request, splitting off the rest if the
@@ -75,12 +76,13 @@ impl<F: Clone> Pools<F> {
         let (address, size, segment, stream, pool) =
             (b.address, b.size, b.segment, b.stream, b.pool);
         self.active.insert(address, id);
+        let at = StatAt::new(pool, stream);
         let s = &mut self.stats;
-        s.allocation.increase(pool, 1);
-        s.allocated_bytes.increase(pool, size);
-        s.active.increase(pool, 1);
-        s.active_bytes.increase(pool, size);
-        s.requested_bytes.increase(pool, requested);
+        s.allocation.increase(at, 1);
+        s.allocated_bytes.increase(at, size);
+        s.active.increase(at, 1);
+        s.active_bytes.increase(at, size);
+        s.requested_bytes.increase(at, requested);
         if sizes::is_oversize(size, self.max_split_size) {
             s.oversize_allocations.increase(1);
         }

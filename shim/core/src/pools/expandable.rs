@@ -84,6 +84,7 @@ use std::collections::BTreeMap;
 use super::{Block, BlockId, BlockState, NIL, Pools, Segment, SegmentId};
 use crate::pools::{Allocation, NO_STREAM};
 use crate::sizes::{self, PoolKind};
+use crate::stats::StatAt;
 use moves::{Alias, Move};
 
 /// The shape of expandable segments on a device.
@@ -397,7 +398,8 @@ impl<F: Clone> Pools<F> {
             ..
         } = plan;
         self.growing -= size;
-        self.stats.reserved_bytes.increase(pool, size);
+        let at = StatAt::new(pool, self.blocks[id as usize].stream);
+        self.stats.reserved_bytes.increase(at, size);
         self.stats.num_device_alloc += 1;
         self.moves_done(moves);
         let b = &mut self.blocks[id as usize];

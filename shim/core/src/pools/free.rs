@@ -18,14 +18,14 @@ impl<F: Clone> Pools<F> {
             return Err(self.explain_bad_free(address));
         };
         let b = &mut self.blocks[id as usize];
-        let (pool, size, requested) = (b.pool, b.size, b.requested);
+        let (at, size, requested) = (b.stat_at(), b.size, b.requested);
         let auto_streams =
             self.reuse == ReusePolicy::Auto && stream != NO_STREAM && b.stream != NO_STREAM;
         let stream_ordered = auto_streams && stream == b.stream;
         let cross_stream = auto_streams && stream != b.stream;
         let pending = self.fencing && !stream_ordered;
-        self.stats.allocation.decrease(pool, 1);
-        self.stats.allocated_bytes.decrease(pool, size);
+        self.stats.allocation.decrease(at, 1);
+        self.stats.allocated_bytes.decrease(at, size);
         if sizes::is_oversize(size, self.max_split_size) {
             self.stats.oversize_allocations.decrease(1);
         }
@@ -77,13 +77,13 @@ impl<F: Clone> Pools<F> {
     /// A pending or active block becomes free: it merges with free neighbours and joins its free
     /// list (PyTorch's `free_block`).
     pub(super) fn release_to_free_list(&mut self, id: BlockId) {
-        let (pool, size, requested) = {
+        let (at, size, requested) = {
             let b = &self.blocks[id as usize];
-            (b.pool, b.size, b.requested)
+            (b.stat_at(), b.size, b.requested)
         };
-        self.stats.active.decrease(pool, 1);
-        self.stats.active_bytes.decrease(pool, size);
-        self.stats.requested_bytes.decrease(pool, requested);
+        self.stats.active.decrease(at, 1);
+        self.stats.active_bytes.decrease(at, size);
+        self.stats.requested_bytes.decrease(at, requested);
         let prev = self.blocks[id as usize].prev;
         if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
             self.merge_into(id, prev);
@@ -189,13 +189,13 @@ impl<F: Clone> Pools<F> {
     pub(super) fn count_free(&mut self, id: BlockId, added: bool) {
         let b = &self.blocks[id as usize];
         if b.is_split() {
-            let (pool, size) = (b.pool, b.size);
+            let (at, size) = (b.stat_at(), b.size);
             if added {
-                self.stats.inactive_split.increase(pool, 1);
-                self.stats.inactive_split_bytes.increase(pool, size);
+                self.stats.inactive_split.increase(at, 1);
+                self.stats.inactive_split_bytes.increase(at, size);
             } else {
-                self.stats.inactive_split.decrease(pool, 1);
-                self.stats.inactive_split_bytes.decrease(pool, size);
+                self.stats.inactive_split.decrease(at, 1);
+                self.stats.inactive_split_bytes.decrease(at, size);
             }
         }
     }

@@ -5,7 +5,7 @@ use std::collections::{BTreeSet, HashSet};
 
 use super::{BlockState, NIL, Pools};
 use crate::sizes::{self, PoolKind};
-use crate::stats::{StatArray, Stats};
+use crate::stats::{StatArray, StatAt, Stats};
 
 impl<F: Clone> Pools<F> {
     /// Check that the bookkeeping is consistent:
@@ -55,8 +55,12 @@ impl<F: Clone> Pools<F> {
                     ));
                 }
             } else {
-                recount.segment.increase(seg.pool, 1);
-                recount.reserved_bytes.increase(seg.pool, seg.size);
+                recount
+                    .segment
+                    .increase(StatAt::new(seg.pool, seg.stream), 1);
+                recount
+                    .reserved_bytes
+                    .increase(StatAt::new(seg.pool, seg.stream), seg.size);
                 if sizes::is_oversize(seg.size, self.max_split_size) {
                     recount.oversize_segments.increase(1);
                 }
@@ -104,7 +108,7 @@ impl<F: Clone> Pools<F> {
                     return Err(format!("{here}: busy but {:?}", b.state));
                 }
                 if seg.expandable && b.state != BlockState::Unmapped {
-                    recount.reserved_bytes.increase(b.pool, b.size);
+                    recount.reserved_bytes.increase(b.stat_at(), b.size);
                 }
                 match b.state {
                     BlockState::Unmapped => {
@@ -130,8 +134,8 @@ impl<F: Clone> Pools<F> {
                     BlockState::Free => {
                         free_seen.insert((b.stream, b.pool, b.size, b.address, id));
                         if b.is_split() {
-                            recount.inactive_split.increase(b.pool, 1);
-                            recount.inactive_split_bytes.increase(b.pool, b.size);
+                            recount.inactive_split.increase(b.stat_at(), 1);
+                            recount.inactive_split_bytes.increase(b.stat_at(), b.size);
                         }
                     }
                     BlockState::Active | BlockState::PendingFree => {
@@ -143,17 +147,17 @@ impl<F: Clone> Pools<F> {
                         }
                         if b.state == BlockState::Active {
                             active_seen.insert(id);
-                            recount.allocation.increase(b.pool, 1);
-                            recount.allocated_bytes.increase(b.pool, b.size);
+                            recount.allocation.increase(b.stat_at(), 1);
+                            recount.allocated_bytes.increase(b.stat_at(), b.size);
                             if sizes::is_oversize(b.size, self.max_split_size) {
                                 recount.oversize_allocations.increase(1);
                             }
                         } else {
                             pending_seen.insert(id);
                         }
-                        recount.active.increase(b.pool, 1);
-                        recount.active_bytes.increase(b.pool, b.size);
-                        recount.requested_bytes.increase(b.pool, b.requested);
+                        recount.active.increase(b.stat_at(), 1);
+                        recount.active_bytes.increase(b.stat_at(), b.size);
+                        recount.requested_bytes.increase(b.stat_at(), b.requested);
                     }
                 }
                 expected_address += b.size;
@@ -335,10 +339,15 @@ impl<F: Clone> Pools<F> {
             ),
         ];
         for (name, kept, counted) in pairs {
+            let [o_all, o_small, o_large] = &kept.stream_ordered;
+            let [c_all, c_small, c_large] = &counted.stream_ordered;
             for (pool, a, b) in [
                 ("all", &kept.all, &counted.all),
                 ("small_pool", &kept.small_pool, &counted.small_pool),
                 ("large_pool", &kept.large_pool, &counted.large_pool),
+                ("all (stream-ordered)", o_all, c_all),
+                ("small_pool (stream-ordered)", o_small, c_small),
+                ("large_pool (stream-ordered)", o_large, c_large),
             ] {
                 if a.current != b.current {
                     return Err(format!(

@@ -5,6 +5,7 @@
 use super::{BlockId, BlockState, Pools, ReleasedSegment};
 use crate::config::AllocatorConfig;
 use crate::sizes::{self, PoolKind};
+use crate::stats::StatAt;
 
 impl<F: Clone> Pools<F> {
     /// Take every free whole segment (in the given pools) out of the pools. The caller releases
@@ -131,8 +132,9 @@ impl<F: Clone> Pools<F> {
         self.spare_segments.push(segment);
         self.spare_blocks.push(id);
         self.segment_index.remove(&seg.address);
-        self.stats.segment.decrease(seg.pool, 1);
-        self.stats.reserved_bytes.decrease(seg.pool, seg.size);
+        let at = StatAt::new(seg.pool, seg.stream);
+        self.stats.segment.decrease(at, 1);
+        self.stats.reserved_bytes.decrease(at, seg.size);
         if sizes::is_oversize(seg.size, self.max_split_size) {
             self.stats.oversize_segments.decrease(1);
         }
@@ -154,21 +156,22 @@ impl<F: Clone> Pools<F> {
         };
         let mut stats = std::mem::take(&mut self.stats);
         for seg in self.segments.iter().flatten().filter(|seg| !seg.expandable) {
-            stats.segment.decrease(seg.pool, 1);
-            stats.reserved_bytes.decrease(seg.pool, seg.size);
+            let at = StatAt::new(seg.pool, seg.stream);
+            stats.segment.decrease(at, 1);
+            stats.reserved_bytes.decrease(at, seg.size);
             if sizes::is_oversize(seg.size, self.max_split_size) {
                 stats.oversize_segments.decrease(1);
             }
         }
         for b in self.live_blocks() {
             if b.state != BlockState::Unmapped && self.segment(b.segment).expandable {
-                stats.reserved_bytes.decrease(b.pool, b.size);
+                stats.reserved_bytes.decrease(b.stat_at(), b.size);
             }
             match b.state {
                 BlockState::Unmapped => continue,
                 BlockState::Active => {
-                    stats.allocation.decrease(b.pool, 1);
-                    stats.allocated_bytes.decrease(b.pool, b.size);
+                    stats.allocation.decrease(b.stat_at(), 1);
+                    stats.allocated_bytes.decrease(b.stat_at(), b.size);
                     if sizes::is_oversize(b.size, self.max_split_size) {
                         stats.oversize_allocations.decrease(1);
                     }
@@ -176,15 +179,15 @@ impl<F: Clone> Pools<F> {
                 BlockState::PendingFree => {}
                 BlockState::Free => {
                     if b.is_split() {
-                        stats.inactive_split.decrease(b.pool, 1);
-                        stats.inactive_split_bytes.decrease(b.pool, b.size);
+                        stats.inactive_split.decrease(b.stat_at(), 1);
+                        stats.inactive_split_bytes.decrease(b.stat_at(), b.size);
                     }
                     continue;
                 }
             }
-            stats.active.decrease(b.pool, 1);
-            stats.active_bytes.decrease(b.pool, b.size);
-            stats.requested_bytes.decrease(b.pool, b.requested);
+            stats.active.decrease(b.stat_at(), 1);
+            stats.active_bytes.decrease(b.stat_at(), b.size);
+            stats.requested_bytes.decrease(b.stat_at(), b.requested);
         }
         let (fencing, expandable, grows, synchronous_fixed) = (
             self.fencing,

@@ -198,3 +198,62 @@ fn out_of_memory_releases_other_streams_cache_before_failing() {
     assert_eq!(y.stream, B);
     assert_eq!(c.stats().num_device_free, 1);
 }
+
+/// PyTorch's view of the statistics counts stream-ordered memory only: what the synchronous
+/// API allocates (libraries' own `cudaMalloc`s, which PyTorch never sees) is left out of every
+/// array, while the whole allocator's statistics count both. Note [PyTorch's view of the
+/// statistics] in `stats`.
+#[test]
+fn pytorchs_view_counts_stream_ordered_memory_only() {
+    for (name, config) in crate::common::presets() {
+        let c = Checked::new(1 << 34, config);
+        let library = c.malloc(64 * MIB);
+        let tensor = c.malloc_on(3 * MIB, A);
+        let whole = c.stats();
+        let view = whole.stream_ordered_view();
+        assert_eq!(
+            view.allocated_bytes.all.current as u64, tensor.size,
+            "{name}: allocated"
+        );
+        assert_eq!(
+            whole.allocated_bytes.all.current as u64,
+            tensor.size + library.size,
+            "{name}: the whole allocator's allocated"
+        );
+        assert_eq!(view.allocation.all.current, 1, "{name}: allocations");
+        assert_eq!(
+            view.requested_bytes.all.allocated as u64,
+            3 * MIB,
+            "{name}: requested"
+        );
+        let reserved = view.reserved_bytes.all.current as u64;
+        assert!(
+            reserved >= tensor.size && reserved < tensor.size + library.size,
+            "{name}: reserved {reserved} should hold the tensor's segment, not the library's"
+        );
+        assert_eq!(
+            view.reserved_bytes.large_pool.current, view.reserved_bytes.all.current,
+            "{name}: pools within the view"
+        );
+        c.free(library.address);
+        c.free_on(tensor.address, A);
+        c.empty_cache();
+        let view = c.stats().stream_ordered_view();
+        assert_eq!(
+            (
+                view.allocated_bytes.all.current,
+                view.reserved_bytes.all.current
+            ),
+            (0, 0),
+            "{name}: all given back"
+        );
+        assert_eq!(
+            view.allocated_bytes.all.freed as u64, tensor.size,
+            "{name}: freed"
+        );
+        assert_eq!(
+            view.allocated_bytes.all.peak as u64, tensor.size,
+            "{name}: the view's own peak"
+        );
+    }
+}

@@ -420,11 +420,11 @@ impl<F: Clone> Pools<F> {
     /// as freed now (its memory was in use at its holder's place until lately).
     fn claim_parked(&mut self, address: u64, size: u64) {
         let id = self.split_unmapped(address, size);
-        let pool = self.blocks[id as usize].pool;
+        let at = self.blocks[id as usize].stat_at();
         let b = &mut self.blocks[id as usize];
         b.state = BlockState::Free;
         b.free_since = self.lookups;
-        self.stats.reserved_bytes.increase(pool, size);
+        self.stats.reserved_bytes.increase(at, size);
         self.make_free(id);
     }
 

@@ -5,6 +5,7 @@
 use super::{MapPlan, Mapping, Pools, Unmapping};
 use crate::pools::{Block, BlockId, BlockState, NIL, SegmentId};
 use crate::sizes::PoolKind;
+use crate::stats::StatAt;
 
 impl<F: Clone> Pools<F> {
     /// Take the mappings that lie wholly inside free blocks of the expandable segments of
@@ -128,9 +129,8 @@ impl<F: Clone> Pools<F> {
 
     /// The memory of `unmapping` is free again in its pool, freed at the stamp `since`.
     fn back_to_free(&mut self, unmapping: Unmapping, since: u64) {
-        self.stats
-            .reserved_bytes
-            .increase(unmapping.pool, unmapping.size);
+        let at = StatAt::new(unmapping.pool, self.blocks[unmapping.block as usize].stream);
+        self.stats.reserved_bytes.increase(at, unmapping.size);
         let b = &mut self.blocks[unmapping.block as usize];
         b.busy = false;
         b.state = BlockState::Free;
@@ -214,7 +214,8 @@ impl<F: Clone> Pools<F> {
         b.size = high - low;
         b.state = BlockState::Unmapped;
         b.busy = true;
-        self.stats.reserved_bytes.decrease(b.pool, high - low);
+        let at = b.stat_at();
+        self.stats.reserved_bytes.decrease(at, high - low);
         id
     }
 }
