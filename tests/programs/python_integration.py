@@ -156,18 +156,26 @@ def check_profiler(torch, glob):
         c10.profiler_clear()
         return out
 
+    # PyTorch's allocations are stream-ordered under the shim; a library's own cudaMalloc is
+    # not PyTorch's and is not reported.
+    glob.cudaMallocAsync.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p]
+    glob.cudaFreeAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     p = ctypes.c_void_p()
     c10.profiler_clear()
-    glob.cudaMalloc(ctypes.byref(p), 1 << 20)
-    glob.cudaFree(p)
+    glob.cudaMallocAsync(ctypes.byref(p), 1 << 20, None)
+    glob.cudaFreeAsync(p, None)
     if reports():
         fail("allocations were reported while the profiler did not record memory")
     c10.profiler_enable(1)
-    if glob.cudaMalloc(ctypes.byref(p), (1 << 20) + 100) != 0:
+    library = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(library), 1 << 20) != 0:
         fail("cudaMalloc failed")
-    glob.cudaFree(p)
+    glob.cudaFree(library)
+    if glob.cudaMallocAsync(ctypes.byref(p), (1 << 20) + 100, None) != 0:
+        fail("cudaMallocAsync failed")
+    glob.cudaFreeAsync(p, None)
     huge = ctypes.c_void_p()
-    glob.cudaMalloc(ctypes.byref(huge), 1 << 44)
+    glob.cudaMallocAsync(ctypes.byref(huge), 1 << 44, None)
     c10.profiler_enable(0)
     got = reports()
     if len(got) != 3:
@@ -255,9 +263,27 @@ else:
     ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
     glob = ctypes.CDLL(None)
     glob.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    glob.cudaMallocAsync.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p]
+    glob.cudaFreeAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+
+    # PyTorch's statistics count what PyTorch allocates (stream-ordered under the shim), not
+    # what libraries allocate for themselves with cudaMalloc (cuBLAS's handles).
+    def torch_malloc(size):
+        p = ctypes.c_void_p()
+        if glob.cudaMallocAsync(ctypes.byref(p), size, None) != 0:
+            fail(f"cudaMallocAsync({size}) failed")
+        return p
+
+    def torch_free(p):
+        if glob.cudaFreeAsync(p, None) != 0:
+            fail("cudaFreeAsync failed")
+
     ptr = ctypes.c_void_p()
     if glob.cudaMalloc(ctypes.byref(ptr), 3 << 20) != 0:
         fail("cudaMalloc failed")
+    if torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["allocated"] != 0:
+        fail("a library's cudaMalloc was counted in PyTorch's statistics")
+    tensor = torch_malloc(3 << 20)
 
     stats = torch._C._cuda_memoryStats(0)
     if not isinstance(stats, dict):
@@ -274,8 +300,9 @@ else:
     walk("", stats)
     if len(leaves) < 100:
         fail(f"memory_stats has {len(leaves)} keys: {leaves}")
-    if stats["allocated_bytes"]["all"]["current"] < 3 << 20:
+    if stats["allocated_bytes"]["all"]["current"] != 3 << 20:
         fail(f"allocated_bytes.all.current is {stats['allocated_bytes']['all']['current']}")
+    torch_free(tensor)
     if torch._C._cuda_getMemoryFraction(0) != 1.0:
         fail(f"an unset memory fraction reads {torch._C._cuda_getMemoryFraction(0)}")
     # set_per_process_memory_fraction limits the library's pools (fakecuda: 1 GiB).
@@ -295,11 +322,9 @@ else:
     # _set_allocator_settings reaches PyTorch's parser, then the library's pools.
     def grows_by(size):
         start = torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
-        block = ctypes.c_void_p()
-        if glob.cudaMalloc(ctypes.byref(block), size) != 0:
-            fail(f"cudaMalloc({size}) failed")
+        block = torch_malloc(size)
         grown = torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"] - start
-        glob.cudaFree(block)
+        torch_free(block)
         return grown
 
     torch._C._cuda_cudaCachingAllocator_set_allocator_settings("roundup_power2_divisions:4,max_split_size_mb:40")
@@ -342,22 +367,21 @@ else:
 
     before = requested()
     torch._C._cuda_cudaCachingAllocator_enable(False)
-    raw = ctypes.c_void_p()
-    if glob.cudaMalloc(ctypes.byref(raw), 1 << 20) != 0:
-        fail("cudaMalloc with caching off failed")
+    raw = torch_malloc(1 << 20)
     if requested() != before:
         fail(f"with caching off an allocation was counted: {requested() - before} bytes")
     torch._C._cuda_cudaCachingAllocator_enable(True)
-    if glob.cudaFree(raw) != 0 or glob.cudaMalloc(ctypes.byref(raw), 1 << 20) != 0:
-        fail("cudaFree or cudaMalloc with caching on again failed")
+    torch_free(raw)
+    raw = torch_malloc(1 << 20)
     if requested() != before + (1 << 20):
         fail(f"with caching on again the allocation counted {requested() - before} bytes")
-    glob.cudaFree(raw)
+    torch_free(raw)
     stats = torch._C._cuda_memoryStats(0)
     if torch._C._accelerator_getDeviceStats(0) != stats:
         fail("torch.accelerator's statistics are not the library's")
-    if stats["allocation"]["large_pool"]["current"] != 1 or "num_alloc_retries" not in stats:
-        fail(f"the allocation is not counted as PyTorch would: {stats}")
+    # The library's live cudaMalloc (ptr) is not PyTorch's: no allocation is current.
+    if stats["allocation"]["large_pool"]["current"] != 0 or "num_alloc_retries" not in stats:
+        fail(f"the allocations are not counted as PyTorch would: {stats}")
     torch._C._cuda_resetAccumulatedMemoryStats(0)
     if torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["allocated"] != 0:
         fail("reset_accumulated_memory_stats left the accumulated bytes")

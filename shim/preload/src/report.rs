@@ -122,11 +122,12 @@ pub fn annotate(name: &str) {
     log::info!("{}", line.trim_end_matches(';'));
 }
 
-/// `device`'s stats as one flat JSON object of PyTorch's `memory_stats()` keys (zeros when the
-/// device has no pool yet).
+/// `device`'s stats as PyTorch counts them (stream-ordered memory only: cachealloc-core's Note
+/// [PyTorch's view of the statistics]) as one flat JSON object of PyTorch's `memory_stats()`
+/// keys (zeros when the device has no pool yet).
 pub fn device_stats_json(device: i32) -> String {
     let stats = shim()
-        .and_then(|s| s.device_stats(device))
+        .and_then(|s| s.pytorch_device_stats(device))
         .unwrap_or_default();
     let fields: Vec<String> = stats
         .to_flat()

@@ -203,11 +203,11 @@ pub fn device_get_default_mem_pool(device: i32) -> Result<usize, CudaError> {
 }
 
 /// `cudaMemPoolGetAttribute` on a device's default pool: the memory in use and reserved, and
-/// their peaks, are our pool's (what PyTorch's `memory_allocated()`, `memory_reserved()` and
-/// their maxima read). `None`: ask the runtime.
+/// their peaks, are our pools' stream-ordered memory (what PyTorch's `memory_allocated()`,
+/// `memory_reserved()` and their maxima read). `None`: ask the runtime.
 pub fn mem_pool_get_attribute(pool: usize, attribute: i32) -> Option<u64> {
     let shim = process::shim()?;
-    let stats = shim.device_stats(shim.default_pool_device(pool)?)?;
+    let stats = shim.pytorch_device_stats(shim.default_pool_device(pool)?)?;
     let value = match attribute {
         cuda::MEMPOOL_ATTR_RESERVED_MEM_CURRENT => stats.reserved_bytes.all.current,
         cuda::MEMPOOL_ATTR_RESERVED_MEM_HIGH => stats.reserved_bytes.all.peak,

@@ -32,7 +32,7 @@ impl Shim {
         if stream != cachealloc_core::NO_STREAM
             && let Some(served) = self.thread_pool_malloc(device, size, stream)
         {
-            return self.observed(device, size, served);
+            return self.observed(device, size, stream, served);
         }
         self.ipc_collect_now_and_then();
         let pool = self.pool(device)?;
@@ -57,19 +57,23 @@ impl Shim {
                 .ok_or(cuda::ERROR_MEMORY_ALLOCATION),
             served => served,
         };
-        self.observed(device, size, served)
+        self.observed(device, size, stream, served)
     }
 
     /// `served`, after telling the program's out-of-memory observers when it is out of memory
     /// (PyTorch's `_cuda_attach_out_of_memory_observer`): the device, the request, the device's
-    /// limit and its free memory.
+    /// limit and its free memory. PyTorch's profiler hears of stream-ordered requests only
+    /// (PyTorch's own: cachealloc-core's Note [PyTorch's view of the statistics]).
     pub(super) fn observed(
         &self,
         device: i32,
         size: u64,
+        stream: u64,
         served: Result<u64, CudaError>,
     ) -> Result<u64, CudaError> {
-        if let Some(profiler) = self.memory_profiler() {
+        if stream != cachealloc_core::NO_STREAM
+            && let Some(profiler) = self.memory_profiler()
+        {
             match served {
                 Ok(address) => self.profile_alloc(profiler, device, address),
                 Err(cuda::ERROR_MEMORY_ALLOCATION) => {
@@ -168,14 +172,16 @@ impl Shim {
         self.program_free(address, cachealloc_core::NO_STREAM, Some(stream))
     }
 
-    /// A free the program asked for: told to PyTorch's profiler when it records memory.
+    /// A free the program asked for: told to PyTorch's profiler when it records memory and the
+    /// free is PyTorch's (stream-ordered, or in a capture).
     fn program_free(
         &self,
         address: u64,
         stream: u64,
         capturing: Option<usize>,
     ) -> Option<CudaError> {
-        let Some(profiler) = self.memory_profiler() else {
+        let pytorchs = stream != cachealloc_core::NO_STREAM || capturing.is_some();
+        let Some(profiler) = self.memory_profiler().filter(|_| pytorchs) else {
             return self.free_from(address, stream, capturing);
         };
         let block = self.live_block(address);

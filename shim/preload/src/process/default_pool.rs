@@ -43,6 +43,14 @@ impl Shim {
         Some(stats)
     }
 
+    /// `device`'s stats as PyTorch counts them: its stream-ordered memory only, not what
+    /// libraries allocate for themselves through the synchronous API (cachealloc-core's Note
+    /// [PyTorch's view of the statistics]). What `torch.cuda.memory_stats()`, the default
+    /// memory pool's attributes and PyTorch's profiler are told.
+    pub fn pytorch_device_stats(&self, device: i32) -> Option<Stats> {
+        self.device_stats(device).map(|s| s.stream_ordered_view())
+    }
+
     /// Reset `device`'s peak stats (its capture pools' too).
     pub fn reset_peak_stats(&self, device: i32) {
         if let Some(a) = self.allocator_of(device) {

@@ -65,7 +65,7 @@ impl Shim {
 
     /// `device`'s allocated and reserved bytes over all its pools, as PyTorch counts them.
     fn device_totals(&self, device: i32) -> (u64, u64) {
-        self.device_stats(device).map_or((0, 0), |s| {
+        self.pytorch_device_stats(device).map_or((0, 0), |s| {
             (
                 s.allocated_bytes.all.current.max(0) as u64,
                 s.reserved_bytes.all.current.max(0) as u64,

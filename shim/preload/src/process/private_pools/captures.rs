@@ -210,6 +210,6 @@ impl Shim {
         let pool = self.capturing_pool(stream)?;
         self.free_recorded_when_done(false);
         let served = self.serve(&pool.alloc, pool.device, size, stream as u64);
-        Some(self.observed(pool.device, size, served))
+        Some(self.observed(pool.device, size, stream as u64, served))
     }
 }
