@@ -42,6 +42,8 @@ import sys
 import threading
 import weakref
 
+import cachealloc_common
+
 PHASE_NONE, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
 TAG_PARAMETER, TAG_OPTIMIZER_STATE, TAG_GRADIENT, TAG_INPUT = 1, 2, 3, 4
 
@@ -329,55 +331,11 @@ def _make_call_impl(original):
     _call_impl._cachealloc_original = original
     # Stacks leave this frame out: a program's stacks are the same with the wrapper as without.
     _state.api.hide_code(id(_call_impl.__code__))
-    _not_compiled_alone()
+    # No frame of this module is compiled alone: after a graph break inside a module Dynamo
+    # compiles each frame it meets above it, and the wrapper's (or `_enter`'s) would be one
+    # compiled region more than natively (PyTorch's test_memory_compile_regions).
+    cachealloc_common.dynamo_skips_frames_of(sys.modules[__name__])
     return _call_impl
-
-
-def _not_compiled_alone():
-    """torch.compile never compiles a frame of this module as a frame of its own, as it never
-    compiles PyTorch's own `_call_impl`: a graph break inside a module makes Dynamo run the
-    frames above it without tracing and compile each of them that it meets, and the
-    wrapper's frame (or `_enter`'s, which holds the module's inputs) would become a compiled
-    region of its own, one more than natively (PyTorch's test_memory_compile_regions sees
-    "Torch-Compiled Region: 2/0"). Dynamo still traces through them inside a compiled frame
-    (where the wrapper does nothing); frames they call are compiled as without them. Marked
-    once per process, at the first wrapper; a PyTorch without Dynamo's frame strategies is
-    left as it is."""
-    global _codes_skipped
-    if _codes_skipped:
-        return
-    _codes_skipped = True
-    try:
-        from torch._C._dynamo import eval_frame
-
-        action, strategy_of = eval_frame._FrameAction, eval_frame._FrameExecStrategy
-        set_code_exec_strategy = eval_frame.set_code_exec_strategy
-    except Exception:
-        return
-    strategy = strategy_of(action.SKIP, action.DEFAULT)
-    for code in _module_codes():
-        set_code_exec_strategy(code, strategy)
-
-
-_codes_skipped = False
-
-
-def _module_codes():
-    """Every code object of this module's functions and methods, nested ones included."""
-    pending = []
-    for value in list(globals().values()):
-        if getattr(value, "__module__", None) != __name__:
-            continue
-        if isinstance(value, type):
-            pending += [f.__code__ for f in vars(value).values() if hasattr(f, "__code__")]
-        elif hasattr(value, "__code__"):
-            pending.append(value.__code__)
-    codes = []
-    while pending:
-        code = pending.pop()
-        codes.append(code)
-        pending += [c for c in code.co_consts if isinstance(c, type(code))]
-    return codes
 
 
 def _enter(s, module, entry, args):

@@ -1,6 +1,6 @@
 """Helpers shared by cachealloc's Python integration modules (`cachealloc_hooks`,
-`cachealloc_memory`): the configuration's switches, messages, PyTorch's backend, and the
-preloaded library's C API through ctypes."""
+`cachealloc_memory`, `cachealloc_categories`): the configuration's switches, messages,
+PyTorch's backend, the preloaded library's C API through ctypes, and Dynamo's frames."""
 import os
 import sys
 
@@ -75,3 +75,30 @@ def pool_key(pool):
     """The library's id for PyTorch's pool handle (a pair of integers, never (0, 0))."""
     first, second = pool
     return ((int(first) & 0xFFFFFFFF) << 32) | (int(second) & 0xFFFFFFFF)
+
+
+def dynamo_skips_frames_of(module):
+    """Mark every code object of `module`'s functions and methods (nested ones included) so
+    that torch.compile's Dynamo never compiles one of their frames as a frame of its own,
+    while still tracing through them inside a compiled frame: what PyTorch does for its own
+    `_call_impl`. A PyTorch without Dynamo's frame strategies is left as it is."""
+    try:
+        from torch._C._dynamo import eval_frame
+
+        action, strategy_of = eval_frame._FrameAction, eval_frame._FrameExecStrategy
+        set_code_exec_strategy = eval_frame.set_code_exec_strategy
+    except Exception:
+        return
+    strategy = strategy_of(action.SKIP, action.DEFAULT)
+    pending = []
+    for value in list(vars(module).values()):
+        if getattr(value, "__module__", None) != module.__name__:
+            continue
+        if isinstance(value, type):
+            pending += [f.__code__ for f in vars(value).values() if hasattr(f, "__code__")]
+        elif hasattr(value, "__code__"):
+            pending.append(value.__code__)
+    while pending:
+        code = pending.pop()
+        set_code_exec_strategy(code, strategy)
+        pending += [c for c in code.co_consts if isinstance(c, type(code))]

@@ -63,10 +63,8 @@ class _History:
     # Changes passed to the tool at most (the last ones; a program that toggles its history
     # every step need not make the command line grow without end).
     keep = 4096
-    # PyTorch's own `_cuda_record_memory_history`, and whether it has installed the callbacks
-    # that tell the C++ allocator the compiled regions (Note [Compile regions]).
+    # PyTorch's own `_cuda_record_memory_history` (the compiled regions: Note [Compile regions]).
     native = None
-    regions_told = False
 
 
 _ENABLED = (None, "state", "all")
@@ -112,36 +110,17 @@ def _record_history(enabled="all", context="all", stacks="all", max_entries=sys.
         1 if enabled is not None and context is not None and stacks == "all" else 0,
     )
     compile_context = rest[1] if len(rest) > 1 else kw.get("compile_context", False)
-    _tell_compile_regions(enabled, compile_context, (enabled, context, stacks, max_entries, *rest), kw)
+    import cachealloc_torch_allocator
+
+    cachealloc_torch_allocator.tell_compile_regions(
+        _History.native, enabled, compile_context, (enabled, context, stacks, max_entries, *rest), kw
+    )
     if enabled is None:
         context = None
     _History.changes.append((t, enabled or "none", context or "none", stacks, "+".join(skip)))
     del _History.changes[: -_History.keep]
     if enabled is not None and isinstance(max_entries, int) and max_entries > 0:
         _History.max_entries = max_entries
-
-
-def _tell_compile_regions(enabled, compile_context, args, kw):
-    """`compile_context=True`: PyTorch's own `_cuda_record_memory_history` installs the
-    record-function callbacks that tell the allocator each compiled region a thread enters and
-    leaves (and calls the allocator's `recordHistory`, which the C++ allocator for PyTorch
-    ignores: the history is the trace's); `enabled=None` removes them, as natively. Needs the
-    C++ allocator, which keeps the regions (Note [Compile regions]); without it the entries
-    say "N/A"."""
-    import cachealloc_torch_allocator
-
-    turn_on = enabled is not None and bool(compile_context)
-    turn_off = enabled is None and _History.regions_told
-    if not (turn_on or turn_off) or _History.native is None:
-        return
-    if not cachealloc_torch_allocator.installed():
-        return
-    try:
-        _History.native(*args, **kw)
-    except Exception as e:  # the program's history still works, without the regions
-        warn(f"compiled regions are not recorded: {e}")
-        return
-    _History.regions_told = turn_on
 
 
 class _Metadata:

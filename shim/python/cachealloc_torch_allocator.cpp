@@ -126,15 +126,13 @@ void raw_delete_fn(void* ptr);
 // Note [Compile regions]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // `_record_memory_history(compile_context=True)` makes PyTorch tell the allocator when a
-// thread enters and leaves a region that `torch.compile` made ("Torch-Compiled Region: 0/0"),
-// and PyTorch's snapshot names, on each entry of `device_traces`, the region its thread was in
-// ("N/A" outside any). The entries here come from the library's trace, which knows no regions,
-// so the allocator keeps each change (the trace's time, the region now innermost) and the
-// Python integration hands them to `cachealloc snapshot --compile-context`, which names each
-// entry by the change in force at its time. By time, not by thread: an allocation another
-// thread makes while a compiled region runs is named by that region (PyTorch's stack is the
-// thread's own). The last `kKeptChanges` changes are kept: a program that calls compiled
-// code for ever does not grow the allocator.
+// thread enters and leaves a region `torch.compile` made ("Torch-Compiled Region: 0/0"); its
+// snapshot names on each entry of `device_traces` the region its thread was in ("N/A" outside
+// any). Ours come from the library's trace, which knows no regions: the allocator keeps each
+// change (the trace's time, the region now innermost) and the Python integration hands them
+// to `cachealloc snapshot --compile-context`, which names each entry by the change in force
+// at its time. By time, not by thread (PyTorch's stack is the thread's own); the last
+// `kKeptChanges` changes are kept, so compiled code called for ever does not grow it.
 constexpr const char* kNoCompileRegion = "N/A";
 
 std::vector<std::string>& compile_stack() {

@@ -36,6 +36,30 @@ def installed():
     return _installed
 
 
+def tell_compile_regions(record_history, enabled, compile_context, args, kw):
+    """`_record_memory_history(..., compile_context=True)`: PyTorch's own
+    `_cuda_record_memory_history` (`record_history`, called with the program's `args` and `kw`)
+    installs the record-function callbacks that tell this allocator each compiled region a
+    thread enters and leaves (Note [Compile regions]; the allocator ignores the
+    `recordHistory` it also gets: the history is the trace's); `enabled=None` removes them, as
+    natively. Without the allocator the snapshot's entries say "N/A"."""
+    global _regions_told
+    turn_on = enabled is not None and bool(compile_context)
+    turn_off = enabled is None and _regions_told
+    if not (turn_on or turn_off) or record_history is None or not _installed:
+        return
+    try:
+        record_history(*args, **kw)
+    except Exception as e:  # the program's history still works, without the regions
+        warn(f"compiled regions are not recorded: {e}")
+        return
+    _regions_told = turn_on
+
+
+#: Whether PyTorch's callbacks that tell the allocator the compiled regions are installed.
+_regions_told = False
+
+
 def compile_regions():
     """The compiled regions the program's threads entered and left while PyTorch told the
     allocator (`_record_memory_history(compile_context=True)`): `[(trace time, innermost
