@@ -21,6 +21,7 @@ OUT=${OUT:-./out}
 mkdir -p "$OUT"
 [ -f "$LIB" ] || { echo "no $LIB"; exit 1; }
 cd "$(dirname "$TEST")" || exit 1
+start=$SECONDS  # DEADLINE counts from here: collecting the tests takes its share
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
 EXPR=${SELECT:-'TestCudaMallocAsync or TestBlockStateAbsorption or TestMemPool or (TestCudaOptims and graph) or (TestCuda and (memory or oom or out_of_memory or fraction or record_stream or graph or cublas_workspace or caching or allocator or empty_cache or snapshot or mem_get_info or expandable) and not pinned and not host)'}
 python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" 2>/dev/null \
@@ -56,12 +57,12 @@ export LIB OUT
 python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
     | grep '::' > "$OUT/serial.txt"
 pairs() { while read -r id; do printf '%s native\n%s shim\n' "$id" "$id"; done; }
-start=$SECONDS
+left() { local l=$(( ${DEADLINE:-520} - (SECONDS - start) )); echo $(( l > 1 ? l : 1 )); }
+# The serial tests keep a third of the time left (when there are any).
+reserve=0; [ -s "$OUT/serial.txt" ] && reserve=$(( $(left) / 3 ))
 grep -vxFf "$OUT/serial.txt" "$OUT/selected.txt" | pairs \
-    | timeout "${DEADLINE:-520}" xargs -P "$JOBS" -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
-left=$(( ${DEADLINE:-520} - (SECONDS - start) ))
-[ "$left" -gt 0 ] && pairs < "$OUT/serial.txt" \
-    | timeout "$left" xargs -P 1 -L 1 bash -c 'one "$0" "$1"' >> "$OUT/raw.tsv"
+    | timeout "$(( $(left) - reserve ))" xargs -r -P "$JOBS" -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
+pairs < "$OUT/serial.txt" | timeout "$(left)" xargs -r -P 1 -L 1 bash -c 'one "$0" "$1"' >> "$OUT/raw.tsv"
 python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" <<'PY'
 import collections, sys
 rows = collections.defaultdict(dict)
