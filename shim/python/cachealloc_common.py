@@ -81,7 +81,11 @@ def dynamo_skips_frames_of(module):
     """Mark every code object of `module`'s functions and methods (nested ones included) so
     that torch.compile's Dynamo never compiles one of their frames as a frame of its own,
     while still tracing through them inside a compiled frame: what PyTorch does for its own
-    `_call_impl`. A PyTorch without Dynamo's frame strategies is left as it is."""
+    `_call_impl`. Once per module; a PyTorch without Dynamo's frame strategies is left as it
+    is."""
+    if module.__name__ in _dynamo_skipped:
+        return
+    _dynamo_skipped.add(module.__name__)
     try:
         from torch._C._dynamo import eval_frame
 
@@ -102,3 +106,7 @@ def dynamo_skips_frames_of(module):
         code = pending.pop()
         set_code_exec_strategy(code, strategy)
         pending += [c for c in code.co_consts if isinstance(c, type(code))]
+
+
+#: The modules `dynamo_skips_frames_of` has marked.
+_dynamo_skipped = set()
