@@ -239,7 +239,16 @@ def check_record_stream(torch, glob):
     CudaTensor(block.value).record_stream(types.SimpleNamespace(cuda_stream=user.value))
     if torch.Tensor.recorded_by_pytorch:
         fail("record_stream of the library's block reached PyTorch's backend")
+    def bytes_now(key):
+        return torch._C._cuda_memoryStats(0)[key]["all"]["current"]
+
+    allocated, active = bytes_now("allocated_bytes"), bytes_now("active_bytes")
     glob.cudaFreeAsync(block, own)
+    # As natively: freed by the program, so no longer allocated, but active until the recorded
+    # work is done.
+    if (bytes_now("allocated_bytes"), bytes_now("active_bytes")) != (allocated - (1 << 20), active):
+        fail(f"a block freed while its recorded stream works: allocated {allocated} -> "
+             f"{bytes_now('allocated_bytes')}, active {active} -> {bytes_now('active_bytes')}")
     while_busy = malloc_on(own)
     gate.set()
     glob.cudaStreamSynchronize(user)
@@ -248,6 +257,8 @@ def check_record_stream(torch, glob):
         fail("a block was reused while work on its recorded stream could still use it")
     if after.value != block.value:
         fail("a block was not reused once the work on its recorded stream was done")
+    if bytes_now("active_bytes") != active + (1 << 20):
+        fail(f"active bytes {bytes_now('active_bytes')} once the recorded work was done, not {active + (1 << 20)}")
     glob.cudaFreeAsync(while_busy, own)
     glob.cudaFreeAsync(after, own)
     foreign = types.SimpleNamespace(cuda_stream=user.value)

@@ -53,6 +53,7 @@ use crate::stats::Stats;
 
 mod checkpoint;
 mod expandable;
+mod held;
 mod maintenance;
 mod oom_report;
 mod request;

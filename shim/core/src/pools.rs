@@ -305,6 +305,9 @@ pub struct Pools<F> {
     active: FxHashMap<u64, BlockId>,
     /// Freed blocks not yet behind a fence.
     open_batch: Vec<BlockId>,
+    /// Blocks the program freed that the caller holds back from reuse, by address: the block
+    /// and the stream it was freed on; see [Note [Held frees]](held#note-held-frees).
+    held: FxHashMap<u64, (BlockId, u64)>,
     /// Fenced batches, oldest first.
     pending: VecDeque<Batch<F>>,
     /// Blocks freed on another stream than their own, not yet behind a fence: per freeing
@@ -364,6 +367,7 @@ impl<F: Clone> Pools<F> {
             unlisted_rest: NIL,
             active: FxHashMap::default(),
             open_batch: Vec::new(),
+            held: FxHashMap::default(),
             pending: VecDeque::new(),
             open_cross: Vec::new(),
             cross: Vec::new(),
@@ -518,6 +522,7 @@ pub mod expandable;
 mod fences;
 mod free;
 mod free_list;
+pub mod held;
 mod invariants;
 mod policy;
 mod queries;

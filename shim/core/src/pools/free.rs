@@ -14,23 +14,48 @@ impl<F: Clone> Pools<F> {
     /// [Note [Stream-ordered reuse]](super#note-stream-ordered-reuse)); otherwise it waits in
     /// the open batch.
     pub fn free(&mut self, address: u64, stream: u64) -> Result<Freed, FreeError> {
+        let id = self.take_allocated(address)?;
+        let b = &self.blocks[id as usize];
+        let (size, requested) = (b.size, b.requested);
+        let pending = self.retire(id, stream);
+        Ok(Freed {
+            address,
+            size,
+            requested,
+            pending,
+            stream,
+        })
+    }
+
+    /// The allocated block at `address`, no longer counted as allocated (it stays active until
+    /// it is free: PyTorch's `free_requested`).
+    pub(super) fn take_allocated(&mut self, address: u64) -> Result<BlockId, FreeError> {
         let Some(id) = self.active.remove(&address) else {
             return Err(self.explain_bad_free(address));
         };
-        let b = &mut self.blocks[id as usize];
-        let (at, size, requested) = (b.stat_at(), b.size, b.requested);
-        let auto_streams =
-            self.reuse == ReusePolicy::Auto && stream != NO_STREAM && b.stream != NO_STREAM;
-        let stream_ordered = auto_streams && stream == b.stream;
-        let cross_stream = auto_streams && stream != b.stream;
-        let pending = self.fencing && !stream_ordered;
+        let b = &self.blocks[id as usize];
+        let (at, size) = (b.stat_at(), b.size);
         self.stats.allocation.decrease(at, 1);
         self.stats.allocated_bytes.decrease(at, size);
         if sizes::is_oversize(size, self.max_split_size) {
             self.stats.oversize_allocations.decrease(1);
         }
+        Ok(id)
+    }
+
+    /// A block the application freed on `stream` ([`NO_STREAM`]: synchronously) goes where the
+    /// free sends it: to its free list at once when no fence is needed (see
+    /// [Note [Stream-ordered reuse]](super#note-stream-ordered-reuse)), otherwise into the open
+    /// batch. Returns whether it waits for a fence.
+    pub(super) fn retire(&mut self, id: BlockId, stream: u64) -> bool {
+        let own = self.blocks[id as usize].stream;
+        let auto_streams =
+            self.reuse == ReusePolicy::Auto && stream != NO_STREAM && own != NO_STREAM;
+        let stream_ordered = auto_streams && stream == own;
+        let cross_stream = auto_streams && stream != own;
+        let pending = self.fencing && !stream_ordered;
         if pending {
-            b.state = BlockState::PendingFree;
+            self.blocks[id as usize].state = BlockState::PendingFree;
             if cross_stream {
                 self.open_cross_batch(stream).push(id);
             } else {
@@ -39,13 +64,7 @@ impl<F: Clone> Pools<F> {
         } else {
             self.release_to_free_list(id);
         }
-        Ok(Freed {
-            address,
-            size,
-            requested,
-            pending,
-            stream,
-        })
+        pending
     }
 
     pub(super) fn explain_bad_free(&self, address: u64) -> FreeError {

@@ -291,8 +291,20 @@ impl<F: Clone> Pools<F> {
                 return Err(format!("block id {id} is in two fence batches"));
             }
         }
+        for id in self.held_blocks() {
+            if !batched.insert(id) {
+                return Err(format!("block id {id} is held and in a fence batch"));
+            }
+        }
+        for (&address, &(id, _)) in &self.held {
+            if self.blocks[id as usize].address != address {
+                return Err(format!("held block {address:#x} points at another block"));
+            }
+        }
         if batched != pending_seen {
-            return Err("fence batches differ from the pending-free blocks".to_string());
+            return Err(
+                "fence batches and held blocks differ from the pending-free blocks".to_string(),
+            );
         }
         if self.open_cross.iter().any(|(_, b)| b.is_empty())
             || self.cross.iter().any(|b| b.blocks.is_empty() || b.gate)

@@ -34,6 +34,11 @@ enum Op {
     FlushFences,
     /// The program switches expandable segments on or off at run time.
     SetExpandable(Expandable),
+    /// Free the live allocation at this index as [`Op::Free`] does, but held back from reuse
+    /// (work on other streams may still use it: `record_stream`).
+    FreeHeld(usize, FreeOn),
+    /// The work that held the held block at this index (modulo the number held) is done.
+    ReleaseHeld(usize),
 }
 
 fn size_strategy() -> impl Strategy<Value = u64> {
@@ -62,7 +67,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     ];
     prop_oneof![
         10 => (size_strategy(), 0usize..3).prop_map(|(size, s)| Op::Malloc(size, s)),
-        8 => (any::<usize>(), free_on).prop_map(|(i, on)| Op::Free(i, on)),
+        8 => (any::<usize>(), free_on.clone()).prop_map(|(i, on)| Op::Free(i, on)),
         1 => Just(Op::EmptyCache),
         3 => Just(Op::CompleteFences),
         1 => Just(Op::StreamCreated),
@@ -73,6 +78,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             Just(Expandable::On)
         ]
         .prop_map(Op::SetExpandable),
+        2 => (any::<usize>(), free_on).prop_map(|(i, on)| Op::FreeHeld(i, on)),
+        2 => any::<usize>().prop_map(Op::ReleaseHeld),
     ]
 }
 
@@ -129,6 +136,18 @@ struct Unsafe {
     waits_at_free: Option<u64>,
 }
 
+/// The stream a free of `b` is ordered on.
+fn free_stream(b: &LiveBlock, on: FreeOn) -> u64 {
+    match on {
+        FreeOn::Sync => NO_STREAM,
+        FreeOn::OwnStream => b.stream,
+        FreeOn::OtherStream => *STREAMS
+            .iter()
+            .find(|&&s| s != b.stream && s != NO_STREAM)
+            .unwrap(),
+    }
+}
+
 fn overlaps(a: u64, a_size: u64, b: u64, b_size: u64) -> bool {
     a < b + b_size && b < a + a_size
 }
@@ -158,6 +177,34 @@ fn least_to_map(c: &Checked, rounded: u64, pool: PoolKind, stream: u64) -> u64 {
     least
 }
 
+/// The model's side of `b`'s free on `stream` (`pending`: behind a fence): which bytes are
+/// unsafe to hand out, to whom, until when.
+fn freed_model(
+    c: &Checked,
+    b: &LiveBlock,
+    stream: u64,
+    pending: bool,
+    auto: bool,
+    fencing: bool,
+    unsafe_ranges: &mut Vec<Unsafe>,
+) {
+    let streams = auto && stream != NO_STREAM && b.stream != NO_STREAM;
+    let stream_ordered = streams && stream == b.stream;
+    let cross = streams && stream != b.stream;
+    if fencing || stream_ordered {
+        // Unsafe for every other stream until a later fence completes; a stream's own blocks
+        // are never handed to another stream anyway.
+        let k = c.device().fences_recorded();
+        unsafe_ranges.push(Unsafe {
+            address: b.address,
+            size: b.size,
+            fences_at_free: if pending { k } else { u64::MAX },
+            safe_for: (!pending || cross).then_some(b.stream),
+            waits_at_free: (pending && cross).then(|| c.device().counters().stream_waits),
+        });
+    }
+}
+
 fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let fenced_from_start = config.reuse == ReusePolicy::Fenced;
     let auto = config.reuse == ReusePolicy::Auto;
@@ -169,6 +216,8 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
     // Whether the synchronous API's requests keep fixed segments meanwhile.
     let mut synchronous_fixed = config_mode == Expandable::StreamOrdered;
     let mut live: Vec<LiveBlock> = Vec::new();
+    // Blocks freed but held back (free_held), with the stream each was freed on.
+    let mut held: Vec<(LiveBlock, u64)> = Vec::new();
     let mut unsafe_ranges: Vec<Unsafe> = Vec::new();
     let mut fencing = fenced_from_start;
     for op in ops {
@@ -178,10 +227,10 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                     let stream = STREAMS[s % STREAMS.len()];
                     prop_assert!(a.size >= size && a.size % 512 == 0);
                     prop_assert_eq!(a.stream, stream);
-                    for l in &live {
+                    for l in live.iter().chain(held.iter().map(|(b, _)| b)) {
                         prop_assert!(
                             !overlaps(a.address, a.size, l.address, l.size),
-                            "overlaps a live block"
+                            "overlaps a live or held block"
                         );
                     }
                     let done = c.device().completed_through();
@@ -232,34 +281,36 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
             },
             Op::Free(i, on) if !live.is_empty() => {
                 let b = live.swap_remove(i % live.len());
-                let stream = match on {
-                    FreeOn::Sync => NO_STREAM,
-                    FreeOn::OwnStream => b.stream,
-                    FreeOn::OtherStream => *STREAMS
-                        .iter()
-                        .find(|&&s| s != b.stream && s != NO_STREAM)
-                        .unwrap(),
-                };
-                let streams = auto && stream != NO_STREAM && b.stream != NO_STREAM;
-                let stream_ordered = streams && stream == b.stream;
-                let cross = streams && stream != b.stream;
+                let stream = free_stream(&b, on);
                 let f = c.free_on(b.address, stream);
                 prop_assert_eq!(f.size, b.size);
-                prop_assert_eq!(f.pending, fencing && !stream_ordered);
-                if fencing || stream_ordered {
-                    // Unsafe for every other stream until a later fence completes; a stream's
-                    // own blocks are never handed to another stream anyway.
-                    let k = c.device().fences_recorded();
-                    unsafe_ranges.push(Unsafe {
-                        address: b.address,
-                        size: b.size,
-                        fences_at_free: if f.pending { k } else { u64::MAX },
-                        safe_for: (!f.pending || cross).then_some(b.stream),
-                        waits_at_free: (f.pending && cross)
-                            .then(|| c.device().counters().stream_waits),
-                    });
-                }
+                let expect_pending =
+                    fencing && !(auto && stream != NO_STREAM && stream == b.stream);
+                prop_assert_eq!(f.pending, expect_pending);
+                freed_model(&c, &b, stream, f.pending, auto, fencing, &mut unsafe_ranges);
             }
+            Op::FreeHeld(i, on) if !live.is_empty() => {
+                let b = live.swap_remove(i % live.len());
+                let stream = free_stream(&b, on);
+                let f = c.alloc.free_held(b.address, stream).unwrap();
+                c.check();
+                prop_assert_eq!((f.size, f.pending), (b.size, true));
+                prop_assert!(c.alloc.free_held(b.address, stream).is_err(), "freed twice");
+                held.push((b, stream));
+            }
+            Op::ReleaseHeld(i) if !held.is_empty() => {
+                let (b, stream) = held.swap_remove(i % held.len());
+                let active = c.stats().active_bytes.all.current;
+                prop_assert!(c.alloc.release_held(b.address));
+                c.check();
+                prop_assert!(!c.alloc.release_held(b.address), "released twice");
+                // Where its free would have sent it now: free at once, or behind a fence.
+                let pending = fencing && !(auto && stream != NO_STREAM && stream == b.stream);
+                let released = (active - c.stats().active_bytes.all.current) as u64;
+                prop_assert_eq!(released, if pending { 0 } else { b.size });
+                freed_model(&c, &b, stream, pending, auto, fencing, &mut unsafe_ranges);
+            }
+            Op::FreeHeld(..) | Op::ReleaseHeld(..) => {}
             Op::Free(..) => {}
             Op::EmptyCache => c.empty_cache(),
             Op::CompleteFences => c.device().complete_fences(),
@@ -313,6 +364,15 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
             live.iter().map(|l| l.size).sum::<u64>()
         );
         prop_assert_eq!(s.allocation.all.current as usize, live.len());
+        // Held blocks are no longer allocated, but still active.
+        prop_assert!(
+            s.active_bytes.all.current as u64
+                >= live
+                    .iter()
+                    .chain(held.iter().map(|(b, _)| b))
+                    .map(|l| l.size)
+                    .sum::<u64>()
+        );
         prop_assert!(
             s.requested_bytes.all.current as u64 >= live.iter().map(|l| l.requested).sum::<u64>()
         );
@@ -320,6 +380,9 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
         prop_assert!(s.reserved_bytes.all.current as u64 <= c.alloc.limit());
     }
     // Everything can be given back.
+    for (b, _) in held {
+        prop_assert!(c.alloc.release_held(b.address));
+    }
     for l in live {
         c.free(l.address);
     }

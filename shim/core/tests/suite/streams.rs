@@ -257,3 +257,41 @@ fn pytorchs_view_counts_stream_ordered_memory_only() {
         );
     }
 }
+
+/// Note [Held frees]: a block freed while other streams' work may use it (`record_stream`) is
+/// no longer allocated but still active, is never reused while held, and once released goes
+/// where its free would have sent it (here: its own stream's list, at once).
+#[test]
+fn a_held_free_is_not_allocated_and_not_reused_until_released() {
+    let c = with_streams(ReusePolicy::Auto);
+    let a = c.malloc_on(4 * MIB, A);
+    let f = c.alloc.free_held(a.address, A).unwrap();
+    c.check();
+    assert!(f.pending);
+    let s = c.stats();
+    assert_eq!(s.allocated_bytes.all.current, 0);
+    assert_eq!(s.active_bytes.all.current, a.size as i64);
+    assert_eq!(
+        c.stats().stream_ordered_view().allocated_bytes.all.current,
+        0
+    );
+    assert_eq!(
+        c.alloc.lookup(a.address).unwrap().state,
+        BlockState::PendingFree
+    );
+    let other = c.malloc_on(4 * MIB, A);
+    assert_ne!(other.address, a.address, "a held block was reused");
+    c.alloc.flush_fences().unwrap();
+    c.device().complete_fences();
+    c.empty_cache();
+    assert_eq!(
+        c.alloc.lookup(a.address).unwrap().state,
+        BlockState::PendingFree
+    );
+    assert!(c.alloc.release_held(a.address));
+    c.check();
+    assert!(!c.alloc.release_held(a.address));
+    assert_eq!(c.alloc.lookup(a.address).unwrap().state, BlockState::Free);
+    assert_eq!(c.stats().active_bytes.all.current, other.size as i64);
+    assert_eq!(c.malloc_on(4 * MIB, A).address, a.address);
+}

@@ -216,6 +216,19 @@ impl Shim {
         held.exported.retain(|(id, _)| *id != share.id);
     }
 
+    /// Whether the block at `address` was shared with another process (its free may wait for
+    /// that process: [`Shim::ipc_hold`]).
+    pub(super) fn ipc_shares(&self, address: u64) -> bool {
+        self.ipc.any.load(Ordering::Acquire)
+            && self
+                .ipc
+                .inner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .shared
+                .contains_key(&address)
+    }
+
     /// At a free of `address` on `stream`: hold it in limbo if another process may still use
     /// it (answering the free with success), else forget its shares. `None`: free it now.
     pub(super) fn ipc_hold(&self, address: u64, stream: u64) -> Option<CudaError> {

@@ -44,8 +44,12 @@
 //!   freed then, as the program freed them, on the stream it freed them on. An allocation that
 //!   runs out of memory waits for them (outside captures) and tries again.
 //!
-//! A block freed while its recorded work has not run is thus still active in the statistics, as
-//! PyTorch's native allocator counts it. Not covered: `recordStream` called from PyTorch's C++
+//! A block of the ordinary pools freed while its recorded work has not run is handed to its pool
+//! at once as a *held* free (Note [Held frees] in the core): no longer allocated, still active,
+//! not reusable until released here — as PyTorch's native allocator counts it, and the trace has
+//! the free at the program's free, with its stack, and the completed free when the work is done.
+//! A block of a private pool, or one shared with another process, keeps its whole free waiting
+//! here (still allocated meanwhile). Not covered: `recordStream` called from PyTorch's C++
 //! (its NCCL process group, for instance) still reaches PyTorch's backend, whose side-stream
 //! wait is right outside captures.
 
@@ -119,6 +123,11 @@ struct DeferredFree {
     /// dependency nodes in the capture's graph), which must all precede the stream's work.
     /// `None` waits for the capture's end.
     joined_after: Option<(usize, Vec<Node>)>,
+    /// Whether the device's ordinary pool holds the block already freed (Note [Held frees] in
+    /// the core: no longer allocated, not reusable): it is released when done. Otherwise (a
+    /// block of a private pool, or one shared with another process) the program's free itself
+    /// waits here and is made when done.
+    held: bool,
 }
 
 impl Shim {
@@ -200,6 +209,16 @@ impl Shim {
             let nodes = self.recorded_work_in_capture(origin, freeing, &joined)?;
             Some((freeing, nodes))
         });
+        // The program no longer holds the block: hand the free to its pool now, held for the
+        // recorded work, so that the statistics stop counting it as allocated (as PyTorch's
+        // do). Blocks of private pools (their checkpoints refuse blocks waiting for work) and
+        // blocks shared with other processes (a free of theirs waits for those too) keep the
+        // free waiting here.
+        let held = !self.ipc_shares(address)
+            && pool.may_contain(address)
+            && self
+                .with_free_stack(|| pool.alloc.free_held(address, stream))
+                .is_ok();
         let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
         book.waiting.push(DeferredFree {
             device,
@@ -208,6 +227,7 @@ impl Shim {
             fences,
             capture,
             joined_after,
+            held,
         });
         self.recorded.waiting.store(true, Ordering::Release);
         Some(cuda::SUCCESS)
@@ -238,6 +258,10 @@ impl Shim {
             if let Ok(pool) = self.pool(d.device) {
                 for fence in d.fences {
                     pool.alloc.device().release_fence(fence);
+                }
+                if d.held {
+                    pool.alloc.release_held(d.address);
+                    continue;
                 }
             }
             if let Some(code) = self.free_from(d.address, d.stream, None)
