@@ -409,10 +409,26 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+def watch_code_objects():
+    """Let the library hear of code objects' deaths (Python 3.12+), so that its warm stack
+    captures need not check each frame's code object (Note [Code objects' deaths]). Through
+    `ctypes.PyDLL`, which keeps the GIL held during the call, as the interpreter requires."""
+    if sys.version_info < (3, 12):
+        return
+    try:
+        import ctypes
+
+        if ctypes.PyDLL(None).cachealloc_python_watch_code() != 0:
+            say("Python code objects' deaths not heard: stack keys keep their checks")
+    except Exception as e:  # an older library, or no watcher place left
+        say(f"Python code objects' deaths not heard ({e}): stack keys keep their checks")
+
+
 def install():
     """Adjust the modules of ADJUSTMENTS when they are imported (now, if already imported)."""
     if "python:off" in conf():
         return
+    watch_code_objects()
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _Finder())

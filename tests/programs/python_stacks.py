@@ -1,6 +1,7 @@
 """Python stacks under cachealloc: allocates through ctypes from known functions at known lines,
 with the GIL released by the call (ctypes.CDLL), held through it (ctypes.PyDLL), from a second
-thread, and from a generator, and writes what each allocation's stack must be to the JSON file
+thread, from a generator, and from functions whose code objects are freed and made again at the
+same address, and writes what each allocation's stack must be to the JSON file
 named by argv[1]: [{"size": N, "gil": bool, "frames": [[qualname, file, line], ...]}],
 innermost first, as Python itself reports them. Prints "OK python_stacks"."""
 import ctypes
@@ -57,8 +58,30 @@ def generator(lib):
     yield allocate(lib)
 
 
+def generated_functions(lib, ptrs, count=24):
+    """Functions compiled one after another, each freed before the next is made: CPython often
+    makes the next code object at the freed one's address, so the stack read off the frames is
+    the same but for the code object behind that address. Each allocation's stack must name its
+    own function, not the freed one's. Returns how many code objects took a freed one's
+    address."""
+    import gc
+
+    addresses, reused = set(), 0
+    for i in range(count):
+        namespace = {"allocate": allocate, "lib": lib}
+        exec(compile(f"def made_{i}():\n    return allocate(lib)\n", "<generated>", "exec"), namespace)
+        function = namespace[f"made_{i}"]
+        reused += id(function.__code__) in addresses
+        addresses.add(id(function.__code__))
+        ptrs.append(function())
+        del function, namespace
+        gc.collect()
+    return reused
+
+
 def main():
     ptrs = []
+    reused = generated_functions(released, ptrs)
     for lib in (released, held):
         ptrs.append(allocate(lib))
         ptrs.append(Model().forward(lib, 30))
@@ -72,6 +95,7 @@ def main():
             raise SystemExit("FAIL: cudaFree")
     with open(sys.argv[1], "w") as f:
         json.dump(expected, f)
+    print(f"code objects made at a freed one's address: {reused}")
     print("OK python_stacks")
 
 

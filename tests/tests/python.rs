@@ -185,18 +185,25 @@ fn recorded_stacks(records: &[Record]) -> HashMap<u64, Vec<(u8, String, String, 
 #[test]
 fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/python_stacks.py");
+    // Runs in which a code object was made at a freed one's address (Note [Code objects'
+    // deaths]): the check of their stacks below must have had something to catch.
+    let mut reused_addresses = 0;
     for python in supported_pythons() {
         for conf in ["", "stacks:python", "stacks:all"] {
             let run =
                 Run::new(&python.path, &[script, "expected.json"]).env("CACHEALLOC_CONF", conf);
             let out = run.output();
             out.assert_ok("python_stacks");
+            reused_addresses += usize::from(
+                !out.stdout
+                    .contains("code objects made at a freed one's address: 0"),
+            );
             let expected = expected_stacks(&out.dir.join("expected.json"));
             let dirs = out.trace_dirs();
             let (records, tears) = read_trace(&dirs[0]);
             assert!(tears.is_empty());
             let recorded = recorded_stacks(&records);
-            assert_eq!(expected.len(), 9);
+            assert_eq!(expected.len(), 9 + 24);
             assert!(expected.iter().any(|e| e.gil) && expected.iter().any(|e| !e.gil));
             for e in &expected {
                 let got = &recorded[&e.size];
@@ -226,6 +233,10 @@ fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
         let (records, _) = read_trace(&out.trace_dirs()[0]);
         assert!(recorded_stacks(&records).values().all(|s| s.is_empty()));
     }
+    assert!(
+        reused_addresses > 0,
+        "no run made a code object at a freed one's address"
+    );
 }
 
 #[test]

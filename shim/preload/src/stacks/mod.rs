@@ -13,7 +13,8 @@
 //! * a stack by its frame ids.
 //!
 //! A warm capture costs one lookup: stacks are also interned by their raw key (the addresses, and
-//! per Python frame its code object, offset and what identifies the code object's contents).
+//! per Python frame its code object and offset, and — unless the interpreter tells us when code
+//! objects die, Note [Code objects' deaths] — what identifies the code object's contents).
 //!
 //! Anything new is defined in the trace (`FrameDef`, then `StackDef`) *before* its id is first
 //! used: definitions are sent under the interner's lock, so any other thread that finds the stack
@@ -128,6 +129,8 @@ struct Interner {
     stacks: FxHashMap<Vec<u32>, u32>,
     /// Stack ids by what was read off the stack (the hot path's only lookup once warm).
     raw_stacks: FxHashMap<Box<[u64]>, u32>,
+    /// The code objects' epoch `raw_stacks` was filled in (Note [Code objects' deaths]).
+    epoch: u64,
     native_frames: FxHashMap<u64, u32>,
     codes: FxHashMap<usize, CodeEntry>,
     python_frames: HashMap<(Arc<str>, Arc<str>, i32), u32>,
@@ -348,18 +351,27 @@ impl Stacks {
         }
         // The raw key: what was read off the stack, and for each Python frame what identifies
         // its code object's contents (so a code object replaced at the same address is a miss).
+        // Where code objects' deaths are heard, the addresses and offsets are enough (Note
+        // [Code objects' deaths]).
+        let epoch = python::code_deaths::epoch();
         raw.clear();
         raw.extend_from_slice(&ips[..native]);
         if let Some(p) = &self.python {
             for frame in &py[..python] {
-                // SAFETY: `frame` was just walked on this thread, which is still in the hook.
-                let check = unsafe { p.check(frame.code) };
                 raw.extend([frame.code as u64, frame.offset as u64]);
-                raw.extend(check.map(|word| word as u64));
+                if epoch == 0 {
+                    // SAFETY: `frame` was just walked on this thread, which is still in the hook.
+                    let check = unsafe { p.check(frame.code) };
+                    raw.extend(check.map(|word| word as u64));
+                }
             }
         }
         let raw = &raw[..];
         let mut interner = self.interner.lock().unwrap_or_else(|p| p.into_inner());
+        if interner.epoch != epoch {
+            interner.raw_stacks.clear();
+            interner.epoch = epoch;
+        }
         if let Some(&id) = interner.raw_stacks.get(raw) {
             return id;
         }

@@ -205,3 +205,23 @@ pub extern "C" fn cachealloc_memory_history(free_stacks: c_int, native_frames: c
 pub extern "C" fn cachealloc_trace_time() -> u64 {
     guarded("cachealloc_trace_time", crate::trace::now, || 0)
 }
+
+/// Hear from the interpreter when Python code objects are destroyed (CPython 3.12+), so that
+/// warm stack captures need not check each frame's code object (Note [Code objects' deaths]).
+/// Call with the GIL held (the Python integration calls it through `ctypes.PyDLL` at
+/// start-up). Returns 0, or `cudaErrorNotSupported` where the interpreter has no code
+/// watchers or none left.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_python_watch_code() -> CudaError {
+    guarded(
+        "cachealloc_python_watch_code",
+        || match crate::stacks::python::code_deaths::watch() {
+            Ok(()) => cuda::SUCCESS,
+            Err(why) => {
+                crate::log::debug!("Python code objects' deaths not heard: {why}");
+                cuda::ERROR_NOT_SUPPORTED
+            }
+        },
+        || cuda::ERROR_NOT_SUPPORTED,
+    )
+}

@@ -25,6 +25,7 @@
 //! Symbols come from the host process with `dlsym`; nothing is linked against Python, and a
 //! process that is not CPython (or a version outside 3.10–3.13) has no Python stacks.
 
+pub mod code_deaths;
 pub mod layout;
 pub mod linetable;
 
@@ -78,7 +79,7 @@ pub struct Python {
 }
 
 /// Look up `name` in the host process.
-fn symbol(name: &CStr) -> Option<*mut c_void> {
+pub(crate) fn symbol(name: &CStr) -> Option<*mut c_void> {
     // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only searches the loaded
     // objects.
     let found = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
