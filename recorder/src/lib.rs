@@ -52,6 +52,7 @@
 
 pub mod chunk;
 mod decode;
+mod encode;
 pub mod private;
 pub mod reader;
 pub mod recorder;
