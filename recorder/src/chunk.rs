@@ -15,24 +15,70 @@ pub const FLAG_ZSTD: u8 = 1;
 /// Largest payload a reader accepts (a corrupt length must not make it allocate gigabytes).
 pub const MAX_PAYLOAD: usize = 256 << 20;
 
-/// Frame `records` (already encoded back to back) as one chunk, compressed if asked.
+/// Frame `records` (already encoded back to back) as one chunk, compressed if asked. (A writer
+/// of many chunks keeps a [`ChunkEncoder`] instead.)
 pub fn encode_chunk(records: &[u8], compress: bool, out: &mut Vec<u8>) {
-    let (flags, payload) = if compress {
-        // Level 3: zstd's default, fast enough for the worker to keep up (see BENCHMARKS.md).
-        match zstd::bulk::compress(records, 3) {
-            Ok(c) => (FLAG_ZSTD, c),
-            Err(_) => (0, records.to_vec()),
+    ChunkEncoder::default().encode(records, compress, out);
+}
+
+/// zstd's level for chunks. Level 3, zstd's default: fast enough for the worker to keep up
+/// (see BENCHMARKS.md).
+const ZSTD_LEVEL: i32 = 3;
+
+/// Frames chunk after chunk, keeping its zstd context and buffer between them: a fresh context
+/// per chunk allocated and cleared its tables each time, an eighth of the recorder thread's work
+/// (BENCHMARKS.md, issue 25). The chunks are the same.
+#[derive(Default)]
+pub struct ChunkEncoder {
+    zstd: Option<zstd::bulk::Compressor<'static>>,
+    compressed: Vec<u8>,
+}
+
+impl std::fmt::Debug for ChunkEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkEncoder")
+            .field("compressed", &self.compressed.capacity())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChunkEncoder {
+    /// Frame `records` (already encoded back to back) as one chunk appended to `out`,
+    /// compressed if asked (stored plain if zstd fails).
+    pub fn encode(&mut self, records: &[u8], compress: bool, out: &mut Vec<u8>) {
+        if compress && self.compress(records) {
+            frame(FLAG_ZSTD, &self.compressed, out);
+        } else {
+            frame(0, records, out);
         }
-    } else {
-        (0, records.to_vec())
-    };
+    }
+
+    /// Compress `records` into `self.compressed`; whether that worked.
+    fn compress(&mut self, records: &[u8]) -> bool {
+        let zstd = match &mut self.zstd {
+            Some(z) => z,
+            z => match zstd::bulk::Compressor::new(ZSTD_LEVEL) {
+                Ok(c) => z.insert(c),
+                Err(_) => return false,
+            },
+        };
+        self.compressed.clear();
+        self.compressed
+            .reserve(zstd::zstd_safe::compress_bound(records.len()));
+        zstd.compress_to_buffer(records, &mut self.compressed)
+            .is_ok()
+    }
+}
+
+/// Append the chunk of `payload` with `flags` to `out`.
+fn frame(flags: u8, payload: &[u8], out: &mut Vec<u8>) {
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(&[flags]);
-    hasher.update(&payload);
+    hasher.update(payload);
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     out.extend_from_slice(&hasher.finalize().to_le_bytes());
     out.push(flags);
-    out.extend_from_slice(&payload);
+    out.extend_from_slice(payload);
 }
 
 /// Why a chunk could not be read.

@@ -15,7 +15,7 @@ use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use crate::chunk::encode_chunk;
+use crate::chunk::ChunkEncoder;
 use crate::private::{self, DEFAULT_FILE_MODE};
 use crate::schema::{FORMAT_VERSION, Header, MAGIC, Record};
 use crate::state::LiveState;
@@ -93,6 +93,7 @@ pub struct TraceWriter<C: Clock = MonotonicClock> {
     pending: Vec<u8>,
     last_flush_ns: u64,
     chunk: Vec<u8>,
+    encoder: ChunkEncoder,
 }
 
 impl<C: Clock> TraceWriter<C> {
@@ -119,6 +120,7 @@ impl<C: Clock> TraceWriter<C> {
             pending: Vec::with_capacity(80 << 10),
             last_flush_ns: now,
             chunk: Vec::with_capacity(80 << 10),
+            encoder: ChunkEncoder::default(),
         };
         writer.begin_file()?;
         Ok(writer)
@@ -162,7 +164,8 @@ impl<C: Clock> TraceWriter<C> {
             return Ok(());
         }
         self.chunk.clear();
-        encode_chunk(&self.pending, self.config.compress, &mut self.chunk);
+        self.encoder
+            .encode(&self.pending, self.config.compress, &mut self.chunk);
         self.pending.clear();
         self.file.write_all(&self.chunk)?;
         self.file_len += self.chunk.len() as u64;
@@ -231,7 +234,8 @@ impl<C: Clock> TraceWriter<C> {
             r.encode(&mut records);
         }
         self.chunk.clear();
-        encode_chunk(&records, self.config.compress, &mut self.chunk);
+        self.encoder
+            .encode(&records, self.config.compress, &mut self.chunk);
         self.file.write_all(&self.chunk)?;
         self.file_len += self.chunk.len() as u64;
         Ok(())

@@ -364,3 +364,36 @@ fn golden_files_of_format_1_read_exactly() {
         assert_eq!(events_of(&records, 0), golden_records(), "{compress}");
     }
 }
+
+/// A writer keeps one zstd context for all its chunks: each chunk is the same as one framed on
+/// its own, and reads back as the records it holds.
+#[test]
+fn a_reused_chunk_encoder_frames_each_chunk_as_a_fresh_one_would() {
+    use cachealloc_recorder::chunk::{ChunkEncoder, decode_payload, encode_chunk, split_chunk};
+    let mut encoder = ChunkEncoder::default();
+    for n in [1u64, 700, 3, 2000, 50] {
+        let records: Vec<Record> = (0..n)
+            .map(|i| {
+                Record::FreeCompleted(FreeCompleted {
+                    t: i * 1000 + n,
+                    device: (i % 3) as u32,
+                    address: 0x7f00_0000_0000 + i * 4096 * n,
+                    size: 512 * (i % 7 + 1),
+                })
+            })
+            .collect();
+        let mut bytes = Vec::new();
+        for r in &records {
+            r.encode(&mut bytes);
+        }
+        for compress in [true, false] {
+            let (mut reused, mut fresh) = (Vec::new(), Vec::new());
+            encoder.encode(&bytes, compress, &mut reused);
+            encode_chunk(&bytes, compress, &mut fresh);
+            assert_eq!(reused, fresh, "{n} records, compress {compress}");
+            let (payload, flags, used) = split_chunk(&reused).unwrap();
+            assert_eq!(used, reused.len());
+            assert_eq!(decode_payload(payload, flags).unwrap(), records);
+        }
+    }
+}
