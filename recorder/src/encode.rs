@@ -8,8 +8,8 @@
 //! shortest form (a positive fixint below 128, then `uint 8/16/32/64`). Going through serde's
 //! generic serializer, with a fresh vector per record, took about 1 300 instructions a record on
 //! the recorder thread, as much as the rest of its work together (callgrind, BENCHMARKS.md, issue
-//! 25); the fast path takes about a tenth of that. Other kinds go through rmp-serde as before
-//! ([`Record::encode`]).
+//! 25); the fast path takes about a fifth of that. The writer encodes through [`encode`]; other
+//! kinds, and every other caller of [`Record::encode`], go through rmp-serde as before.
 
 use crate::schema::{
     Alloc, BlockState, FreeCompleted, FreeRequested, PhaseEvent, Record, ScopeEvent, SegmentEvent,
@@ -67,6 +67,15 @@ impl Body {
         out.push(kind);
         write_leb128(out, self.len as u64);
         out.extend_from_slice(&self.bytes[..self.len]);
+    }
+}
+
+/// Append `kind, length, body` of `record` to `out`: the hot kinds by the fast path, the
+/// others through rmp-serde ([`Record::encode`]). The same bytes either way.
+#[inline]
+pub(crate) fn encode(record: &Record, out: &mut Vec<u8>) {
+    if !encode_hot(record, out) {
+        record.encode(out);
     }
 }
 

@@ -440,12 +440,9 @@ macro_rules! records {
                 }
             }
 
-            /// Append `kind, length, body` to `out`. (The hot kinds by a fast path first,
-            /// module `encode`: the same bytes, faster.)
+            /// Append `kind, length, body` to `out`, through rmp-serde. (The writer takes the
+            /// hot kinds by a fast path first, module `encode`: the same bytes, faster.)
             pub fn encode(&self, out: &mut Vec<u8>) {
-                if crate::encode::encode_hot(self, out) {
-                    return;
-                }
                 let body = match self {
                     $(Record::$variant(r) => rmp_serde::to_vec(r).expect("plain structs always encode"),)*
                     Record::Unknown { body, .. } => body.clone(),

@@ -16,6 +16,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use crate::chunk::ChunkEncoder;
+use crate::encode::encode;
 use crate::private::{self, DEFAULT_FILE_MODE};
 use crate::schema::{FORMAT_VERSION, Header, MAGIC, Record};
 use crate::state::LiveState;
@@ -139,7 +140,7 @@ impl<C: Clock> TraceWriter<C> {
     /// Add a record; writes a chunk if enough has accumulated.
     pub fn write(&mut self, record: &Record) -> io::Result<()> {
         self.state.apply(record);
-        record.encode(&mut self.pending);
+        encode(record, &mut self.pending);
         if self.pending.len() >= self.config.flush_bytes {
             self.flush()?;
         }
@@ -183,7 +184,7 @@ impl<C: Clock> TraceWriter<C> {
             .now_ns()
             .saturating_sub(self.header.monotonic_base_ns);
         for r in self.state.checkpoint(t) {
-            r.encode(&mut self.pending);
+            encode(&r, &mut self.pending);
         }
         self.flush()
     }
@@ -225,13 +226,13 @@ impl<C: Clock> TraceWriter<C> {
         let mut header = self.header.clone();
         header.file_index = self.file_index;
         let mut records = Vec::new();
-        Record::Header(Box::new(header)).encode(&mut records);
+        encode(&Record::Header(Box::new(header)), &mut records);
         let t = self
             .clock
             .now_ns()
             .saturating_sub(self.header.monotonic_base_ns);
         for r in self.state.checkpoint(t) {
-            r.encode(&mut records);
+            encode(&r, &mut records);
         }
         self.chunk.clear();
         self.encoder

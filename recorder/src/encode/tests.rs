@@ -150,7 +150,7 @@ proptest! {
         prop_assert!(encode_hot(&record, &mut fast));
         prop_assert_eq!(&fast[1..], &reference(&record)[..]);
         let mut through_encode = Vec::new();
-        record.encode(&mut through_encode);
+        super::encode(&record, &mut through_encode);
         prop_assert_eq!(through_encode, reference(&record));
     }
 }
@@ -166,4 +166,8 @@ fn other_kinds_are_left_to_rmp_serde() {
     });
     assert!(!encode_hot(&record, &mut out));
     assert!(out.is_empty());
+    let mut reference = Vec::new();
+    record.encode(&mut reference);
+    super::encode(&record, &mut out);
+    assert_eq!(out, reference);
 }
