@@ -249,6 +249,11 @@ def check_record_stream(torch, glob):
     if (bytes_now("allocated_bytes"), bytes_now("active_bytes")) != (allocated - (1 << 20), active):
         fail(f"a block freed while its recorded stream works: allocated {allocated} -> "
              f"{bytes_now('allocated_bytes')}, active {active} -> {bytes_now('active_bytes')}")
+    # The snapshot shows it as PyTorch's does: freed, waiting for the streams' work.
+    states = [b["state"] for seg in torch._C._cuda_memorySnapshot(None)["segments"]
+              for b in seg["blocks"] if b["address"] == block.value]
+    if states != ["active_pending_free"]:
+        fail(f"the snapshot shows the block freed while its recorded stream works as {states}")
     while_busy = malloc_on(own)
     gate.set()
     glob.cudaStreamSynchronize(user)
