@@ -51,6 +51,20 @@ pub struct RecorderStats {
     pub stacks_shed: AtomicU64,
     /// Set once a write failed; nothing is written after.
     pub failed: AtomicBool,
+    /// Whether the worker is behind ([`Recorder::congested`]): set by the worker when it
+    /// finds the channel more than three quarters full and by a send that finds it full,
+    /// cleared by the worker when it finds the backlog below that.
+    congested: AtomicBool,
+}
+
+impl RecorderStats {
+    /// Publish whether the worker is behind; a store only when that changes, so that the
+    /// flag's cache line stays shared by the producers that read it on every allocation.
+    fn set_congested(&self, congested: bool) {
+        if self.congested.load(Ordering::Relaxed) != congested {
+            self.congested.store(congested, Ordering::Relaxed);
+        }
+    }
 }
 
 /// The producer side. Cheap to share (`&Recorder` from many threads).
@@ -107,6 +121,7 @@ impl Recorder {
         match self.tx.try_send(Message::Record(record)) {
             Ok(()) => {}
             Err(TrySendError::Full(message)) => {
+                self.stats.set_congested(true);
                 let start = Instant::now();
                 let _ = self.tx.send(message);
                 self.stats.blocked_sends.fetch_add(1, Ordering::Relaxed);
@@ -133,11 +148,13 @@ impl Recorder {
         &self.stats
     }
 
-    /// Whether the channel is more than three quarters full (producers may shed stacks).
+    /// Whether the worker is behind (producers may shed stacks): the channel was more than
+    /// three quarters full when the worker last looked, or a send has found it full since.
+    /// Producers ask on every allocation, so this reads a flag the worker publishes, not the
+    /// channel's length: that would read the channel's head, which the worker writes on every
+    /// receive, and so pull a cache line from the worker's core on every allocation.
     pub fn congested(&self) -> bool {
-        self.tx
-            .capacity()
-            .is_some_and(|c| self.tx.len() * 4 > c * 3)
+        self.stats.congested.load(Ordering::Relaxed)
     }
 
     /// Write everything sent so far as a chunk; waits up to `timeout`. Returns whether it did.
@@ -241,7 +258,9 @@ fn run_worker<C: Clock>(
             on_error(&e);
         }
     };
+    let capacity = rx.capacity().unwrap_or(usize::MAX);
     loop {
+        stats.set_congested(rx.len().saturating_mul(4) > capacity.saturating_mul(3));
         let mut handled = 0;
         let mut stop = false;
         while handled < BATCH {

@@ -329,6 +329,12 @@ fn congestion_is_visible_to_producers_and_shed_stacks_are_recorded() {
         }));
     }
     assert!(seen_congested, "an 8-slot channel fed in a burst fills up");
+    assert!(recorder.flush(Duration::from_secs(10)));
+    let caught_up = (0..1000).any(|_| {
+        std::thread::sleep(Duration::from_millis(1));
+        !recorder.congested()
+    });
+    assert!(caught_up, "once the worker has caught up, the channel is no longer congested");
     let shed = recorder.stats().stacks_shed.load(Ordering::SeqCst);
     assert!(recorder.shutdown(Duration::from_secs(10)));
     let (read, _) = read_all(&dir);
