@@ -334,7 +334,10 @@ fn congestion_is_visible_to_producers_and_shed_stacks_are_recorded() {
         std::thread::sleep(Duration::from_millis(1));
         !recorder.congested()
     });
-    assert!(caught_up, "once the worker has caught up, the channel is no longer congested");
+    assert!(
+        caught_up,
+        "once the worker has caught up, the channel is no longer congested"
+    );
     let shed = recorder.stats().stacks_shed.load(Ordering::SeqCst);
     assert!(recorder.shutdown(Duration::from_secs(10)));
     let (read, _) = read_all(&dir);

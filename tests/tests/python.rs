@@ -182,6 +182,35 @@ fn recorded_stacks(records: &[Record]) -> HashMap<u64, Vec<(u8, String, String, 
         .collect()
 }
 
+/// The exit summary's account of the captures (`stacks: N captures, C cold (…), warm keys
+/// forgotten F times`): every recorded allocation was captured, the first of each stack cold;
+/// on 3.12+, where code objects' deaths are heard, the program's dying code objects made the
+/// cache forget its keys, which never happens before 3.12.
+fn check_capture_counts(stderr: &str, version: (u32, u32), allocations: usize) {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains(" captures, "))
+        .unwrap_or_else(|| panic!("no stacks line in the exit summary:\n{stderr}"));
+    let numbers: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    // pid, captures, cold, the percentage's two parts, forgotten.
+    let [_, captures, cold, _, _, forgotten] = numbers[..] else {
+        panic!("unexpected stacks line: {line}");
+    };
+    assert!(captures >= allocations as u64, "{line}");
+    assert!(cold >= 1 && cold <= captures, "{line}");
+    if version >= (3, 12) {
+        assert!(
+            forgotten >= 1,
+            "code objects died, the keys must be forgotten: {line}"
+        );
+    } else {
+        assert_eq!(forgotten, 0, "no watcher before 3.12: {line}");
+    }
+}
+
 #[test]
 fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/programs/python_stacks.py");
@@ -199,6 +228,7 @@ fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
                     .contains("code objects made at a freed one's address: 0"),
             );
             let expected = expected_stacks(&out.dir.join("expected.json"));
+            check_capture_counts(&out.stderr, python.version, expected.len());
             let dirs = out.trace_dirs();
             let (records, tears) = read_trace(&dirs[0]);
             assert!(tears.is_empty());

@@ -82,6 +82,16 @@ fn print_summary(facts: ExitFacts) {
     if let Some(doors) = doors_line() {
         log::info!("pid {pid}: allocations by door: {doors}");
     }
+    if let Some(c) = facts.stacks.filter(|c| c.captures > 0) {
+        log::info!(
+            "pid {pid}: stacks: {} captures, {} cold ({:.1} %), warm keys forgotten {} times \
+             (code objects died)",
+            c.captures,
+            c.cold,
+            100.0 * c.cold as f64 / c.captures as f64,
+            c.forgotten,
+        );
+    }
     let other_contexts = facts.unpooled_context_mallocs;
     if other_contexts > 0 {
         log::info!(

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use cachealloc_core::Stats;
 
 use super::Shim;
+use crate::stacks::CaptureCounts;
 
 /// What the exit summary says: a plain value for the reporter
 /// ([`crate::report::exit_summary`]).
@@ -24,6 +25,8 @@ pub struct ExitFacts {
     pub uncached_mallocs: u64,
     /// Driver-level allocations in contexts other than the primary ones (not pooled).
     pub unpooled_context_mallocs: u64,
+    /// How stack captures went (`None` without stacks).
+    pub stacks: Option<CaptureCounts>,
 }
 
 impl Shim {
@@ -48,6 +51,7 @@ impl Shim {
             passthrough_mallocs: self.passthrough_mallocs.load(Ordering::Relaxed),
             uncached_mallocs: self.uncached_mallocs.load(Ordering::Relaxed),
             unpooled_context_mallocs: self.unpooled_context_mallocs.load(Ordering::Relaxed),
+            stacks: self.stacks.as_ref().map(|s| s.counts()),
         }
     }
 

@@ -135,6 +135,19 @@ struct Interner {
     codes: FxHashMap<usize, CodeEntry>,
     python_frames: HashMap<(Arc<str>, Arc<str>, i32), u32>,
     frame_count: u32,
+    counts: CaptureCounts,
+}
+
+/// How captures went, for the exit summary: how many found their stack warm, and how often
+/// the warm keys were forgotten because a code object died.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CaptureCounts {
+    /// Captures that reached the interner (a stack with at least one frame).
+    pub captures: u64,
+    /// Of those, the ones whose raw key was not cached (the cold path).
+    pub cold: u64,
+    /// Times the warm keys were forgotten (Note [Code objects' deaths]).
+    pub forgotten: u64,
 }
 
 impl Interner {
@@ -303,6 +316,14 @@ impl Stacks {
         self.native_on.store(on, Ordering::Relaxed);
     }
 
+    /// How captures have gone so far.
+    pub fn counts(&self) -> CaptureCounts {
+        self.interner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .counts
+    }
+
     /// Whether Python frames are captured, and of which version.
     pub fn python_version(&self) -> Option<(u32, u32)> {
         self.python.as_ref().map(Python::version)
@@ -368,13 +389,18 @@ impl Stacks {
         }
         let raw = &raw[..];
         let mut interner = self.interner.lock().unwrap_or_else(|p| p.into_inner());
+        interner.counts.captures += 1;
         if interner.epoch != epoch {
+            if !interner.raw_stacks.is_empty() {
+                interner.counts.forgotten += 1;
+            }
             interner.raw_stacks.clear();
             interner.epoch = epoch;
         }
         if let Some(&id) = interner.raw_stacks.get(raw) {
             return id;
         }
+        interner.counts.cold += 1;
         // First time this exact stack is seen (the cold path): intern its frames, then the
         // stack.
         let mut ids = Vec::with_capacity(native + python);
