@@ -120,16 +120,22 @@ def alternate(step, rounds, labels, switch, log, workload):
     reverse on odd ones; `switch(label)` sets the label's configuration (and may return a
     function to call after the timed step); each timed step follows an untimed one (a switch
     can cost the next step: patched classes make Python's attribute caches re-warm). Writes
-    `workload=… label=… round=… step_ms=…` lines to `log` for ratio_ci.py."""
+    `workload=… label=… round=… step_ms=… main_ms=…` lines to `log` for ratio_ci.py (`main_ms`:
+    the calling thread's CPU time in the timed step, which tells its own work from waiting and
+    from other threads' interference)."""
     for r in range(rounds):
         for label in labels if r % 2 == 0 else labels[::-1]:
             done = switch(label)
             step(r)
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             step(r)
             torch.cuda.synchronize()
             ms = (time.perf_counter() - t0) * 1000
+            main_ms = (time.thread_time() - c0) * 1000
             if done is not None:
                 done()
-            print(f"workload={workload} label={label} round={r} step_ms={ms:.4f}", file=log)
+            print(
+                f"workload={workload} label={label} round={r} step_ms={ms:.4f} main_ms={main_ms:.4f}",
+                file=log,
+            )
