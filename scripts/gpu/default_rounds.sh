@@ -4,7 +4,9 @@
 # rotating order — native (PyTorch's caching allocator), shim (the shim's default: trace, Python
 # stacks, categories, expandable segments for stream-ordered allocations) and shim_fixed
 # (`expandable_segments:False`) — until ROUNDS rounds or BUDGET seconds (default 520) are done:
-#     scripts/gpu/default_rounds.sh LIBDIR [ROUNDS]
+#     [LABELS="native shim shim_notrace"] [MODELS=llama] scripts/gpu/default_rounds.sh LIBDIR [ROUNDS]
+# LABELS picks and orders the processes (shim_notrace: the default with `trace:off`, which also
+# leaves stacks and the category hooks out: the route and the pools alone); MODELS the models.
 # Writes $OUT/models.log (one train_models.py line per process) and prints, for each shim label,
 # the median step and peak reserved against native's with the paired rounds' 95 % interval
 # (ratio_ci.py).
@@ -14,24 +16,27 @@ ROUNDS=${2:-4}
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 LOG=$OUT/models.log
-labels=(native shim shim_fixed)
+read -r -a labels <<< "${LABELS:-native shim shim_fixed}"
+n=${#labels[@]}
 one() {
     case $1 in
         native) LABEL=native python3 scripts/gpu/train_models.py "$2" ;;
         shim) LABEL=shim CACHEALLOC_CONF=log:quiet LD_PRELOAD=$LIB python3 scripts/gpu/train_models.py "$2" ;;
         shim_fixed) LABEL=shim_fixed CACHEALLOC_CONF=log:quiet,expandable_segments:False LD_PRELOAD=$LIB \
             python3 scripts/gpu/train_models.py "$2" ;;
+        shim_notrace) LABEL=shim_notrace CACHEALLOC_CONF=log:quiet,trace:off LD_PRELOAD=$LIB \
+            python3 scripts/gpu/train_models.py "$2" ;;
     esac 2>&1 | grep '^workload=' | tee -a "$LOG"
 }
 end=$((SECONDS + ${BUDGET:-520}))
 for r in $(seq 0 $((ROUNDS - 1))); do
-    for m in llama cnn; do
-        for i in 0 1 2; do
-            [ $SECONDS -lt $end ] && one "${labels[$(((i + r) % 3))]}" "$m"
+    for m in ${MODELS:-llama cnn}; do
+        for i in $(seq 0 $((n - 1))); do
+            [ $SECONDS -lt $end ] && one "${labels[$(((i + r) % n))]}" "$m"
         done
     done
 done
-for l in shim shim_fixed; do
+for l in "${labels[@]:1}"; do
     for f in step_ms torch_max_reserved_MB; do
         python3 scripts/gpu/ratio_ci.py "$LOG" native "$l" "$f"
     done
