@@ -2,8 +2,8 @@
 //! makes the run's decisions again (its peak reserved is the recorded one, exactly; every request
 //! gets a block of the recorded size), and a different config changes them.
 //!
-//! Exactness covers single-threaded runs with any reuse policy and multi-threaded runs with
-//! immediate reuse. A multi-threaded run with fenced reuse can interleave fence waits in ways a
+//! Exactness covers single-threaded runs with any reuse policy (blocks held for `record_stream`
+//! included) and multi-threaded runs with immediate reuse. A multi-threaded run with fenced reuse can interleave fence waits in ways a
 //! sequential replay does not reproduce; `simulate` then says where it diverged.
 
 use cachealloc_tests::{cachealloc_binary, trace_dirs, traced};
@@ -21,8 +21,11 @@ type Case = (
 
 #[test]
 fn simulate_with_the_recorded_config_reproduces_the_recorded_peak_reserved() {
-    let cases: [Case; 10] = [
+    let cases: [Case; 12] = [
         ("churn", &["20000"], "", &[]),
+        // A block held from reuse while another stream's recorded work uses it.
+        ("held_free", &[], "", &[]),
+        ("held_free", &[], "expandable_segments:False", &[]),
         ("churn", &["20000"], "expandable_segments:True", &[]),
         ("race", &["nonblocking"], "expandable_segments:True", &[]),
         (

@@ -8,8 +8,11 @@
 //! the trace says it completed (exactly the fences the run saw complete are completed), and `reuse:auto` starts fencing where the run created its first
 //! stream. With the recorded config, the simulation makes the same decisions as the run, so its
 //! peak reserved is the recorded one (a test checks this on traces made by the shim): where
-//! threads raced (one freed a block while another was growing), the recorded growth is followed.
-//! With another config the simulation decides everything itself, one request at a time.
+//! threads raced (one freed a block while another was growing), the recorded growth is followed,
+//! and a block the run kept from reuse (behind a fence, or held while other streams'
+//! `record_stream`ed work used it, which the trace does not show) is held until the trace says
+//! it became reusable. With another config the simulation decides everything itself, one
+//! request at a time (a block held for `record_stream` then goes by the simulated fences).
 //!
 //! The simulated device offers virtual memory in `--granularity` units (2 MiB, CUDA's on
 //! current GPUs), so `expandable_segments:True` is simulated as the shim runs it: a recorded run

@@ -303,12 +303,24 @@ pub(super) fn simulate(
                 device,
                 address,
                 stream,
+                pending,
             } => {
-                if let (Some(a), Some(sim)) = (
+                let (Some(a), Some(sim)) = (
                     allocators.get(&device),
                     addresses.remove(&(device, address)),
-                ) && a.free_on_stream(sim, stream).is_ok_and(|f| f.pending)
-                {
+                ) else {
+                    continue;
+                };
+                // With the recorded config, a block the run kept from reuse until its
+                // `FenceDone` is held until then: the run may have held it for work the trace
+                // does not show (`record_stream`'s streams), which no simulated fence models.
+                // Otherwise the simulation's own fences decide.
+                let pending = if pending && follow_growth {
+                    a.free_held(sim, stream).is_ok()
+                } else {
+                    a.free_on_stream(sim, stream).is_ok_and(|f| f.pending)
+                };
+                if pending {
                     freed.insert((device, address), sim);
                 }
             }
@@ -319,7 +331,10 @@ pub(super) fn simulate(
                 let Some(sim) = freed.remove(&(device, address)) else {
                     continue;
                 };
-                // Complete exactly the fences the run saw complete: through this block's.
+                // A held block goes where its free would have sent it now, perhaps behind a
+                // fence; then complete exactly the fences the run saw complete: through this
+                // block's.
+                a.release_held(sim);
                 let fence = a.with_pools(|p| p.fence_of_pending(a.device(), sim));
                 if let Ok(Some(fence)) = fence {
                     a.device().complete_through(&fence);

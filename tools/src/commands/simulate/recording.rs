@@ -30,14 +30,17 @@ pub(super) enum Op {
         /// The stream it was for (`NO_STREAM` for `cudaMalloc`).
         stream: u64,
     },
-    /// A free, on `stream` (`NO_STREAM` for `cudaFree`); one that waited on a reuse fence in
-    /// the run is followed by `FenceDone`.
+    /// A free, on `stream` (`NO_STREAM` for `cudaFree`). `pending`: in the run the block was
+    /// not reusable at once (behind a reuse fence, or held while other streams' recorded work
+    /// used it); `FenceDone` follows when it became reusable.
     Free {
         device: u32,
         address: u64,
         stream: u64,
+        pending: bool,
     },
-    /// The run's freed block at `address` on `device` became reusable (its fence completed).
+    /// The run's freed block at `address` on `device` became reusable (its fence completed, or
+    /// the work that held it was done).
     FenceDone { device: u32, address: u64 },
     /// The run created a stream (`reuse:auto` starts fencing).
     StreamCreated,
@@ -125,6 +128,7 @@ pub(super) fn record(dir: &Path) -> Result<Recording, Error> {
                 device: f.device,
                 address: f.address,
                 stream: f.stream,
+                pending: matches!(step.record, Record::FreeRequested(_)),
             },
             Record::FreeCompleted(f) => Op::FenceDone {
                 device: f.device,
