@@ -49,9 +49,40 @@ pub fn shim_library() -> PathBuf {
     lib
 }
 
+/// Remove the directories `<temp>/<prefix><pid>-…` of test processes that have ended: a test
+/// leaves its directories behind (to be looked at when it fails), and without this every run
+/// would add its hundreds of megabytes to the temporary directory. A live process's (another
+/// test binary's, running now) are left alone.
+pub fn sweep_ended_runs(prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// A fresh, empty directory for one run (its working directory, where the default trace goes).
+/// The first call removes the directories of ended test processes ([`sweep_ended_runs`]): these
+/// tests' and the tools crate's (`cachealloc-tools-<pid>-…`, its scratch directories).
 pub fn fresh_dir() -> PathBuf {
     static NEXT: AtomicU32 = AtomicU32::new(0);
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(|| {
+        sweep_ended_runs("cachealloc-e2e-");
+        sweep_ended_runs("cachealloc-tools-");
+    });
     let dir = std::env::temp_dir().join(format!(
         "cachealloc-e2e-{}-{}",
         std::process::id(),
