@@ -106,12 +106,22 @@ pub(super) fn record(dir: &Path) -> Result<Recording, Error> {
             }
             continue;
         }
-        let mapped = step
-            .record
-            .device()
+        // What the run did just before, under the same hold of the allocator's lock, belongs
+        // to the allocator's next event of the device. Records written from elsewhere (the
+        // recorder's stats samples, tags, streams) may land in between and take nothing.
+        let allocator_device = match &step.record {
+            Record::Alloc(_)
+            | Record::Free(_)
+            | Record::FreeRequested(_)
+            | Record::FreeCompleted(_)
+            | Record::SegmentFree(_)
+            | Record::Oom(_) => step.record.device(),
+            _ => None,
+        };
+        let mapped = allocator_device
             .and_then(|d| map_change.remove(&d))
             .and_then(|(any_map, change)| any_map.then_some(change));
-        let fresh = step.record.device().and_then(|d| fresh_segment.remove(&d));
+        let fresh = allocator_device.and_then(|d| fresh_segment.remove(&d));
         ops.push(match step.record {
             Record::Alloc(a) => Op::Alloc {
                 device: a.device,
