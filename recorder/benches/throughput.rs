@@ -12,24 +12,9 @@ use std::time::{Duration, Instant};
 
 use cachealloc_recorder::schema::*;
 use cachealloc_recorder::{Record, Recorder, WriterConfig};
+use common::header;
 
-fn header() -> Header {
-    Header {
-        version: FORMAT_VERSION,
-        file_index: 0,
-        pid: std::process::id(),
-        host: "bench".into(),
-        rank: -1,
-        local_rank: -1,
-        world_size: -1,
-        cmdline: vec![],
-        wall_clock_base_ns: 0,
-        monotonic_base_ns: 0,
-        config: String::new(),
-        devices: vec![],
-        modules: vec![],
-    }
-}
+mod common;
 
 /// Event `i` of the stream: thirds of allocs, free requests and free completions.
 fn event(i: u64) -> Record {

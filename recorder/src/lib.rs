@@ -1,4 +1,4 @@
-//! `cachealloc-recorder`: cachealloc's trace — the event schema, the channel and worker thread
+//! `cachealloc-recorder`: cachealloc's trace — the event schema, the queue and worker thread
 //! that take events off the hot path, the rotating chunked writer, and the streaming reader the
 //! offline tools use.
 //!
@@ -54,6 +54,7 @@ pub mod chunk;
 mod decode;
 mod encode;
 pub mod private;
+mod queue;
 pub mod reader;
 pub mod recorder;
 pub mod schema;

@@ -1,15 +1,16 @@
 //! [`Recorder`]: the handle producers send records through, and the worker thread that writes
 //! them.
 //!
-//! The channel is bounded. **Records are never dropped**: a sender that finds it full blocks
-//! until there is room, and the time it spent blocked is counted and written into the trace
-//! ([`Dropped`] records). Only optional payloads (stacks) may be shed, by the producer, before
-//! sending; those are counted too ([`Recorder::note_stack_shed`]).
+//! The queue is a bounded ring (module `queue`, Note [The hand-off's cache lines]). **Records
+//! are never dropped**: a sender that finds it full waits until there is room, and the time it
+//! spent waiting is counted and written into the trace ([`Dropped`] records). Only optional
+//! payloads (stacks) may be shed, by the producer, before sending; those are counted too
+//! ([`Recorder::note_stack_shed`]).
 //!
 //! The worker polls: it drains whatever is queued, writes it, and sleeps for a millisecond
-//! unless it is behind. It never blocks in `recv`, so a sender never has to wake it — a send is a
-//! few atomic operations, no system call. A write error (disk full, directory gone) is reported
-//! once; the worker then keeps draining so producers never block on a dead trace.
+//! unless it is behind. It never blocks, so a sender never has to wake it — a send is one
+//! atomic add and a few stores, no system call. A write error (disk full, directory gone) is
+//! reported once; the worker then keeps draining so producers never block on a dead trace.
 
 use std::io;
 use std::sync::Arc;
@@ -17,23 +18,36 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError, bounded};
+use crossbeam_channel::{Sender, bounded};
+
+use crate::queue::{Queue, Taken};
 
 use crate::schema::{Dropped, Header, Record, StatsSample};
 use crate::writer::{Clock, MonotonicClock, TraceWriter, WriterConfig};
 
-/// How long the worker sleeps when it finds the channel empty.
+/// How long the worker sleeps when it finds the queue empty.
 const POLL: Duration = Duration::from_millis(1);
+/// How long a sender that found the queue full sleeps before it looks again.
+const WAIT_FOR_ROOM: Duration = Duration::from_micros(50);
 /// Records written between checks for a due flush.
 const BATCH: usize = 8192;
+/// Records read between two releases of their slots to the senders, within a batch.
+const RELEASE_EVERY: usize = 1024;
 /// Interval between stats samples (computed here from the live state, off the hot path).
 const SAMPLE_INTERVAL_NS: u64 = 100_000_000;
 
+/// What the queue's side carries besides the records that do not fit a slot.
 enum Message {
     Record(Record),
     Checkpoint,
     Flush(Sender<()>),
     Shutdown,
+}
+
+impl From<Record> for Message {
+    fn from(record: Record) -> Message {
+        Message::Record(record)
+    }
 }
 
 /// Counters shared by producers and the worker. A send touches none of them unless it blocks
@@ -43,16 +57,16 @@ enum Message {
 pub struct RecorderStats {
     /// Records written by the worker (added once per batch it drains).
     pub written: AtomicU64,
-    /// Sends that found the channel full.
+    /// Sends that found the queue full.
     pub blocked_sends: AtomicU64,
-    /// Nanoseconds senders spent blocked.
+    /// Nanoseconds senders spent waiting for room.
     pub blocked_ns: AtomicU64,
     /// Stacks shed by producers.
     pub stacks_shed: AtomicU64,
     /// Set once a write failed; nothing is written after.
     pub failed: AtomicBool,
     /// Whether the worker is behind ([`Recorder::congested`]): set by the worker when it
-    /// finds the channel more than three quarters full and by a send that finds it full,
+    /// finds the queue more than three quarters full and by a send that finds it full,
     /// cleared by the worker when it finds the backlog below that.
     congested: AtomicBool,
 }
@@ -69,7 +83,7 @@ impl RecorderStats {
 
 /// The producer side. Cheap to share (`&Recorder` from many threads).
 pub struct Recorder {
-    tx: Sender<Message>,
+    queue: Arc<Queue<Message>>,
     stats: Arc<RecorderStats>,
     worker: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -84,7 +98,8 @@ impl std::fmt::Debug for Recorder {
 
 impl Recorder {
     /// Create the trace (errors surface here: an unwritable directory) and start the worker.
-    /// `capacity` bounds the channel; `on_error` is called once if a write fails later.
+    /// `capacity` bounds the queue (rounded up to a power of two); `on_error` is called once if
+    /// a write fails later.
     pub fn start(
         config: WriterConfig,
         header: Header,
@@ -103,39 +118,47 @@ impl Recorder {
         on_error: impl Fn(&io::Error) + Send + 'static,
     ) -> io::Result<Recorder> {
         let writer = TraceWriter::create(config, header, clock)?;
-        let (tx, rx) = bounded(capacity.max(1));
+        let queue = Arc::new(Queue::new(capacity));
         let stats = Arc::new(RecorderStats::default());
-        let worker_stats = stats.clone();
+        let (worker_queue, worker_stats) = (queue.clone(), stats.clone());
         let worker = std::thread::Builder::new()
             .name("cachealloc-rec".to_string())
-            .spawn(move || run_worker(writer, rx, worker_stats, on_error))?;
+            .spawn(move || run_worker(writer, &worker_queue, worker_stats, on_error))?;
         Ok(Recorder {
-            tx,
+            queue,
             stats,
             worker: std::sync::Mutex::new(Some(worker)),
         })
     }
 
-    /// Send a record; blocks (counted) while the channel is full. Never drops it.
+    /// Send a record; waits (counted) while the queue is full. Never drops it, unless the
+    /// worker has stopped ([`Recorder::shutdown`]).
     pub fn send(&self, record: Record) {
-        match self.tx.try_send(Message::Record(record)) {
-            Ok(()) => {}
-            Err(TrySendError::Full(message)) => {
-                self.stats.set_congested(true);
-                let start = Instant::now();
-                let _ = self.tx.send(message);
-                self.stats.blocked_sends.fetch_add(1, Ordering::Relaxed);
-                self.stats
-                    .blocked_ns
-                    .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            }
-            Err(TrySendError::Disconnected(_)) => {}
+        self.queue.send(record, |room| self.wait_for_room(room));
+    }
+
+    #[cold]
+    fn wait_for_room(&self, room: &dyn Fn() -> bool) {
+        self.stats.set_congested(true);
+        let start = Instant::now();
+        while !room() {
+            std::thread::sleep(WAIT_FOR_ROOM);
         }
+        self.stats.blocked_sends.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .blocked_ns
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// A control message, in order with the records.
+    fn send_message(&self, message: Message) {
+        self.queue
+            .send_side(message, |room| self.wait_for_room(room));
     }
 
     /// Write a checkpoint of the live state after everything sent so far, and flush it.
     pub fn checkpoint(&self) {
-        let _ = self.tx.send(Message::Checkpoint);
+        self.send_message(Message::Checkpoint);
     }
 
     /// Count a stack the producer chose not to capture or send.
@@ -148,11 +171,10 @@ impl Recorder {
         &self.stats
     }
 
-    /// Whether the worker is behind (producers may shed stacks): the channel was more than
+    /// Whether the worker is behind (producers may shed stacks): the queue was more than
     /// three quarters full when the worker last looked, or a send has found it full since.
     /// Producers ask on every allocation, so this reads a flag the worker publishes, not the
-    /// channel's length: that would read the channel's head, which the worker writes on every
-    /// receive, and so pull a cache line from the worker's core on every allocation.
+    /// queue's backlog, whose head the worker writes and whose tail every send writes.
     pub fn congested(&self) -> bool {
         self.stats.congested.load(Ordering::Relaxed)
     }
@@ -160,21 +182,33 @@ impl Recorder {
     /// Write everything sent so far as a chunk; waits up to `timeout`. Returns whether it did.
     pub fn flush(&self, timeout: Duration) -> bool {
         let (ack_tx, ack_rx) = bounded(1);
-        if self
-            .tx
-            .send_timeout(Message::Flush(ack_tx), timeout)
-            .is_err()
-        {
+        if !self.send_message_within(Message::Flush(ack_tx), Instant::now() + timeout) {
             return false;
         }
         ack_rx.recv_timeout(timeout).is_ok()
+    }
+
+    /// [`Recorder::send_message`], unless the worker has stopped or the queue stays full until
+    /// `deadline` (a stuck worker): then nothing is sent. Returns whether it was sent.
+    fn send_message_within(&self, message: Message, deadline: Instant) -> bool {
+        while self.queue.backlog() >= self.queue.capacity() {
+            if self.queue.stopped() || Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(WAIT_FOR_ROOM);
+        }
+        if self.queue.stopped() {
+            return false;
+        }
+        self.send_message(message);
+        true
     }
 
     /// Flush, finish the current file and stop the worker, waiting up to `timeout`. Returns
     /// whether the worker finished in time. Later sends are ignored.
     pub fn shutdown(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        if self.tx.send_timeout(Message::Shutdown, timeout).is_err() {
+        if !self.send_message_within(Message::Shutdown, deadline) {
             return false;
         }
         let Some(worker) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() else {
@@ -187,6 +221,14 @@ impl Recorder {
             std::thread::sleep(Duration::from_millis(1));
         }
         worker.join().is_ok()
+    }
+}
+
+impl Drop for Recorder {
+    /// A recorder dropped without [`Recorder::shutdown`]: the worker writes what is queued,
+    /// finishes the trace and stops (it holds the queue too, so it would poll for ever).
+    fn drop(&mut self) {
+        self.queue.close();
     }
 }
 
@@ -241,12 +283,24 @@ fn write_samples<C: Clock>(writer: &mut TraceWriter<C>, t: u64) -> io::Result<()
     samples.iter().try_for_each(|r| writer.write(r))
 }
 
+/// Sets the queue's `stopped` when the worker returns or unwinds: senders then never wait.
+struct StopOnExit<'a>(&'a Queue<Message>);
+
+impl Drop for StopOnExit<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
 fn run_worker<C: Clock>(
     mut writer: TraceWriter<C>,
-    rx: Receiver<Message>,
+    queue: &Queue<Message>,
     stats: Arc<RecorderStats>,
     on_error: impl Fn(&io::Error),
 ) {
+    let _stop = StopOnExit(queue);
+    // The next index to read; published to the senders (`release`) as slots are read.
+    let mut head = 0usize;
     let mut last_dropped = (0, 0, 0);
     let mut last_sample = 0u64;
     let mut since_sample = 0usize;
@@ -258,39 +312,53 @@ fn run_worker<C: Clock>(
             on_error(&e);
         }
     };
-    let capacity = rx.capacity().unwrap_or(usize::MAX);
+    let capacity = queue.capacity();
     loop {
-        stats.set_congested(rx.len().saturating_mul(4) > capacity.saturating_mul(3));
+        stats.set_congested(queue.backlog().saturating_mul(4) > capacity.saturating_mul(3));
         let mut handled = 0;
         let mut stop = false;
         while handled < BATCH {
-            match rx.try_recv() {
-                Ok(Message::Record(mut record)) => {
-                    handled += 1;
-                    symbolize(&mut record);
-                    if ok && let Err(e) = writer.write(&record) {
-                        fail(e, &mut ok);
-                    }
-                }
-                Ok(Message::Checkpoint) => {
+            // Whether the queue was closed before this look: then an empty queue is the end.
+            let closed = queue.closed();
+            let record = match queue.take(&mut head) {
+                Some(Taken::Record(record) | Taken::Side(Message::Record(record))) => record,
+                Some(Taken::Side(Message::Checkpoint)) => {
                     if ok && let Err(e) = writer.checkpoint() {
                         fail(e, &mut ok);
                     }
+                    continue;
                 }
-                Ok(Message::Flush(ack)) => {
+                Some(Taken::Side(Message::Flush(ack))) => {
                     if ok && let Err(e) = writer.flush() {
                         fail(e, &mut ok);
                     }
                     let _ = ack.send(());
+                    continue;
                 }
-                Ok(Message::Shutdown) | Err(TryRecvError::Disconnected) => {
+                Some(Taken::Side(Message::Shutdown)) => {
                     stop = true;
                     break;
                 }
-                Err(TryRecvError::Empty) => break,
+                None => {
+                    stop = closed;
+                    break;
+                }
+            };
+            handled += 1;
+            if handled % RELEASE_EVERY == 0 {
+                queue.release(head);
+            }
+            let mut record = record;
+            symbolize(&mut record);
+            if ok && let Err(e) = writer.write(&record) {
+                fail(e, &mut ok);
             }
         }
-        stats.written.fetch_add(handled as u64, Ordering::Relaxed);
+        queue.release(head);
+        // Written only when something was taken: the line is read by the senders.
+        if handled > 0 {
+            stats.written.fetch_add(handled as u64, Ordering::Relaxed);
+        }
         let dropped = (
             stats.stacks_shed.load(Ordering::Relaxed),
             stats.blocked_sends.load(Ordering::Relaxed),
@@ -329,8 +397,8 @@ fn run_worker<C: Clock>(
             fail(e, &mut ok);
         }
         // Sleep unless behind (a full batch means more is queued): draining while producers
-        // send makes both sides fight over the channel's cache lines; a sleeping worker lets
-        // sends hit lines nobody else touches. The channel holds far more than one poll's worth.
+        // send makes both sides fight over the queue's cache lines; a sleeping worker lets
+        // sends hit lines nobody else touches. The queue holds far more than one poll's worth.
         if handled < BATCH {
             std::thread::sleep(POLL);
         }

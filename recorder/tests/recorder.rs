@@ -361,26 +361,23 @@ fn congestion_is_visible_to_producers_and_shed_stacks_are_recorded() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Exit while the recorder is blocked: `shutdown` gives up after its timeout and says so, rather
-/// than hanging the exiting program. The worker is held inside the error callback of a rotation
-/// that failed (the trace directory was removed), as a writer stuck in the kernel would be.
-#[test]
-fn shutdown_gives_up_on_a_blocked_worker_within_its_timeout() {
-    let dir = temp_dir("blocked");
+/// A recorder whose worker is stuck: held inside the error callback of a rotation that failed
+/// (the trace directory was removed), as a writer stuck in the kernel would be, until the
+/// returned sender sends. Small batches are sent, each flushed, until that happens: at most a
+/// batch and a flush are queued then, far below `capacity`.
+fn stuck_recorder(name: &str, capacity: usize) -> (Arc<Recorder>, std::sync::mpsc::Sender<()>) {
+    let dir = temp_dir(name);
     let (blocked_tx, blocked_rx) = std::sync::mpsc::channel::<()>();
     let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
     let release_rx = std::sync::Mutex::new(release_rx);
     let mut config = WriterConfig::new(&dir, 4 << 10, 2, false);
     config.flush_bytes = 1 << 10;
-    let recorder = Recorder::start(config, header(), 1024, move |_| {
+    let recorder = Recorder::start(config, header(), capacity, move |_| {
         let _ = blocked_tx.send(());
         let _ = release_rx.lock().unwrap().recv();
     })
     .unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
-    // Small batches, each flushed, until a rotation into the missing directory holds the
-    // worker (a flush then times out). At most a batch and a flush wait in the channel when it
-    // sticks, far below its capacity: this thread never blocks on a send.
     for batch in workload(10_000).chunks(16) {
         for record in batch {
             recorder.send(record.clone());
@@ -392,10 +389,59 @@ fn shutdown_gives_up_on_a_blocked_worker_within_its_timeout() {
     blocked_rx
         .recv_timeout(Duration::from_secs(10))
         .expect("the writer failed to rotate into the missing directory");
+    (Arc::new(recorder), release_tx)
+}
+
+/// Exit while the recorder is blocked: `shutdown` gives up after its timeout and says so, rather
+/// than hanging the exiting program.
+#[test]
+fn shutdown_gives_up_on_a_blocked_worker_within_its_timeout() {
+    let (recorder, release) = stuck_recorder("blocked", 1024);
     // It returns (a hang would hang this test), and says the worker did not finish.
     assert!(
         !recorder.shutdown(Duration::from_millis(200)),
         "a blocked worker cannot finish"
     );
-    release_tx.send(()).unwrap();
+    release.send(()).unwrap();
+}
+
+/// The queue's bound holds while the worker is stuck: a sender gets at most `capacity` records
+/// in, then waits; once the worker moves again every send completes; and after `shutdown`
+/// sends return at once (nothing drains the queue any more, and nothing waits for it).
+#[test]
+fn a_stuck_worker_holds_senders_at_the_bound_and_a_stopped_one_holds_none() {
+    let capacity = 64;
+    let (recorder, release) = stuck_recorder("bound", capacity);
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let records = workload(2_000);
+    let total = records.len();
+    let producer = {
+        let (recorder, sent) = (recorder.clone(), sent.clone());
+        std::thread::spawn(move || {
+            for record in records {
+                recorder.send(record);
+                sent.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let while_stuck = sent.load(Ordering::SeqCst);
+    assert!(
+        while_stuck > 0 && while_stuck <= capacity,
+        "{while_stuck} sends completed while the worker was stuck (capacity {capacity})"
+    );
+    release.send(()).unwrap();
+    producer.join().unwrap();
+    assert_eq!(sent.load(Ordering::SeqCst), total);
+    assert!(recorder.shutdown(Duration::from_secs(10)));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for record in workload(10 * capacity as u64) {
+            recorder.send(record);
+        }
+        let _ = done_tx.send(());
+    });
+    done_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("sends after shutdown return");
 }

@@ -1,0 +1,102 @@
+//! What one `Recorder::send` costs the program when records come the way a training step makes
+//! them: microseconds apart, with the program's own work in between churning the caches, and the
+//! worker on another core draining the queue every millisecond. (The throughput bench sends back
+//! to back, where the worker is always behind and this cost does not show.) It is the cost the
+//! design's "Where a traced allocation's time goes" names: the cache lines a send pulls from the
+//! worker's core (recorder Note [The hand-off's cache lines]).
+//!
+//! Reported: mean and median nanoseconds per `send`, each timed alone, less the cost of the
+//! timer itself. `GAP_NS` (default 3 000) sets the spacing, `EVENTS` (default 400 000) the
+//! records. Run with `cargo bench -p cachealloc-recorder --bench send_cost`; to compare builds,
+//! alternate their binaries (`target/release/deps/send_cost-*`) several times on one machine.
+//! The machine matters: on the development VM the worker's lines come back cheaply, on the GPU
+//! machine's Xeon each miss cost ~100 ns.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use cachealloc_recorder::schema::*;
+use cachealloc_recorder::{Record, Recorder, WriterConfig};
+use common::header;
+
+mod common;
+
+/// Record `i`: allocations and frees in turn over 4 096 addresses.
+fn record(i: u64) -> Record {
+    let address = 0x7f00_0000_0000 + (i / 2 % 4096) * (32 << 20);
+    if i.is_multiple_of(2) {
+        Record::Alloc(Alloc {
+            t: i * 3000,
+            device: 0,
+            stream: 7,
+            address,
+            requested: 1000,
+            size: 1024,
+            stack: (i % 50) as u32 + 1,
+            thread: 1,
+        })
+    } else {
+        Record::FreeRequested(FreeRequested {
+            t: i * 3000,
+            device: 0,
+            stream: 7,
+            address,
+            size: 1024,
+            stack: 0,
+            thread: 1,
+        })
+    }
+}
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let gap = Duration::from_nanos(env("GAP_NS", 3000));
+    let events = env("EVENTS", 400_000);
+    let dir = std::env::temp_dir().join(format!("cachealloc-send-cost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = WriterConfig::new(&dir, 1 << 30, 4, true);
+    let recorder = Recorder::start(config, header(), 1 << 16, |e| panic!("{e}")).unwrap();
+    // The program's own memory, walked a little between records (16 KiB of 32 MiB each time).
+    let mut work = vec![0u64; 4 << 20];
+    let mut cursor = 0usize;
+    let timer = (0..10_000)
+        .map(|_| {
+            let a = Instant::now();
+            (Instant::now() - a).as_nanos() as u64
+        })
+        .min()
+        .unwrap_or(0);
+    let mut costs = Vec::with_capacity(events as usize);
+    for i in 0..events {
+        let until = Instant::now() + gap;
+        while Instant::now() < until {
+            for _ in 0..256 {
+                work[cursor] = work[cursor].wrapping_add(i);
+                cursor = (cursor + 8) % work.len();
+            }
+        }
+        let r = record(i);
+        let start = Instant::now();
+        recorder.send(black_box(r));
+        costs.push((start.elapsed().as_nanos() as u64).saturating_sub(timer));
+    }
+    black_box(&work);
+    recorder.shutdown(Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mean = costs.iter().sum::<u64>() as f64 / costs.len() as f64;
+    costs.sort_unstable();
+    let at = |q: f64| costs[((costs.len() - 1) as f64 * q) as usize];
+    println!(
+        "send: mean {mean:.1} ns, median {} ns, p90 {} ns, p99 {} ns ({events} records {} ns apart; timer {timer} ns)",
+        at(0.5),
+        at(0.9),
+        at(0.99),
+        gap.as_nanos()
+    );
+}
