@@ -13,7 +13,8 @@
 //! the worker reads once per batch), then writes the record's words and the slot's sequence
 //! number with plain stores (relaxed and release atomics compile to plain moves on x86-64):
 //! a store to a line the worker read waits in the store buffer, not in the pipeline, so the
-//! miss is paid off the program's path. The worker reads slots in index order, each once its
+//! miss is paid off the program's path. (The `fetch_add`, a locked instruction, waits only for
+//! the previous send's stores, long drained when records come microseconds apart.) The worker reads slots in index order, each once its
 //! sequence number says it is written, and publishes how far it has read once per batch; a
 //! sender loads that only to see that the ring has room. The order of the trace is the order of
 //! the claims: records sent under the allocator's lock stay in the lock's order.
