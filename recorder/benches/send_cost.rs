@@ -5,10 +5,10 @@
 //! design's "Where a traced allocation's time goes" names: the cache lines a send pulls from the
 //! worker's core (recorder Note [The hand-off's cache lines]).
 //!
-//! Reported: mean and median nanoseconds per `send`, each timed alone, less the cost of the
-//! timer itself. `GAP_NS` (default 3 000) sets the spacing, `EVENTS` (default 400 000) the
+//! Reported, as `key=value` on one line: mean, median, p90 and p99 nanoseconds per `send`, each
+//! timed alone, less the cost of the timer itself. `GAP_NS` (default 3 000) sets the spacing, `EVENTS` (default 400 000) the
 //! records. Run with `cargo bench -p cachealloc-recorder --bench send_cost`; to compare builds,
-//! alternate their binaries (`target/release/deps/send_cost-*`) several times on one machine.
+//! alternate their binaries (`target/release/deps/send_cost-*`) with `scripts/bench-alternate`.
 //! The machine matters: on the development VM the worker's lines come back cheaply, on the GPU
 //! machine's Xeon each miss cost ~100 ns.
 
@@ -93,10 +93,10 @@ fn main() {
     costs.sort_unstable();
     let at = |q: f64| costs[((costs.len() - 1) as f64 * q) as usize];
     println!(
-        "send: mean {mean:.1} ns, median {} ns, p90 {} ns, p99 {} ns ({events} records {} ns apart; timer {timer} ns)",
+        "send: records={events} gap_ns={} timer_ns={timer} mean_ns={mean:.1} median_ns={} p90_ns={} p99_ns={}",
+        gap.as_nanos(),
         at(0.5),
         at(0.9),
-        at(0.99),
-        gap.as_nanos()
+        at(0.99)
     );
 }
