@@ -269,25 +269,7 @@ fn snapshot_marks_fixed_and_mapped_segments_apart() {
     const MAPPED: u64 = 0x7e00_0000_0000;
     let kinds = |config: &str| {
         let work = scratch(&format!("segment-kinds-{}", config.len()));
-        let header = Header {
-            version: FORMAT_VERSION,
-            file_index: 0,
-            pid: 78,
-            host: "test".into(),
-            rank: -1,
-            local_rank: -1,
-            world_size: -1,
-            cmdline: vec!["python".into()],
-            wall_clock_base_ns: 1_790_000_000_000_000_000,
-            monotonic_base_ns: 0,
-            config: config.into(),
-            devices: vec![DeviceInfo {
-                index: 0,
-                name: "Test GPU".into(),
-                total_memory: 16 << 30,
-            }],
-            modules: vec![],
-        };
+        let header = common::program::header(config);
         let trace = work.join("trace");
         let writer = WriterConfig::new(&trace, 1 << 30, 4, false);
         let mut w = TraceWriter::create(writer, header, MonotonicClock).unwrap();

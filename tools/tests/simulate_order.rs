@@ -24,25 +24,7 @@ const SECOND: u64 = 0x7f10_0000_0000;
 /// (the second grew while the first held no lock). `between` lands between the second
 /// segment's record and its allocation.
 fn race_trace(dir: &Path, between: Option<Record>) {
-    let header = Header {
-        version: FORMAT_VERSION,
-        file_index: 0,
-        pid: 77,
-        host: "test".into(),
-        rank: -1,
-        local_rank: -1,
-        world_size: -1,
-        cmdline: vec!["threads".into()],
-        wall_clock_base_ns: 1_790_000_000_000_000_000,
-        monotonic_base_ns: 0,
-        config: "expandable_segments:False".into(),
-        devices: vec![DeviceInfo {
-            index: 0,
-            name: "Test GPU".into(),
-            total_memory: 16 << 30,
-        }],
-        modules: vec![],
-    };
+    let header = common::program::header("expandable_segments:False");
     let config = WriterConfig::new(dir, 1 << 30, 1, false);
     let mut w = TraceWriter::create(config, header, MonotonicClock).unwrap();
     let segment = |t, address| {

@@ -13,6 +13,29 @@ pub const MIB: u64 = 1 << 20;
 /// The one segment's address; blocks are laid out in it one after the other, never reused.
 pub const BASE: u64 = 0x7f00_0000_0000;
 
+/// The header of a hand-built trace: one 16 GiB device, the shim's config `config`.
+pub fn header(config: &str) -> Header {
+    Header {
+        version: FORMAT_VERSION,
+        file_index: 0,
+        pid: 77,
+        host: "test".into(),
+        rank: -1,
+        local_rank: -1,
+        world_size: -1,
+        cmdline: vec!["python".into(), "train.py".into()],
+        wall_clock_base_ns: 1_790_000_000_000_000_000,
+        monotonic_base_ns: 0,
+        config: config.into(),
+        devices: vec![DeviceInfo {
+            index: 0,
+            name: "Test GPU".into(),
+            total_memory: 16 << 30,
+        }],
+        modules: vec![],
+    }
+}
+
 /// A trace being written, with a clock of its own (1 µs per record).
 pub struct Program {
     w: TraceWriter,
@@ -26,25 +49,7 @@ impl Program {
     /// A trace in `dir`; `rotate_every_flush`: each [`Program::rotate`] starts a new file,
     /// `max_files` of which are kept.
     pub fn new(dir: &Path, rotate_every_flush: bool, max_files: u32) -> Program {
-        let header = Header {
-            version: FORMAT_VERSION,
-            file_index: 0,
-            pid: 77,
-            host: "test".into(),
-            rank: -1,
-            local_rank: -1,
-            world_size: -1,
-            cmdline: vec!["python".into(), "train.py".into()],
-            wall_clock_base_ns: 1_790_000_000_000_000_000,
-            monotonic_base_ns: 0,
-            config: String::new(),
-            devices: vec![DeviceInfo {
-                index: 0,
-                name: "Test GPU".into(),
-                total_memory: 16 << 30,
-            }],
-            modules: vec![],
-        };
+        let header = header("");
         let file_bytes = if rotate_every_flush { 1 } else { 1 << 30 };
         let config = WriterConfig::new(dir, file_bytes, max_files, false);
         let mut w = TraceWriter::create(config, header, MonotonicClock).unwrap();
