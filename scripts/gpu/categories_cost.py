@@ -20,9 +20,7 @@ import models  # noqa: E402
 
 MODEL, ROUNDS, LOG = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
-model, batch, loss_of = models.llama() if MODEL == "llama" else models.cnn()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-step = models.step_fn(model, batch, loss_of, opt)
+step, model = models.build(MODEL)
 def empty_hooks(on):
     """Global hooks that do nothing: the cost of Module.__call__'s slow path alone."""
     handles = []

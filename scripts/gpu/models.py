@@ -5,7 +5,12 @@ with fused AdamW by `step_fn`:
   random weights, batch 8, sequence lengths cycling 256..1024 — about 1 200 allocations a
   step;
 * `cnn()`: residual blocks with batch norm (64 to 512 channels), channels_last, batch 64,
-  images cycling 128..224 pixels — about 460 allocations a step.
+  images cycling 128..224 pixels — about 460 allocations a step;
+* `mlp()` and `gpt2()`: the public workloads `mlp_train.py` and `gpt2_train.py` of
+  `../shared/gpu/` (the same models, batches and losses, fp32 with unfused AdamW), so that
+  their allocation-light steps can be measured within one process too.
+
+`build(name)` gives a workload's step function with its optimizer and precision.
 
 `alternate` is the within-process benchmark those scripts share. Used by categories.py,
 categories_cost.py, recorder_cost.py and train_models.py (import this module)."""
@@ -31,7 +36,7 @@ def llama():
         ids = torch.randint(0, 32000, (8, lengths[step % len(lengths)]), device=dev)
         return (ids,), {"labels": ids}
 
-    def loss_of(out):
+    def loss_of(out, target):
         return out.loss
 
     return model, batch, loss_of
@@ -80,8 +85,45 @@ def cnn():
     return model, batch, None
 
 
-def step_fn(model, batch, loss_of, opt):
-    """One training step `step(i)` on batch `i`: forward under bf16 autocast (the loss kept,
+def mlp():
+    block = lambda: nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.LayerNorm(1024))
+    model = nn.Sequential(*[block() for _ in range(8)]).to(dev)
+
+    def batch(step):
+        bs = 64 * (1 + step % 4)
+        return (torch.randn(bs, 1024, device=dev),), {"target": torch.randn(bs, 1024, device=dev)}
+
+    return model, batch, lambda out, target: nn.functional.mse_loss(out, target)
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=6, n_embd=768, n_head=12, vocab_size=32000, n_positions=1024,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).to(dev)
+    lengths = [128, 512, 256, 1024, 384]
+
+    def batch(step):
+        ids = torch.randint(0, 32000, (8, lengths[step % len(lengths)]), device=dev)
+        return (), {"input_ids": ids, "labels": ids}
+
+    return model, batch, lambda out, target: out.loss
+
+
+def build(name):
+    """`(step, model)` for the workload `name` (llama, cnn, mlp, gpt2): the allocation-heavy
+    ones under bf16 autocast with fused AdamW, mlp and gpt2 as their public scripts train
+    them (fp32, AdamW unfused)."""
+    heavy = name in ("llama", "cnn")
+    model, batch, loss_of = {"llama": llama, "cnn": cnn, "mlp": mlp, "gpt2": gpt2}[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=heavy)
+    return step_fn(model, batch, loss_of, opt, autocast=heavy), model
+
+
+def step_fn(model, batch, loss_of, opt, autocast=True):
+    """One training step `step(i)` on batch `i`: forward under bf16 autocast unless `autocast`
+    is False (the loss kept,
     the model's outputs dropped, as transformers' Trainer does), backward, the optimizer's
     step, `zero_grad(set_to_none=True)`. With `pack`, the forward runs under
     `saved_tensors_hooks(pack, …)` (pack must return its tensor); with `at`, `at(name, i, args)`
@@ -90,14 +132,14 @@ def step_fn(model, batch, loss_of, opt):
     def step(i, pack=None, at=None):
         args, kwargs = batch(i)
         target = kwargs.pop("target", None)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             if pack is not None:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = model(*args, **kwargs)
-                    loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
+                    loss = loss_of(out, target) if loss_of else nn.functional.cross_entropy(out, target)
             else:
                 out = model(*args, **kwargs)
-                loss = loss_of(out) if loss_of else nn.functional.cross_entropy(out, target)
+                loss = loss_of(out, target) if loss_of else nn.functional.cross_entropy(out, target)
         # The loss is kept, the outputs dropped, as transformers' Trainer does.
         del out
         if at:

@@ -1,5 +1,5 @@
-"""What the trace costs a training step (issue 25), measured within one process: the Llama or
-the CNN of models.py trained under the shim (trace on), step by step with one part of the
+"""What the trace costs a training step (issue 25), measured within one process: a workload of
+models.py (llama, cnn, mlp, gpt2) trained under the shim (trace on), step by step with one part of the
 trace on and paused, each round running the same step both ways in alternating order, each
 timed step after an untimed one. SWITCH (env) says which part:
   stacks (default)  stack capture (`cachealloc_stacks_pause`; records go on, with no stack):
@@ -24,9 +24,7 @@ pause = getattr(ctypes.CDLL(None), "cachealloc_stacks_pause" if SWITCH == "stack
 pause.argtypes = [ctypes.c_int]
 pause.restype = ctypes.c_int
 torch.manual_seed(0)
-model, batch, loss_of = models.llama() if MODEL == "llama" else models.cnn()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-step = models.step_fn(model, batch, loss_of, opt)
+step, model = models.build(MODEL)
 for i in range(6):
     step(i)
 before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)

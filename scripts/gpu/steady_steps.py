@@ -19,9 +19,7 @@ import models  # noqa: E402
 lib = ctypes.CDLL(None)
 what = os.environ.get("PAUSE", "none")
 torch.manual_seed(0)
-model, batch, loss_of = models.llama()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-step = models.step_fn(model, batch, loss_of, opt)
+step, model = models.build("llama")
 for i in range(8):
     step(i)
 if what == "trace":
