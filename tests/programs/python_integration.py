@@ -189,6 +189,43 @@ def check_profiler(torch, glob):
         fail(f"the profiler's totals or device are wrong: {got}")
 
 
+def check_segments_walk(glob, live):
+    """`cachealloc_segments_walk`, what the C++ allocator for PyTorch builds its `snapshot()`
+    from: every segment of the device's pools with its pool's id, its blocks tiling it from
+    its address, and each block of `live` ({address: (pool id, requested size)}) allocated in
+    its pool's segment with its requested size."""
+    FIELDS = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64))
+    segments = []
+
+    @FIELDS
+    def segment(_, f):
+        segments.append({"fields": [f[i] for i in range(8)], "blocks": []})
+
+    @FIELDS
+    def block(_, f):
+        segments[-1]["blocks"].append([f[i] for i in range(4)])
+
+    walk = glob.cachealloc_segments_walk
+    walk.restype = ctypes.c_int
+    walk.argtypes = [ctypes.c_int, FIELDS, FIELDS, ctypes.c_void_p]
+    if walk(0, segment, block, None) != len(segments) or not segments:
+        fail(f"cachealloc_segments_walk told {len(segments)} segments")
+    found = {}
+    for seg in segments:
+        address, total, first, second = seg["fields"][:4]
+        at = address
+        for b_address, size, requested, state in seg["blocks"]:
+            if b_address != at or state > 3:
+                fail(f"a block at {b_address} (state {state}) where the segment's next starts at {at}")
+            at += size
+            if b_address in live and state == 0:
+                found[b_address] = ((first, second), requested)
+        if at != address + total:
+            fail(f"the blocks of a {total}-byte segment end at {at - address}")
+    if found != live:
+        fail(f"cachealloc_segments_walk found the live blocks {found}, expected {live}")
+
+
 def check_record_stream(torch, glob):
     """Tensor.record_stream is the library's for its blocks: a block freed while work on a
     recorded stream may still use it is not reused until that work is done; PyTorch's backend
@@ -470,6 +507,7 @@ else:
              f"(pool {pool.id}), {ids.get(ptr.value)} for an ordinary one")
     if memory.MemPool().id[1] <= pool.id[1]:
         fail("MemPool ids do not follow graph_pool_handle's counter")
+    check_segments_walk(glob, {inside.value: (tuple(pool.id), 1 << 20), ptr.value: ((0, 0), 3 << 20)})
 
     # A pool of the program's own allocator: segments from its functions, whose own
     # cudaMalloc/cudaFree reach CUDA.

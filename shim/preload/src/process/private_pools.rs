@@ -38,7 +38,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use cachealloc_core::{Allocator, FreeError, Stats};
+use cachealloc_core::{Allocator, FreeError, SegmentSnapshot, Stats};
 
 use super::Shim;
 use crate::backend::{CudaDevice, ForeignAllocator};
@@ -400,35 +400,44 @@ impl Shim {
         });
     }
 
-    /// The segments of `device`'s pools — the ordinary pool's and every private pool's — as a
-    /// JSON list of `[address, size, first, second, expandable]`: each segment's span (an
-    /// expandable segment's whole address range), its pool's id as PyTorch's pair ((0, 0) for
-    /// the ordinary pool; Note [Private pools]) and whether it is expandable (0 or 1). What the
-    /// trace does not say of a segment, for the snapshot's `segment_pool_id` and `is_expandable`.
+    /// The segments of `device`'s pools — the ordinary pool's and every private pool's — each
+    /// with its pool's id as the library keys it (0 for the ordinary pool; PyTorch's pair is
+    /// `(id >> 32, id & 0xFFFF_FFFF)`: Note [Private pools]), with their blocks.
+    pub fn segment_snapshots(&self, device: i32) -> Vec<(u64, SegmentSnapshot)> {
+        let mut segments = Vec::new();
+        if let Some(alloc) = self.allocator_of(device) {
+            segments.extend(alloc.snapshot().into_iter().map(|s| (0, s)));
+        }
+        if self.private_pools.any.load(Ordering::Acquire) {
+            let pools = self.private_pools.pools.read();
+            let pools = pools.unwrap_or_else(|p| p.into_inner());
+            for pool in pools.iter().filter(|p| p.device == device) {
+                segments.extend(pool.alloc.snapshot().into_iter().map(|s| (pool.id, s)));
+            }
+        }
+        segments
+    }
+
+    /// [`Shim::segment_snapshots`] as a JSON list of `[address, size, first, second,
+    /// expandable]`: each segment's span (an expandable segment's whole address range), its
+    /// pool's id as PyTorch's pair ((0, 0) for the ordinary pool) and whether it is expandable
+    /// (0 or 1). What the trace does not say of a segment, for the snapshot's
+    /// `segment_pool_id` and `is_expandable`.
     pub fn segments_json(&self, device: i32) -> String {
-        let mut rows = Vec::new();
-        let mut add = |alloc: &Allocator<CudaDevice, DeviceObserver>, id: u64| {
-            for segment in alloc.snapshot() {
-                rows.push(format!(
+        let rows: Vec<String> = self
+            .segment_snapshots(device)
+            .iter()
+            .map(|(id, segment)| {
+                format!(
                     "[{},{},{},{},{}]",
                     segment.address,
                     segment.total_size,
                     id >> 32,
                     id & 0xFFFF_FFFF,
                     segment.expandable as u8
-                ));
-            }
-        };
-        if let Some(alloc) = self.allocator_of(device) {
-            add(alloc, 0);
-        }
-        if self.private_pools.any.load(Ordering::Acquire) {
-            let pools = self.private_pools.pools.read();
-            let pools = pools.unwrap_or_else(|p| p.into_inner());
-            for pool in pools.iter().filter(|p| p.device == device) {
-                add(&pool.alloc, pool.id);
-            }
-        }
+                )
+            })
+            .collect();
         format!("[{}]", rows.join(","))
     }
 

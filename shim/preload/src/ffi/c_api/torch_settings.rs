@@ -1,9 +1,11 @@
 //! The C API's calls for PyTorch's memory settings at run time, made by the Python
 //! integration (see [`crate::process`]'s `torch_settings`): the memory fraction, the allocator
-//! settings, caching on or off, `record_stream`; and each segment's pool and kind, for
+//! settings, caching on or off, `record_stream`; and the segments with their pools, kinds and blocks, for
 //! PyTorch's snapshots.
 
-use std::ffi::{c_char, c_int};
+use std::ffi::{c_char, c_int, c_void};
+
+use cachealloc_core::{BlockState, PoolKind};
 
 use super::write_text;
 use crate::cuda::{self, CudaError};
@@ -128,4 +130,60 @@ pub extern "C" fn cachealloc_record_stream(address: u64, stream: usize) -> c_int
         },
         || 1,
     )
+}
+
+/// Told of a segment by [`cachealloc_segments_walk`]: `(context, fields)`, the fields being
+/// `[address, total_size, pool_first, pool_second, expandable, large, stream, requested]`
+/// (`large`: 1 for the large pool's segments; `stream`: the library's key of the stream it
+/// serves; `requested`: the requested bytes of its active blocks).
+pub type SegmentFn = extern "C" fn(*mut c_void, *const u64);
+/// Told of each block of the segment last told, in address order from the segment's start:
+/// `(context, fields)`, the fields being `[address, size, requested, state]`, `state` 0 for
+/// allocated, 1 for freed and waiting for the device (active), 2 for free, 3 for address
+/// space of an expandable segment with no memory behind it.
+pub type BlockFn = extern "C" fn(*mut c_void, *const u64);
+
+/// Tell `segment` of each segment of `device`'s pools (the ordinary pool, graph pools and
+/// `MemPool`s), each followed by its blocks through `block`: the layout PyTorch's
+/// `snapshot()` describes, for the C++ allocator the Python integration installs. Returns the
+/// number of segments told (0 without pools).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_segments_walk(
+    device: c_int,
+    segment: SegmentFn,
+    block: BlockFn,
+    context: *mut c_void,
+) -> c_int {
+    let segments = guarded(
+        "cachealloc_segments_walk",
+        || process::shim().map(|s| s.segment_snapshots(device)),
+        || None,
+    )
+    .unwrap_or_default();
+    for (pool, s) in &segments {
+        let fields = [
+            s.address,
+            s.total_size,
+            pool >> 32,
+            pool & 0xFFFF_FFFF,
+            s.expandable as u64,
+            (s.pool == PoolKind::Large) as u64,
+            s.stream,
+            s.requested_size,
+        ];
+        segment(context, fields.as_ptr());
+        for b in &s.blocks {
+            let state = match b.state {
+                BlockState::Active => 0,
+                BlockState::PendingFree => 1,
+                BlockState::Free => 2,
+                BlockState::Unmapped => 3,
+            };
+            block(
+                context,
+                [b.address, b.size, b.requested_size, state].as_ptr(),
+            );
+        }
+    }
+    segments.len() as c_int
 }
