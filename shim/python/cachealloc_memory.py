@@ -8,6 +8,16 @@ import os
 import sys
 
 from cachealloc_common import c_functions, pool_key, say, text, torch_backend, warn
+from cachealloc_history import (
+    History,
+    get_metadata,
+    record_history,
+    record_history_legacy,
+    set_metadata,
+    snapshot_from_trace,
+    with_library_facts,
+    with_pytorch_frames,
+)
 
 
 def _memory_api():
@@ -39,201 +49,6 @@ def nested_stats(flat):
             level = level.setdefault(part, {})
         level[parts[-1]] = value
     return out
-
-
-def _cachealloc_binary():
-    """The `cachealloc` command beside the preloaded library."""
-    for entry in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
-        if os.path.basename(entry).startswith("libcachealloc"):
-            candidate = os.path.join(os.path.dirname(os.path.abspath(entry)), "cachealloc")
-            if os.access(candidate, os.X_OK):
-                return candidate
-    return None
-
-
-class _History:
-    """What `_record_memory_history` asked, over time: each change with the trace's time at the
-    call, which `cachealloc snapshot --history` applies (what each setting keeps, as PyTorch's
-    native allocator keeps it: docs in the tool's `snapshot::history`). Before the first call
-    nothing shows, as natively; a program that never calls it gets the recorder's whole
-    history."""
-
-    changes = []
-    max_entries = 100_000
-    # Changes passed to the tool at most (the last ones; a program that toggles its history
-    # every step need not make the command line grow without end).
-    keep = 4096
-    # PyTorch's own `_cuda_record_memory_history` (the compiled regions: Note [Compile regions]).
-    native = None
-
-
-_ENABLED = (None, "state", "all")
-_CONTEXT = (None, "state", "alloc", "all")
-_STACKS = ("python", "all")
-
-
-#: The actions `skip_actions` may name (the entries' `action` in `device_traces`).
-_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
-            "segment_map", "segment_unmap", "snapshot", "oom", "user_defined")
-
-
-def _record_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, *rest, **kw):
-    # PyTorch passes (clear_history, compile_context, global_record_annotations, skip_actions)
-    # after max_entries.
-    skip = list(rest[3] if len(rest) > 3 else kw.get("skip_actions") or [])
-    for action in skip:
-        if action not in _ACTIONS:
-            raise RuntimeError(
-                f"Invalid action {action!r} in skip_actions; expected some of: {', '.join(_ACTIONS)}"
-            )
-    # The values PyTorch accepts.
-    for value, valid, what in (
-        (enabled, _ENABLED, "enabled"),
-        (context, _CONTEXT, "context"),
-        (stacks, _STACKS, "stacks"),
-    ):
-        if value not in valid:
-            choices = ", ".join(repr(v) for v in valid)
-            raise RuntimeError(f"Invalid option {what}={value!r}; expected one of: {choices}")
-    api = c_functions(history="cachealloc_memory_history")
-    if api is None:
-        return
-    import ctypes
-
-    api.history.restype = ctypes.c_uint64
-    api.history.argtypes = [ctypes.c_int, ctypes.c_int]
-    # Free stacks are captured only while the program keeps them (events with context="all"),
-    # C++ frames while it asks for them (stacks="all", PyTorch's default, which costs natively
-    # too).
-    t = api.history(
-        1 if enabled == "all" and context == "all" else 0,
-        1 if enabled is not None and context is not None and stacks == "all" else 0,
-    )
-    compile_context = rest[1] if len(rest) > 1 else kw.get("compile_context", False)
-    import cachealloc_torch_allocator
-
-    cachealloc_torch_allocator.tell_compile_regions(
-        _History.native, enabled, compile_context, (enabled, context, stacks, max_entries, *rest), kw
-    )
-    if enabled is None:
-        context = None
-    _History.changes.append((t, enabled or "none", context or "none", stacks, "+".join(skip)))
-    del _History.changes[: -_History.keep]
-    if enabled is not None and isinstance(max_entries, int) and max_entries > 0:
-        _History.max_entries = max_entries
-
-
-class _Metadata:
-    """What `_set_memory_metadata` set, over time: each text with the trace's time at the call,
-    which `cachealloc snapshot --metadata` puts on the events recorded from then on (as
-    `user_metadata`, as PyTorch's native allocator does)."""
-
-    changes = []
-    current = ""
-    keep = 4096
-
-
-def _set_metadata(metadata):
-    import ctypes
-
-    api = c_functions(now="cachealloc_trace_time")
-    if api is None:
-        return
-    api.now.restype = ctypes.c_uint64
-    api.now.argtypes = []
-    _Metadata.current = str(metadata)
-    _Metadata.changes.append((api.now(), _Metadata.current))
-    del _Metadata.changes[: -_Metadata.keep]
-
-
-def _get_metadata():
-    return _Metadata.current
-
-
-def _record_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
-                           trace_alloc_record_context=False, record_context_cpp=False, *rest, **kw):
-    """`_record_memory_history(True, …)`, PyTorch's older form, in the newer one's terms."""
-    if not enabled:
-        return _record_history(None, None, "python")
-    context = "alloc" if trace_alloc_record_context else ("state" if record_context else None)
-    return _record_history(
-        "all" if trace_alloc_max_entries > 1 else "state",
-        context,
-        "all" if record_context_cpp else "python",
-        max(trace_alloc_max_entries, 1),
-    )
-
-
-def _snapshot_from_trace(flush):
-    import pickle
-    import subprocess
-    import tempfile
-
-    trace = text(flush)
-    if not trace:
-        raise RuntimeError(
-            "cachealloc: no trace to take a snapshot from (CACHEALLOC_CONF has trace:off, "
-            "or the trace could not be written)"
-        )
-    tool = _cachealloc_binary()
-    if tool is None:
-        raise RuntimeError(
-            "cachealloc: the `cachealloc` command was not found beside the preloaded library"
-        )
-    events = min(_History.max_entries, 10_000_000)
-    history = ",".join(":".join(str(part) for part in change) for change in _History.changes)
-    with tempfile.TemporaryDirectory() as scratch:
-        out = os.path.join(scratch, "snapshot.pickle")
-        texts = []
-        import json
-        import cachealloc_torch_allocator
-
-        for flag, changes in (
-            ("--metadata", _Metadata.changes),
-            ("--compile-context", cachealloc_torch_allocator.compile_regions()),
-        ):
-            if changes:
-                path = os.path.join(scratch, flag.strip("-") + ".json")
-                with open(path, "w") as f:
-                    json.dump(changes, f)
-                texts += [flag, path]
-        done = subprocess.run(
-            [tool, "snapshot", trace, "--events", str(events), "-o", out]
-            + (["--history", history] if history else [])
-            + texts,
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"cachealloc snapshot failed: {done.stderr.strip()}")
-        with open(out, "rb") as f:
-            snapshot = pickle.load(f)
-    return snapshot
-
-
-def _with_library_facts(snapshot):
-    """`snapshot` with what the library knows of each segment and the trace does not say: its
-    pool (`segment_pool_id`: a graph pool's or a MemPool's id) and whether it is expandable (the
-    program may switch expandable segments at run time)."""
-    import ctypes
-    import json
-
-    api = c_functions(segments="cachealloc_segments_json")
-    if api is None:
-        return snapshot
-    api.segments.restype = ctypes.c_size_t
-    api.segments.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    spans = {}
-    for device in {s.get("device", 0) for s in snapshot.get("segments", [])}:
-        spans[device] = json.loads(text(api.segments, int(device)) or "[]")
-    for segment in snapshot.get("segments", []):
-        address = segment.get("address", 0)
-        for start, size, first, second, expandable in spans.get(segment.get("device", 0), []):
-            if start <= address < start + size:
-                segment["segment_pool_id"] = (first, second)
-                segment["is_expandable"] = bool(expandable)
-                break
-    return snapshot
 
 
 def _mem_pool_api():
@@ -497,11 +312,11 @@ def adjust(memory):
         # whole allocator.
         if pools is not None and isinstance(which, tuple) and len(which) >= 2 and tuple(which[:2]) != (0, 0):
             return _pool_snapshot(pools, which[:2])
-        return _with_library_facts(_snapshot_from_trace(flush))
+        return with_pytorch_frames(with_library_facts(snapshot_from_trace(flush)))
 
     def history_enabled():
         # What the program asked for (the recorder keeps the history anyway).
-        return bool(_History.changes) and _History.changes[-1][1] != "none"
+        return bool(History.changes) and History.changes[-1][1] != "none"
 
     native._cuda_memoryStats = memory_stats
     native._cuda_resetAccumulatedMemoryStats = reset_accumulated
@@ -567,14 +382,16 @@ def adjust(memory):
         caching.enable.restype = ctypes.c_int
         caching.enable.argtypes = [ctypes.c_int]
         native._cuda_cudaCachingAllocator_enable = lambda value: caching.enable(1 if value else 0) and None
-    if native._cuda_record_memory_history is not _record_history:
-        _History.native = native._cuda_record_memory_history
-    native._cuda_record_memory_history = _record_history
+    if native._cuda_record_memory_history is not record_history:
+        History.native = native._cuda_record_memory_history
+    native._cuda_record_memory_history = record_history
     if hasattr(native, "_cuda_record_memory_history_legacy"):
-        native._cuda_record_memory_history_legacy = _record_history_legacy
+        native._cuda_record_memory_history_legacy = record_history_legacy
+    if History.native_snapshot is None:
+        History.native_snapshot = native._cuda_memorySnapshot
     native._cuda_memorySnapshot = memory_snapshot
-    native._cuda_setMemoryMetadata = _set_metadata
-    native._cuda_getMemoryMetadata = _get_metadata
+    native._cuda_setMemoryMetadata = set_metadata
+    native._cuda_getMemoryMetadata = get_metadata
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "Tensor"):
         _record_stream(torch.Tensor)

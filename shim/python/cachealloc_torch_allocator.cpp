@@ -31,8 +31,10 @@
 // is answered "cudaMallocAsync", as it configured. (PyTorch checks, when it parses its settings
 // again, that the backend they name is the allocator's name: the integration takes the
 // shim's `backend:cudaMallocAsync` out of them.) The rest of those features are
-// served in Python (cachealloc_memory.py), which replaces the `torch._C` entry points that
-// would reach this allocator's snapshot, history and IPC methods.
+// served in Python (cachealloc_memory.py, cachealloc_history.py), which replaces the `torch._C`
+// entry points that would reach this allocator's statistics and IPC methods; the snapshot
+// the program gets comes from the library's trace, with the frames of PyTorch's own contexts
+// that this allocator keeps (cachealloc_torch_history.h, Note [PyTorch's own contexts]).
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -42,6 +44,9 @@
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
+
+#include "cachealloc_torch_history.h"
+#include "cachealloc_torch_library.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -63,54 +68,6 @@ using c10::DeviceIndex;
 using c10::MempoolId_t;
 using c10::cuda::CUDAGuard;
 
-// The preloaded library's C API (cachealloc's ffi/c_api): found at installation.
-struct Library {
-  using Address = void (*)(void*, uint64_t);
-  using Block = void (*)(void*, uint64_t, uint64_t, uint64_t);
-  void* (*checkpoint)(int, uint64_t) = nullptr;
-  void (*checkpoint_drop)(void*) = nullptr;
-  int (*restore)(const void*, Address, Block, void*) = nullptr;
-  int (*live_blocks)(int, uint64_t, Address, void*) = nullptr;
-  int (*record_stream)(uint64_t, size_t) = nullptr;
-  int (*mem_pool_retain)(int, uint64_t, unsigned, void*, void*) = nullptr;
-  int (*mem_pool_use_count)(int, uint64_t) = nullptr;
-
-  bool load() {
-    return find(checkpoint, "cachealloc_pool_checkpoint") &&
-        find(checkpoint_drop, "cachealloc_pool_checkpoint_drop") &&
-        find(restore, "cachealloc_pool_restore") &&
-        find(live_blocks, "cachealloc_pool_live_blocks") &&
-        find(record_stream, "cachealloc_record_stream") &&
-        find(mem_pool_retain, "cachealloc_mem_pool_retain") &&
-        find(mem_pool_use_count, "cachealloc_mem_pool_use_count");
-  }
-
- private:
-  template <typename F>
-  static bool find(F& fn, const char* name) {
-    fn = reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
-    return fn != nullptr;
-  }
-};
-
-Library library;
-
-// The library's name for PyTorch's pool id (the Python integration's `pool_key`).
-uint64_t pool_key(MempoolId_t id) {
-  return ((id.first & 0xFFFFFFFFull) << 32) | (id.second & 0xFFFFFFFFull);
-}
-
-// A pool's checkpoint: the library's, released with this.
-struct PoolState : AllocatorState {
-  explicit PoolState(void* handle) : handle(handle) {}
-  ~PoolState() override {
-    library.checkpoint_drop(handle);
-  }
-  PoolState(const PoolState&) = delete;
-  PoolState& operator=(const PoolState&) = delete;
-  void* handle;
-};
-
 // What the allocator knows of a pointer it handed out.
 struct Usage {
   cudaStream_t stream;
@@ -119,63 +76,17 @@ struct Usage {
   // Streams `record_stream` named that the library could not take (memory that is not in
   // its pools): the free waits for them on the device.
   std::vector<cudaStream_t> other_streams;
+  // PyTorch's context of the allocation, while its history asks for one (Note [PyTorch's own
+  // contexts]).
+  std::shared_ptr<c10::GatheredContext> context = nullptr;
 };
+
+// Whether the `recordHistory` call in progress comes from the Python integration (Note
+// [PyTorch's own contexts]): set around its call by `cachealloc_torch_history_source`.
+std::atomic<bool> history_call_from_integration{false};
 
 void raw_delete_fn(void* ptr);
 
-// Note [Compile regions]
-// ~~~~~~~~~~~~~~~~~~~~~~
-// `_record_memory_history(compile_context=True)` makes PyTorch tell the allocator when a
-// thread enters and leaves a region `torch.compile` made ("Torch-Compiled Region: 0/0"); its
-// snapshot names on each entry of `device_traces` the region its thread was in ("N/A" outside
-// any). Ours come from the library's trace, which knows no regions: the allocator keeps each
-// change (the trace's time, the region now innermost) and the Python integration hands them
-// to `cachealloc snapshot --compile-context`, which names each entry by the change in force
-// at its time. By time, not by thread (PyTorch's stack is the thread's own); the last
-// `kKeptChanges` changes are kept, so compiled code called for ever does not grow it.
-constexpr const char* kNoCompileRegion = "N/A";
-
-std::vector<std::string>& compile_stack() {
-  thread_local std::vector<std::string> stack;
-  return stack;
-}
-
-struct CompileRegions {
-  static constexpr size_t kKeptChanges = 1 << 16;
-
-  void change(const std::string& region) {
-    static auto now = reinterpret_cast<uint64_t (*)()>(dlsym(RTLD_DEFAULT, "cachealloc_trace_time"));
-    if (now == nullptr) {
-      return;
-    }
-    uint64_t t = now();
-    std::lock_guard<std::mutex> lock(mutex);
-    if (changes.size() >= kKeptChanges) {
-      changes.erase(changes.begin(), changes.begin() + kKeptChanges / 2);
-    }
-    changes.emplace_back(t, region);
-  }
-
-  // "TIME\tREGION\n" per change (tabs and newlines in a name become spaces).
-  std::string text() {
-    std::lock_guard<std::mutex> lock(mutex);
-    std::string out;
-    for (const auto& [t, region] : changes) {
-      out += std::to_string(t);
-      out += '\t';
-      for (char c : region) {
-        out += (c == '\t' || c == '\n') ? ' ' : c;
-      }
-      out += '\n';
-    }
-    return out;
-  }
-
-  std::mutex mutex;
-  std::vector<std::pair<uint64_t, std::string>> changes;
-};
-
-CompileRegions compile_regions;
 
 class Allocator final : public CUDAAllocator {
  public:
@@ -342,9 +253,32 @@ class Allocator final : public CUDAAllocator {
     C10_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
   }
 
-  // Snapshots are served in Python (`_cuda_memorySnapshot`) from the library's trace.
-  SnapshotInfo snapshot(MempoolId_t, bool) override {
-    return {};
+  // The library's segments and blocks with PyTorch's contexts, and the history this allocator
+  // kept (Note [PyTorch's own contexts]). The Python integration serves `_cuda_memorySnapshot`
+  // from the library's trace, and lays these contexts' frames over it.
+  SnapshotInfo snapshot(MempoolId_t pool, bool include_traces) override {
+    SnapshotInfo info;
+    size_t devices = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      devices = devices_.size();
+      auto context_of = [this](void* ptr) -> std::shared_ptr<c10::GatheredContext> {
+        auto it = usage_.find(ptr);
+        return it == usage_.end() ? nullptr : it->second.context;
+      };
+      for (size_t d = 0; d < devices; ++d) {
+        if (devices_[d]) {
+          add_segments(static_cast<DeviceIndex>(d), pool, context_of, info);
+        }
+      }
+    }
+    if (include_traces) {
+      info.device_traces = history_.traces(devices);
+    }
+    info.config_metadata.max_split_size = SIZE_MAX;
+    info.config_metadata.expandable_segments = std::any_of(
+        info.segments.begin(), info.segments.end(), [](const SegmentInfo& s) { return s.is_expandable; });
+    return info;
   }
 
   // Captures tell the library their pool from Python (`CUDAGraph.capture_begin`), and
@@ -387,9 +321,10 @@ class Allocator final : public CUDAAllocator {
     TORCH_CHECK(false, "cachealloc: CUDA IPC is served by the Python integration (UntypedStorage._new_shared_cuda)");
   }
 
-  // History is always recorded (the trace); its settings are the Python integration's.
+  // The trace records history always; this is whether PyTorch's `recordHistory` asked for it
+  // (Note [PyTorch's own contexts]).
   bool isHistoryEnabled() override {
-    return false;
+    return history_.enabled();
   }
 
   // PyTorch's record-function callbacks, installed by `_record_memory_history(...,
@@ -408,7 +343,21 @@ class Allocator final : public CUDAAllocator {
     compile_regions.change(stack.empty() ? std::string(kNoCompileRegion) : stack.back());
   }
 
-  void recordHistory(bool, CreateContextFn, size_t, RecordContext, bool, const std::vector<std::string>&) override {}
+  void recordHistory(bool enabled, CreateContextFn recorder, size_t max_entries, RecordContext when, bool clear,
+                     const std::vector<std::string>& skip_actions) override {
+    history_.record(enabled, recorder, max_entries, when, clear, skip_actions,
+                    history_call_from_integration.load(std::memory_order_acquire));
+  }
+
+  // How many of PyTorch's contexts the allocator holds: on live pointers and in its history.
+  size_t history_contexts() {
+    size_t n = history_.contexts();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [ptr, usage] : usage_) {
+      n += usage.context != nullptr;
+    }
+    return n;
+  }
 
   // Observers attach in Python (`_cuda_attach_out_of_memory_observer`).
   void attachOutOfMemoryObserver(OutOfMemoryObserver) override {}
@@ -498,12 +447,20 @@ class Allocator final : public CUDAAllocator {
       C10_CUDA_CHECK(cudaEventDestroy(event));
     }
     C10_CUDA_CHECK(cudaFreeAsync(ptr, usage.stream));
+    if (history_.enabled()) {
+      // The library reuses the block once the stream's work is done; PyTorch's books count
+      // the free complete at once, as its `cudaMallocAsync` backend does.
+      auto context = history_.gather(true);
+      history_.add(TraceEntry::FREE_REQUESTED, usage.device, ptr, usage.size, usage.stream, context);
+      history_.add(TraceEntry::FREE_COMPLETED, usage.device, ptr, usage.size, usage.stream, context);
+    }
   }
 
  private:
   void* malloc_on(DeviceIndex device, size_t size, cudaStream_t stream) {
     CUDAGuard guard(device);
     use_device(device);
+    auto context = history_.gather(false);
     void* ptr = nullptr;
     cudaError_t err = cudaMallocAsync(&ptr, size, stream);
     if (err == cudaErrorMemoryAllocation) {
@@ -516,8 +473,11 @@ class Allocator final : public CUDAAllocator {
                        " is free. (cachealloc: see its out-of-memory report above)");
     }
     C10_CUDA_CHECK(err);
+    if (history_.enabled()) {
+      history_.add(TraceEntry::ALLOC, device, ptr, size, stream, context);
+    }
     std::lock_guard<std::mutex> lock(mutex_);
-    usage_[ptr] = Usage{stream, device, size, {}};
+    usage_[ptr] = Usage{stream, device, size, {}, history_.enabled() ? std::move(context) : nullptr};
     return ptr;
   }
 
@@ -553,6 +513,7 @@ class Allocator final : public CUDAAllocator {
   }
 
   std::string name_ = "native";
+  History history_;
   std::mutex mutex_;
   std::unordered_map<void*, Usage> usage_;
   std::vector<bool> devices_;
@@ -597,4 +558,15 @@ extern "C" __attribute__((visibility("default"))) int cachealloc_torch_allocator
   allocator.store(&cachealloc_torch::instance);
   c10::SetAllocator(c10::DeviceType::CUDA, &cachealloc_torch::instance);
   return 0;
+}
+
+// The Python integration's `recordHistory` calls are made between `(1)` and `(0)` (Note
+// [PyTorch's own contexts]).
+extern "C" __attribute__((visibility("default"))) void cachealloc_torch_history_source(int integration) {
+  cachealloc_torch::history_call_from_integration.store(integration != 0, std::memory_order_release);
+}
+
+// How many of PyTorch's contexts the allocator holds (0: its snapshot has no frames to add).
+extern "C" __attribute__((visibility("default"))) size_t cachealloc_torch_history_contexts() {
+  return cachealloc_torch::instance.history_contexts();
 }

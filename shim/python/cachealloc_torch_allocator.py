@@ -4,8 +4,9 @@ imported, before CUDA is first used (`cachealloc_torch_allocator.cpp`, Note [Gra
 the shim]). With it, CUDA graph trees (`torch.compile(mode="reduce-overhead")`'s default) work
 on the library's pools.
 
-The build runs once per PyTorch build, compiler and source: about six seconds, with one
-message, into `$XDG_CACHE_HOME/cachealloc/torch-allocator/<hash>/` (else `~/.cache/…`);
+The build runs once per PyTorch build, compiler and sources (the `.cpp` and its headers):
+about six seconds, with one message, into `$XDG_CACHE_HOME/cachealloc/torch-allocator/<hash>/`
+(else `~/.cache/…`);
 processes that start together wait for one build (a file lock). It needs a C++ compiler
 (`$CXX`, else `c++` or `g++`) and CUDA's runtime headers with their `crt/` directory (a CUDA
 toolkit: `$CUDA_HOME`, `/usr/local/cuda`; or the `nvidia-cuda-runtime` and `nvidia-cuda-crt`
@@ -25,6 +26,8 @@ import cachealloc_common
 from cachealloc_common import TORCH_ALLOC_VARS, conf, say, warn
 
 SOURCE = "cachealloc_torch_allocator.cpp"
+#: The headers it includes (beside it): part of what the build's cache key hashes.
+HEADERS = ("cachealloc_torch_history.h", "cachealloc_torch_library.h")
 
 #: Whether the allocator was installed in this process.
 _installed = False
@@ -36,28 +39,46 @@ def installed():
     return _installed
 
 
-def tell_compile_regions(record_history, enabled, compile_context, args, kw):
-    """`_record_memory_history(..., compile_context=True)`: PyTorch's own
-    `_cuda_record_memory_history` (`record_history`, called with the program's `args` and `kw`)
-    installs the record-function callbacks that tell this allocator each compiled region a
-    thread enters and leaves (Note [Compile regions]; the allocator ignores the
-    `recordHistory` it also gets: the history is the trace's); `enabled=None` removes them, as
-    natively. Without the allocator the snapshot's entries say "N/A"."""
-    global _regions_told
-    turn_on = enabled is not None and bool(compile_context)
-    turn_off = enabled is None and _regions_told
-    if not (turn_on or turn_off) or record_history is None or not _installed:
+def tell_history(record_history, enabled, args, kw):
+    """The program's `_record_memory_history(*args, **kw)`, passed on to PyTorch's own
+    `_cuda_record_memory_history` (`record_history`) as the Python integration's call. PyTorch
+    then gives this allocator its context recorder (which it runs only where the trace is blind:
+    Note [PyTorch's own contexts]) and, with `compile_context=True`, installs the callbacks
+    that tell it each compiled region a thread enters and leaves (Note [Compile regions]);
+    `enabled=None` takes both back, as natively. Without the allocator, or if PyTorch refuses,
+    the history is the trace's alone (the snapshot's entries then say "N/A" for regions)."""
+    global _history_told
+    if record_history is None or not _installed or (enabled is None and not _history_told):
         return
+    source = getattr(_library, "cachealloc_torch_history_source", None)
+    if source is not None:
+        source.restype = None
+        source.argtypes = [ctypes.c_int]
+        source(1)
     try:
         record_history(*args, **kw)
-    except Exception as e:  # the program's history still works, without the regions
-        warn(f"compiled regions are not recorded: {e}")
+    except Exception as e:  # the program's history still works, from the trace
+        warn(f"PyTorch's own history contexts and compiled regions are not recorded: {e}")
         return
-    _regions_told = turn_on
+    finally:
+        if source is not None:
+            source(0)
+    _history_told = enabled is not None
 
 
-#: Whether PyTorch's callbacks that tell the allocator the compiled regions are installed.
-_regions_told = False
+#: Whether the program's history settings were passed on to PyTorch's (`tell_history`).
+_history_told = False
+
+
+def history_contexts():
+    """How many of PyTorch's own contexts the allocator holds (Note [PyTorch's own contexts]):
+    0 without the allocator."""
+    if _library is None:
+        return 0
+    count = _library.cachealloc_torch_history_contexts
+    count.restype = ctypes.c_size_t
+    count.argtypes = []
+    return count()
 
 
 def compile_regions():
@@ -126,9 +147,12 @@ def _cache_dir():
 
 def _build(torch_dir, abi):
     """The path of the built library, building it if needed; raises with the reason."""
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), SOURCE)
-    with open(source, "rb") as f:
-        text = f.read()
+    here = os.path.dirname(os.path.abspath(__file__))
+    source = os.path.join(here, SOURCE)
+    text = b""
+    for name in (SOURCE, *HEADERS):
+        with open(os.path.join(here, name), "rb") as f:
+            text += f.read() + b"\0"
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
@@ -145,9 +169,10 @@ def _build(torch_dir, abi):
     flags = [
         "-std=c++17", "-O2", "-fPIC", "-shared", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(bool(abi))}",
-        "-I", os.path.join(torch_dir, "include"), "-I", cuda_include,
+        "-I", here, "-I", os.path.join(torch_dir, "include"), "-I", cuda_include,
     ]
-    libraries = ["-L", lib, "-lc10", "-lc10_cuda", "-l:libstdc++.so.6", f"-Wl,-rpath,{lib}"]
+    # torch_cpu: anomaly mode's flag and TorchScript's call stack (cachealloc_torch_history.h).
+    libraries = ["-L", lib, "-lc10", "-lc10_cuda", "-ltorch_cpu", "-l:libstdc++.so.6", f"-Wl,-rpath,{lib}"]
     key = hashlib.sha256()
     with open(os.path.join(torch_dir, "version.py"), "rb") as f:
         torch_version = f.read()

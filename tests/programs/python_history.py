@@ -152,26 +152,29 @@ def check_history_settings(torch, glob):
     for p in (outside, inside, after_region):
         glob.cudaFree(p)
     # With the C++ allocator installed, PyTorch's own _cuda_record_memory_history is called
-    # with the program's arguments to install the callbacks that tell it the regions, and
-    # again at enabled=None to remove them; never for a history without compile_context.
+    # with the program's arguments (its context recorder and compiled regions reach the
+    # allocator: Note [PyTorch's own contexts]), and at enabled=None to take them back — once,
+    # not for a history that was never passed on.
     calls = []
     installed = cachealloc_torch_allocator._installed
     cachealloc_torch_allocator._installed = True
     try:
-        tell = cachealloc_torch_allocator.tell_compile_regions
+        tell = cachealloc_torch_allocator.tell_history
 
         def native(*args, **kw):
             calls.append(args)
 
-        tell(native, "all", False, ("all", "all", "python", 10, False, False), {})
-        tell(native, "all", True, ("all", "all", "python", 10, False, True), {})
-        tell(native, "state", False, ("state", "all", "python", 10, False, False), {})
-        tell(native, None, False, (None, None, "python", 10), {})
-        tell(native, None, False, (None, None, "python", 10), {})
+        tell(native, None, (None, None, "python", 10), {})
+        tell(native, "all", ("all", "all", "python", 10, False, False), {})
+        tell(native, "state", ("state", "all", "python", 10, False, True), {})
+        tell(native, None, (None, None, "python", 10), {})
+        tell(native, None, (None, None, "python", 10), {})
     finally:
         cachealloc_torch_allocator._installed = installed
-    if calls != [("all", "all", "python", 10, False, True), (None, None, "python", 10)]:
-        fail(f"PyTorch's own _cuda_record_memory_history was called {calls}")
+    expected = [("all", "all", "python", 10, False, False), ("state", "all", "python", 10, False, True),
+                (None, None, "python", 10)]
+    if calls != expected:
+        fail(f"PyTorch's own _cuda_record_memory_history was called {calls}, expected {expected}")
 
     # PyTorch's test_memory_plots: a free block shows the size requested of the block freed
     # last inside it, as PyTorch's merged free block keeps the freed one's.

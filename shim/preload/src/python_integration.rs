@@ -1,7 +1,8 @@
 //! The Python integration: in a Python process, the constructor puts a directory holding
 //! `sitecustomize.py`, `cachealloc_hooks.py` and the modules it installs (`cachealloc_common.py`,
-//! `cachealloc_memory.py`, `cachealloc_categories.py`, `cachealloc_torch_allocator.py` and the
-//! C++ source it builds; `shim/python/`, embedded in the library)
+//! `cachealloc_memory.py`, `cachealloc_history.py`, `cachealloc_categories.py`,
+//! `cachealloc_torch_allocator.py` and the C++ source and headers it builds; `shim/python/`,
+//! embedded in the library)
 //! first on `PYTHONPATH`, so that Python runs them at start-up with no change to the program.
 //! They adjust what PyTorch cannot do on the `cudaMallocAsync` route (see
 //! `cachealloc_hooks.py`); nothing on the allocation path, no import of torch.
@@ -20,7 +21,7 @@ use std::path::{Path, PathBuf};
 use crate::log;
 
 /// The files of the integration: name and text.
-const FILES: [(&str, &str); 7] = [
+const FILES: [(&str, &str); 10] = [
     (
         "sitecustomize.py",
         include_str!("../../python/sitecustomize.py"),
@@ -38,6 +39,10 @@ const FILES: [(&str, &str); 7] = [
         include_str!("../../python/cachealloc_memory.py"),
     ),
     (
+        "cachealloc_history.py",
+        include_str!("../../python/cachealloc_history.py"),
+    ),
+    (
         "cachealloc_categories.py",
         include_str!("../../python/cachealloc_categories.py"),
     ),
@@ -48,6 +53,14 @@ const FILES: [(&str, &str); 7] = [
     (
         "cachealloc_torch_allocator.cpp",
         include_str!("../../python/cachealloc_torch_allocator.cpp"),
+    ),
+    (
+        "cachealloc_torch_history.h",
+        include_str!("../../python/cachealloc_torch_history.h"),
+    ),
+    (
+        "cachealloc_torch_library.h",
+        include_str!("../../python/cachealloc_torch_library.h"),
     ),
 ];
 
