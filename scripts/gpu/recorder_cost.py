@@ -6,6 +6,10 @@ timed step after an untimed one. SWITCH (env) says which part:
                     labels stacks|nostacks
   trace             the allocation records themselves, stacks included
                     (`cachealloc_trace_pause`): labels trace|notrace
+  history           PyTorch's memory history, `_record_memory_history(stacks="python")` and
+                    `(None)` (under the shim: the trace's settings and PyTorch's own recorder,
+                    Note [PyTorch's own contexts]; natively PyTorch's recorder): labels
+                    history|nohistory
 Prints `workload=MODEL label=L step_ms=X` lines for ratio_ci.py, and the allocations per step.
 Usage: [SWITCH=trace] recorder_cost.py MODEL ROUNDS LOG"""
 import ctypes
@@ -19,10 +23,14 @@ import models  # noqa: E402
 
 MODEL, ROUNDS, LOG = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 SWITCH = os.environ.get("SWITCH", "stacks")
-LABELS = ["stacks", "nostacks"] if SWITCH == "stacks" else ["trace", "notrace"]
-pause = getattr(ctypes.CDLL(None), "cachealloc_stacks_pause" if SWITCH == "stacks" else "cachealloc_trace_pause")
-pause.argtypes = [ctypes.c_int]
-pause.restype = ctypes.c_int
+LABELS = [SWITCH, "no" + SWITCH]
+if SWITCH == "history":
+    def pause(off):
+        torch.cuda.memory._record_memory_history(None if off else "all", stacks="python")
+else:
+    pause = getattr(ctypes.CDLL(None), "cachealloc_stacks_pause" if SWITCH == "stacks" else "cachealloc_trace_pause")
+    pause.argtypes = [ctypes.c_int]
+    pause.restype = ctypes.c_int
 torch.manual_seed(0)
 step, model = models.build(MODEL)
 for i in range(6):
