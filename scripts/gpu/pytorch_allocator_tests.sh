@@ -8,8 +8,9 @@
 # tests, and TestCuda's tests whose names concern device memory (memory, oom, out_of_memory,
 # fraction, record_stream, graph, cublas_workspace, caching, allocator, empty_cache, snapshot,
 # mem_get_info, expandable), not host (pinned) memory; SELECT=EXPR replaces that pytest -k
-# expression. Writes $OUT/pytorch_tests.tsv (test, native, shim) and prints the table's counts
-# last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (150 s). Tests PyTorch
+# expression; IDS=FILE (an absolute path) keeps only the selected tests FILE lists, one pytest
+# id (`test_cuda.py::Class::test`) a line. Writes $OUT/pytorch_tests.tsv (test, native,
+# shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (150 s). Tests PyTorch
 # marks serial (they read the whole device's memory) run one at a time after the rest. The
 # whole run stops after DEADLINE seconds (520), so that it fits one device command; the table
 # then has what finished.
@@ -26,6 +27,9 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 EXPR=${SELECT:-'TestCudaMallocAsync or TestBlockStateAbsorption or TestMemPool or (TestCudaOptims and graph) or (TestCuda and (memory or oom or out_of_memory or fraction or record_stream or graph or cublas_workspace or caching or allocator or empty_cache or snapshot or mem_get_info or expandable) and not pinned and not host)'}
 python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" 2>/dev/null \
     | grep '::' > "$OUT/selected.txt"
+if [ -n "${IDS:-}" ]; then  # only the tests listed in the file IDS (one pytest id a line)
+    grep -xFf "$IDS" "$OUT/selected.txt" > "$OUT/listed.txt"; mv "$OUT/listed.txt" "$OUT/selected.txt"
+fi
 echo "selected $(wc -l < "$OUT/selected.txt") tests"
 
 # one ID LABEL: run one test, print "ID<TAB>LABEL<TAB>OUTCOME".
@@ -55,7 +59,7 @@ export LIB OUT
 # PyTorch's @serialTest() tests (pytest mark "serial") measure the whole device
 # (`mem_get_info`): they run one at a time after the others, with nothing else on the GPU.
 python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
-    | grep '::' > "$OUT/serial.txt"
+    | grep '::' | grep -xFf "$OUT/selected.txt" > "$OUT/serial.txt"
 pairs() { while read -r id; do printf '%s native\n%s shim\n' "$id" "$id"; done; }
 left() { local l=$(( ${DEADLINE:-520} - (SECONDS - start) )); echo $(( l > 1 ? l : 1 )); }
 # The serial tests keep a third of the time left (when there are any).
