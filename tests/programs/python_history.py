@@ -176,6 +176,8 @@ def check_history_settings(torch, glob):
     if calls != expected:
         fail(f"PyTorch's own _cuda_record_memory_history was called {calls}, expected {expected}")
 
+    check_pytorch_frames(torch, glob, record, malloc)
+
     # PyTorch's test_memory_plots: a free block shows the size requested of the block freed
     # last inside it, as PyTorch's merged free block keeps the freed one's.
     record(None, None, "python", 1000)
@@ -259,3 +261,60 @@ def check_history_settings(torch, glob):
     if not frees or not any(f["name"].endswith("empty_cache") for e in frees for f in e["frames"]):
         fail(f"empty_cache's segment frees have not its stack with context='all': {frees}")
     record(None, None, "python", 1000)
+
+
+def check_pytorch_frames(torch, glob, record, malloc):
+    """Where the C++ allocator for PyTorch holds PyTorch's own contexts (TorchScript, anomaly
+    mode: Note [PyTorch's own contexts]), `_snapshot()` takes PyTorch's frames and
+    `forward_frames` for the same block and the same events (action and address, the last
+    ones paired first), and keeps the trace's frames where PyTorch has none or the settings
+    keep none. PyTorch's own snapshot and the allocator's count are stood in here (no C++
+    allocator over fakecuda)."""
+    import cachealloc_history
+    import cachealloc_torch_allocator
+
+    record(None, None, "python", 1000)
+    record("all", "all", "python", 1000)
+    live, freed, other = malloc(), malloc(), malloc()
+    glob.cudaFree(freed)
+    script = [{"name": "foo", "filename": "<script>", "line": 1}]
+    forward = ["  File \"model.py\", line 7, in forward"]
+    theirs = {
+        "segments": [{"blocks": [
+            {"address": live.value, "state": "active_allocated", "frames": script},
+            {"address": other.value, "state": "active_allocated", "frames": []},
+        ]}],
+        "device_traces": [[
+            {"action": "alloc", "addr": freed.value, "frames": script},
+            {"action": "alloc", "addr": live.value, "frames": [], "forward_frames": forward},
+            {"action": "free_requested", "addr": freed.value, "frames": script},
+        ]],
+    }
+    native, count = cachealloc_history.History.native_snapshot, cachealloc_torch_allocator.history_contexts
+    cachealloc_history.History.native_snapshot = lambda pool=None: theirs
+    cachealloc_torch_allocator.history_contexts = lambda: 3
+    try:
+        ours = torch._C._cuda_memorySnapshot(None)
+    finally:
+        cachealloc_history.History.native_snapshot = native
+        cachealloc_torch_allocator.history_contexts = count
+    blocks = {b["address"]: b for seg in ours["segments"] for b in seg["blocks"]}
+    if blocks[live.value]["frames"] != script:
+        fail(f"the live block did not take PyTorch's frames: {blocks[live.value]['frames']}")
+    if not blocks[other.value]["frames"] or blocks[other.value]["frames"] == script:
+        fail("a block PyTorch has no frames for lost the trace's")
+    events = {(e["action"], e["addr"]): e for t in ours["device_traces"] for e in t}
+    alloc_live = events[("alloc", live.value)]
+    if alloc_live.get("forward_frames") != forward or not alloc_live["frames"] or alloc_live["frames"] == script:
+        fail(f"a backward op's event: forward_frames {alloc_live.get('forward_frames')}, frames "
+             f"{alloc_live['frames']} (the trace's frames stay beside PyTorch's forward traceback)")
+    for key in (("alloc", freed.value), ("free_requested", freed.value)):
+        if events[key]["frames"] != script:
+            fail(f"the event {key} did not take PyTorch's frames")
+    completed = events.get(("free_completed", freed.value))
+    if completed is None or completed["frames"] == script:
+        fail(f"an event PyTorch did not record took frames, or the free did not complete: {completed}")
+    if "forward_frames" in events[("alloc", other.value)]:
+        fail("an event PyTorch did not record took forward_frames")
+    glob.cudaFree(live)
+    glob.cudaFree(other)
