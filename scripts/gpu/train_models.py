@@ -1,7 +1,7 @@
 """The allocation-heavy workloads of models.py (issue 25) as a plain training run, for
 comparing configurations process by process (natively, under the shim, with expandable
-segments): `train_models.py MODEL` (llama or cnn) trains 6 warm-up steps and STEPS (env,
-default 24) timed ones, each step synchronized, and prints one line
+segments): `train_models.py MODEL` (llama, cnn, mlp or gpt2: models.build) trains 6 warm-up
+steps and STEPS (env, default 24) timed ones, each step synchronized, and prints one line
     workload=MODEL_train label=$LABEL step_ms=X torch_max_reserved_MB=R torch_max_allocated_MB=A
 (`step_ms`: the median step; peaks over the whole run, from torch.cuda's memory API)."""
 import os
@@ -12,16 +12,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import cnn, llama, step_fn  # noqa: E402
+from models import build  # noqa: E402
 from pluggable import use_if_asked  # noqa: E402
 
 use_if_asked()  # ROUTE=pluggable: see pluggable.py
 MODEL = sys.argv[1]
 STEPS = int(os.environ.get("STEPS", "24"))
 torch.manual_seed(0)
-model, batch, loss_of = llama() if MODEL == "llama" else cnn()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-step = step_fn(model, batch, loss_of, opt)
+step, model = build(MODEL)
 for i in range(6):
     step(i)
 times = []
