@@ -14,7 +14,9 @@
 //!
 //! A warm capture costs one lookup: stacks are also interned by their raw key (the addresses, and
 //! per Python frame its code object and offset, and — unless the interpreter tells us when code
-//! objects die, Note [Code objects' deaths] — what identifies the code object's contents).
+//! objects die, Note [Code objects' deaths] — what identifies the code object's contents), and
+//! each thread finds the stacks it captured last by the raw key's hash without the interner's
+//! lock ([`recent`], Note [The thread's recent stacks]).
 //!
 //! Anything new is defined in the trace (`FrameDef`, then `StackDef`) *before* its id is first
 //! used: definitions are sent under the interner's lock, so any other thread that finds the stack
@@ -35,9 +37,10 @@
 pub mod frees;
 pub mod native;
 pub mod python;
+mod recent;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cachealloc_core::config::StackMode;
@@ -49,6 +52,7 @@ use crate::trace::Trace;
 use native::NativeStacks;
 use python::linetable::LineTable;
 use python::{CodeCheck, CodeInfo, Python, RawFrame};
+use recent::RecentStacks;
 
 /// Deepest stack captured, whatever `stack_depth` says.
 const MAX_DEPTH: usize = 256;
@@ -100,12 +104,14 @@ fn without_hidden(frames: &mut [RawFrame]) -> usize {
 }
 
 /// A thread's capture buffers: return addresses, Python frames, and the raw stack key (the
-/// addresses, then per Python frame its code object, offset and [`CodeCheck`]).
+/// addresses, then per Python frame its code object, offset and [`CodeCheck`]); and the
+/// stacks it captured last (Note [The thread's recent stacks]).
 #[derive(Default)]
 struct Scratch {
     ips: Vec<u64>,
     py: Vec<RawFrame>,
     raw: Vec<u64>,
+    recent: RecentStacks,
 }
 
 thread_local! {
@@ -251,6 +257,11 @@ pub struct Stacks {
     system_unwinder: bool,
     python: Option<Python>,
     interner: Mutex<Interner>,
+    /// This interner's number, for the threads' recent stacks (Note [The thread's recent
+    /// stacks]).
+    number: u32,
+    /// Captures answered by a thread's recent stacks (the interner counts the others).
+    recent_hits: AtomicU64,
     /// The stack of the Python thread in `backward()`, for threads without frames (0: none).
     backward: AtomicU32,
 }
@@ -295,6 +306,11 @@ impl Stacks {
             system_unwinder,
             python,
             interner: Mutex::default(),
+            number: {
+                static NEXT: AtomicU32 = AtomicU32::new(1);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
+            recent_hits: AtomicU64::new(0),
             backward: AtomicU32::new(0),
         })
     }
@@ -318,10 +334,13 @@ impl Stacks {
 
     /// How captures have gone so far.
     pub fn counts(&self) -> CaptureCounts {
-        self.interner
+        let mut counts = self
+            .interner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .counts
+            .counts;
+        counts.captures += self.recent_hits.load(Ordering::Relaxed);
+        counts
     }
 
     /// Whether Python frames are captured, and of which version.
@@ -349,7 +368,12 @@ impl Stacks {
     }
 
     fn capture_with(&self, scratch: &mut Scratch, trace: &Trace, skip: usize) -> u32 {
-        let Scratch { ips, py, raw } = scratch;
+        let Scratch {
+            ips,
+            py,
+            raw,
+            recent,
+        } = scratch;
         if ips.len() < self.depth {
             ips.resize(self.depth, 0);
             py.resize(self.depth, RawFrame::default());
@@ -388,6 +412,33 @@ impl Stacks {
             }
         }
         let raw = &raw[..];
+        let hash = recent::key_hash(raw);
+        if let Some(id) = recent.get(hash, self.number, epoch) {
+            self.recent_hits.fetch_add(1, Ordering::Relaxed);
+            return id;
+        }
+        // SAFETY: `py` was just walked on this thread, which is still in the hook.
+        let id = unsafe { self.intern(trace, raw, epoch, &ips[..native], &py[..python]) };
+        recent.put(hash, self.number, epoch, id);
+        id
+    }
+
+    /// The stack of raw key `raw` (read in code epoch `epoch`) from the interner, interning
+    /// its frames (`ips`, then `py`) and itself when it is new.
+    ///
+    /// # Safety
+    ///
+    /// `py` must come from [`Python::walk`] on the calling thread, which must still be inside
+    /// the same hook (its frames unchanged).
+    unsafe fn intern(
+        &self,
+        trace: &Trace,
+        raw: &[u64],
+        epoch: u64,
+        ips: &[u64],
+        py: &[RawFrame],
+    ) -> u32 {
+        let (native, python) = (ips.len(), py.len());
         let mut interner = self.interner.lock().unwrap_or_else(|p| p.into_inner());
         interner.counts.captures += 1;
         if interner.epoch != epoch {
@@ -404,12 +455,13 @@ impl Stacks {
         // First time this exact stack is seen (the cold path): intern its frames, then the
         // stack.
         let mut ids = Vec::with_capacity(native + python);
-        for &ip in &ips[..native] {
+        for &ip in ips {
             ids.push(interner.native_frame(trace, ip));
         }
         if let Some(p) = &self.python {
-            for &frame in &py[..python] {
-                // SAFETY: as above.
+            for &frame in py {
+                // SAFETY: the caller guarantees `py` was walked on this thread, still in the
+                // hook.
                 ids.push(unsafe { interner.python_frame(trace, p, frame) });
             }
         }

@@ -1,0 +1,148 @@
+//! The stacks a thread captured last, found again without the interner (Note [The thread's
+//! recent stacks]).
+//!
+//! # Note [The thread's recent stacks]
+//!
+//! Once warm, a capture's cost is not the walk's arithmetic but memory: the interner's lock
+//! (a line other threads write), the hash of the raw key — one multiply after another, each
+//! waiting for the last, over two words a Python frame — the map's bucket and the stored key
+//! compared word by word, both out of the CPU's caches after the program's own work between two
+//! allocations (BENCHMARKS.md, "The trace on the CPU proxy, by symbol"). So each thread keeps a
+//! small table of the stacks it captured last, indexed by a 128-bit hash of the raw key computed
+//! in four independent lanes (a quarter of the dependent multiplies); a hit is one line read and
+//! no lock.
+//!
+//! An entry holds the number of the [`Stacks`](super::Stacks) that interned it and the code
+//! objects' epoch it was read in (Note [Code objects' deaths]): a hit is a stack of the same
+//! interner, read while the same code objects lived, as the interner's own raw keys are. The
+//! raw key itself is not kept, so two raw keys with equal 128-bit hashes would share a stack:
+//! for a process's few thousand distinct stacks that has a probability of about 10⁻³¹. A
+//! thread's entries are only ever ids the interner gave it, after their definitions were sent,
+//! so its events still follow their stacks' definitions in the trace.
+
+/// Entries a thread keeps (a power of two): 256 of 32 bytes, 8 KiB.
+const ENTRIES: usize = 256;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Entry {
+    hash: (u64, u64),
+    /// The interner's number ([`RecentStacks::get`]); 0 for an empty entry.
+    interner: u32,
+    stack: u32,
+    epoch: u64,
+}
+
+/// A thread's recent stacks: raw key's hash → stack id.
+#[derive(Debug, Default)]
+pub(super) struct RecentStacks {
+    entries: Vec<Entry>,
+}
+
+impl RecentStacks {
+    /// The stack of the raw key whose hash is `hash`, as interner `interner` (non-zero) gave
+    /// it in code epoch `epoch`.
+    pub(super) fn get(&self, hash: (u64, u64), interner: u32, epoch: u64) -> Option<u32> {
+        let e = self.entries.get(hash.0 as usize & (ENTRIES - 1))?;
+        (e.hash == hash && e.interner == interner && e.epoch == epoch).then_some(e.stack)
+    }
+
+    /// Remember `stack` for the raw key whose hash is `hash` (replacing what had its place).
+    pub(super) fn put(&mut self, hash: (u64, u64), interner: u32, epoch: u64, stack: u32) {
+        if self.entries.is_empty() {
+            self.entries = vec![Entry::default(); ENTRIES];
+        }
+        self.entries[hash.0 as usize & (ENTRIES - 1)] = Entry {
+            hash,
+            interner,
+            stack,
+            epoch,
+        };
+    }
+}
+
+/// A 128-bit hash of a raw key: four lanes, each taking every fourth word (so their multiplies
+/// overlap), mixed into two words at the end; the key's length goes in too.
+pub(super) fn key_hash(raw: &[u64]) -> (u64, u64) {
+    const K: [u64; 4] = [
+        0x9E37_79B9_7F4A_7C15,
+        0xC2B2_AE3D_27D4_EB4F,
+        0x1656_67B1_9E37_79F9,
+        0xD6E8_FEB8_6659_FD93,
+    ];
+    let mut lanes = K;
+    let mut chunks = raw.chunks_exact(4);
+    for chunk in &mut chunks {
+        for i in 0..4 {
+            lanes[i] = (lanes[i] ^ chunk[i]).wrapping_mul(K[i]).rotate_left(29);
+        }
+    }
+    for (i, &w) in chunks.remainder().iter().enumerate() {
+        lanes[i] = (lanes[i] ^ w).wrapping_mul(K[i]).rotate_left(29);
+    }
+    let n = raw.len() as u64;
+    let a = mix(lanes[0] ^ mix(lanes[1] ^ n));
+    let b = mix(lanes[2] ^ mix(lanes[3].wrapping_add(n)));
+    (a ^ b.rotate_left(17), mix(b ^ a))
+}
+
+/// splitmix64's finalizer: every bit of the input moves every bit of the output.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hit_needs_the_same_hash_interner_and_epoch() {
+        let mut recent = RecentStacks::default();
+        let h = key_hash(&[1, 2, 3]);
+        assert_eq!(recent.get(h, 1, 0), None);
+        recent.put(h, 1, 0, 7);
+        assert_eq!(recent.get(h, 1, 0), Some(7));
+        assert_eq!(recent.get(h, 2, 0), None, "another interner's stack");
+        assert_eq!(
+            recent.get(h, 1, 1),
+            None,
+            "a stack read before a code object died"
+        );
+        assert_eq!(
+            recent.get((h.0, h.1 ^ 1), 1, 0),
+            None,
+            "half the hash is not enough"
+        );
+        let other = (h.0, h.1.wrapping_add(1));
+        recent.put(other, 1, 0, 8);
+        assert_eq!(recent.get(h, 1, 0), None, "its place was taken");
+        assert_eq!(recent.get(other, 1, 0), Some(8));
+    }
+
+    #[test]
+    fn every_word_and_its_place_change_the_hash() {
+        // The keys a capture makes: (code, offset) pairs, often differing in one word, or in
+        // order, or in length by a trailing zero.
+        let base: Vec<u64> = (0..23).map(|i| 0x7f00_0000_0000 + i * 0x40).collect();
+        let mut seen = std::collections::HashSet::new();
+        assert!(seen.insert(key_hash(&base)));
+        for i in 0..base.len() {
+            let mut k = base.clone();
+            k[i] ^= 1;
+            assert!(seen.insert(key_hash(&k)), "flipping word {i}");
+            let mut k = base.clone();
+            k.swap(i, (i + 1) % base.len());
+            assert!(seen.insert(key_hash(&k)), "swap at {i}");
+            assert!(seen.insert(key_hash(&base[..i])), "prefix of {i}");
+        }
+        let mut longer = base.clone();
+        longer.push(0);
+        assert!(seen.insert(key_hash(&longer)), "a trailing zero");
+        // Both halves differ between any two of them.
+        let firsts: std::collections::HashSet<u64> = seen.iter().map(|h| h.0).collect();
+        let seconds: std::collections::HashSet<u64> = seen.iter().map(|h| h.1).collect();
+        assert_eq!(firsts.len(), seen.len());
+        assert_eq!(seconds.len(), seen.len());
+    }
+}
