@@ -16,7 +16,7 @@
 //! per Python frame its code object and offset, and — unless the interpreter tells us when code
 //! objects die, Note [Code objects' deaths] — what identifies the code object's contents), and
 //! each thread finds the stacks it captured last by the raw key's hash without the interner's
-//! lock ([`recent`], Note [The thread's recent stacks]).
+//! lock (`recent`, Note [The thread's recent stacks]).
 //!
 //! Anything new is defined in the trace (`FrameDef`, then `StackDef`) *before* its id is first
 //! used: definitions are sent under the interner's lock, so any other thread that finds the stack
