@@ -287,8 +287,10 @@ impl<F: Clone> Pools<F> {
     /// Where to map memory for a request of `rounded` bytes on `stream`: in the stream's ranges,
     /// the unmapped block that can hold the request together with the free block before it
     /// with the fewest granules still missing — not counting parked places at its start whose
-    /// memory can flip back (see [`moves`]) — (the lowest such block on a tie; PyTorch takes
-    /// the lowest of all, which can map more than needed or fail where this fits). The bytes count as
+    /// memory can flip back (see [`moves`]), and counting the whole of a parked place the
+    /// request would end in (it is never split) — (the lowest such block on a tie; PyTorch
+    /// takes the lowest of all, which can map more than needed or fail where this fits). A
+    /// place whose map stays within `limit` comes before one that would not. The bytes count as
     /// [`Pools::reserved`] until the map is reported.
     pub fn plan_map(&mut self, rounded: u64, stream: u64, limit: u64) -> MapOutcome {
         let Some(Geometry { granularity: g, .. }) = self.expandable else {
@@ -301,6 +303,7 @@ impl<F: Clone> Pools<F> {
         let flippable = (!gated)
             .then(|| self.flippable_holders(stream, pool))
             .flatten();
+        let reserved = self.reserved();
         let found = self
             .ranges
             .iter()
@@ -332,17 +335,25 @@ impl<F: Clone> Pools<F> {
                 let in_the_way = (self.parked.range(b.address + free..b.address + size))
                     .next()
                     .is_some();
-                Some((segment, id, size, (in_the_way, size.saturating_sub(free))))
+                // Never split a parked place (see moves.rs): it lies in one unmapped block, and
+                // the map covers the whole of one the request ends in.
+                let size = self.past_parked(b.address, size) - b.address;
+                let over_limit = reserved.saturating_add(size) > limit;
+                Some((
+                    segment,
+                    id,
+                    size,
+                    (over_limit, in_the_way, size.saturating_sub(free)),
+                ))
             })
-            .min_by_key(|&(_, _, size, (in_the_way, new))| (in_the_way, new, size))
-            .map(|(segment, id, size, _)| (segment, id, size));
-        let Some((segment, id, size)) = found else {
+            .min_by_key(|&(_, _, size, (over_limit, in_the_way, new))| {
+                (over_limit, in_the_way, new, size)
+            })
+            .map(|(segment, id, size, (over_limit, ..))| (segment, id, size, over_limit));
+        let Some((segment, id, size, over_limit)) = found else {
             return MapOutcome::NeedsRange;
         };
-        // Never split a parked place (see moves.rs): it lies in one unmapped block.
-        let address = self.blocks[id as usize].address;
-        let size = self.past_parked(address, size) - address;
-        if self.reserved().saturating_add(size) > limit {
+        if over_limit {
             return MapOutcome::OverLimit;
         }
         let address = self.blocks[id as usize].address;
