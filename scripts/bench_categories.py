@@ -29,6 +29,7 @@ machine, where the writer has a core of its own; scripts/gpu/ratio_ci.py reads a
 and prints, for each variant against `off` (`off+nostacks` for a `+nostacks` one; else the
 first), the median per-round ratio and the median per-round difference in µs, each with a 95 %
 bootstrap interval. Variants: off, on (all hooks), and as diagnostics: no_backward_scopes,
+py_backward_scopes (backward named by Python pre-hooks even where the C++ piece is loaded),
 no_tags, no_phases, only_modules, only_optimizer, no_backward (no backward phase, no
 gradients' tags), inert (every wrapper and hook installed but doing nothing, as inside
 torch.compile's tracing), empty (global module hooks that do nothing: PyTorch's slow path),
@@ -73,6 +74,7 @@ lib.cachealloc_stacks_pause.argtypes = [ctypes.c_int]
 lib.cachealloc_trace_pause.argtypes = [ctypes.c_int]
 lib.cachealloc_annotate.argtypes = [ctypes.c_char_p]
 
+import cachealloc_backward_scopes  # noqa: E402
 import cachealloc_categories as cc  # noqa: E402
 
 if cc._state is None or not cc._installers:
@@ -173,6 +175,10 @@ real_phase, real_tag = api.phase, api._tag
 real_backward_begin, real_backward_end = cc.backward_begin, cc.backward_end
 cc._state.is_compiling()  # its first call puts torch's function in its place
 real_is_compiling = cc._state.is_compiling
+# The backward scopes' C++ piece, built now if it is not (it would otherwise be built in the
+# background during the first rounds, and used from the next forward on).
+cachealloc_backward_scopes.start(wait=True)
+print(f"backward scopes: {'C++' if cachealloc_backward_scopes.native_claim else 'Python'} pre-hooks")
 
 
 def nothing(*_):
@@ -197,6 +203,7 @@ def switch(label):
     if name == "base":
         base.enable(True)
     cc._state.backward_scopes = name != "no_backward_scopes"
+    cachealloc_backward_scopes.use(name != "py_backward_scopes")
     api.phase = nothing if name == "no_phases" else real_phase
     api._tag = nothing if name == "no_tags" else real_tag
     cc.backward_begin = (lambda: None) if name == "no_backward" else real_backward_begin

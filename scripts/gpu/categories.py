@@ -11,7 +11,9 @@ a CNN) trained under bf16 autocast with fused AdamW, in one of three modes:
   categories.py MODEL time ROUNDS LOG           (under the shim) alternate, within the process,
       step by step, the category hooks on and off (`cachealloc_categories.enable`): each round
       runs the same step both ways, each after an untimed one; writes
-      `workload=MODEL label=on|off step_ms=X` per step for ratio_ci.py.
+      `workload=MODEL label=on|off step_ms=X` per step for ratio_ci.py. `VARIANTS=off,on,py`
+      adds `py`: the hooks on with the backward named by Python pre-hooks, not the C++ ones
+      (cachealloc_backward_scopes, built first in every mode under the shim if it is not).
   categories.py MODEL profiler STEPS OUT.json   (natively) PyTorch's memory profiler on the same
       steps (`profile_memory`, `record_shapes`, `with_stack`): step time while profiling and
       not, `export_memory_timeline`'s categories at the peak, its time and its size.
@@ -44,6 +46,14 @@ def main():
     model, batch, loss_of = llama() if MODEL == "llama" else cnn()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step = step_fn(model, batch, loss_of, opt)
+    if MODE != "profiler":
+        # Under the shim: the backward scopes' C++ piece, built now if it is not (else it is
+        # built in the background and used from a later forward on).
+        import cachealloc_backward_scopes
+
+        cachealloc_backward_scopes.start(wait=True)
+        native = cachealloc_backward_scopes.native_claim is not None
+        print(f"backward scopes: {'C++' if native else 'Python'} pre-hooks")
     if MODE == "truth":
         import ctypes
 
@@ -93,12 +103,15 @@ def main():
 
         for i in range(6):
             step(i)
-        def switch(label):
-            if not cachealloc_categories.enable(label == "on"):
-                sys.exit("FAIL: the category hooks are not installed")
 
+        def switch(label):
+            if not cachealloc_categories.enable(label != "off"):
+                sys.exit("FAIL: the category hooks are not installed")
+            cachealloc_backward_scopes.use(label != "py")
+
+        labels = os.environ.get("VARIANTS", "on,off").split(",")
         with open(OUT, "a") as log:
-            alternate(step, COUNT, ["on", "off"], switch, log, MODEL)
+            alternate(step, COUNT, labels, switch, log, MODEL)
         print(f"OK time {MODEL}: {COUNT} rounds")
     elif MODE == "profiler":
         from torch.profiler import ProfilerActivity, profile

@@ -6,8 +6,10 @@
 # parameters, optimizer state, gradients and saved tensors at annotated instants
 # (categories.py truth), then compares cachealloc's categories there
 # (`memory-timeline --at-annotations`) and its UNKNOWN share at the peak (`summary`) with it
-# (categories_check.py). Prints PASS/FAIL per model; exits non-zero if any failed.
+# (categories_check.py), and, for the Llama, that its first backward names each decoder layer
+# (scripts/lib/backward_layers.sh). Prints PASS/FAIL per model; exits non-zero if any failed.
 set -uo pipefail
+source scripts/lib/backward_layers.sh
 LIBDIR="$(realpath "$1")"
 STEPS=${2:-6}
 FAILED=0
@@ -21,6 +23,12 @@ for m in llama cnn; do
     out=$(python3 scripts/gpu/categories_check.py "$dir/truth.json" "$dir/at.json" "$dir/summary.txt")
     echo "$out" | tail -2
     grep -q "^PASS" <<< "$out" || FAILED=1
+    if [ "$m" = llama ]; then
+        # The backward is named layer by layer (its 8 decoder layers, on autograd's thread).
+        layers=$(backward_layers "$LIBDIR/cachealloc" "$trace" | grep -c '\.model\.layers\.')
+        if [ "$layers" = 8 ]; then echo "PASS llama: the first backward names its 8 layers"
+        else echo "FAIL llama: the first backward names $layers of its 8 layers"; FAILED=1; fi
+    fi
     [ -n "${OUT:-}" ] && cp "$dir/truth.json" "$OUT/truth-$m.json" && cp "$dir/at.json" "$OUT/at-$m.json" &&
         cp "$dir/summary.txt" "$OUT/summary-$m.txt"
 done

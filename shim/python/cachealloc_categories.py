@@ -23,8 +23,9 @@ or module alive:
   per-module hooks, which `torch.save(model)` would pickle.
 * For the backward pass, the output of a module whose children have children (a decoder
   layer, not its MLP) gets, on its autograd node, a pre-hook (the innermost such module claims
-  it) that names the module on the autograd thread when backward reaches it. The nodes claimed
-  are held until the outermost module returns (a forward's graph, which its output holds).
+  it) that names the module on the autograd thread when backward reaches it: a C++ pre-hook
+  when `cachealloc_backward_scopes` has its C++ piece, else a Python one (whose nodes are held
+  until the outermost module returns: a forward's graph, which its output holds).
 * `backward()` (wrapped by `cachealloc_hooks`) is the backward phase; afterwards the known
   parameters' `.grad`s are tagged gradients.
 * Global optimizer step hooks mark the optimizer phase, count steps, and tag the optimizer's
@@ -42,7 +43,9 @@ import sys
 import threading
 import weakref
 
+import cachealloc_backward_scopes
 import cachealloc_common
+from cachealloc_backward_scopes import claim as _claim
 
 PHASE_NONE, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
 TAG_PARAMETER, TAG_OPTIMIZER_STATE, TAG_GRADIENT, TAG_INPUT = 1, 2, 3, 4
@@ -122,8 +125,12 @@ class _State:
         self.step = 0
         self.lock = threading.Lock()
         self.enabled = True
-        # Whether a module's output's autograd node names it in backward.
+        # Whether a module's output's autograd node names it in backward, and how: the C++
+        # piece's claim function (cachealloc_backward_scopes), else Python pre-hooks, made once
+        # per scope (scope id -> hook).
         self.backward_scopes = True
+        self.native_claim = None
+        self.prehooks = {}
         # The scope slots backward's pre-hooks wrote (autograd's threads'), cleared at its end.
         self.backward_slots = {}
 
@@ -159,10 +166,10 @@ class _State:
 
     def scope_of(self, module, stack):
         """(weak ref, scope id, leaf, claims) of `module`, naming its subtree when first seen:
-        `leaf`, it has no children; `claims`, when a child of it has children of its own, the
-        autograd node pre-hook with which its output's node names it in backward (a decoder
-        layer claims, its MLP does not: a pre-hook costs microseconds on the autograd thread,
-        so backward is named at the coarser grain), else None."""
+        `leaf`, it has no children; `claims`, when a child of it has children of its own, its
+        scope id, with which its output's autograd node names it in backward (a decoder layer
+        claims, its MLP does not: a pre-hook costs on the autograd thread, so backward is named
+        at the coarser grain), else None."""
         if stack:
             parent = stack[-1][0]
             prefix = self.paths.get(parent, type(parent).__name__)
@@ -182,7 +189,7 @@ class _State:
                 sid = self.api.define(path.encode())
                 claims = None
                 if any(c is not None and c._modules for c in sub._modules.values()):
-                    claims = _backward_scope(self, sid)
+                    claims = sid
                 self.scopes[key] = (ref, sid, leaf, claims)
         return self.scopes[id(module)]
 
@@ -316,7 +323,7 @@ def _make_call_impl(original):
                         stack.pop()
                         if claims is not None and output is not None and s.backward_scopes:
                             if s.is_grad_enabled():
-                                _claim(threads, claims, output, s.tensor)
+                                _claim(s, threads, claims, output)
                         slot.value = outer
                     else:
                         _leave(s, threads, self, output)
@@ -360,6 +367,8 @@ def _enter(s, module, entry, args):
                 s.tag_parameters(module)
             s.api.tag(TAG_INPUT, [a for a in args if isinstance(a, s.tensor)])
             t.claimed = set()
+            cachealloc_backward_scopes.start()
+            s.native_claim = cachealloc_backward_scopes.active()
         elif s.phase == PHASE_BACKWARD:
             resume = PHASE_BACKWARD
             s.set_phase(PHASE_FORWARD)
@@ -388,47 +397,11 @@ def _left(s, t, slot, item, output):
     module was called in; the outermost one ends the forward phase."""
     _, _, resume, claims, outer = item
     if claims is not None and output is not None and s.backward_scopes and s.is_grad_enabled():
-        _claim(t, claims, output, s.tensor)
+        _claim(s, t, claims, output)
     slot.value = outer
     if resume is not None and not t.stack:
         s.set_phase(resume)
         t.claimed = None
-
-
-def _claim(t, hook, output, tensor):
-    """Pre-hook `hook` (a module's: `_backward_scope`) on the autograd node of `output` (its
-    first tensor) names the module in backward, unless an inner module's claimed the node."""
-    if not isinstance(output, tensor):
-        if isinstance(output, (tuple, list)):
-            output = output[0] if output else None
-        elif hasattr(output, "values"):
-            # A dict, or transformers' ModelOutput: its first tensor (the loss, when given).
-            output = next((v for v in output.values() if isinstance(v, tensor)), None)
-        if not isinstance(output, tensor):
-            return
-    node = output.grad_fn
-    # The nodes claimed in this forward, held until its end: PyTorch's Python object for an
-    # autograd node lives only while referenced, and the next one made can take its address,
-    # so an `id` could make a later module's node look claimed already.
-    claimed = t.claimed
-    if node is not None and claimed is not None and node not in claimed:
-        claimed.add(node)
-        node.register_prehook(hook)
-
-
-def _backward_scope(s, sid):
-    """A pre-hook of a module's output's autograd node: the autograd thread is in the module."""
-    threads, slots = s.threads, s.backward_slots
-
-    def enter(grad_outputs):
-        try:
-            slot = threads.slot
-        except AttributeError:
-            slot = s.thread()[1]
-        slot.value = sid
-        slots[id(slot)] = slot
-
-    return enter
 
 
 def backward_begin():
@@ -454,6 +427,7 @@ def backward_end(previous, gradients=True):
     for slot in s.backward_slots.values():
         slot.value = 0
     s.backward_slots.clear()
+    cachealloc_backward_scopes.backward_end()
     s.slot().value = scope
     if gradients:
         s.tag_gradients()

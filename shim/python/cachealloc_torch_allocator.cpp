@@ -1,6 +1,6 @@
 // cachealloc's CUDA allocator for PyTorch: the C++ side of the Python integration.
 //
-// Built by `cachealloc_torch_build.py` against the headers of the PyTorch it runs with (the
+// Built by `cachealloc_torch_build.py` (called from `cachealloc_torch_allocator.py`) against the headers of the PyTorch it runs with (the
 // interface below changes between releases), loaded into the process, and installed in the
 // place of PyTorch's `cudaMallocAsync` backend before CUDA is first used. It serves what the
 // backend served — each allocation a `cudaMallocAsync` on the current stream, each free a

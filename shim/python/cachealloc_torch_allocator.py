@@ -16,13 +16,11 @@ why, and graph trees are turned off (`cachealloc_hooks`); a failed build is not 
 `torch_allocator:off` in `CACHEALLOC_CONF` keeps the backend.
 """
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
 
 import cachealloc_common
+import cachealloc_torch_build
 from cachealloc_common import TORCH_ALLOC_VARS, conf, say, warn
 
 SOURCE = "cachealloc_torch_allocator.cpp"
@@ -133,76 +131,21 @@ def _cuda_include():
     return None
 
 
-def _compiler():
-    for name in (os.environ.get("CXX"), "c++", "g++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cache_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "cachealloc", "torch-allocator")
-
-
 def _build(torch_dir, abi):
     """The path of the built library, building it if needed; raises with the reason."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    source = os.path.join(here, SOURCE)
-    text = b""
-    for name in (SOURCE, *HEADERS):
-        with open(os.path.join(here, name), "rb") as f:
-            text += f.read() + b"\0"
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
     cuda_include = _cuda_include()
     if cuda_include is None:
         raise RuntimeError(
             "no CUDA runtime headers with crt/ ($CUDA_HOME, /usr/local/cuda, or the "
             "nvidia-cuda-runtime and nvidia-cuda-crt wheels)"
         )
-    lib = os.path.join(torch_dir, "lib")
-    # The C++ runtime is the process's own (libstdc++.so.6, which PyTorch uses): where only
-    # the static library is installed for `-lstdc++`, a second copy inside the allocator
-    # crashes on its first formatted message.
-    flags = [
-        "-std=c++17", "-O2", "-fPIC", "-shared", "-w",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(bool(abi))}",
-        "-I", here, "-I", os.path.join(torch_dir, "include"), "-I", cuda_include,
-    ]
+    flags = cachealloc_torch_build.torch_flags(torch_dir, abi) + ["-I", cuda_include]
     # torch_cpu: anomaly mode's flag and TorchScript's call stack (cachealloc_torch_history.h).
-    libraries = ["-L", lib, "-lc10", "-lc10_cuda", "-ltorch_cpu", "-l:libstdc++.so.6", f"-Wl,-rpath,{lib}"]
-    key = hashlib.sha256()
-    with open(os.path.join(torch_dir, "version.py"), "rb") as f:
-        torch_version = f.read()
-    for part in (text, torch_version, compiler.encode(), " ".join(flags + libraries).encode()):
-        key.update(part)
-        key.update(b"\0")
-    directory = os.path.join(_cache_dir(), key.hexdigest()[:16])
-    target = os.path.join(directory, "libcachealloc_torch_allocator.so")
-    log = os.path.join(directory, "build.log")
-    if os.path.isfile(target):
-        return target
-    if os.path.isfile(log):
-        raise RuntimeError(f"its build failed before (compiler output in {log}; remove it to try again)")
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    import fcntl
-
-    with open(os.path.join(directory, "lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isfile(target):
-            return target
-        warn(f"building its allocator for PyTorch (once per PyTorch build) into {directory}")
-        partial = f"{target}.{os.getpid()}"
-        command = [compiler, *flags, source, "-o", partial, *libraries]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            with open(log, "w") as f:
-                f.write(" ".join(command) + "\n" + done.stdout + done.stderr)
-            raise RuntimeError(f"the build failed (compiler output in {log})")
-        os.replace(partial, target)
-    return target
+    libraries = cachealloc_torch_build.torch_libraries(torch_dir, ["c10", "c10_cuda", "torch_cpu"])
+    return cachealloc_torch_build.build(
+        torch_dir, SOURCE, HEADERS, flags, libraries, "libcachealloc_torch_allocator.so",
+        "its allocator for PyTorch",
+    )
 
 
 def _backend_named_by_shim():

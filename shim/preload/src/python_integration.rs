@@ -1,7 +1,8 @@
 //! The Python integration: in a Python process, the constructor puts a directory holding
 //! `sitecustomize.py`, `cachealloc_hooks.py` and the modules it installs (`cachealloc_common.py`,
-//! `cachealloc_memory.py`, `cachealloc_history.py`, `cachealloc_categories.py`,
-//! `cachealloc_torch_allocator.py` and the C++ source and headers it builds; `shim/python/`,
+//! `cachealloc_memory.py`, `cachealloc_history.py`, `cachealloc_categories.py` and
+//! `cachealloc_backward_scopes.py`, `cachealloc_torch_allocator.py`, `cachealloc_torch_build.py`
+//! and the C++ sources and headers they build; `shim/python/`,
 //! embedded in the library)
 //! first on `PYTHONPATH`, so that Python runs them at start-up with no change to the program.
 //! They adjust what PyTorch cannot do on the `cudaMallocAsync` route (see
@@ -21,7 +22,7 @@ use std::path::{Path, PathBuf};
 use crate::log;
 
 /// The files of the integration: name and text.
-const FILES: [(&str, &str); 10] = [
+const FILES: [(&str, &str); 13] = [
     (
         "sitecustomize.py",
         include_str!("../../python/sitecustomize.py"),
@@ -45,6 +46,18 @@ const FILES: [(&str, &str); 10] = [
     (
         "cachealloc_categories.py",
         include_str!("../../python/cachealloc_categories.py"),
+    ),
+    (
+        "cachealloc_backward_scopes.py",
+        include_str!("../../python/cachealloc_backward_scopes.py"),
+    ),
+    (
+        "cachealloc_torch_build.py",
+        include_str!("../../python/cachealloc_torch_build.py"),
+    ),
+    (
+        "cachealloc_torch_scopes.cpp",
+        include_str!("../../python/cachealloc_torch_scopes.cpp"),
     ),
     (
         "cachealloc_torch_allocator.py",

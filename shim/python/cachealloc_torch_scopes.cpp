@@ -1,0 +1,148 @@
+// cachealloc's backward scopes in C++: the part of the category hooks
+// (cachealloc_categories.py) that names, in backward, the module whose forward made an
+// autograd node, without a Python call on either side.
+//
+// Built and loaded by `cachealloc_backward_scopes.py` against the headers of the PyTorch in
+// use (`cachealloc_torch_build.py`); without it the hooks do the same in Python.
+//
+// Note [Backward scopes in C++]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// When a decoder layer's forward returns, the category hooks *claim* its output's autograd
+// node: when backward reaches that node, the thread running it (autograd's) is in that layer
+// until another claimed node says otherwise, so the gradients' and temporaries' blocks it
+// allocates are the layer's. In Python a claim is `output.grad_fn.register_prehook(hook)`: a
+// Python object for the node, a hooks dict, a `RemovableHandle`, and in backward a Python call
+// on the autograd thread with every gradient wrapped — about 26 µs a claim and 15 µs a call on
+// the development VM, a third of the hooks' cost on a Llama step (BENCHMARKS.md). Here a claim
+// is a C++ `FunctionPreHook` added to the node itself (`cachealloc_torch_claim`, one ctypes
+// call with the tensor's `_cdata`: no Python object, and no Python headers to build against),
+// and the hook is a store into the autograd thread's scope slot (the library's
+// `cachealloc_scope_slot`, which the allocation path reads). A node already carrying one of
+// these hooks is not claimed again (an inner module claimed it first: the finer name wins).
+// The slots the hooks wrote during a backward are remembered, once per thread and backward,
+// and cleared when `backward()` returns (`cachealloc_torch_backward_end`): autograd's threads
+// are idle then, and their next allocations belong to the next backward's modules.
+//
+// Nothing here holds a Python object: the node keeps its hook as long as the graph lives, and
+// the hook holds only the scope's number. Under compiled autograd the hook is left out of the
+// compiled graph (`compiled_args` registers nothing): backward then runs in the scope of its
+// caller, as with `categories:off`.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+using torch::autograd::FunctionPreHook;
+using torch::autograd::variable_list;
+
+// The preloaded library's `cachealloc_scope_slot`: the calling thread's scope slot.
+using SlotFn = uint32_t* (*)();
+SlotFn scope_slot = nullptr;
+
+// The slots backward's hooks wrote since the last `cachealloc_torch_backward_end`, each once.
+std::mutex written_lock;
+std::vector<uint32_t*> written;
+// Bumped by each `cachealloc_torch_backward_end`: a thread whose last remembered generation
+// is older remembers its slot again at its next hook.
+std::atomic<uint64_t> generation{1};
+
+struct ThreadSlot {
+  uint32_t* slot = nullptr;
+  uint64_t remembered = 0;  // the generation in which `slot` was added to `written`
+};
+thread_local ThreadSlot thread_slot;
+
+void store(uint32_t* slot, uint32_t value) {
+  // The library reads the slot as an atomic word (its own thread, and the thread that clears
+  // it after backward).
+  __atomic_store_n(slot, value, __ATOMIC_RELAXED);
+}
+
+// The pre-hook of a claimed node: the thread running the node is in module `scope`.
+struct BackwardScope final : FunctionPreHook {
+  explicit BackwardScope(uint32_t scope) : scope(scope) {}
+
+  variable_list operator()(const variable_list& grads) override {
+    ThreadSlot& t = thread_slot;
+    if (t.slot == nullptr) {
+      t.slot = scope_slot();
+      if (t.slot == nullptr) {
+        return grads;
+      }
+    }
+    uint64_t now = generation.load(std::memory_order_relaxed);
+    if (t.remembered != now) {
+      std::lock_guard<std::mutex> guard(written_lock);
+      written.push_back(t.slot);
+      t.remembered = now;
+    }
+    store(t.slot, scope);
+    return grads;
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+
+  const uint32_t scope;
+};
+
+}  // namespace
+
+extern "C" {
+
+// Finds the preloaded library's scope slot; 0, or -1 when the library is not there.
+int cachealloc_torch_scopes_load() {
+  scope_slot = reinterpret_cast<SlotFn>(dlsym(RTLD_DEFAULT, "cachealloc_scope_slot"));
+  return scope_slot != nullptr ? 0 : -1;
+}
+
+// Claim the autograd node of the tensor whose implementation is `impl` (a Python tensor's
+// `_cdata`) for module `scope`: when backward reaches the node, the thread running it is in
+// that module. Returns 1 when claimed, 0 when the tensor has no node or the node is claimed
+// already, -1 before `cachealloc_torch_scopes_load`, -2 when PyTorch raised (its error is
+// dropped: the hooks never change the program's behaviour). The caller holds the tensor (and
+// the GIL: ctypes' PyDLL; nothing here touches Python).
+int cachealloc_torch_claim(void* impl, unsigned scope) {
+  if (scope_slot == nullptr || impl == nullptr) {
+    return -1;
+  }
+  try {
+    at::Tensor tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(
+        static_cast<c10::TensorImpl*>(impl)));
+    const std::shared_ptr<torch::autograd::Node>& node = tensor.grad_fn();
+    if (!node) {
+      return 0;
+    }
+    for (const auto& hook : node->pre_hooks()) {
+      if (dynamic_cast<const BackwardScope*>(hook.get()) != nullptr) {
+        return 0;
+      }
+    }
+    node->add_pre_hook(std::make_unique<BackwardScope>(scope));
+    return 1;
+  } catch (...) {
+    return -2;
+  }
+}
+
+// `backward()` returned: the slots its hooks wrote go back to no scope. Returns how many.
+size_t cachealloc_torch_backward_end() {
+  std::lock_guard<std::mutex> guard(written_lock);
+  size_t n = written.size();
+  for (uint32_t* slot : written) {
+    store(slot, 0);
+  }
+  written.clear();
+  generation.fetch_add(1, std::memory_order_relaxed);
+  return n;
+}
+
+}  // extern "C"
