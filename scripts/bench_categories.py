@@ -18,7 +18,7 @@ same Python operations and the same `cachealloc_tag` calls as on a GPU); `--no-g
 the hooks as they are (no tags at all).
 
     bench_categories.py ALLOCATOR ROUNDS LOG [--variants off,on,...] [--profile STEPS]
-        [--tags] [--threads N] [--autocast] [--baseline-hooks FILE]
+        [--tags] [--threads N] [--autocast] [--baseline-hooks FILE] [--model llama|mlp]
 
 Each round runs the same step once per variant (in the variants' order on even rounds, the
 reverse on odd ones), each timed step after an untimed one (a switch patches classes, and
@@ -55,6 +55,7 @@ parser.add_argument("allocator")
 parser.add_argument("rounds", type=int)
 parser.add_argument("log")
 parser.add_argument("--variants", default="off,on")
+parser.add_argument("--model", choices=["llama", "mlp"], default="llama")
 parser.add_argument("--profile", type=int, default=0)
 parser.add_argument("--tags", action="store_true")
 parser.add_argument("--threads", type=int, default=1)
@@ -104,7 +105,13 @@ config = LlamaConfig(
     hidden_size=64, intermediate_size=176, num_hidden_layers=8, num_attention_heads=4,
     num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256,
 )
-model = LlamaForCausalLM(config)
+if args.model == "llama":
+    model = LlamaForCausalLM(config)
+else:  # scripts/gpu/models.py's mlp, smaller: eight blocks of leaf modules in a Sequential
+    block = lambda: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64), torch.nn.LayerNorm(64)
+    )
+    model = torch.nn.Sequential(*[block() for _ in range(8)])
 if base is not None:
     base.enable(False)
     cc._state.enabled = True
@@ -115,11 +122,18 @@ if base is not None:
     for m in model.modules():
         if m._modules:
             ours[0](m, None, None)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.model == "llama")
 lengths = [16, 32, 24, 64, 40, 48]
 
 
 def step(i):
+    if args.model == "mlp":
+        x = torch.randn(4 * (1 + i % 4), 64)
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return
     ids = torch.randint(0, config.vocab_size, (2, lengths[i % len(lengths)]))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
         out = model(ids, labels=ids)

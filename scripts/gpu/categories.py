@@ -8,7 +8,8 @@ a CNN) trained under bf16 autocast with fused AdamW, in one of three modes:
       `.grad`s, and of the tensors autograd saved (`saved_tensors_hooks`, during the forward;
       parameters and inputs left out). Bytes are counted per storage: what the program asked
       the allocator for, which categories_check.py compares with the requests' bytes.
-  categories.py MODEL time ROUNDS LOG           (under the shim) alternate, within the process,
+  categories.py MODEL time ROUNDS LOG           (under the shim; MODEL also mlp or gpt2, as
+      models.build trains them) alternate, within the process,
       step by step, the category hooks on and off (`cachealloc_categories.enable`): each round
       runs the same step both ways, each after an untimed one; writes
       `workload=MODEL label=on|off step_ms=X` per step for ratio_ci.py. `VARIANTS=off,on,py`
@@ -26,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import alternate, cnn, llama, step_fn  # noqa: E402
+from models import alternate, build, cnn, llama, step_fn  # noqa: E402
 
 
 def storages(tensors, leave_out=()):
@@ -43,9 +44,12 @@ def main():
     MODEL, MODE = sys.argv[1], sys.argv[2]
     COUNT, OUT = int(sys.argv[3]), sys.argv[4]
     torch.manual_seed(0)
-    model, batch, loss_of = llama() if MODEL == "llama" else cnn()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    step = step_fn(model, batch, loss_of, opt)
+    if MODEL in ("llama", "cnn"):
+        model, batch, loss_of = llama() if MODEL == "llama" else cnn()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        step = step_fn(model, batch, loss_of, opt)
+    else:  # mlp, gpt2: as their public scripts train them (models.build), for `time`
+        step, model = build(MODEL)
     if MODE != "profiler":
         # Under the shim: the backward scopes' C++ piece, built now if it is not (else it is
         # built in the background and used from a later forward on).

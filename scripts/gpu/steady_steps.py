@@ -1,7 +1,8 @@
 """Steady training steps of models.py's Llama for a profiler to attach to (issue 25: where the
 trace's time goes). Under the shim: after 8 warm-up steps, PAUSE=trace pauses the allocation
 records and their stacks (`cachealloc_trace_pause`), PAUSE=stacks the stack capture alone
-(`cachealloc_stacks_pause`), PAUSE=none leaves everything on; 4 more steps, then the file
+(`cachealloc_stacks_pause`), PAUSE=categories takes the category hooks off
+(`cachealloc_categories.enable(False)`), PAUSE=none leaves everything on; 4 more steps, then the file
 READY is created and STEPS steps run (default 800). On SIGTERM (or at the end) it prints
 `steady pause=P steps=N median_ms=X`: N, the steps since READY, turns a profiler's samples
 into samples per step. Run by scripts/gpu/trace_profile.sh."""
@@ -26,6 +27,10 @@ if what == "trace":
     lib.cachealloc_trace_pause(1)
 elif what == "stacks":
     lib.cachealloc_stacks_pause(1)
+elif what == "categories":
+    import cachealloc_categories
+
+    cachealloc_categories.enable(False)
 for i in range(4):
     step(i)
 torch.cuda.synchronize()

@@ -9,7 +9,10 @@
 #     for l in $(ldd /usr/bin/perf | awk '/=>/{print $3} /ld-linux/{print $1}'); do cp -L $l .gpu/perf/; done
 # and run through that loader. Writes $OUT/dso_P_R.txt and $OUT/csym_P_R.txt (samples by thread
 # and library, and by thread, library and symbol) and prints each process's steps since
-# warm-up: samples per step is a file's count over that.
+# warm-up: samples per step is a file's count over that. PAUSES (default "none trace") names the
+# processes of a pair (steady_steps.py's PAUSE: none, trace, stacks, categories); PYFLAGS (e.g.
+# "-X perf", Python 3.12+) is given to Python, whose perf trampolines then name each Python
+# function in the reports (`py::name:file`).
 set -uo pipefail
 LIB=$(realpath "$1")/libcachealloc.so
 ROUNDS=${2:-2}
@@ -20,10 +23,10 @@ HERE=$(dirname "$(realpath "$0")")
 mkdir -p "$OUT"
 export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/cache}
 for round in $(seq 1 "$ROUNDS"); do
-    for p in none trace; do
+    for p in ${PAUSES:-none trace}; do
         rm -f /tmp/ready
         PAUSE=$p READY=/tmp/ready STEPS=1200 CACHEALLOC_CONF=log:quiet LD_PRELOAD=$LIB \
-            python3 "$HERE/steady_steps.py" > /tmp/steady_$p.txt 2>&1 &
+            python3 ${PYFLAGS:-} "$HERE/steady_steps.py" > /tmp/steady_$p.txt 2>&1 &
         pid=$!
         while [ ! -e /tmp/ready ] && kill -0 $pid 2>/dev/null; do sleep 0.2; done
         $PERF_CMD record -F 2999 -p $pid -o /tmp/p_$p.data -- sleep "${SECONDS_PER_RUN:-20}" 2>&1 | tail -1

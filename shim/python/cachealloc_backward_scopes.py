@@ -8,16 +8,15 @@ in C++]) with no Python call on either side, or, until that piece is loaded or w
 Python pre-hook (`register_prehook`) that writes the autograd thread's scope slot.
 
 `start()` is called by `cachealloc_categories` when a model's first forward begins (PyTorch is
-imported by then). A piece built before for this PyTorch is loaded at once; otherwise it is
-built in a background thread (about five seconds, once per PyTorch build and compiler:
-`cachealloc_torch_build.py`) while the program runs with the Python pre-hooks, and used from
-the next forward on. It needs only a C++ compiler and PyTorch's headers. Without them, or if
+imported by then). A piece built before for this PyTorch is loaded at once; otherwise a
+process of its own builds it (about five seconds, once per PyTorch build and compiler:
+`cachealloc_torch_build.py`; it finishes even if the program ends first) while the program
+runs with the Python pre-hooks, and the forward after the build has ended loads it (`poll`). It needs only a C++ compiler and PyTorch's headers. Without them, or if
 the build fails, the Python pre-hooks stay, with one message saying why.
 """
 import ctypes
 import os
 import sys
-import threading
 
 import cachealloc_torch_build
 from cachealloc_common import say, warn
@@ -31,12 +30,14 @@ native_claim = None
 wanted = True
 _backward_end = None
 _started = False
+#: (build arguments, library path, log path) while a background build is awaited.
+_pending = None
 
 
 def start(wait=False):
-    """Load the piece, or build it in the background (`wait`: build it now, as a benchmark or
-    check that must measure it does); never raises, runs once."""
-    global _started
+    """Load the piece, or have it built in the background (`wait`: build it now, as a benchmark
+    or check that must measure it does); never raises, runs once."""
+    global _started, _pending
     if _started:
         return
     _started = True
@@ -50,11 +51,25 @@ def start(wait=False):
         how = _how(torch_dir, abi)
         if wait or cachealloc_torch_build.built(*how):
             _load(*how)
-            return
+        else:
+            _pending = (how, *cachealloc_torch_build.build_detached(*how))
     except Exception as e:
         warn(f"the backward's module names stay with Python pre-hooks: {e}")
+
+
+def poll():
+    """At a forward's start: load the piece once its background build has ended (and say so
+    if it failed). A file's existence, checked once a forward while it is pending."""
+    global _pending
+    if _pending is None:
         return
-    threading.Thread(target=_load, args=how, name="cachealloc-scopes-build", daemon=True).start()
+    how, target, log = _pending
+    if os.path.isfile(target):
+        _pending = None
+        _load(*how)
+    elif os.path.isfile(log):
+        _pending = None
+        warn(f"the backward's module names stay with Python pre-hooks: its build failed ({log})")
 
 
 def _how(torch_dir, abi):

@@ -1,15 +1,18 @@
 """Building cachealloc's C++ pieces for PyTorch against the PyTorch in use: the allocator for
-PyTorch (`cachealloc_torch_allocator.py`) and the backward scopes
-(`cachealloc_backward_scopes.py`). PyTorch's C++ interfaces change between releases, so each
+PyTorch (`cachealloc_torch_allocator.py`, built while the program waits: `build`) and the
+backward scopes (`cachealloc_backward_scopes.py`, built by a process of its own while the
+program runs: `build_detached`). PyTorch's C++ interfaces change between releases, so each
 piece is compiled on the machine, once per PyTorch build, compiler, flags and sources, into
 `$XDG_CACHE_HOME/cachealloc/torch-allocator/<hash>/` (else `~/.cache/…`). Processes that start
 together wait for one build (a file lock); a failed build is not tried again (its compiler
 output stays in `build.log` of that directory: remove it to try again).
 """
 import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 
 from cachealloc_common import warn
 
@@ -72,6 +75,41 @@ def built(torch_dir, source, headers, flags, libraries, target_name, what):
     """Whether `build` with these arguments would find its library built; raises RuntimeError
     without a compiler."""
     return os.path.isfile(_place(torch_dir, source, headers, flags, libraries, target_name)[1])
+
+
+def build_detached(torch_dir, source, headers, flags, libraries, target_name, what):
+    """`build` in a process of its own, which outlives this one (a short program that ends
+    before the compiler would otherwise start it again at every run), unless the library is
+    built or another process is building it. Returns `(library path, log path)` to look for;
+    raises RuntimeError without a compiler or after a failed build."""
+    directory, target = _place(torch_dir, source, headers, flags, libraries, target_name)
+    log = os.path.join(directory, "build.log")
+    if os.path.isfile(target):
+        return target, log
+    if os.path.isfile(log):
+        raise RuntimeError(f"its build failed before (compiler output in {log}; remove it to try again)")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    import fcntl
+
+    with open(os.path.join(directory, "lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return target, log  # being built
+    # Without the preloaded library (a compiler needs no trace) and without site (the
+    # integration's sitecustomize): `build` alone, with its lock.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import cachealloc_torch_build as b; "
+        "b.build(*json.loads(sys.argv[2]))"
+    )
+    arguments = json.dumps([torch_dir, source, list(headers), flags, libraries, target_name, what])
+    subprocess.Popen(
+        [sys.executable, "-S", "-c", code, HERE, arguments], env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    warn(f"building {what} in the background (once per PyTorch build) into {directory}")
+    return target, log
 
 
 def build(torch_dir, source, headers, flags, libraries, target_name, what):
