@@ -11,8 +11,9 @@ Python pre-hook (`register_prehook`) that writes the autograd thread's scope slo
 imported by then). A piece built before for this PyTorch is loaded at once; otherwise a
 process of its own builds it (about five seconds, once per PyTorch build and compiler:
 `cachealloc_torch_build.py`; it finishes even if the program ends first) while the program
-runs with the Python pre-hooks, and the forward after the build has ended loads it (`poll`). It needs only a C++ compiler and PyTorch's headers. Without them, or if
-the build fails, the Python pre-hooks stay, with one message saying why.
+runs with the Python pre-hooks, and the forward after the build has ended loads it (`poll`).
+It needs only a C++ compiler and PyTorch's headers. Without them, or if the build fails, the
+Python pre-hooks stay, with one message saying why.
 """
 import ctypes
 import os

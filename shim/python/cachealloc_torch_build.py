@@ -77,6 +77,12 @@ def built(torch_dir, source, headers, flags, libraries, target_name, what):
     return os.path.isfile(_place(torch_dir, source, headers, flags, libraries, target_name)[1])
 
 
+def _failed_before(log):
+    return RuntimeError(
+        f"its build failed before (compiler output in {log}; remove it to try again)"
+    )
+
+
 def build_detached(torch_dir, source, headers, flags, libraries, target_name, what):
     """`build` in a process of its own, which outlives this one (a short program that ends
     before the compiler would otherwise start it again at every run), unless the library is
@@ -87,7 +93,7 @@ def build_detached(torch_dir, source, headers, flags, libraries, target_name, wh
     if os.path.isfile(target):
         return target, log
     if os.path.isfile(log):
-        raise RuntimeError(f"its build failed before (compiler output in {log}; remove it to try again)")
+        raise _failed_before(log)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     import fcntl
 
@@ -122,7 +128,7 @@ def build(torch_dir, source, headers, flags, libraries, target_name, what):
     if os.path.isfile(target):
         return target
     if os.path.isfile(log):
-        raise RuntimeError(f"its build failed before (compiler output in {log}; remove it to try again)")
+        raise _failed_before(log)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     import fcntl
 
