@@ -84,6 +84,29 @@ pub struct Header {
     pub modules: Vec<Module>,
 }
 
+impl Header {
+    /// The header of file 0 of process `pid` on `host`, in this format's version, with nothing
+    /// else known (no rank, command line, clock base, configuration, devices or modules): what
+    /// tools and tests that write traces start from, filling in what they know.
+    pub fn new(pid: u32, host: &str) -> Self {
+        Self {
+            version: FORMAT_VERSION,
+            file_index: 0,
+            pid,
+            host: host.into(),
+            rank: -1,
+            local_rank: -1,
+            world_size: -1,
+            cmdline: vec![],
+            wall_clock_base_ns: 0,
+            monotonic_base_ns: 0,
+            config: String::new(),
+            devices: vec![],
+            modules: vec![],
+        }
+    }
+}
+
 /// A block handed to the application.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Alloc {

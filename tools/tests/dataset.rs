@@ -190,21 +190,7 @@ fn a_rotated_trace_is_exported_from_its_oldest_file_and_says_so() {
     // Small files, two kept: the first ones are deleted as the run goes on.
     let mut config = WriterConfig::new(&trace, 4096, 2, false);
     config.flush_bytes = 512;
-    let header = Header {
-        version: FORMAT_VERSION,
-        file_index: 0,
-        pid: 7,
-        host: "h".into(),
-        rank: -1,
-        local_rank: -1,
-        world_size: -1,
-        cmdline: vec![],
-        wall_clock_base_ns: 0,
-        monotonic_base_ns: 0,
-        config: String::new(),
-        devices: vec![],
-        modules: vec![],
-    };
+    let header = Header::new(7, "h");
     let mut w = TraceWriter::create(config, header, MonotonicClock).unwrap();
     let base = 1u64 << 40;
     w.write(&Record::SegmentAlloc(SegmentEvent {

@@ -27,19 +27,12 @@ pub fn write_rank(dir: &Path, rank: u32, world: u32) {
     let total: u64 = sizes.iter().sum();
     let segment = (total / (2 << 20) + 2) * (2 << 20);
     let header = Header {
-        version: FORMAT_VERSION,
-        file_index: 0,
-        pid: 1000 + rank,
-        host: "node-a".into(),
         rank: rank as i32,
         local_rank: (rank % 8) as i32,
         world_size: world as i32,
         cmdline: vec!["train.py".into()],
         wall_clock_base_ns: 1_790_000_000_000_000_000,
-        monotonic_base_ns: 0,
-        config: String::new(),
-        devices: vec![],
-        modules: vec![],
+        ..Header::new(1000 + rank, "node-a")
     };
     let config = WriterConfig::new(dir, 64 << 20, 8, true);
     let mut w = TraceWriter::create(config, header, MonotonicClock).unwrap();

@@ -255,19 +255,8 @@ mod tests {
 
     fn header(file_index: u32) -> Record {
         Record::Header(Box::new(Header {
-            version: 1,
             file_index,
-            pid: 1,
-            host: "h".into(),
-            rank: -1,
-            local_rank: -1,
-            world_size: -1,
-            cmdline: vec![],
-            wall_clock_base_ns: 0,
-            monotonic_base_ns: 0,
-            config: String::new(),
-            devices: vec![],
-            modules: vec![],
+            ..Header::new(1, "h")
         }))
     }
 
