@@ -8,7 +8,7 @@ in C++]) with no Python call on either side, or, until that piece is loaded or w
 Python pre-hook (`register_prehook`) that writes the autograd thread's scope slot.
 
 `start()` is called by `cachealloc_categories` when a model's first forward begins (PyTorch is
-imported by then). A piece built before for this PyTorch is loaded at once; otherwise a
+imported by then: `forward_begins`). A piece built before for this PyTorch is loaded at once; otherwise a
 process of its own builds it (about five seconds, once per PyTorch build and compiler:
 `cachealloc_torch_build.py`; it finishes even if the program ends first) while the program
 runs with the Python pre-hooks, and the forward after the build has ended loads it (`poll`).
@@ -147,8 +147,14 @@ def _python_prehook(s, sid):
     return enter
 
 
-def active():
-    """The C++ claim function when the piece is loaded and wanted, else None."""
+def forward_begins():
+    """A model's forward begins (the hooks' phase turns to forward): `start` the first time,
+    `poll` while a build is awaited; returns the C++ claim function when the piece is loaded
+    and wanted, else None (the Python pre-hooks then)."""
+    if not _started:
+        start()
+    if _pending is not None:
+        poll()
     return native_claim if wanted else None
 
 

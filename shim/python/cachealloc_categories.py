@@ -367,9 +367,7 @@ def _enter(s, module, entry, args):
                 s.tag_parameters(module)
             s.api.tag(TAG_INPUT, [a for a in args if isinstance(a, s.tensor)])
             t.claimed = set()
-            cachealloc_backward_scopes.start()
-            cachealloc_backward_scopes.poll()
-            s.native_claim = cachealloc_backward_scopes.active()
+            s.native_claim = cachealloc_backward_scopes.forward_begins()
         elif s.phase == PHASE_BACKWARD:
             resume = PHASE_BACKWARD
             s.set_phase(PHASE_FORWARD)
