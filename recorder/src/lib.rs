@@ -5,9 +5,7 @@
 //! ```
 //! use cachealloc_recorder::{Recorder, Record, TraceReader, WriterConfig, schema};
 //! # let dir = std::env::temp_dir().join(format!("cachealloc-doc-{}", std::process::id()));
-//! let header = schema::Header { version: schema::FORMAT_VERSION, file_index: 0, pid: 1, host: "h".into(),
-//!     rank: -1, local_rank: -1, world_size: -1, cmdline: vec![], wall_clock_base_ns: 0,
-//!     monotonic_base_ns: 0, config: String::new(), devices: vec![], modules: vec![] };
+//! let header = schema::Header::new(1, "h");
 //! let recorder = Recorder::start(WriterConfig::new(&dir, 64 << 20, 8, true), header, 1024, |_| {}).unwrap();
 //! recorder.send(Record::Annotation(Box::new(schema::Annotation { t: 1, name: "epoch 1".into(), thread: 1 })));
 //! assert!(recorder.shutdown(std::time::Duration::from_secs(5)));
