@@ -95,6 +95,7 @@ if args.baseline_hooks:
 
     spec = importlib.util.spec_from_file_location("cachealloc_categories_base", args.baseline_hooks)
     base = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = base  # the hooks look themselves up there (Dynamo's skip list)
     spec.loader.exec_module(base)
     cc.enable(False)
     base.install_module_hooks(module_module)
@@ -193,6 +194,7 @@ real_is_compiling = cc._state.is_compiling
 # background during the first rounds, and used from the next forward on).
 cachealloc_backward_scopes.start(wait=True)
 print(f"backward scopes: {'C++' if cachealloc_backward_scopes.native_claim else 'Python'} pre-hooks")
+print(f"parameters: {sum(1 for _ in model.parameters())}")  # each gradient is tagged
 
 
 def nothing(*_):

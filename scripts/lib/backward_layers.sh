@@ -10,3 +10,14 @@ backward_layers() {
         / phase / { if (inside) exit; next }
         inside && / scope .*\.layers\.[0-9]+$/ { print $NF }' | sort -u || true
 }
+
+# backward_gradient_tags CACHEALLOC_TOOL TRACE_DIR
+# prints how many blocks the trace's first backward phase tags as gradients (the hooks tag each
+# parameter's `.grad` when `backward()` returns, before the phase ends).
+backward_gradient_tags() {
+    "$1" trace "$2" 2>/dev/null | awk '
+        / phase +backward/ { inside = 1; next }
+        / phase / { if (inside) exit; next }
+        inside && /^.* tag .* GRADIENT$/ { n++ }
+        END { print n + 0 }' || true
+}

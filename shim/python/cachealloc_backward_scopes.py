@@ -27,6 +27,10 @@ TARGET = "libcachealloc_torch_scopes.so"
 
 #: `cachealloc_torch_claim(tensor._cdata, scope)` once the piece is loaded, else None.
 native_claim = None
+#: `cachealloc_torch_tag_gradients(device, impls, count, category)` once the piece is loaded,
+#: else None: tags the `.grad`s of the tensors of `device` whose `_cdata` are the `count` words
+#: at `impls`.
+native_tag_gradients = None
 #: Whether the integration uses it when loaded (a benchmark's switch: `use(False)`).
 wanted = True
 _backward_end = None
@@ -80,7 +84,7 @@ def _how(torch_dir, abi):
 
 
 def _load(*how):
-    global native_claim, _backward_end
+    global native_claim, native_tag_gradients, _backward_end
     try:
         library = ctypes.PyDLL(cachealloc_torch_build.build(*how))
         if library.cachealloc_torch_scopes_load() != 0:
@@ -91,10 +95,14 @@ def _load(*how):
         end = library.cachealloc_torch_backward_end
         end.restype = ctypes.c_size_t
         end.argtypes = []
+        grads = library.cachealloc_torch_tag_gradients
+        grads.restype = ctypes.c_int64
+        grads.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     except Exception as e:
         warn(f"the backward's module names stay with Python pre-hooks: {e}")
         return
     _backward_end = end
+    native_tag_gradients = grads
     native_claim = fn
     say("names the backward's modules from C++ pre-hooks")
 
@@ -156,6 +164,11 @@ def forward_begins():
     if _pending is not None:
         poll()
     return native_claim if wanted else None
+
+
+def tag_gradients_fn():
+    """`native_tag_gradients` when the piece is loaded and wanted, else None."""
+    return native_tag_gradients if wanted else None
 
 
 def backward_end():

@@ -115,8 +115,8 @@ class _State:
         # id(module) -> (weak ref, scope id, leaf, claims: see scope_of); module -> its path.
         self.scopes = {}
         self.paths = weakref.WeakKeyDictionary()
-        # id(root module) -> (weak ref, first parameter's address, {device: [weak refs to its
-        # CUDA parameters there]}); id(optimizer) -> (weak ref, number of state entries
+        # id(root module) -> (weak ref, first parameter's address, its CUDA parameters as
+        # _Gradients); id(optimizer) -> (weak ref, number of state entries
         # tagged). Plain dicts, emptied by the weak refs' callbacks: a WeakKeyDictionary's
         # lookups and iteration are Python code, a step's hot path.
         self.roots = {}
@@ -202,13 +202,8 @@ class _State:
         known = self.roots.get(id(root))
         if known is not None and known[0]() is root and known[1] == first:
             return
-        # The CUDA parameters weakly, by device, for their gradients.
-        by_device = {}
-        for p in root.parameters():
-            device = _device_of(p)
-            if device >= 0:
-                by_device.setdefault(device, []).append(weakref.ref(p))
-        self.roots[id(root)] = (_weak(root, self.roots), first, by_device)
+        cuda = [p for p in root.parameters() if _device_of(p) >= 0]
+        self.roots[id(root)] = (_weak(root, self.roots), first, _Gradients(cuda))
         self.api.tag(TAG_PARAMETER, params)
 
     def first_parameter_moved(self, root):
@@ -220,10 +215,16 @@ class _State:
         return p is not None and p.data_ptr() != known[1]
 
     def tag_gradients(self):
-        """Tag the `.grad`s of the roots' CUDA parameters: one call per device."""
+        """Tag the `.grad`s of the roots' CUDA parameters: one call per root and device, from
+        C++ when the piece is loaded (Note [Gradients' tags in C++]), else from here."""
+        native = cachealloc_backward_scopes.tag_gradients_fn()
         by_device = {}
-        for _, _, refs_by_device in list(self.roots.values()):
-            for device, refs in refs_by_device.items():
+        for _, _, grads in list(self.roots.values()):
+            for device, (refs, impls) in grads.by_device.items():
+                if native is not None and grads.live[0]:
+                    address, count = impls.buffer_info()
+                    if native(device, address, count, TAG_GRADIENT) >= 0:
+                        continue
                 pointers = [
                     g.data_ptr()
                     for r in refs
@@ -233,6 +234,24 @@ class _State:
                     by_device.setdefault(device, []).extend(pointers)
         for device, pointers in by_device.items():
             self.api.tag_pointers(TAG_GRADIENT, device, pointers)
+
+
+class _Gradients:
+    """A root's CUDA parameters, for their `.grad`s' tags: `by_device[device]` is (weak
+    references to them, an `array` of their `_cdata` words for the C++ piece); `live[0]` is
+    cleared by the references' callbacks when one of them dies (its word is then not read)."""
+
+    def __init__(self, params):
+        self.live = live = [True]
+
+        def dead(_):
+            live[0] = False
+
+        self.by_device = {}
+        for p in params:
+            refs, impls = self.by_device.setdefault(_device_of(p), ([], array.array("Q")))
+            refs.append(weakref.ref(p, dead))
+            impls.append(getattr(p, "_cdata", 0))  # 0: skipped (not PyTorch's tensor)
 
 
 def _weak(obj, table):
