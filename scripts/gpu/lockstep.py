@@ -16,7 +16,7 @@ rounds each.
 
 Labels: `native` (PyTorch's caching allocator), `shim` (the default), and the default with one
 part off: `notrace` (`trace:off`: the route and pools alone), `nocategories`, `nostacks`
-(`stacks:none`), `fixed` (`expandable_segments:False`); a suffix starts another process of the
+(`stacks:none`), `fixed` (`expandable_segments:False`), `notrace_fixed` (both); a suffix starts another process of the
 same configuration (`native.2`: a second native process, to see how much processes of one
 configuration differ). CPUS (e.g. 2-9) pins every process to that CPU set; only one runs at a
 time.
@@ -37,6 +37,7 @@ CONFS = {
     "nocategories": "log:quiet,categories:off",
     "nostacks": "log:quiet,stacks:none",
     "fixed": "log:quiet,expandable_segments:False",
+    "notrace_fixed": "log:quiet,trace:off,expandable_segments:False",
 }
 
 
