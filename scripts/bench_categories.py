@@ -29,7 +29,8 @@ machine, where the writer has a core of its own; scripts/gpu/ratio_ci.py reads a
 and prints, for each variant against `off` (`off+nostacks` for a `+nostacks` one; else the
 first), the median per-round ratio and the median per-round difference in µs, each with a 95 %
 bootstrap interval. Variants: off, on (all hooks), and as diagnostics: no_backward_scopes,
-py_backward_scopes (backward named by Python pre-hooks even where the C++ piece is loaded),
+py_backward_scopes (backward named, and gradients tagged, from Python even where the C++ piece
+is loaded),
 no_tags, no_phases, only_modules, only_optimizer, no_backward (no backward phase, no
 gradients' tags), inert (every wrapper and hook installed but doing nothing, as inside
 torch.compile's tracing), empty (global module hooks that do nothing: PyTorch's slow path),

@@ -13,7 +13,8 @@ a CNN) trained under bf16 autocast with fused AdamW, in one of three modes:
       step by step, the category hooks on and off (`cachealloc_categories.enable`): each round
       runs the same step both ways, each after an untimed one; writes
       `workload=MODEL label=on|off step_ms=X` per step for ratio_ci.py. `VARIANTS=off,on,py`
-      adds `py`: the hooks on with the backward named by Python pre-hooks, not the C++ ones
+      adds `py`: the hooks on with the backward named by Python pre-hooks and the gradients tagged
+      from Python, not from the C++ piece
       (cachealloc_backward_scopes, built first in every mode under the shim if it is not).
   categories.py MODEL profiler STEPS OUT.json   (natively) PyTorch's memory profiler on the same
       steps (`profile_memory`, `record_shapes`, `with_stack`): step time while profiling and
