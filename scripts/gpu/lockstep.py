@@ -21,6 +21,8 @@ same configuration (`native.2`: a second native process, to see how much process
 configuration differ). CPUS (e.g. 2-9) pins every process to that CPU set; only one runs at a
 time.
 
+Prints each label's median step and, for each label after the first, the median of per-round
+ratios to the first with its 95 % interval (ratio_ci.py over the whole LOG: start a fresh one).
 Writes `workload=MODEL label=L set=S round=R step_ms=X main_ms=Y` lines to LOG (`main_ms`: the
 main thread's CPU time in the timed step; `cpu`: the CPU it ended on), and each process's last line: peak reserved and
 allocated and the trained parameters' sum (`final=1`)."""
@@ -142,6 +144,10 @@ def main():
         steps = [float(line.split("step_ms=")[1].split()[0]) for line in rows if f" label={label} " in line]
         if steps:
             print(f"{label}: {len(steps)} steps, median {statistics.median(steps):.3f} ms")
+    # Each label against the first: the paired rounds' ratio and its interval (of the whole LOG).
+    ratio_ci = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ratio_ci.py")
+    for label in labels[1:]:
+        subprocess.run([sys.executable, ratio_ci, log_path, labels[0], label], check=False)
 
 
 if __name__ == "__main__":
