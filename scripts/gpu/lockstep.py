@@ -16,16 +16,17 @@ rounds each.
 
 Labels: `native` (PyTorch's caching allocator), `shim` (the default), and the default with one
 part off: `notrace` (`trace:off`: the route and pools alone), `nocategories`, `nostacks`
-(`stacks:none`), `fixed` (`expandable_segments:False`), `notrace_fixed` (both); a suffix starts another process of the
-same configuration (`native.2`: a second native process, to see how much processes of one
-configuration differ). CPUS (e.g. 2-9) pins every process to that CPU set; only one runs at a
-time.
+(`stacks:none`), `fixed` (`expandable_segments:False`), `notrace_fixed` (both); a suffix
+starts another process of the same configuration (`native.2`: a second native process, to see
+how much processes of one configuration differ). CPUS (e.g. 4-5) pins every process to that CPU set; only one runs at a
+time. Pinned to two CPUs, a second native process sits within ~1 % of the first on mlp and
+0.3 % on gpt2 (BENCHMARKS.md, "Lockstep").
 
 Prints each label's median step and, for each label after the first, the median of per-round
 ratios to the first with its 95 % interval (ratio_ci.py over the whole LOG: start a fresh one).
-Writes `workload=MODEL label=L set=S round=R step_ms=X main_ms=Y` lines to LOG (`main_ms`: the
-main thread's CPU time in the timed step; `cpu`: the CPU it ended on), and each process's last line: peak reserved and
-allocated and the trained parameters' sum (`final=1`)."""
+Writes `workload=MODEL label=L set=S round=R step_ms=X main_ms=Y cpu=C` lines to LOG (`main_ms`:
+the main thread's CPU time in the timed step; `cpu`: the CPU it ended on), and each process's
+last line: peak reserved and allocated and the trained parameters' sum (`final=1`)."""
 import os
 import statistics
 import subprocess
@@ -125,7 +126,8 @@ def run_set(model_name, rounds, labels, set_no, log):
     for label, p in procs.items():
         p.stdin.write("end\n")
         p.stdin.flush()
-        print(f"workload={model_name} label={label} set={set_no} final=1 {answer(p, label)}", file=log)
+        final = answer(p, label)
+        print(f"workload={model_name} label={label} set={set_no} final=1 {final}", file=log)
         p.wait()
     log.flush()
 
@@ -138,10 +140,15 @@ def main():
         for s in range(int(os.environ.get("SETS", "1"))):
             t0 = time.time()
             run_set(model_name, rounds, labels, s, log)
-            print(f"set {s}: {rounds} rounds of {len(labels)} in {time.time() - t0:.0f} s", file=sys.stderr)
-    rows = [line for line in open(log_path) if "final=1" not in line and f"workload={model_name} " in line]
+            took = time.time() - t0
+            print(f"set {s}: {rounds} rounds of {len(labels)} in {took:.0f} s", file=sys.stderr)
+    rows = [
+        line for line in open(log_path) if "final=1" not in line and f"workload={model_name} " in line
+    ]
     for label in labels:
-        steps = [float(line.split("step_ms=")[1].split()[0]) for line in rows if f" label={label} " in line]
+        steps = [
+            float(line.split("step_ms=")[1].split()[0]) for line in rows if f" label={label} " in line
+        ]
         if steps:
             print(f"{label}: {len(steps)} steps, median {statistics.median(steps):.3f} ms")
     # Each label against the first: the paired rounds' ratio and its interval (of the whole LOG).
