@@ -19,8 +19,8 @@ part off: `notrace` (`trace:off`: the route and pools alone), `nocategories`, `n
 (`stacks:none`), `fixed` (`expandable_segments:False`), `notrace_fixed` (both); a suffix
 starts another process of the same configuration (`native.2`: a second native process, to see
 how much processes of one configuration differ). CPUS (e.g. 4-5) pins every process to that
-CPU set; only one runs at a time. Pinned to two CPUs, a second native process sits within ~1 % of the first on mlp and
-0.3 % on gpt2 (BENCHMARKS.md, "Lockstep").
+CPU set; only one runs at a time. Pinned to two CPUs, a second native process sits within
+~1 % of the first on mlp and 0.3 % on gpt2 (BENCHMARKS.md, "Lockstep").
 
 Prints each label's median step and, for each label after the first, the median of per-round
 ratios to the first with its 95 % interval (ratio_ci.py over the whole LOG: start a fresh one).
