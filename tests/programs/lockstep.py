@@ -1,0 +1,119 @@
+"""scripts/gpu/lockstep.py without a GPU: its processes and turns, over a stand-in `torch` and
+`models` (a step sleeps 1 ms, 2 ms in a process with LD_PRELOAD set). Checks that every label
+gets its own process and its turns in the rotating order, that each set ends with each
+process's final line, that the ratios come out (the slower label about 2x, a second process
+of the same label about 1x), and that an unknown label is refused naming the valid ones.
+Prints `OK lockstep` on success."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAKE_TORCH = '''
+class _Cuda:
+    @staticmethod
+    def synchronize():
+        pass
+
+    @staticmethod
+    def max_memory_reserved():
+        return 3 << 20
+
+    @staticmethod
+    def max_memory_allocated():
+        return 2 << 20
+
+
+cuda = _Cuda()
+
+
+def manual_seed(seed):
+    pass
+'''
+FAKE_MODELS = '''
+import os
+import time
+
+
+class _P:
+    def detach(self):
+        return self
+
+    double = sum = detach
+
+    def item(self):
+        return float(os.getpid())  # each process's own: tells processes apart
+
+
+class _Model:
+    def parameters(self):
+        return [_P()]
+
+
+def build(name):
+    delay = 0.002 if os.environ.get("LD_PRELOAD") else 0.001
+    return (lambda i: time.sleep(delay)), _Model()
+'''
+
+
+def preloadable():
+    """A library the loader can preload harmlessly: this interpreter's libm or libc."""
+    for line in open("/proc/self/maps"):
+        path = line.split()[-1]
+        if re.search(r"/lib(m|c)\.so", path):
+            return path
+    sys.exit("no libm or libc mapped")
+
+
+def main():
+    tmp = tempfile.mkdtemp()
+    try:
+        for name in ("lockstep.py", "ratio_ci.py"):
+            shutil.copy(os.path.join(ROOT, "scripts", "gpu", name), tmp)
+        os.mkdir(os.path.join(tmp, "torch"))
+        with open(os.path.join(tmp, "torch", "__init__.py"), "w") as f:
+            f.write(FAKE_TORCH)
+        with open(os.path.join(tmp, "models.py"), "w") as f:
+            f.write(FAKE_MODELS)
+        log = os.path.join(tmp, "steps.log")
+        env = dict(os.environ, LIB=preloadable(), SETS="2")
+        env.pop("LD_PRELOAD", None)
+        labels = ["native", "shim", "native.2"]
+        run = subprocess.run(
+            [sys.executable, os.path.join(tmp, "lockstep.py"), "llama", "4", log, *labels],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert run.returncode == 0, run.stderr
+        rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in open(log)]
+        steps = [r for r in rows if "step_ms" in r]
+        finals = [r for r in rows if r.get("final") == "1"]
+        assert len(steps) == 2 * 4 * 3, f"{len(steps)} step lines"
+        for s in range(2):
+            for r in range(4):
+                turn = [x["label"] for x in steps if x["set"] == str(s) and x["round"] == str(r)]
+                k = r % 3
+                assert turn == labels[k:] + labels[:k], f"set {s} round {r}: turns {turn}"
+        assert [f["label"] for f in finals] == labels * 2, [f["label"] for f in finals]
+        for s in ("0", "1"):
+            pids = {f["param_sum"] for f in finals if f["set"] == s}
+            assert len(pids) == 3, f"set {s}: {len(pids)} processes for 3 labels"
+        pattern = r"ratio workload=llama field=step_ms rounds=8 \S+ (\S+)=\S+ ratio=(\S+)"
+        ratios = dict(re.findall(pattern, run.stdout))
+        assert set(ratios) == {"shim", "native.2"}, run.stdout
+        assert 1.5 < float(ratios["shim"]) < 3.0, ratios
+        assert 0.6 < float(ratios["native.2"]) < 1.6, ratios
+        bad = subprocess.run(
+            [sys.executable, os.path.join(tmp, "lockstep.py"), "llama", "1", log, "nativ"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert bad.returncode != 0 and "unknown label 'nativ'" in bad.stderr, bad.stderr
+        assert "native, shim, notrace" in bad.stderr, bad.stderr
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("OK lockstep")
+
+
+main()
