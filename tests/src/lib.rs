@@ -286,6 +286,16 @@ impl Run {
         Run::new(program(name), args)
     }
 
+    /// A Python program of `tests/programs/` that needs no shim (it tests the integration's
+    /// build machinery or a benchmark script), run by `$PYTHON` (default `python3`).
+    pub fn python_script(name: &str) -> Run {
+        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("programs")
+            .join(name);
+        Run::new(python, &[script.to_str().expect("a UTF-8 path")]).without_shim()
+    }
+
     /// Set an environment variable.
     pub fn env(mut self, key: &str, value: &str) -> Run {
         self.command.env(key, value);
