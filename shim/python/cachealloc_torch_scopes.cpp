@@ -37,8 +37,8 @@
 // call: about 5 µs for the 48 parameters of an 8-block MLP in a hot loop and several times
 // that inside a training step, the largest single part of the hooks' fixed cost a step. Here
 // the Python side passes the parameters' `_cdata` (kept in an `array` while they live: the
-// hooks' weak references say when one dies) and this reads each one's `grad()` and its data
-// pointer, and tags them, grouped by device, through the library's `cachealloc_tag`.
+// hooks' weak references say when one dies), one call per device, and this reads each one's
+// `grad()` and its data pointer and tags them through the library's `cachealloc_tag`.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
@@ -113,7 +113,8 @@ struct BackwardScope final : FunctionPreHook {
 
 extern "C" {
 
-// Finds the preloaded library's scope slot; 0, or -1 when the library is not there.
+// Finds the preloaded library's scope slot and tag call; 0, or -1 when the library is not
+// there.
 int cachealloc_torch_scopes_load() {
   scope_slot = reinterpret_cast<SlotFn>(dlsym(RTLD_DEFAULT, "cachealloc_scope_slot"));
   tag = reinterpret_cast<TagFn>(dlsym(RTLD_DEFAULT, "cachealloc_tag"));
