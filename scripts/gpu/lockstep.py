@@ -24,8 +24,9 @@ CPU set; only one runs at a time. Pinned to two CPUs, a second native process si
 
 Prints each label's median step and, for each label after the first, the median of per-round
 ratios to the first with its 95 % interval (ratio_ci.py over the whole LOG: start a fresh one).
-Writes `workload=MODEL label=L set=S round=R step_ms=X main_ms=Y cpu=C` lines to LOG (`main_ms`:
-the main thread's CPU time in the timed step; `cpu`: the CPU it ended on), and each process's
+Writes `workload=MODEL label=L set=S round=R step_ms=X main_ms=Y proc_ms=Z cpu=C` lines to LOG
+(`main_ms`: the main thread's CPU time in the timed step; `proc_ms`: all its threads' (autograd's
+backward, the recorder); `cpu`: the CPU the main thread ended on), and each process's
 last line: peak reserved and allocated and the trained parameters' sum (`final=1`)."""
 import os
 import statistics
@@ -69,11 +70,12 @@ def worker(model_name):
         r = int(words[1])
         step(r)
         torch.cuda.synchronize()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         step(r)
         torch.cuda.synchronize()
-        ms, main_ms = (time.perf_counter() - t0) * 1000, (time.thread_time() - c0) * 1000
-        print(f"step_ms={ms:.4f} main_ms={main_ms:.4f} cpu={current_cpu()}", flush=True)
+        ms = (time.perf_counter() - t0) * 1000
+        main_ms, proc_ms = (time.thread_time() - c0) * 1000, (time.process_time() - p0) * 1000
+        print(f"step_ms={ms:.4f} main_ms={main_ms:.4f} proc_ms={proc_ms:.4f} cpu={current_cpu()}", flush=True)
     mb = 1 << 20
     param_sum = sum(p.detach().double().sum().item() for p in model.parameters())
     print(

@@ -68,6 +68,30 @@ def preloadable():
     sys.exit("no libm or libc mapped")
 
 
+def check_sets_in_interval(tmp):
+    """ratio_ci.py on a log of three sets whose processes differ (every ratio of sets 0 and 1
+    about 1.0, of set 2 about 1.2): it pairs rounds within their set, gives each set's median,
+    and its interval reaches set 2's ratio, where one over the rounds alone would stay near 1.0."""
+    log = os.path.join(tmp, "sets.log")
+    with open(log, "w") as f:
+        for s, ratio in ((0, 1.0), (1, 1.0), (2, 1.2)):
+            for r in range(40):
+                wobble = 1 + (r % 5 - 2) / 1000
+                f.write(f"workload=w label=a set={s} round={r} step_ms=10\n")
+                f.write(f"workload=w label=b set={s} round={r} step_ms={10 * ratio * wobble}\n")
+        # A set where b ran no round: nothing of it is paired.
+        f.write("workload=w label=a set=3 round=0 step_ms=10\n")
+    out = subprocess.run(
+        [sys.executable, os.path.join(tmp, "ratio_ci.py"), log, "a", "b"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    m = re.search(r"rounds=120 .* ci95=\[(\S+),(\S+)\] sets=3 per_set=\[(\S+),(\S+),(\S+)\]", out)
+    assert m, out
+    low, high, *sets = map(float, m.groups())
+    assert [round(x, 2) for x in sets] == [1.0, 1.0, 1.2], out
+    assert low < 1.01 and high > 1.15, out
+
+
 def main():
     tmp = tempfile.mkdtemp()
     try:
@@ -105,6 +129,8 @@ def main():
         assert set(ratios) == {"shim", "native.2"}, run.stdout
         assert 1.5 < float(ratios["shim"]) < 3.0, ratios
         assert 0.6 < float(ratios["native.2"]) < 1.6, ratios
+        assert all(float(x["proc_ms"]) >= 0 for x in steps), steps[0]
+        check_sets_in_interval(tmp)
         bad = subprocess.run(
             [sys.executable, os.path.join(tmp, "lockstep.py"), "llama", "1", log, "nativ"],
             env=env, capture_output=True, text=True, timeout=60,
