@@ -229,8 +229,9 @@ impl Vmm {
 
     /// Make the adjacent `mappings` (address order; each whole granules of a reserved range,
     /// not mapped), each one physical allocation, then grant this device access to the whole
-    /// run in one `cuMemSetAccess` (about 16 µs per call on an H100, whatever the size). On
-    /// failure nothing stays mapped.
+    /// run in one `cuMemSetAccess` (one call, but the driver still charges about 30 µs per
+    /// mapping it covers on an H200: `scripts/gpu/map_parts.cu`). On failure nothing stays
+    /// mapped.
     pub fn map_run(&self, mappings: &[(u64, u64)]) -> Result<(), DeviceError> {
         self.map_with_moves(&[], mappings)
     }

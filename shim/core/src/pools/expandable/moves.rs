@@ -26,8 +26,9 @@
 //! the memory again, with no driver call at all ([`Pools::flip_into`]; [`Pools::plan_map`]
 //! counts such places as memory it has). Whether that happens depends on the workload: on the
 //! recorded GPT-2 run it never does, because its largest blocks drift up their range from cycle
-//! to cycle and memory keeps moving with them (163 moves in 20 steps, at about 1.5 µs each, with
-//! one `cuMemSetAccess` per map: no longer visible in the step time, BENCHMARKS.md).
+//! to cycle and memory keeps moving with them (163 moves in 20 steps). A move costs about 30 µs,
+//! nearly all of it the `cuMemSetAccess` of the new place, which the driver charges per mapping
+//! even when one call covers a map's whole run (`scripts/gpu/map_parts.cu`, BENCHMARKS.md).
 //!
 //! A parked place whose holder is in use cannot flip. A map goes around it if it can, since it
 //! would have to *clear* the place first: unmap its mapping (that frees nothing: the holder keeps
