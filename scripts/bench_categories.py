@@ -18,7 +18,13 @@ same Python operations and the same `cachealloc_tag` calls as on a GPU); `--no-g
 the hooks as they are (no tags at all).
 
     bench_categories.py ALLOCATOR ROUNDS LOG [--variants off,on,...] [--profile STEPS]
-        [--tags] [--threads N] [--autocast] [--baseline-hooks FILE] [--model llama|mlp]
+        [--tags] [--threads N] [--autocast] [--baseline-hooks FILE] [--model llama|mlp] [--plain]
+
+`--plain`: the steps under the configuration the process was started with, nothing switched
+(e.g. under `trace:off`, where no hooks are installed): for comparing processes. A paused trace
+with the hooks off (`off+notrace`) is not the trace turned off: on the mlp it ran ~6 % slower
+than a `trace:off` process (BENCHMARKS.md, tenth session), so in-process ratios understate
+what turning the trace and hooks off by configuration saves.
 
 Each round runs the same step once per variant (in the variants' order on even rounds, the
 reverse on odd ones), each timed step after an untimed one (a switch patches classes, and
@@ -64,6 +70,7 @@ parser.add_argument("--gpu-tags", action=argparse.BooleanOptionalAction, default
 parser.add_argument("--workload", default="llama-tiny")
 parser.add_argument("--autocast", action="store_true")
 parser.add_argument("--baseline-hooks")
+parser.add_argument("--plain", action="store_true")
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
 
@@ -79,7 +86,7 @@ lib.cachealloc_annotate.argtypes = [ctypes.c_char_p]
 import cachealloc_backward_scopes  # noqa: E402
 import cachealloc_categories as cc  # noqa: E402
 
-if cc._state is None or not cc._installers:
+if (cc._state is None or not cc._installers) and not args.plain:
     sys.exit("FAIL: the category hooks are not installed (categories:off?)")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -181,20 +188,21 @@ def gpu_like_roots(module):
             module._state.roots[root] = (first, [(r, max(d, 0)) for r, d in refs])
 
 
-hook_versions = [cc] + ([base] if base is not None else [])
-if args.gpu_tags:
-    for version in hook_versions:
-        gpu_like(version)
+if not args.plain:
+    hook_versions = [cc] + ([base] if base is not None else [])
+    if args.gpu_tags:
+        for version in hook_versions:
+            gpu_like(version)
 
-api = cc._state.api
-real_phase, real_tag = api.phase, api._tag
-real_backward_begin, real_backward_end = cc.backward_begin, cc.backward_end
-cc._state.is_compiling()  # its first call puts torch's function in its place
-real_is_compiling = cc._state.is_compiling
-# The backward scopes' C++ piece, built now if it is not (it would otherwise be built in the
-# background during the first rounds, and used from the next forward on).
-cachealloc_backward_scopes.start(wait=True)
-print(f"backward scopes: {'C++' if cachealloc_backward_scopes.native_claim else 'Python'} pre-hooks")
+    api = cc._state.api
+    real_phase, real_tag = api.phase, api._tag
+    real_backward_begin, real_backward_end = cc.backward_begin, cc.backward_end
+    cc._state.is_compiling()  # its first call puts torch's function in its place
+    real_is_compiling = cc._state.is_compiling
+    # The backward scopes' C++ piece, built now if it is not (it would otherwise be built in the
+    # background during the first rounds, and used from the next forward on).
+    cachealloc_backward_scopes.start(wait=True)
+    print(f"backward scopes: {'C++' if cachealloc_backward_scopes.native_claim else 'Python'} pre-hooks")
 print(f"parameters: {sum(1 for _ in model.parameters())}")  # each gradient is tagged
 
 
@@ -210,6 +218,8 @@ def empty_hooks():
 
 
 def switch(label):
+    if args.plain:
+        return lambda: None
     name, _, extra = label.partition("+")
     lib.cachealloc_stacks_pause(1 if extra == "nostacks" else 0)
     lib.cachealloc_trace_pause(1 if extra == "notrace" else 0)
@@ -270,7 +280,7 @@ def summarize(rows, labels, field):
         )
 
 
-labels = args.variants.split(",")
+labels = ["plain"] if args.plain else args.variants.split(",")
 if "base" in labels and base is None:
     sys.exit("FAIL: the variant `base` needs --baseline-hooks FILE")
 for i in range(6):
@@ -278,7 +288,7 @@ for i in range(6):
         switch(label)
         step(i)
 if args.gpu_tags:
-    for version in hook_versions:
+    for version in (hook_versions if not args.plain else []):
         gpu_like_roots(version)
 switch("on")
 

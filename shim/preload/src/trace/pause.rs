@@ -14,9 +14,10 @@
 //! `… resumed`), so a reader sees the gap. Segment events, OOMs and the program's context
 //! records are recorded throughout.
 
-use std::collections::HashSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use rustc_hash::FxHashSet;
 
 /// Whether allocation records are paused.
 static PAUSED: AtomicBool = AtomicBool::new(false);
@@ -32,11 +33,17 @@ pub fn paused() -> bool {
 }
 
 /// The blocks allocated while paused and not freed yet, whose frees go unrecorded.
+///
+/// The paused side of an in-process measurement pays for this set on every allocation and free
+/// where the trace turned off pays nothing, so it is kept cheap (`FxHashSet`: the standard
+/// library's SipHash showed in a profile of the CPU proxy's paused steps). What remains (the
+/// lock, the set) still makes in-process trace costs read a little low, never high
+/// (BENCHMARKS.md, tenth session).
 #[derive(Debug, Default)]
 pub struct Unrecorded {
     /// Whether `blocks` holds any (frees skip the lock until then).
     any: AtomicBool,
-    blocks: Mutex<HashSet<(u32, u64)>>,
+    blocks: Mutex<FxHashSet<(u32, u64)>>,
 }
 
 impl Unrecorded {
