@@ -21,7 +21,8 @@ the hooks as they are (no tags at all).
         [--tags] [--threads N] [--autocast] [--baseline-hooks FILE] [--model llama|mlp] [--plain]
 
 `--plain`: the steps under the configuration the process was started with, nothing switched
-(e.g. under `trace:off`, where no hooks are installed): for comparing processes. A paused trace
+(under `trace:off` or `categories:off` no hooks are installed; where they are, they are on and
+take the CPU tensors for device 0's as `--gpu-tags` says): for comparing processes. A paused trace
 with the hooks off (`off+notrace`) is not the trace turned off: on the mlp it ran ~6 % slower
 than a `trace:off` process (BENCHMARKS.md, tenth session), so in-process ratios understate
 what turning the trace and hooks off by configuration saves.
@@ -86,7 +87,8 @@ lib.cachealloc_annotate.argtypes = [ctypes.c_char_p]
 import cachealloc_backward_scopes  # noqa: E402
 import cachealloc_categories as cc  # noqa: E402
 
-if (cc._state is None or not cc._installers) and not args.plain:
+hooks = cc._state is not None and bool(cc._installers)
+if not hooks and not args.plain:
     sys.exit("FAIL: the category hooks are not installed (categories:off?)")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -188,7 +190,7 @@ def gpu_like_roots(module):
             module._state.roots[root] = (first, [(r, max(d, 0)) for r, d in refs])
 
 
-if not args.plain:
+if hooks:
     hook_versions = [cc] + ([base] if base is not None else [])
     if args.gpu_tags:
         for version in hook_versions:
@@ -288,7 +290,7 @@ for i in range(6):
         switch(label)
         step(i)
 if args.gpu_tags:
-    for version in (hook_versions if not args.plain else []):
+    for version in (hook_versions if hooks else []):
         gpu_like_roots(version)
 switch("on")
 
