@@ -12,7 +12,8 @@ neighbours, the clocks: the ±15 % seen between separate processes) fall on ever
 round alike, and the per-round ratios (`scripts/gpu/ratio_ci.py LOG native LABEL`) see what
 separate processes cannot. What stays per process (where its memory and threads landed) is
 averaged by running the whole set again: SETS (default 1) sets of fresh processes, ROUNDS
-rounds each.
+rounds each; ratio_ci.py's interval then resamples the sets before their rounds (on the
+allocation-heavy Llama, five or more sets of ~20 rounds).
 
 Labels: `native` (PyTorch's caching allocator), `shim` (the default), and the default with one
 part off: `notrace` (`trace:off`: the route and pools alone), `nocategories`, `nostacks`
