@@ -204,7 +204,8 @@ if hooks:
     # The backward scopes' C++ piece, built now if it is not (it would otherwise be built in the
     # background during the first rounds, and used from the next forward on).
     cachealloc_backward_scopes.start(wait=True)
-    print(f"backward scopes: {'C++' if cachealloc_backward_scopes.native_claim else 'Python'} pre-hooks")
+    native = cachealloc_backward_scopes.native_claim
+    print(f"backward scopes: {'C++' if native else 'Python'} pre-hooks")
 print(f"parameters: {sum(1 for _ in model.parameters())}")  # each gradient is tagged
 
 

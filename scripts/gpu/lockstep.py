@@ -76,7 +76,10 @@ def worker(model_name):
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1000
         main_ms, proc_ms = (time.thread_time() - c0) * 1000, (time.process_time() - p0) * 1000
-        print(f"step_ms={ms:.4f} main_ms={main_ms:.4f} proc_ms={proc_ms:.4f} cpu={current_cpu()}", flush=True)
+        print(
+            f"step_ms={ms:.4f} main_ms={main_ms:.4f} proc_ms={proc_ms:.4f} cpu={current_cpu()}",
+            flush=True,
+        )
     mb = 1 << 20
     param_sum = sum(p.detach().double().sum().item() for p in model.parameters())
     print(

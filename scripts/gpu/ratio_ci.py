@@ -40,7 +40,7 @@ for w in dict.fromkeys(r["workload"] for r in rows if "workload" in r):
             b_all += b
     if not per_set:
         continue
-    ratios = [x for ratios in per_set for x in ratios]
+    ratios = [x for set_ratios in per_set for x in set_ratios]
     rng = random.Random(0)
     if len(per_set) > 1:
         boots = []
@@ -56,7 +56,8 @@ for w in dict.fromkeys(r["workload"] for r in rows if "workload" in r):
         medians = ",".join(f"{statistics.median(r):.4f}" for r in per_set)
         sets_part = f" sets={len(per_set)} per_set=[{medians}]"
     print(
-        f"ratio workload={w} field={field} rounds={len(ratios)} {anchor}={statistics.median(a_all):.4f} "
-        f"{other}={statistics.median(b_all):.4f} ratio={statistics.median(ratios):.4f} "
+        f"ratio workload={w} field={field} rounds={len(ratios)} "
+        f"{anchor}={statistics.median(a_all):.4f} {other}={statistics.median(b_all):.4f} "
+        f"ratio={statistics.median(ratios):.4f} "
         f"ci95=[{low:.4f},{high:.4f}]{sets_part}"
     )
