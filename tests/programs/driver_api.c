@@ -48,6 +48,20 @@ static void range_of(CUdeviceptr p, CUdeviceptr *base, size_t *size) {
     CU(cuPointerGetAttribute(&length, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p));
     EXPECT(start == *base && length == *size, "pointer attributes (%llx, %zu) differ from the address range (%llx, %zu)",
            (unsigned long long)start, length, (unsigned long long)*base, *size);
+    /* cuPointerGetAttributes answers the same, among attributes the driver answers. */
+    unsigned int type = 0;
+    unsigned long long id = 0, id_alone = 0;
+    start = 0;
+    length = 0;
+    CUpointer_attribute asked[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                   CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_BUFFER_ID};
+    void *slots[] = {&type, &start, &length, &id};
+    CU(cuPointerGetAttributes(4, asked, slots, p));
+    CU(cuPointerGetAttribute(&id_alone, CU_POINTER_ATTRIBUTE_BUFFER_ID, p));
+    EXPECT(type == CU_MEMORYTYPE_DEVICE && start == *base && length == *size && id == id_alone,
+           "cuPointerGetAttributes: type %u, range (%llx, %zu), buffer id %llu; the address range (%llx, %zu), "
+           "buffer id %llu",
+           type, (unsigned long long)start, length, id, (unsigned long long)*base, *size, id_alone);
 }
 
 int main(void) {

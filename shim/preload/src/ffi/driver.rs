@@ -343,6 +343,14 @@ pub unsafe extern "C" fn cuPointerGetAttributes(
     if code != SUCCESS || attributes.is_null() || data.is_null() {
         return code;
     }
+    // Most callers (the runtime's `cudaPointerGetAttributes`: the memory type, the device, the
+    // pointers) ask nothing a block answers, and finding the block of an interior pointer
+    // walks its segment's blocks: an expandable range has hundreds.
+    // SAFETY: `attributes` holds `count` elements (CUDA's contract).
+    let asked = unsafe { std::slice::from_raw_parts(attributes, count as usize) };
+    if !asked.iter().any(|&attribute| answered_by_block(attribute)) {
+        return code;
+    }
     if let Some(Ok(block)) = our_block("cuPointerGetAttributes", ptr) {
         for i in 0..count as usize {
             // SAFETY: both arrays hold `count` elements (CUDA's contract).
