@@ -1,11 +1,12 @@
-"""Steady training steps of models.py's Llama for a profiler to attach to (issue 25: where the
-trace's time goes). Under the shim: after 8 warm-up steps, PAUSE=trace pauses the allocation
-records and their stacks (`cachealloc_trace_pause`), PAUSE=stacks the stack capture alone
-(`cachealloc_stacks_pause`), PAUSE=categories takes the category hooks off
-(`cachealloc_categories.enable(False)`), PAUSE=none leaves everything on; 4 more steps, then the file
-READY is created and STEPS steps run (default 800). On SIGTERM (or at the end) it prints
+"""Steady training steps of models.py's Llama (MODEL: another of its workloads) for a profiler
+to attach to (issue 25: where the trace's time goes). Under the shim: after 8 warm-up steps,
+PAUSE=trace pauses the allocation records and their stacks (`cachealloc_trace_pause`),
+PAUSE=stacks the stack capture alone (`cachealloc_stacks_pause`), PAUSE=categories takes the
+category hooks off (`cachealloc_categories.enable(False)`), PAUSE=none leaves everything on
+(natively, without the shim, only none); 4 more steps, then the file READY is created and
+STEPS steps run (default 800). On SIGTERM (or at the end) it prints
 `steady pause=P steps=N median_ms=X`: N, the steps since READY, turns a profiler's samples
-into samples per step. Run by scripts/gpu/trace_profile.sh."""
+into samples per step. Run by scripts/gpu/trace_profile.sh and thread_profile.sh."""
 import ctypes
 import os
 import signal
@@ -20,7 +21,7 @@ import models  # noqa: E402
 lib = ctypes.CDLL(None)
 what = os.environ.get("PAUSE", "none")
 torch.manual_seed(0)
-step, model = models.build("llama")
+step, model = models.build(os.environ.get("MODEL", "llama"))
 for i in range(8):
     step(i)
 if what == "trace":
