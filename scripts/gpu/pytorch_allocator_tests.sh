@@ -31,6 +31,12 @@ if [ -n "${IDS:-}" ]; then  # only the tests listed in the file IDS (one pytest 
     grep -xFf "$IDS" "$OUT/selected.txt" > "$OUT/listed.txt"; mv "$OUT/listed.txt" "$OUT/selected.txt"
 fi
 echo "selected $(wc -l < "$OUT/selected.txt") tests"
+if [ ! -s "$OUT/selected.txt" ]; then
+    # Collection failed, usually for a module the file imports (PyTorch's tests need
+    # `expecttest` and `pytest`, which its wheels do not bring): say why.
+    python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" 2>&1 | tail -15
+    exit 1
+fi
 
 # one ID LABEL: run one test, print "ID<TAB>LABEL<TAB>OUTCOME".
 one() {
