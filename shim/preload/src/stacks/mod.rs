@@ -104,14 +104,16 @@ fn without_hidden(frames: &mut [RawFrame]) -> usize {
 }
 
 /// A thread's capture buffers: return addresses, Python frames, and the raw stack key (the
-/// addresses, then per Python frame its code object, offset and [`CodeCheck`]); and the
-/// stacks it captured last (Note [The thread's recent stacks]).
+/// addresses, then per Python frame its code object, offset and [`CodeCheck`]); the stacks it
+/// captured last (Note [The thread's recent stacks]); and the code objects its walks have read
+/// ([`python::KnownCode`]).
 #[derive(Default)]
 struct Scratch {
     ips: Vec<u64>,
     py: Vec<RawFrame>,
     raw: Vec<u64>,
     recent: RecentStacks,
+    known: python::KnownCode,
 }
 
 thread_local! {
@@ -373,6 +375,7 @@ impl Stacks {
             py,
             raw,
             recent,
+            known,
         } = scratch;
         if ips.len() < self.depth {
             ips.resize(self.depth, 0);
@@ -382,9 +385,12 @@ impl Stacks {
             Some(n) if self.native_on.load(Ordering::Relaxed) => n.capture(&mut ips[..self.depth]),
             _ => 0,
         };
+        // Read before the walk: the known code objects' table belongs to it (Note [Known code
+        // objects]), and a frame's code object is alive from before the capture on.
+        let epoch = python::code_deaths::epoch();
         let python = match &self.python {
             Some(p) => {
-                let walked = p.walk(&mut py[..self.depth]);
+                let walked = p.walk(&mut py[..self.depth], known, epoch);
                 without_hidden(&mut py[..walked])
             }
             None => 0,
@@ -398,7 +404,6 @@ impl Stacks {
         // its code object's contents (so a code object replaced at the same address is a miss).
         // Where code objects' deaths are heard, the addresses and offsets are enough (Note
         // [Code objects' deaths]).
-        let epoch = python::code_deaths::epoch();
         raw.clear();
         raw.extend_from_slice(&ips[..native]);
         if let Some(p) = &self.python {

@@ -78,6 +78,75 @@ pub struct Python {
     code_type: usize,
 }
 
+/// The code objects a thread's captures have found on its stack, with where each one's
+/// traceable bytecode starts: a frame whose code object is known costs no read of it.
+///
+/// # Note [Known code objects]
+///
+/// A frame's code object is read twice per capture: its type (is it a code object at all?)
+/// and its first traceable instruction (has the frame started?). Both lie in the code object,
+/// two cache lines that a training step has long evicted between two allocations: on the
+/// Llama's ~60-frame stacks they were among the capture's hottest misses. Their answers never
+/// change while the object lives, so each thread keeps them by address, in a small table it
+/// alone touches.
+///
+/// An address names one code object only while it lives, and the table is trusted only while
+/// no code object has died: it belongs to one epoch of [Note [Code objects' deaths]](code_deaths),
+/// read before the walk, and is emptied when a capture reads another. That suffices: an entry
+/// was made, during this epoch, from a live frame's code object; if that object had died since,
+/// its death would have ended the epoch. Where deaths are not heard (epoch 0: Python before
+/// 3.12) the table is not used.
+#[derive(Debug)]
+pub struct KnownCode {
+    /// The epoch the entries belong to (0: none, and none are made).
+    epoch: u64,
+    /// `(code object's address, its first traceable instruction)`, by a hash of the address
+    /// (direct-mapped: a collision replaces the older entry).
+    slots: Box<[(usize, c_int)]>,
+}
+
+impl Default for KnownCode {
+    fn default() -> Self {
+        KnownCode {
+            epoch: 0,
+            slots: vec![(0, 0); KnownCode::SLOTS].into_boxed_slice(),
+        }
+    }
+}
+
+impl KnownCode {
+    /// Entries: 8 KiB a thread, more than the code objects a model's stacks run through.
+    const SLOTS: usize = 512;
+
+    /// Before a walk in `epoch`: forget the entries of another epoch.
+    pub fn begin(&mut self, epoch: u64) {
+        if epoch != self.epoch {
+            self.slots.fill((0, 0));
+            self.epoch = epoch;
+        }
+    }
+
+    fn slot(code: usize) -> usize {
+        ((code as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 55) as usize % Self::SLOTS
+    }
+
+    /// The first traceable instruction of the code object at `code`, if known in this epoch.
+    fn get(&self, code: usize) -> Option<c_int> {
+        if self.epoch == 0 {
+            return None;
+        }
+        let (address, first) = self.slots[Self::slot(code)];
+        (address == code).then_some(first)
+    }
+
+    /// `code` is a code object whose first traceable instruction is `first`.
+    fn put(&mut self, code: usize, first: c_int) {
+        if self.epoch != 0 {
+            self.slots[Self::slot(code)] = (code, first);
+        }
+    }
+}
+
 /// Look up `name` in the host process.
 pub(crate) fn symbol(name: &CStr) -> Option<*mut c_void> {
     // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only searches the loaded
@@ -148,7 +217,11 @@ impl Python {
     /// The calling thread's Python frames, innermost first, into `out`; returns how many.
     /// Zero when the thread has no Python thread state (a thread Python never saw) or the
     /// interpreter is not running.
-    pub fn walk(&self, out: &mut [RawFrame]) -> usize {
+    ///
+    /// `known` is the calling thread's [`KnownCode`] and `epoch` the code objects' deaths'
+    /// epoch, read before the walk ([`code_deaths::epoch`]).
+    pub fn walk(&self, out: &mut [RawFrame], known: &mut KnownCode, epoch: u64) -> usize {
+        known.begin(epoch);
         // SAFETY: see the module docs: the calling thread is parked in our hook, so its own
         // frame chain and the code objects it references stay as they are while we read; every
         // pointer is checked for null and alignment, every code object's type is checked before
@@ -174,7 +247,7 @@ impl Python {
             let mut steps = 0;
             while plausible(frame) && n < out.len() && steps < 4 * out.len() {
                 steps += 1;
-                if let Some(raw) = self.frame(frame) {
+                if let Some(raw) = self.frame(frame, known) {
                     out[n] = raw;
                     n += 1;
                 }
@@ -189,15 +262,34 @@ impl Python {
     /// # Safety
     ///
     /// `frame` must point to a live frame of the calling thread (see [`Python::walk`]).
-    unsafe fn frame(&self, frame: usize) -> Option<RawFrame> {
+    unsafe fn frame(&self, frame: usize, known: &mut KnownCode) -> Option<RawFrame> {
         let l = &self.layout;
         // SAFETY: the caller guarantees `frame` is a live frame; the code object it holds is
-        // alive with it, and is read only after its type is checked.
+        // alive with it, and is read only after its type is checked (or `known` says it was,
+        // in this epoch: Note [Known code objects]).
         unsafe {
             let code = read_ptr(frame + l.frame_code);
-            if !plausible(code) || read_ptr(code + layout::OBJECT_TYPE) != self.code_type {
+            if !plausible(code) {
                 return None;
             }
+            let first = match known.get(code) {
+                Some(first) => first,
+                None => {
+                    if read_ptr(code + layout::OBJECT_TYPE) != self.code_type {
+                        return None;
+                    }
+                    let first = if l.kind == FrameKind::FrameObject {
+                        0
+                    } else {
+                        (code as *const u8)
+                            .add(l.code_firsttraceable)
+                            .cast::<c_int>()
+                            .read()
+                    };
+                    known.put(code, first);
+                    first
+                }
+            };
             if l.kind == FrameKind::FrameObject {
                 let lasti = (frame as *const u8).add(l.frame_instr).cast::<i32>().read();
                 let offset = if lasti < 0 { -1 } else { lasti * 2 };
@@ -209,10 +301,6 @@ impl Python {
             }
             let bytecode = code + l.code_bytecode;
             let instr = read_ptr(frame + l.frame_instr);
-            let first = (code as *const u8)
-                .add(l.code_firsttraceable)
-                .cast::<c_int>()
-                .read();
             let first = bytecode + first.max(0) as usize * layout::CODE_UNIT;
             if owner != layout::OWNED_BY_GENERATOR && instr < first {
                 return None; // not started: CPython's own walkers skip it too
@@ -352,5 +440,42 @@ unsafe fn read_bytes<'a>(object: usize) -> &'a [u8] {
             .read()
             .clamp(0, MAX_LINETABLE as isize) as usize;
         std::slice::from_raw_parts((object + layout::BYTES_DATA) as *const u8, size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KnownCode;
+
+    #[test]
+    fn known_code_objects_belong_to_one_epoch() {
+        let mut known = KnownCode::default();
+        // Deaths not heard: nothing is kept.
+        known.begin(0);
+        known.put(0x7f00_0000_1000, 3);
+        assert_eq!(known.get(0x7f00_0000_1000), None);
+        // Within an epoch an entry stays; another epoch forgets it.
+        known.begin(5);
+        known.put(0x7f00_0000_1000, 3);
+        known.begin(5);
+        assert_eq!(known.get(0x7f00_0000_1000), Some(3));
+        assert_eq!(known.get(0x7f00_0000_2000), None);
+        known.begin(6);
+        assert_eq!(known.get(0x7f00_0000_1000), None);
+    }
+
+    #[test]
+    fn a_colliding_address_replaces_the_entry_and_never_reads_another_objects() {
+        let mut known = KnownCode::default();
+        known.begin(1);
+        let first = 0x7f00_0000_1000usize;
+        let other = (1..)
+            .map(|i| first + 16 * i)
+            .find(|&a| KnownCode::slot(a) == KnownCode::slot(first))
+            .expect("a colliding address");
+        known.put(first, 1);
+        known.put(other, 2);
+        assert_eq!(known.get(other), Some(2));
+        assert_eq!(known.get(first), None);
     }
 }
