@@ -41,6 +41,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -55,7 +56,6 @@
 #include <cstring>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace cachealloc_torch {
@@ -515,7 +515,10 @@ class Allocator final : public CUDAAllocator {
   std::string name_ = "native";
   History history_;
   std::mutex mutex_;
-  std::unordered_map<void*, Usage> usage_;
+  // Open addressing, as PyTorch's own allocator keeps its blocks: no node allocated and freed
+  // per tensor (std::unordered_map's insert was the route's largest single cost on mlp's step:
+  // BENCHMARKS.md, twelfth session).
+  ska::flat_hash_map<void*, Usage> usage_;
   std::vector<bool> devices_;
 };
 
