@@ -3,6 +3,8 @@ shim's settings read at start), compared step by step as if they shared one: one
 configuration, all alive at once, taking turns a training step at a time (issue 25).
 
     LIB=DIR/libcachealloc.so python3 scripts/gpu/lockstep.py MODEL ROUNDS LOG LABEL...
+    LIB_old=A/libcachealloc.so LIB_new=B/libcachealloc.so \\
+        python3 scripts/gpu/lockstep.py MODEL ROUNDS LOG native shim@old shim@new
 
 MODEL is one of models.py's (llama, cnn, mlp, gpt2). Every LABEL's process builds the model
 (the same seed), trains 6 warm-up steps, then waits. Round `r`: each process in turn, in an
@@ -19,7 +21,9 @@ Labels: `native` (PyTorch's caching allocator), `shim` (the default), and the de
 part off: `notrace` (`trace:off`: the route and pools alone), `nocategories`, `nostacks`
 (`stacks:none`), `fixed` (`expandable_segments:False`), `notrace_fixed` (both); a suffix
 starts another process of the same configuration (`native.2`: a second native process, to see
-how much processes of one configuration differ). CPUS (e.g. 4-5) pins every process to that
+how much processes of one configuration differ). `@BUILD` after a shim label runs that process
+with the library `$LIB_BUILD` instead of `$LIB` (`LIB_old=… LIB_new=… … shim@old shim@new`:
+two builds in lockstep, where separate processes one after another could not see 1 %). CPUS (e.g. 4-5) pins every process to that
 CPU set; only one runs at a time. Pinned to two CPUs, a second native process sits within
 ~1 % of the first on mlp and 0.3 % on gpt2 (BENCHMARKS.md, "Lockstep").
 
@@ -90,14 +94,26 @@ def worker(model_name):
     )
 
 
+def library(label):
+    """The library a shim label's process preloads: `$LIB`, or `$LIB_BUILD` for `CONF@BUILD`."""
+    build = label.split(".")[0].partition("@")[2]
+    name = f"LIB_{build}" if build else "LIB"
+    if not os.environ.get(name):
+        sys.exit(f"lockstep.py: label {label!r} needs {name}=PATH of a libcachealloc.so")
+    return os.path.realpath(os.environ[name])
+
+
 def start(label, model_name):
-    conf = label.split(".")[0]
-    if conf not in CONFS:
-        sys.exit(f"lockstep.py: unknown label {label!r}; valid: {', '.join(CONFS)} (.N for more)")
+    conf, at, build = label.split(".")[0].partition("@")
+    if conf not in CONFS or (at and (not build or CONFS[conf] is None)):
+        sys.exit(
+            f"lockstep.py: unknown label {label!r}; valid: {', '.join(CONFS)} "
+            "(@BUILD after a shim label for $LIB_BUILD, .N for more)"
+        )
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if CONFS[conf] is not None:
-        env["LD_PRELOAD"] = os.path.realpath(os.environ["LIB"])
+        env["LD_PRELOAD"] = library(label)
         env["CACHEALLOC_CONF"] = CONFS[conf]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name]
     if os.environ.get("CPUS"):

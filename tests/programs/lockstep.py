@@ -2,7 +2,8 @@
 `models` (a step sleeps 1 ms, 2 ms in a process with LD_PRELOAD set). Checks that every label
 gets its own process and its turns in the rotating order, that each set ends with each
 process's final line, that the ratios come out (the slower label about 2x, a second process
-of the same label about 1x), and that an unknown label is refused naming the valid ones.
+of the same label about 1x), that a label's `@BUILD` runs it under `$LIB_BUILD`, and that an
+unknown label or build is refused naming what is valid or missing.
 Prints `OK lockstep` on success."""
 import os
 import re
@@ -54,18 +55,44 @@ class _Model:
 
 
 def build(name):
-    delay = 0.002 if os.environ.get("LD_PRELOAD") else 0.001
+    preload = os.environ.get("LD_PRELOAD", "")
+    # 1 ms natively, 2 ms under one library, 3 ms under libc (the second build of the test).
+    delay = 0.003 if "/libc." in preload else 0.002 if preload else 0.001
     return (lambda i: time.sleep(delay)), _Model()
 '''
 
 
-def preloadable():
-    """A library the loader can preload harmlessly: this interpreter's libm or libc."""
+def preloadable(name):
+    """A library the loader can preload harmlessly: this interpreter's `name` (libm, libc)."""
     for line in open("/proc/self/maps"):
         path = line.split()[-1]
-        if re.search(r"/lib(m|c)\.so", path):
+        if re.search(rf"/{name}\.so", path):
             return path
-    sys.exit("no libm or libc mapped")
+    sys.exit(f"no {name} mapped")
+
+
+def check_builds(tmp, env):
+    """`shim@b` runs under `$LIB_b` (the stand-in's step 3 ms there, 2 ms under `$LIB`), and a
+    build without its variable, or after a native label, is refused naming what is missing."""
+    log = os.path.join(tmp, "builds.log")
+    run = subprocess.run(
+        [sys.executable, os.path.join(tmp, "lockstep.py"), "llama", "4", log,
+         "native", "shim", "shim@b", "notrace@b.2"],
+        env=dict(env, LIB_b=preloadable("libc"), SETS="1"),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    pattern = r"ratio workload=llama field=step_ms rounds=4 \S+ (\S+)=\S+ ratio=(\S+)"
+    ratios = {k: float(v) for k, v in re.findall(pattern, run.stdout)}
+    assert set(ratios) == {"shim", "shim@b", "notrace@b.2"}, run.stdout
+    assert 1.5 < ratios["shim"] < 2.6, ratios
+    assert 2.6 < ratios["shim@b"] < 4.0 and 2.6 < ratios["notrace@b.2"] < 4.0, ratios
+    for labels, says in ((["shim@c"], "needs LIB_c=PATH"), (["native@b"], "unknown label 'native@b'")):
+        bad = subprocess.run(
+            [sys.executable, os.path.join(tmp, "lockstep.py"), "llama", "1", log, *labels],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert bad.returncode != 0 and says in bad.stderr, bad.stderr
 
 
 def check_sets_in_interval(tmp):
@@ -103,7 +130,7 @@ def main():
         with open(os.path.join(tmp, "models.py"), "w") as f:
             f.write(FAKE_MODELS)
         log = os.path.join(tmp, "steps.log")
-        env = dict(os.environ, LIB=preloadable(), SETS="2")
+        env = dict(os.environ, LIB=preloadable("libm"), SETS="2")
         env.pop("LD_PRELOAD", None)
         labels = ["native", "shim", "native.2"]
         run = subprocess.run(
@@ -131,6 +158,7 @@ def main():
         assert 0.6 < float(ratios["native.2"]) < 1.6, ratios
         assert all(float(x["proc_ms"]) >= 0 for x in steps), steps[0]
         check_sets_in_interval(tmp)
+        check_builds(tmp, env)
         bad = subprocess.run(
             [sys.executable, os.path.join(tmp, "lockstep.py"), "llama", "1", log, "nativ"],
             env=env, capture_output=True, text=True, timeout=60,
