@@ -23,8 +23,8 @@ part off: `notrace` (`trace:off`: the route and pools alone), `nocategories`, `n
 starts another process of the same configuration (`native.2`: a second native process, to see
 how much processes of one configuration differ). `@BUILD` after a shim label runs that process
 with the library `$LIB_BUILD` instead of `$LIB` (`LIB_old=… LIB_new=… … shim@old shim@new`:
-two builds in lockstep, where separate processes one after another could not see 1 %). CPUS (e.g. 4-5) pins every process to that
-CPU set; only one runs at a time. Pinned to two CPUs, a second native process sits within
+two builds in lockstep, where separate processes one after another could not see 1 %). CPUS
+(e.g. 4-5) pins every process to that CPU set; only one runs at a time. Pinned to two CPUs, a second native process sits within
 ~1 % of the first on mlp and 0.3 % on gpt2 (BENCHMARKS.md, "Lockstep").
 
 Prints each label's median step and, for each label after the first, the median of per-round
