@@ -24,8 +24,9 @@ starts another process of the same configuration (`native.2`: a second native pr
 how much processes of one configuration differ). `@BUILD` after a shim label runs that process
 with the library `$LIB_BUILD` instead of `$LIB` (`LIB_old=… LIB_new=… … shim@old shim@new`:
 two builds in lockstep, where separate processes one after another could not see 1 %). CPUS
-(e.g. 4-5) pins every process to that CPU set; only one runs at a time. Pinned to two CPUs, a second native process sits within
-~1 % of the first on mlp and 0.3 % on gpt2 (BENCHMARKS.md, "Lockstep").
+(e.g. 4-5) pins every process to that CPU set; only one runs at a time. Pinned to two CPUs, a
+second native process sits within ~1 % of the first on mlp and 0.3 % on gpt2 (BENCHMARKS.md,
+"Lockstep").
 
 Prints each label's median step and, for each label after the first, the median of per-round
 ratios to the first with its 95 % interval (ratio_ci.py over the whole LOG: start a fresh one).

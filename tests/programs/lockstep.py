@@ -87,7 +87,8 @@ def check_builds(tmp, env):
     assert set(ratios) == {"shim", "shim@b", "notrace@b.2"}, run.stdout
     assert 1.5 < ratios["shim"] < 2.6, ratios
     assert 2.6 < ratios["shim@b"] < 4.0 and 2.6 < ratios["notrace@b.2"] < 4.0, ratios
-    for labels, says in ((["shim@c"], "needs LIB_c=PATH"), (["native@b"], "unknown label 'native@b'")):
+    refusals = ((["shim@c"], "needs LIB_c=PATH"), (["native@b"], "unknown label 'native@b'"))
+    for labels, says in refusals:
         bad = subprocess.run(
             [sys.executable, os.path.join(tmp, "lockstep.py"), "llama", "1", log, *labels],
             env=env, capture_output=True, text=True, timeout=60,
