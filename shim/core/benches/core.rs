@@ -7,6 +7,11 @@
 //!   common case of a training loop, which repeats the same shapes): no split, no merge.
 //! * `small_split` / `large_split` — only bigger free blocks exist: every pair splits a block
 //!   and merges it back on free (the rest lands in the middle of a large free-list bucket).
+//!
+//! `cold_pair` times the same pairs after evicting the caches (64 MiB written between pairs):
+//! the upper bound of a pair inside a training step, where the work between two allocations
+//! pushes the pools' lines out (the route's cost on a host-bound step: BENCHMARKS.md, twelfth
+//! session).
 
 // criterion's macros generate undocumented items.
 #![allow(missing_docs)]
@@ -103,5 +108,40 @@ fn bookkeeping_pair(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, cached_pair, bookkeeping_pair);
+/// Bytes written between two timed pairs of `cold_pair`: more than the development VM's and the
+/// GPU hosts' last-level caches hold for one core, so the pair finds its lines evicted.
+const EVICT_BYTES: usize = 64 << 20;
+
+/// The cached pairs with the caches evicted before each one (only the pair is timed): what a
+/// pair costs inside a training step, where the tensors' work between two allocations has
+/// pushed the pools' lines out. The warm pairs above understate it; this is its upper bound.
+fn cold_pair(c: &mut Criterion) {
+    let mut group = c.benchmark_group("cold_pair");
+    group.sample_size(20);
+    let alloc = populated(ReusePolicy::Immediate);
+    let mut evict = vec![0u8; EVICT_BYTES];
+    for (label, size) in CASES {
+        let a = alloc.malloc(size, 0).unwrap();
+        alloc.free(a.address).unwrap();
+        group.bench_function(BenchmarkId::new("immediate", label), |b| {
+            b.iter_custom(|iters| {
+                let mut timed = std::time::Duration::ZERO;
+                for i in 0..iters {
+                    for line in evict.chunks_mut(64) {
+                        line[0] = line[0].wrapping_add(i as u8);
+                    }
+                    black_box(&evict);
+                    let start = std::time::Instant::now();
+                    let a = alloc.malloc(black_box(size), 0).unwrap();
+                    alloc.free(black_box(a.address)).unwrap();
+                    timed += start.elapsed();
+                }
+                timed
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, cached_pair, bookkeeping_pair, cold_pair);
 criterion_main!(benches);
