@@ -95,9 +95,8 @@ def worker(model_name):
     )
 
 
-def library(label):
+def library(label, build):
     """The library a shim label's process preloads: `$LIB`, or `$LIB_BUILD` for `CONF@BUILD`."""
-    build = label.split(".")[0].partition("@")[2]
     name = f"LIB_{build}" if build else "LIB"
     if not os.environ.get(name):
         sys.exit(f"lockstep.py: label {label!r} needs {name}=PATH of a libcachealloc.so")
@@ -114,7 +113,7 @@ def start(label, model_name):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if CONFS[conf] is not None:
-        env["LD_PRELOAD"] = library(label)
+        env["LD_PRELOAD"] = library(label, build)
         env["CACHEALLOC_CONF"] = CONFS[conf]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name]
     if os.environ.get("CPUS"):

@@ -115,9 +115,8 @@ fn bookkeeping_pair(c: &mut Criterion) {
 /// pair as much as a 64 MiB one).
 const EVICT: [(&str, usize); 2] = [("evict_4mib", 4 << 20), ("evict_64mib", 64 << 20)];
 
-/// The cached pairs with the caches evicted before each one (only the pair is timed): what a
-/// pair costs inside a training step, where the tensors' work between two allocations has
-/// pushed the pools' lines out. The warm pairs above understate it.
+/// The cached pairs with the caches evicted before each one (only the pair is timed; see the
+/// module docs).
 fn cold_pair(c: &mut Criterion) {
     let mut group = c.benchmark_group("cold_pair");
     group.sample_size(20);
