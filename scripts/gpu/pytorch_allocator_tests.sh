@@ -13,7 +13,9 @@
 # shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (150 s). Tests PyTorch
 # marks serial (they read the whole device's memory) run one at a time after the rest. The
 # whole run stops after DEADLINE seconds (520), so that it fits one device command; the table
-# then has what finished.
+# then has what finished. GPUS=N (1) spreads the tests over the machine's first N GPUs, each
+# process seeing one of them (CUDA_VISIBLE_DEVICES by the job's slot): JOBS run at once in all,
+# and the serial tests N at a time, one a GPU.
 set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
@@ -42,6 +44,8 @@ fi
 one() {
     local id=$1 label=$2 log rc outcome
     log=$(mktemp)
+    # xargs numbers its running jobs 0..P-1 (SLOT): each slot keeps one GPU.
+    if [ "${GPUS:-1}" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$(( SLOT % GPUS )); fi
     if [ "$label" = shim ]; then
         CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
     else
@@ -61,7 +65,7 @@ one() {
     rm -f "$log"
 }
 export -f one
-export LIB OUT
+export LIB OUT GPUS=${GPUS:-1}
 # PyTorch's @serialTest() tests (pytest mark "serial") measure the whole device
 # (`mem_get_info`): they run one at a time after the others, with nothing else on the GPU.
 python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
@@ -71,8 +75,8 @@ left() { local l=$(( ${DEADLINE:-520} - (SECONDS - start) )); echo $(( l > 1 ? l
 # The serial tests keep a third of the time left (when there are any).
 reserve=0; [ -s "$OUT/serial.txt" ] && reserve=$(( $(left) / 3 ))
 grep -vxFf "$OUT/serial.txt" "$OUT/selected.txt" | pairs \
-    | timeout "$(( $(left) - reserve ))" xargs -r -P "$JOBS" -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
-pairs < "$OUT/serial.txt" | timeout "$(left)" xargs -r -P 1 -L 1 bash -c 'one "$0" "$1"' >> "$OUT/raw.tsv"
+    | timeout "$(( $(left) - reserve ))" xargs -r -P "$JOBS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
+pairs < "$OUT/serial.txt" | timeout "$(left)" xargs -r -P "$GPUS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' >> "$OUT/raw.tsv"
 python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" <<'PY'
 import collections, sys
 rows = collections.defaultdict(dict)
