@@ -4,7 +4,8 @@
 // interface below changes between releases), loaded into the process, and installed in the
 // place of PyTorch's `cudaMallocAsync` backend before CUDA is first used. It serves what the
 // backend served — each allocation a `cudaMallocAsync` on the current stream, each free a
-// `cudaFreeAsync` on the allocation's stream, both answered by the preloaded library's pools —
+// `cudaFreeAsync` on the allocation's stream, both answered by the preloaded library's pools
+// (the free through `cachealloc_free_async`, which needs no device guard) —
 // and what the backend refuses: the checkpoints of graph pools that PyTorch's CUDA graph trees
 // need.
 //
@@ -50,6 +51,7 @@
 #include "cachealloc_torch_library.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -57,6 +59,20 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+// PyTorch's `C10_CUDA_CHECK` on a failure only. On success PyTorch's check still consults its
+// registry of device-side assertions (`c10_cuda_check_implementation`, `has_failed`,
+// `get_singleton_ref`), on this allocator's path twice a tensor, where PyTorch's own allocator
+// makes no CUDA call at all for a cached block. A failure is reported exactly as before. With
+// the device guards dropped below, the step of a host-bound model fell by 2-4 % (lockstep:
+// BENCHMARKS.md, thirteenth session).
+#define CACHEALLOC_CUDA_CHECK(EXPR)                  \
+  do {                                               \
+    const cudaError_t cachealloc_err_ = (EXPR);      \
+    if (C10_UNLIKELY(cachealloc_err_ != cudaSuccess)) { \
+      C10_CUDA_CHECK(cachealloc_err_);               \
+    }                                                \
+  } while (0)
 
 namespace cachealloc_torch {
 
@@ -438,15 +454,22 @@ class Allocator final : public CUDAAllocator {
       usage = std::move(it->second);
       usage_.erase(it);
     }
-    CUDAGuard guard(usage.device);
-    for (cudaStream_t other : usage.other_streams) {
-      cudaEvent_t event;
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-      C10_CUDA_CHECK(cudaEventRecord(event, other));
-      C10_CUDA_CHECK(cudaStreamWaitEvent(usage.stream, event, 0));
-      C10_CUDA_CHECK(cudaEventDestroy(event));
+    // The library frees its own blocks whatever the current device (it finds their pool by
+    // address); only memory CUDA frees, or a free that waits for other streams' events, needs
+    // the block's device current.
+    int code = usage.other_streams.empty() ? library.free_async(ptr, usage.stream) : Library::not_pooled;
+    if (code == Library::not_pooled) {
+      CUDAGuard guard(usage.device);
+      for (cudaStream_t other : usage.other_streams) {
+        cudaEvent_t event;
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+        C10_CUDA_CHECK(cudaEventRecord(event, other));
+        C10_CUDA_CHECK(cudaStreamWaitEvent(usage.stream, event, 0));
+        C10_CUDA_CHECK(cudaEventDestroy(event));
+      }
+      code = cudaFreeAsync(ptr, usage.stream);
     }
-    C10_CUDA_CHECK(cudaFreeAsync(ptr, usage.stream));
+    CACHEALLOC_CUDA_CHECK(static_cast<cudaError_t>(code));
     if (history_.enabled()) {
       // The library reuses the block once the stream's work is done; PyTorch's books count
       // the free complete at once, as its `cudaMallocAsync` backend does.
@@ -457,8 +480,9 @@ class Allocator final : public CUDAAllocator {
   }
 
  private:
+  // `device` is the current device (every caller passes it): no guard, whose constructor and
+  // destructor would each ask the runtime for the device again.
   void* malloc_on(DeviceIndex device, size_t size, cudaStream_t stream) {
-    CUDAGuard guard(device);
     use_device(device);
     auto context = history_.gather(false);
     void* ptr = nullptr;
@@ -472,7 +496,7 @@ class Allocator final : public CUDAAllocator {
                        format_size(total), " of which ", format_size(free_bytes),
                        " is free. (cachealloc: see its out-of-memory report above)");
     }
-    C10_CUDA_CHECK(err);
+    CACHEALLOC_CUDA_CHECK(err);
     if (history_.enabled()) {
       history_.add(TraceEntry::ALLOC, device, ptr, size, stream, context);
     }
@@ -482,8 +506,13 @@ class Allocator final : public CUDAAllocator {
   }
 
   // As the backend does at a device's first allocation: keep the default pool's memory (the
-  // library answers for the default pool).
+  // library answers for the default pool). Devices set up already are in `used_`, read without
+  // the lock.
   void use_device(DeviceIndex device) {
+    bool known = device >= 0 && device < 64;
+    if (known && (used_.load(std::memory_order_acquire) >> device & 1)) {
+      return;
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (static_cast<size_t>(device) >= devices_.size() || devices_[device]) {
       return;
@@ -493,6 +522,9 @@ class Allocator final : public CUDAAllocator {
     uint64_t threshold = UINT64_MAX;
     C10_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
     devices_[device] = true;
+    if (known) {
+      used_.fetch_or(uint64_t{1} << device, std::memory_order_release);
+    }
   }
 
   bool device_used(DeviceIndex device) {
@@ -520,6 +552,8 @@ class Allocator final : public CUDAAllocator {
   // BENCHMARKS.md, twelfth session).
   ska::flat_hash_map<void*, Usage> usage_;
   std::vector<bool> devices_;
+  // The devices below 64 that `use_device` set up: a bit each.
+  std::atomic<uint64_t> used_{0};
 };
 
 // Never destroyed: PyTorch frees tensors during the process's exit, after static destructors

@@ -30,6 +30,9 @@ struct Library {
   int (*mem_pool_use_count)(int, uint64_t) = nullptr;
   using Fields = void (*)(void*, const uint64_t*);
   int (*segments_walk)(int, Fields, Fields, void*) = nullptr;
+  // `cudaFreeAsync` of a block of the library's pools; `not_pooled` for other memory.
+  int (*free_async)(void*, cudaStream_t) = nullptr;
+  static constexpr int not_pooled = -1;
 
   bool load() {
     return find(checkpoint, "cachealloc_pool_checkpoint") &&
@@ -39,7 +42,8 @@ struct Library {
         find(record_stream, "cachealloc_record_stream") &&
         find(mem_pool_retain, "cachealloc_mem_pool_retain") &&
         find(mem_pool_use_count, "cachealloc_mem_pool_use_count") &&
-        find(segments_walk, "cachealloc_segments_walk");
+        find(segments_walk, "cachealloc_segments_walk") &&
+        find(free_async, "cachealloc_free_async");
   }
 
  private:

@@ -79,6 +79,25 @@ if not t:
     fail("cachealloc_torch_malloc failed")
 glob.cachealloc_torch_free(t, 8192, 0, None)
 
+# The C++ allocator for PyTorch's free: the library's own blocks, and only those.
+glob.cudaMallocAsync.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p]
+glob.cachealloc_free_async.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+glob.cachealloc_free_async.restype = ctypes.c_int
+a = ctypes.c_void_p()
+if glob.cudaMallocAsync(ctypes.byref(a), 1 << 20, None) != 0 or not a.value:
+    fail("cudaMallocAsync failed")
+if stats()["devices"]["0"]["allocated_bytes.all.current"] != 1 << 20:
+    fail("cudaMallocAsync's block not counted")
+if glob.cachealloc_free_async(a, None) != 0:
+    fail("cachealloc_free_async of a pooled block did not free it")
+if stats()["devices"]["0"]["allocated_bytes.all.current"] != 0:
+    fail("cachealloc_free_async left the block allocated")
+if glob.cachealloc_free_async(a, None) != 1:
+    fail("a second cachealloc_free_async of the block was not refused")
+for other in (None, 0x1000):
+    if glob.cachealloc_free_async(other, None) != -1:
+        fail(f"cachealloc_free_async({other}) did not answer 'not pooled'")
+
 glob.cachealloc_annotate.argtypes = [ctypes.c_char_p]
 if glob.cachealloc_annotate(b"after the frees") != 0 or glob.cachealloc_annotate(None) == 0:
     fail("cachealloc_annotate")

@@ -425,3 +425,23 @@ pub extern "C" fn cachealloc_torch_free(
         || cuda::SUCCESS,
     );
 }
+
+/// What `cachealloc_free_async` answers for memory that is not in the library's pools.
+pub const NOT_POOLED: c_int = -1;
+
+/// `cudaFreeAsync(ptr, stream)` for a block of the library's pools, as the interposed
+/// `cudaFreeAsync` does it; [`NOT_POOLED`] (nothing done) for any other pointer. For the C++
+/// allocator for PyTorch: its free needs the block's device current (a `CUDAGuard`, two calls
+/// into the runtime and PyTorch's checks) only for memory CUDA frees, so it asks here first.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_free_async(ptr: *mut c_void, stream: CudaStream) -> c_int {
+    let stream = stream as usize;
+    // After an internal failure the pointer may be pooled: leaking it is safe, handing a
+    // sub-block to CUDA is not.
+    let freed = guarded(
+        "cachealloc_free_async",
+        || hooks::pooled_free_async(ptr as u64, stream),
+        || Some(cuda::SUCCESS),
+    );
+    freed.map_or(NOT_POOLED, |code| code.0)
+}

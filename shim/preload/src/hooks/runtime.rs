@@ -61,20 +61,30 @@ pub fn malloc_async(size: u64, stream: usize) -> Result<u64, CudaError> {
 /// when freed there, else behind a fence (a free captured into a graph counts as a synchronous
 /// free); anything else — graph memory, the runtime's own pools — goes to the runtime.
 pub fn free_async(address: u64, stream: usize) -> CudaError {
+    if let Some(code) = pooled_free_async(address, stream) {
+        return code;
+    }
     if address != 0
         && let Some(shim) = process::shim()
     {
-        let freed = if shim.is_capturing(stream) {
-            shim.free_in_capture(address, stream)
-        } else {
-            shim.free(address, shim.stream_key(stream))
-        };
-        if let Some(code) = freed {
-            return code;
-        }
         shim.passthrough_free(address);
     }
     real::free_async(address, stream)
+}
+
+/// The pools' part of `cudaFreeAsync`: `None` when `address` is not a block of the pools (the
+/// caller frees it through CUDA). `cachealloc_free_async`, for the C++ allocator for PyTorch,
+/// which then needs no device guard for the library's blocks.
+pub fn pooled_free_async(address: u64, stream: usize) -> Option<CudaError> {
+    if address == 0 {
+        return None;
+    }
+    let shim = process::shim()?;
+    if shim.is_capturing(stream) {
+        shim.free_in_capture(address, stream)
+    } else {
+        shim.free(address, shim.stream_key(stream))
+    }
 }
 
 /// `cudaMemGetInfo`: our cached free bytes count as free (the application's next `cudaMalloc`
