@@ -15,7 +15,9 @@
 # whole run stops after DEADLINE seconds (520), so that it fits one device command; the table
 # then has what finished. GPUS=N (1) spreads the tests over the machine's first N GPUs, each
 # process seeing one of them (CUDA_VISIBLE_DEVICES by the job's slot): JOBS run at once in all,
-# and the serial tests N at a time, one a GPU.
+# and the serial tests N at a time, one a GPU. SIDES="shim" (default "native shim") runs one
+# side only: a build's check against the native column of an earlier run on the same kind of
+# machine (native outcomes do not depend on the build); the other column then reads "-".
 set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
@@ -70,7 +72,8 @@ export LIB OUT GPUS=${GPUS:-1}
 # (`mem_get_info`): they run one at a time after the others, with nothing else on the GPU.
 python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
     | grep '::' | grep -xFf "$OUT/selected.txt" > "$OUT/serial.txt"
-pairs() { while read -r id; do printf '%s native\n%s shim\n' "$id" "$id"; done; }
+SIDES=${SIDES:-native shim}
+pairs() { while read -r id; do for side in $SIDES; do printf '%s %s\n' "$id" "$side"; done; done; }
 left() { local l=$(( ${DEADLINE:-520} - (SECONDS - start) )); echo $(( l > 1 ? l : 1 )); }
 # The serial tests keep a third of the time left (when there are any).
 reserve=0; [ -s "$OUT/serial.txt" ] && reserve=$(( $(left) / 3 ))
