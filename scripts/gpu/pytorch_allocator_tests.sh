@@ -17,7 +17,8 @@
 # process seeing one of them (CUDA_VISIBLE_DEVICES by the job's slot): JOBS run at once in all,
 # and the serial tests N at a time, one a GPU. SIDES="shim" (default "native shim") runs one
 # side only: a build's check against the native column of an earlier run on the same kind of
-# machine (native outcomes do not depend on the build); the other column then reads "-".
+# machine (native outcomes do not depend on the build); NATIVE_FROM=TSV (an earlier run's
+# pytorch_tests.tsv, absolute path) then fills the native column, and the counts compare with it.
 set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
@@ -80,12 +81,17 @@ reserve=0; [ -s "$OUT/serial.txt" ] && reserve=$(( $(left) / 3 ))
 grep -vxFf "$OUT/serial.txt" "$OUT/selected.txt" | pairs \
     | timeout "$(( $(left) - reserve ))" xargs -r -P "$JOBS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
 pairs < "$OUT/serial.txt" | timeout "$(left)" xargs -r -P "$GPUS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' >> "$OUT/raw.tsv"
-python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" <<'PY'
+python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" "${NATIVE_FROM:-}" <<'PY'
 import collections, sys
 rows = collections.defaultdict(dict)
 for line in open(sys.argv[1]):
     test, label, outcome = line.rstrip("\n").split("\t")
     rows[test][label] = outcome
+if sys.argv[3]:  # NATIVE_FROM: the native column of an earlier run, for the tests run now
+    for line in list(open(sys.argv[3]))[1:]:
+        test, native, _ = line.rstrip("\n").split("\t")
+        if test in rows and "native" not in rows[test] and native != "-":
+            rows[test]["native"] = native
 with open(sys.argv[2], "w") as f:
     f.write("test\tnative\tshim\n")
     for test in sorted(rows):
