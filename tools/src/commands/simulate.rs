@@ -1,5 +1,6 @@
 //! `cachealloc simulate TRACE [--conf K:V,...] [--capacity BYTES] [--granularity BYTES]
-//! [--sweep]`: what another allocator config would have done with the same requests.
+//! [--sweep] [--after SECONDS [--repeat TIMES]]`: what another allocator config would have done
+//! with the same requests, and with `--repeat`, what a longer run would have done.
 //!
 //! The trace's allocations and frees, in their recorded order — with the requests the run could
 //! not serve (its OOMs), to see whether they would be served — are replayed through
@@ -36,7 +37,8 @@ mod recording;
 
 use engine::{DEFAULT_GRANULARITY, SimulatedDevice, SweepResult, config_from, simulate};
 pub use engine::{
-    DeviceOutcome, DeviceWork, Divergence, Failure, MappedDifferently, Outcome, simulate_dir,
+    DeviceOutcome, DeviceWork, Divergence, Failure, MappedDifferently, Outcome, Repetition,
+    simulate_dir,
 };
 use recording::record;
 
@@ -63,6 +65,11 @@ pub struct SimulateArgs {
     /// unmaps and device synchronizations.
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
     pub after: Option<u64>,
+    /// Go on past the recording: replay the run up to `--after`, then one period of its
+    /// requests from there (a step, or a cycle of its shapes, found in the trace) this many
+    /// times, and print reserved memory at the end of each: whether a long run would creep.
+    #[arg(long, value_name = "TIMES", requires = "after")]
+    pub repeat: Option<u64>,
 }
 
 fn parse_seconds(text: &str) -> Result<u64, String> {
@@ -94,7 +101,7 @@ pub fn run(args: &SimulateArgs, out: &mut dyn Write) -> Result<(), Error> {
     };
     let dir = one_trace(&args.trace)?;
     let recorded = scan(&dir, &Progress::new("scanning"))?;
-    let rec = record(&dir)?;
+    let mut rec = record(&dir)?;
     writeln!(out, "recorded run ({} requests):", rec.ops.len())?;
     for (device, d) in &recorded.devices {
         writeln!(
@@ -115,6 +122,20 @@ pub fn run(args: &SimulateArgs, out: &mut dyn Write) -> Result<(), Error> {
             rec.live_at_start
         )?;
     }
+    let steady = match (args.repeat, args.after) {
+        (Some(times), Some(after)) => {
+            let steady = recording::repeat_steady(&mut rec, after, times)?;
+            writeln!(
+                out,
+                "  repeated        from {} on, one period of {} allocations, {} times",
+                seconds(steady.from),
+                steady.allocations,
+                times
+            )?;
+            Some(times)
+        }
+        _ => None,
+    };
     if args.sweep {
         return sweep_table(&engine::sweep(&rec, conf, &device)?, out);
     }
@@ -128,6 +149,68 @@ pub fn run(args: &SimulateArgs, out: &mut dyn Write) -> Result<(), Error> {
         capacity.map_or(String::new(), |c| format!(", capacity {}", bytes(c)))
     )?;
     describe(&o, args.after, out)?;
+    if let Some(times) = steady {
+        repetitions(&o, times, out)?;
+    }
+    Ok(())
+}
+
+/// With `--repeat`: each device's reserved memory at the end of some repetitions (all of up to
+/// twelve, else twelve spread over them), and how it changed from the first to the last.
+fn repetitions(o: &Outcome, times: u64, out: &mut dyn Write) -> Result<(), Error> {
+    let shown: Vec<u64> = if times <= 12 {
+        (1..=times).collect()
+    } else {
+        (0..12).map(|i| 1 + i * (times - 1) / 11).collect()
+    };
+    for device in o.devices.keys() {
+        let rows: Vec<&Repetition> = (o.repetitions.iter())
+            .filter(|r| r.device == *device)
+            .collect();
+        let (Some(first), Some(last)) = (rows.first(), rows.last()) else {
+            continue;
+        };
+        writeln!(out, "  device {device}, repeated")?;
+        writeln!(
+            out,
+            "    {:>10}  {:>12}  {:>13}  {:>12}",
+            "repetition", "reserved", "peak reserved", "device calls"
+        )?;
+        for r in rows.iter().filter(|r| shown.contains(&r.repetition)) {
+            writeln!(
+                out,
+                "    {:>10}  {:>12}  {:>13}  {:>12}",
+                r.repetition,
+                bytes(r.reserved),
+                bytes(r.peak_reserved),
+                r.device_calls
+            )?;
+        }
+        // The second half: past what the first repetitions still settle.
+        let middle = rows[(rows.len() - 1) / 2];
+        let change = last.reserved as i64 - middle.reserved as i64;
+        let per = if last.repetition > middle.repetition {
+            change as f64 / (last.repetition - middle.repetition) as f64
+        } else {
+            0.0
+        };
+        writeln!(
+            out,
+            "    reserved over the second half (repetitions {} to {}): {}{} ({}{} a repetition); from the first: {}{}",
+            middle.repetition,
+            last.repetition,
+            if change < 0 { "-" } else { "+" },
+            bytes(change.unsigned_abs()),
+            if per < 0.0 { "-" } else { "+" },
+            bytes(per.abs().round() as u64),
+            if last.reserved < first.reserved {
+                "-"
+            } else {
+                "+"
+            },
+            bytes(last.reserved.abs_diff(first.reserved))
+        )?;
+    }
     Ok(())
 }
 

@@ -93,7 +93,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                 // A new high-water mark: give back free memory first, moving what fits into
                 // the plan (see the Notes).
                 let holes = pools.take_to_recycle(&plan, beyond_peak);
-                let rest = pools.plan_moves(&mut plan, holes);
+                let rest = pools.plan_moves(&mut plan, holes, &self.device);
                 // What cannot move is unmapped only if that needs no wait for the device.
                 to_unmap.extend(pools.keep_busy_mapped(rest, &self.device));
                 for m in &plan.moves {

@@ -139,6 +139,23 @@ pub struct Outcome {
     /// With the recorded config: the first request for which the simulation mapped another
     /// amount of memory than the run, if any — threads that raced around a map.
     pub mapped_differently_at: Option<MappedDifferently>,
+    /// With `--repeat`: each device's state at the end of each repetition.
+    pub repetitions: Vec<Repetition>,
+}
+
+/// A device at the end of a repetition of the run's steady requests (`--repeat`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Repetition {
+    /// Which repetition (from 1).
+    pub repetition: u64,
+    /// The device.
+    pub device: u32,
+    /// Reserved bytes then.
+    pub reserved: u64,
+    /// Peak reserved bytes so far.
+    pub peak_reserved: u64,
+    /// Device calls so far (segment allocations and releases, maps and unmaps).
+    pub device_calls: u64,
 }
 
 impl Outcome {
@@ -364,6 +381,18 @@ pub(super) fn simulate(
                     Err(_) => {
                         out.failed(t, requested, device, || site(&rec.names, stack));
                     }
+                }
+            }
+            Op::RepetitionEnd(n) => {
+                for (device, a) in &allocators {
+                    let s = a.stats();
+                    out.repetitions.push(Repetition {
+                        repetition: n,
+                        device: *device,
+                        reserved: s.reserved_bytes.all.current as u64,
+                        peak_reserved: s.reserved_bytes.all.peak as u64,
+                        device_calls: s.num_device_alloc + s.num_device_free,
+                    });
                 }
             }
             Op::StreamCreated => {

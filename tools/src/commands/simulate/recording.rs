@@ -44,6 +44,8 @@ pub(super) enum Op {
     FenceDone { device: u32, address: u64 },
     /// The run created a stream (`reuse:auto` starts fencing).
     StreamCreated,
+    /// The end of the `n`th repetition of the run's steady requests (`--repeat`; from 1).
+    RepetitionEnd(u64),
     /// A request the run could not serve (out of memory).
     Refused {
         device: u32,
@@ -176,4 +178,139 @@ pub(super) fn record(dir: &Path) -> Result<Recording, Error> {
             })
             .unwrap_or_default(),
     })
+}
+
+/// What `--repeat` repeats: the run's requests from the first allocation at or after `from`
+/// (ns), one period of them (see [`repeat_steady`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Steady {
+    /// When the repeated requests start in the run (ns).
+    pub from: u64,
+    /// Allocations in one period.
+    pub allocations: usize,
+}
+
+/// Replace the requests after `from` (ns) with `times` repetitions of one period of them: what
+/// the run would have asked had it gone on for `times` more cycles of its steady state.
+///
+/// A training step asks for the same sizes in the same order every time, and a run of variable
+/// shapes every cycle of them, so from the end of the warm-up on the requests repeat with a
+/// period: the shortest one whose allocation sizes, streams and frees match the next period's.
+/// At least two whole periods must follow `from`. The repetitions keep each block's life: a
+/// free in a repetition frees the block that the matching allocation made in the same
+/// repetition, or, for a block the period inherits (allocated before its start, as the previous
+/// step's gradients are), the one the previous repetition made in its place. The repeated
+/// requests carry no recorded growth, so the simulation decides every map itself.
+pub(super) fn repeat_steady(rec: &mut Recording, from: u64, times: u64) -> Result<Steady, Error> {
+    let ops = &rec.ops;
+    let start = ops
+        .iter()
+        .position(|op| matches!(op, Op::Alloc { t, .. } if *t >= from))
+        .ok_or_else(|| Error::Message("--repeat: no allocation at or after --after".into()))?;
+    // For each free (and fence completion), the allocation it is of.
+    let mut latest: HashMap<(u32, u64), usize> = HashMap::new();
+    let mut of = vec![usize::MAX; ops.len()];
+    for (k, op) in ops.iter().enumerate() {
+        match *op {
+            Op::Alloc {
+                device, address, ..
+            } => {
+                latest.insert((device, address), k);
+            }
+            Op::Free {
+                device, address, ..
+            }
+            | Op::FenceDone { device, address } => {
+                if let Some(&i) = latest.get(&(device, address)) {
+                    of[k] = i;
+                }
+            }
+            _ => {}
+        }
+    }
+    // An op's shape: what must match one period later. A free is matched by how far back its
+    // allocation was.
+    let shape = |k: usize| -> (u8, u64, u64) {
+        match ops[k] {
+            Op::Alloc {
+                requested, stream, ..
+            } => (0, requested, stream),
+            Op::Free { stream, .. } => (1, (k - of[k].min(k)) as u64, stream),
+            Op::FenceDone { .. } => (2, (k - of[k].min(k)) as u64, 0),
+            Op::StreamCreated => (3, 0, 0),
+            Op::Refused { requested, .. } => (4, requested, 0),
+            Op::RepetitionEnd(_) => (5, 0, 0),
+        }
+    };
+    let rest = ops.len() - start;
+    let period = (1..=rest / 2)
+        .find(|&p| (start..start + p).all(|k| shape(k) == shape(k + p)))
+        .ok_or_else(|| {
+            Error::Message(format!(
+                "--repeat: the run's requests after {:.3} s do not repeat: give --after a time \
+                 past the warm-up, with at least two whole cycles of the program's requests \
+                 after it (a training step, or a cycle of its shapes)",
+                from as f64 / 1e9
+            ))
+        })?;
+    let allocations = (start..start + period)
+        .filter(|&k| matches!(ops[k], Op::Alloc { .. }))
+        .count();
+    if allocations == 0 {
+        return Err(Error::Message(
+            "--repeat: the repeating requests after --after allocate nothing".into(),
+        ));
+    }
+    // How long one period lasted in the run: repetition `r` runs `r` of them later.
+    let t_of = |k: usize| match ops[k] {
+        Op::Alloc { t, .. } => Some(t),
+        _ => None,
+    };
+    let span = match (t_of(start), (start + period..ops.len()).find_map(t_of)) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => 0,
+    };
+    // Addresses of the repeated blocks: above every address a device has.
+    let key = |r: u64, k: usize| (1u64 << 62) + (r << 32) + k as u64;
+    let mut repeated: Vec<Op> = ops[..start].to_vec();
+    for r in 0..times {
+        for k in start..start + period {
+            let mut op = ops[k];
+            let block = |orig: u64| -> u64 {
+                let i = of[k];
+                if i == usize::MAX {
+                    orig
+                } else if i >= start {
+                    key(r, i)
+                } else if r == 0 || i + period < start {
+                    orig
+                } else {
+                    key(r - 1, i + period)
+                }
+            };
+            match &mut op {
+                Op::Alloc {
+                    address,
+                    grew,
+                    mapped,
+                    t,
+                    ..
+                } => {
+                    *address = key(r, k);
+                    *grew = false;
+                    *mapped = None;
+                    *t += r * span;
+                }
+                Op::Refused { t, .. } => *t += r * span,
+                Op::Free { address, .. } | Op::FenceDone { address, .. } => {
+                    *address = block(*address);
+                }
+                _ => {}
+            }
+            repeated.push(op);
+        }
+        repeated.push(Op::RepetitionEnd(r + 1));
+    }
+    rec.ops = repeated;
+    Ok(Steady { from, allocations })
 }

@@ -38,7 +38,10 @@
 //! can, unmaps what is idle, and leaves what may still be in use mapped and free where it
 //! was ([`Pools::keep_busy_mapped`]): reserved memory then passes the old peak by that much,
 //! and the next cycles, finding the higher peak, recycle less. What a drain would have given
-//! back is bounded by the mappings a map takes (a sixty-fourth of a map each).
+//! back is bounded by the mappings a map takes (a sixty-fourth of a map each). Where such a
+//! mapping is only left over because the others did not fill the map exactly, the map takes it
+//! whole rather than make new memory beside it (Note [A map takes a busy mapping whole]): at
+//! every map of a long run, that excess made a ratchet.
 
 use super::{MapPlan, Pools, SegmentId, Unmapping};
 use crate::device::Device;
@@ -135,7 +138,11 @@ impl<F: Clone> Pools<F> {
 
     /// Whether kernels queued before now may still use `u`'s memory or one of its parked
     /// places.
-    fn may_be_in_use<D: Device<Fence = F>>(&mut self, u: &Unmapping, device: &D) -> bool {
+    pub(in crate::pools) fn may_be_in_use<D: Device<Fence = F>>(
+        &mut self,
+        u: &Unmapping,
+        device: &D,
+    ) -> bool {
         self.refresh_idle(u.range, device);
         let idle_before = self.range_idle(u.range).idle_before;
         // A parked place was last used before it was parked (see moves.rs).
