@@ -9,61 +9,26 @@ mod common;
 
 use std::path::Path;
 
-use cachealloc_recorder::schema::*;
-use cachealloc_recorder::{MonotonicClock, Record, TraceWriter, WriterConfig};
 use cachealloc_tools::commands::simulate::{SimulateArgs, run};
+use common::program::Program;
 use common::scratch;
 
 const MIB: u64 = 1 << 20;
 
-/// A training loop with fixed segments: parameters, then `steps` steps, each freeing the
-/// previous step's gradients, allocating two activations (their sizes alternate between even
-/// and odd steps: a cycle of two steps) and this step's gradients, and freeing the
-/// activations. With `growing`, every step's activations are larger than the last (nothing
-/// repeats). Returns the time of step 2's gradients' allocation (ns): a period from there
-/// inherits the step's activations, allocated before it and freed in it.
+/// A training loop: parameters, then `steps` steps, each freeing the previous step's gradients,
+/// allocating two activations (their sizes alternate between even and odd steps: a cycle of
+/// two steps) and this step's gradients, and freeing the activations. With `growing`, every
+/// step's activations are larger than the last (nothing repeats). Returns the time just before
+/// step 2's gradients' allocation (ns): a period from there inherits the step's activations,
+/// allocated before it and freed in it.
 fn training_trace(dir: &Path, steps: u64, growing: bool) -> u64 {
-    let header = common::program::header("expandable_segments:False");
-    let config = WriterConfig::new(dir, 1 << 30, 1, false);
-    let mut w = TraceWriter::create(config, header, MonotonicClock).unwrap();
-    let mut t = 1000;
-    let mut next_address = 0x7f00_0000_0000u64;
-    let mut alloc = |w: &mut TraceWriter<MonotonicClock>, t: &mut u64, size: u64| {
-        *t += 1000;
-        let address = next_address;
-        next_address += 1 << 32;
-        w.write(&Record::Alloc(Alloc {
-            t: *t,
-            device: 0,
-            stream: 0,
-            address,
-            requested: size,
-            size,
-            stack: 0,
-            thread: 1,
-        }))
-        .unwrap();
-        address
-    };
-    let free = |w: &mut TraceWriter<MonotonicClock>, t: &mut u64, address: u64, size: u64| {
-        *t += 1000;
-        w.write(&Record::Free(FreeRequested {
-            t: *t,
-            device: 0,
-            stream: 0,
-            address,
-            size,
-            stack: 0,
-            thread: 1,
-        }))
-        .unwrap();
-    };
-    alloc(&mut w, &mut t, 10 * MIB);
+    let mut p = Program::new(dir, false, 1);
+    p.alloc(10 * MIB);
     let mut gradients: Option<u64> = None;
     let mut step_two = 0;
     for step in 0..steps {
         if let Some(g) = gradients.take() {
-            free(&mut w, &mut t, g, 3 * MIB);
+            p.free(g, 3 * MIB);
         }
         let (a, b) = if growing {
             ((4 + step) * MIB, (6 + step) * MIB)
@@ -72,16 +37,16 @@ fn training_trace(dir: &Path, steps: u64, growing: bool) -> u64 {
         } else {
             (6 * MIB, 2 * MIB)
         };
-        let x = alloc(&mut w, &mut t, a);
-        let y = alloc(&mut w, &mut t, b);
+        let x = p.alloc(a);
+        let y = p.alloc(b);
         if step == 2 {
-            step_two = t + 1000;
+            step_two = p.now() + 1;
         }
-        gradients = Some(alloc(&mut w, &mut t, 3 * MIB));
-        free(&mut w, &mut t, y, b);
-        free(&mut w, &mut t, x, a);
+        gradients = Some(p.alloc(3 * MIB));
+        p.free(y, b);
+        p.free(x, a);
     }
-    w.finish().unwrap();
+    p.finish();
     step_two
 }
 

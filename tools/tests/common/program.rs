@@ -109,6 +109,11 @@ impl Program {
         p
     }
 
+    /// The time of the last record (ns).
+    pub fn now(&self) -> u64 {
+        self.t
+    }
+
     fn tick(&mut self) -> u64 {
         self.t += 1000;
         self.t
