@@ -115,3 +115,32 @@ fn requests_that_do_not_repeat_are_refused_with_the_reason() {
     assert!(e.contains("do not repeat"), "{e}");
     assert!(e.contains("--after"), "{e}");
 }
+
+/// Each step asks twice for the same size first: a period of one request would match the next
+/// request, and replaying it alone would allocate without ever freeing. The period is checked
+/// over what follows it, so the step is found.
+#[test]
+fn two_equal_requests_in_a_row_are_not_a_period() {
+    let dir = scratch("repeat-twins");
+    let mut p = Program::new(&dir, false, 1);
+    let mut after = 0;
+    for step in 0..10 {
+        if step == 3 {
+            after = p.now() + 1;
+        }
+        let blocks = [4 * MIB, 4 * MIB, 7 * MIB].map(|size| (p.alloc(size), size));
+        for (address, size) in blocks {
+            p.free(address, size);
+        }
+    }
+    p.finish();
+    let report = simulate(&dir, after, 30).unwrap();
+    assert!(
+        report.contains("one period of 3 allocations, 30 times"),
+        "{report}"
+    );
+    assert!(
+        report.contains("over the second half (repetitions 15 to 30): +0 B"),
+        "{report}"
+    );
+}

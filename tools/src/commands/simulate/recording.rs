@@ -180,6 +180,10 @@ pub(super) fn record(dir: &Path) -> Result<Recording, Error> {
     })
 }
 
+/// A period of the run's requests is checked against what follows it over at least this many
+/// requests (or to the trace's end).
+const MIN_CHECKED: usize = 4096;
+
 /// What `--repeat` repeats: the run's requests from the first allocation at or after `from`
 /// (ns), one period of them (see [`repeat_steady`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,9 +246,14 @@ pub(super) fn repeat_steady(rec: &mut Recording, from: u64, times: u64) -> Resul
             Op::RepetitionEnd(_) => (5, 0, 0),
         }
     };
+    // A period must match the next one, and a short one must go on matching for a while (or
+    // to the trace's end): two equal requests in a row are not a period of one.
     let rest = ops.len() - start;
     let period = (1..=rest / 2)
-        .find(|&p| (start..start + p).all(|k| shape(k) == shape(k + p)))
+        .find(|&p| {
+            let checked = p.max(MIN_CHECKED).min(rest - p);
+            (start..start + checked).all(|k| shape(k) == shape(k + p))
+        })
         .ok_or_else(|| {
             Error::Message(format!(
                 "--repeat: the run's requests after {:.3} s do not repeat: give --after a time \
