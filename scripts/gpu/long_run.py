@@ -18,12 +18,11 @@ changes there. Run natively for the reference (no preload)."""
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import build  # noqa: E402
+from models import build, timed  # noqa: E402
 
 MODEL = sys.argv[1]
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 1800
@@ -42,11 +41,7 @@ windows = []
 times = []
 allocs0, frees0 = counters()
 for i in range(STEPS):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    step(i)
-    torch.cuda.synchronize()
-    times.append((time.perf_counter() - t0) * 1000)
+    times.append(timed(step, i))
     if len(times) == WINDOW:
         allocs, frees = counters()
         window = {

@@ -156,6 +156,15 @@ def step_fn(model, batch, loss_of, opt, autocast=True):
     return step
 
 
+def timed(step, i):
+    """Run `step(i)` between two synchronizations; its wall time in ms."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(i)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1000
+
+
 def alternate(step, rounds, labels, switch, log, workload):
     """Time `step` under each of `labels` within one process, one step at a time: round `r`
     runs step `r` (the same batch) once per label, in the labels' order on even rounds and the

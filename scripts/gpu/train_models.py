@@ -9,12 +9,11 @@ different allocators must agree on)."""
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import build  # noqa: E402
+from models import build, timed  # noqa: E402
 from pluggable import use_if_asked  # noqa: E402
 
 use_if_asked()  # ROUTE=pluggable: see pluggable.py
@@ -26,11 +25,7 @@ for i in range(6):
     step(i)
 times = []
 for i in range(STEPS):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    step(i)
-    torch.cuda.synchronize()
-    times.append((time.perf_counter() - t0) * 1000)
+    times.append(timed(step, i))
 mb = 1 << 20
 param_sum = sum(p.detach().double().sum().item() for p in model.parameters())
 try:

@@ -75,6 +75,7 @@
 //! before the gate may be handed out on [`NO_STREAM`]; new memory is then carved on its own,
 //! before it merges with anything.
 
+pub mod fill;
 pub mod idle;
 pub mod moves;
 mod unmap;
