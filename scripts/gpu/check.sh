@@ -96,6 +96,9 @@ run basic "$FIXED" --
 run race "$FIXED" -- nonblocking
 run race "$FIXED" -- blocking
 run race "$FIXED" -- nonblocking late
+# Control (the race program is built with the programs): without fences the race must be caught.
+out=$(CACHEALLOC_CONF=reuse:immediate,expandable_segments:False LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
+if grep -q "overwritten by the old work" <<< "$out"; then pass "race control (reuse:immediate is caught)"; else fail "race control"; echo "$out" | tail -3; fi
 run threads "$FIXED" -- 8 300
 run oom CACHEALLOC_CONF=expandable_segments:False,per_process_memory_fraction:0.001 --
 run badfree "$FIXED" --
@@ -145,10 +148,6 @@ if grep -q "maps into expandable segments" <<< "$out"; then pass "expandable seg
 fi
 
 if part python; then
-
-# Control: without fences the race must be caught.
-out=$(CACHEALLOC_CONF=reuse:immediate,expandable_segments:False LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
-if grep -q "overwritten by the old work" <<< "$out"; then pass "race control (reuse:immediate is caught)"; else fail "race control"; echo "$out" | tail -3; fi
 
 # Python through ctypes: the runtime PyTorch ships.
 CUDART=$(python3 -c 'import glob, os, site; print(next(iter(sorted(glob.glob(os.path.join(site.getsitepackages()[0], "nvidia", "**", "libcudart.so.13"), recursive=True))), ""))')

@@ -15,7 +15,7 @@
 # whole run stops after DEADLINE seconds (520), so that it fits one device command; the table
 # then has what finished. GPUS=N (1) spreads the tests over the machine's first N GPUs, each
 # process seeing one of them (CUDA_VISIBLE_DEVICES by the job's slot): JOBS run at once in all,
-# and the serial tests N at a time, one a GPU. SIDES="shim" (default "native shim") runs one
+# and the serial tests N at a time, one a GPU (the first N of CUDA_VISIBLE_DEVICES when it is set). SIDES="shim" (default "native shim") runs one
 # side only: a build's check against the native column of an earlier run on the same kind of
 # machine (native outcomes do not depend on the build); NATIVE_FROM=TSV (an earlier run's
 # pytorch_tests.tsv, absolute path) then fills the native column, and the counts compare with it.
@@ -48,7 +48,12 @@ one() {
     local id=$1 label=$2 log rc outcome
     log=$(mktemp)
     # xargs numbers its running jobs 0..P-1 (SLOT): each slot keeps one GPU.
-    if [ "${GPUS:-1}" -gt 1 ]; then export CUDA_VISIBLE_DEVICES=$(( SLOT % GPUS )); fi
+    # The GPUs are the first GPUS of CUDA_VISIBLE_DEVICES' list when it is set (so that the
+    # tests can share a host with other work), else of the machine's.
+    if [ "${GPUS:-1}" -gt 1 ]; then
+        local list=(${GPU_LIST//,/ })
+        export CUDA_VISIBLE_DEVICES=${list[$(( SLOT % GPUS ))]:-$(( SLOT % GPUS ))}
+    fi
     if [ "$label" = shim ]; then
         CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
     else
@@ -68,7 +73,7 @@ one() {
     rm -f "$log"
 }
 export -f one
-export LIB OUT GPUS=${GPUS:-1}
+export LIB OUT GPUS=${GPUS:-1} GPU_LIST=${CUDA_VISIBLE_DEVICES:-}
 # PyTorch's @serialTest() tests (pytest mark "serial") measure the whole device
 # (`mem_get_info`): they run one at a time after the others, with nothing else on the GPU.
 python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
