@@ -9,12 +9,18 @@
 //! an exact-size hit searches a small tree of sizes and pops a vector's last element, and the
 //! matching free pushes it back; a flat map would search and rebalance a tree of all free blocks
 //! twice per pair. Buckets that become empty are kept (with their capacity) so steady-state churn
-//! allocates nothing, and are swept out when they are more than a quarter of all buckets.
+//! allocates nothing, and are swept out when they are more than a quarter of all buckets; their
+//! vectors wait (up to [`SPARE_BUCKETS`]) for the next new sizes. A step that splits blocks
+//! leaves remainders of sizes seen only in passing, one bucket each: before the spares, each
+//! sweep freed those vectors and the next step allocated them again, a `malloc` and a `free` per
+//! allocation of the step, whose cold lines were a tenth of what a pair touched (BENCHMARKS.md,
+//! fifteenth session).
 //!
 //! Worst case: inserting or removing a block in a bucket of `n` blocks moves up to `n` entries
 //! (16 bytes each); in practice the freed block is the one just taken, which goes back at the end.
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 
 /// Index of a block in the pools' block table.
 pub(super) type BlockId = u32;
@@ -22,12 +28,17 @@ pub(super) type BlockId = u32;
 /// Blocks of one size: `(address, block)`, sorted by descending address.
 type Bucket = Vec<(u64, BlockId)>;
 
+/// How many swept buckets' vectors a free list keeps for new sizes.
+const SPARE_BUCKETS: usize = 64;
+
 /// The free blocks of one pool. See the module docs.
 #[derive(Debug, Default)]
 pub(super) struct FreeList {
     buckets: BTreeMap<u64, Bucket>,
     len: usize,
     empty_buckets: usize,
+    /// Empty vectors of swept buckets, with their capacity, for the next new sizes.
+    spare: Vec<Bucket>,
 }
 
 impl FreeList {
@@ -44,10 +55,17 @@ impl FreeList {
     /// Add a free block.
     #[inline]
     pub(super) fn insert(&mut self, size: u64, address: u64, id: BlockId) {
-        let bucket = self.buckets.entry(size).or_default();
-        if bucket.is_empty() && bucket.capacity() > 0 {
-            self.empty_buckets -= 1;
-        }
+        let bucket = match self.buckets.entry(size) {
+            Entry::Occupied(o) => {
+                let bucket = o.into_mut();
+                // An empty bucket that is kept was counted when it became empty.
+                if bucket.is_empty() {
+                    self.empty_buckets -= 1;
+                }
+                bucket
+            }
+            Entry::Vacant(v) => v.insert(self.spare.pop().unwrap_or_default()),
+        };
         // Descending by address: the common case (re-inserting the lowest) lands at the end.
         let at = match bucket.last() {
             Some(&(last, _)) if last > address => bucket.len(),
@@ -127,7 +145,16 @@ impl FreeList {
     fn note_empty_bucket(&mut self) {
         self.empty_buckets += 1;
         if self.empty_buckets > 8 && self.empty_buckets * 4 > self.buckets.len() {
-            self.buckets.retain(|_, b| !b.is_empty());
+            let spare = &mut self.spare;
+            self.buckets.retain(|_, b| {
+                if !b.is_empty() {
+                    return true;
+                }
+                if spare.len() < SPARE_BUCKETS {
+                    spare.push(std::mem::take(b));
+                }
+                false
+            });
             self.empty_buckets = 0;
         }
     }
@@ -171,5 +198,33 @@ mod tests {
         assert_eq!(l.remove(512 * 200, 1), None, "wrong address");
         assert_eq!(l.len(), 1);
         assert_eq!(l.largest(), Some(512 * 200));
+    }
+
+    #[test]
+    fn swept_buckets_serve_new_sizes_without_allocating() {
+        let mut l = FreeList::default();
+        // A step's remainders: sizes seen once, each freed again before the next step.
+        for step in 0..3u64 {
+            for i in 0..40u64 {
+                let size = 512 * (1000 * step + i + 1);
+                l.insert(size, 0x10_0000 * i, i as u32);
+                assert_eq!(l.remove(size, 0x10_0000 * i), Some(i as u32));
+            }
+            assert!(!l.spare.is_empty(), "step {step}: swept vectors are kept");
+            assert!(l.spare.len() <= SPARE_BUCKETS);
+            let spare = l.spare.len();
+            let size = 512 * (1000 * step + 999);
+            l.insert(size, 0x4000, 7);
+            assert_eq!(l.spare.len(), spare - 1, "a new size takes a spare vector");
+            assert!(l.buckets[&size].capacity() > 0);
+            assert_eq!(l.remove(size, 0x4000), Some(7));
+        }
+        assert!(l.is_empty());
+        // The empty buckets' count stays true: reusing a kept empty bucket uncounts it.
+        let kept = *l.buckets.keys().next().expect("a kept empty bucket");
+        let empty = l.empty_buckets;
+        l.insert(kept, 0x8000, 9);
+        assert_eq!(l.empty_buckets, empty - 1);
+        assert_eq!(l.best_fit(1), Some((kept, 0x8000, 9)));
     }
 }
