@@ -109,56 +109,82 @@ impl StatAt {
 /// A statistic kept for all blocks and per pool (PyTorch's `StatArray`), and the same for the
 /// blocks and segments of stream-ordered requests alone (Note [PyTorch's view of the
 /// statistics]).
+///
+/// Laid out for the allocator's hot path: a change to a stream-ordered block updates `all`, its
+/// pool's stat and their stream-ordered twins, so each twin sits beside its stat and the array
+/// starts a cache line — two lines a change instead of three. A pair of an allocation and its
+/// free changes five to seven arrays, each out of the caches in a real step (BENCHMARKS.md,
+/// fifteenth session).
+#[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StatArray {
     /// Both pools together (`all`).
     pub all: Stat,
+    stream_ordered_all: Stat,
     /// The small pool (`small_pool`).
     pub small_pool: Stat,
+    stream_ordered_small: Stat,
     /// The large pool (`large_pool`).
     pub large_pool: Stat,
-    /// `all`, `small_pool` and `large_pool` of stream-ordered blocks and segments only.
-    pub stream_ordered: [Stat; 3],
+    stream_ordered_large: Stat,
 }
 
 impl StatArray {
-    /// Add `amount` to `all` and to the pool's stat (and to their stream-ordered parts for a
+    /// Add `amount` to `all` and to the pool's stat (and to their stream-ordered twins for a
     /// stream-ordered block or segment).
+    #[inline]
     pub fn increase(&mut self, at: StatAt, amount: u64) {
         self.all.increase(amount);
-        self.pool_mut(at.pool).increase(amount);
         if at.stream_ordered {
-            self.stream_ordered[0].increase(amount);
-            self.stream_ordered[Self::index(at.pool)].increase(amount);
+            self.stream_ordered_all.increase(amount);
+        }
+        let (stat, twin) = self.pool_and_twin_mut(at.pool);
+        stat.increase(amount);
+        if at.stream_ordered {
+            twin.increase(amount);
         }
     }
 
     /// Subtract `amount` from `all` and from the pool's stat (and from their stream-ordered
-    /// parts for a stream-ordered block or segment).
+    /// twins for a stream-ordered block or segment).
+    #[inline]
     pub fn decrease(&mut self, at: StatAt, amount: u64) {
         self.all.decrease(amount);
-        self.pool_mut(at.pool).decrease(amount);
         if at.stream_ordered {
-            self.stream_ordered[0].decrease(amount);
-            self.stream_ordered[Self::index(at.pool)].decrease(amount);
+            self.stream_ordered_all.decrease(amount);
+        }
+        let (stat, twin) = self.pool_and_twin_mut(at.pool);
+        stat.decrease(amount);
+        if at.stream_ordered {
+            twin.decrease(amount);
         }
     }
 
-    fn index(pool: PoolKind) -> usize {
+    fn pool_and_twin_mut(&mut self, pool: PoolKind) -> (&mut Stat, &mut Stat) {
         match pool {
-            PoolKind::Small => 1,
-            PoolKind::Large => 2,
+            PoolKind::Small => (&mut self.small_pool, &mut self.stream_ordered_small),
+            PoolKind::Large => (&mut self.large_pool, &mut self.stream_ordered_large),
         }
+    }
+
+    /// The stream-ordered twins of `all`, `small_pool` and `large_pool`.
+    pub(crate) fn stream_ordered(&self) -> [&Stat; 3] {
+        [
+            &self.stream_ordered_all,
+            &self.stream_ordered_small,
+            &self.stream_ordered_large,
+        ]
     }
 
     /// The array of stream-ordered blocks and segments only, as the whole array.
     fn stream_ordered_view(&self) -> StatArray {
-        let [all, small_pool, large_pool] = self.stream_ordered;
         StatArray {
-            all,
-            small_pool,
-            large_pool,
-            stream_ordered: self.stream_ordered,
+            all: self.stream_ordered_all,
+            stream_ordered_all: self.stream_ordered_all,
+            small_pool: self.stream_ordered_small,
+            stream_ordered_small: self.stream_ordered_small,
+            large_pool: self.stream_ordered_large,
+            stream_ordered_large: self.stream_ordered_large,
         }
     }
 
@@ -170,22 +196,34 @@ impl StatArray {
         }
     }
 
-    fn pool_mut(&mut self, pool: PoolKind) -> &mut Stat {
-        match pool {
-            PoolKind::Small => &mut self.small_pool,
-            PoolKind::Large => &mut self.large_pool,
+    /// Add every stat of `other` to this one's, each part (`current`, `peak`, `allocated`,
+    /// `freed`) to its own: a device's arrays with a private pool's added, the peaks as an upper
+    /// bound.
+    pub fn add(&mut self, other: &StatArray) {
+        let theirs = [
+            other.all,
+            other.stream_ordered_all,
+            other.small_pool,
+            other.stream_ordered_small,
+            other.large_pool,
+            other.stream_ordered_large,
+        ];
+        for (ours, theirs) in self.each_mut().into_iter().zip(theirs) {
+            ours.current += theirs.current;
+            ours.peak += theirs.peak;
+            ours.allocated += theirs.allocated;
+            ours.freed += theirs.freed;
         }
     }
 
     fn each_mut(&mut self) -> [&mut Stat; 6] {
-        let [o_all, o_small, o_large] = &mut self.stream_ordered;
         [
             &mut self.all,
+            &mut self.stream_ordered_all,
             &mut self.small_pool,
+            &mut self.stream_ordered_small,
             &mut self.large_pool,
-            o_all,
-            o_small,
-            o_large,
+            &mut self.stream_ordered_large,
         ]
     }
 
@@ -480,6 +518,48 @@ mod tests {
         assert_eq!(s.peak, 4);
         s.reset_accumulated();
         assert_eq!((s.allocated, s.freed, s.current), (0, 0, 4));
+    }
+
+    #[test]
+    fn a_change_touches_two_lines_of_its_array() {
+        use std::mem::offset_of;
+        assert_eq!(std::mem::align_of::<StatArray>(), 64);
+        let line = |offset: usize| offset / 64;
+        for (stat, twin) in [
+            (
+                offset_of!(StatArray, all),
+                offset_of!(StatArray, stream_ordered_all),
+            ),
+            (
+                offset_of!(StatArray, small_pool),
+                offset_of!(StatArray, stream_ordered_small),
+            ),
+            (
+                offset_of!(StatArray, large_pool),
+                offset_of!(StatArray, stream_ordered_large),
+            ),
+        ] {
+            assert_eq!(line(stat), line(twin + size_of::<Stat>() - 1));
+        }
+        // What each change reaches: the stat, its pool's, and their twins when stream-ordered.
+        let mut a = StatArray::default();
+        a.increase(StatAt::new(PoolKind::Small, 7), 10);
+        a.increase(StatAt::new(PoolKind::Large, crate::NO_STREAM), 3);
+        a.decrease(StatAt::new(PoolKind::Small, 7), 4);
+        assert_eq!((a.all.current, a.all.peak), (9, 13));
+        assert_eq!((a.small_pool.current, a.large_pool.current), (6, 3));
+        let [o_all, o_small, o_large] = a.stream_ordered();
+        assert_eq!((o_all.current, o_all.peak, o_all.freed), (6, 10, 4));
+        assert_eq!((o_small.current, o_large.current), (6, 0));
+        let view = a.stream_ordered_view();
+        assert_eq!(
+            (view.all, view.small_pool, view.large_pool),
+            (*o_all, *o_small, *o_large)
+        );
+        let mut sum = a;
+        sum.add(&a);
+        assert_eq!((sum.all.current, sum.all.peak), (18, 26));
+        assert_eq!(sum.stream_ordered()[1].allocated, 20);
     }
 
     #[test]

@@ -351,8 +351,8 @@ impl<F: Clone> Pools<F> {
             ),
         ];
         for (name, kept, counted) in pairs {
-            let [o_all, o_small, o_large] = &kept.stream_ordered;
-            let [c_all, c_small, c_large] = &counted.stream_ordered;
+            let [o_all, o_small, o_large] = kept.stream_ordered();
+            let [c_all, c_small, c_large] = counted.stream_ordered();
             for (pool, a, b) in [
                 ("all", &kept.all, &counted.all),
                 ("small_pool", &kept.small_pool, &counted.small_pool),

@@ -342,21 +342,7 @@ impl Shim {
                 ),
                 (&mut stats.requested_bytes, &theirs.requested_bytes),
             ] {
-                let [o_all, o_small, o_large] = &mut ours.stream_ordered;
-                let [t_all, t_small, t_large] = &theirs.stream_ordered;
-                for (ours, theirs) in [
-                    (&mut ours.all, &theirs.all),
-                    (&mut ours.small_pool, &theirs.small_pool),
-                    (&mut ours.large_pool, &theirs.large_pool),
-                    (o_all, t_all),
-                    (o_small, t_small),
-                    (o_large, t_large),
-                ] {
-                    ours.current += theirs.current;
-                    ours.peak += theirs.peak;
-                    ours.allocated += theirs.allocated;
-                    ours.freed += theirs.freed;
-                }
+                ours.add(theirs);
             }
         });
     }
