@@ -63,8 +63,17 @@ static ANY_FOREIGN: AtomicBool = AtomicBool::new(false);
 
 /// Whether the calling thread runs a program's own allocator for one of our pools: its CUDA
 /// calls (a `cudaMalloc` or `cudaFree` of the segment itself) go to CUDA, never to our pools.
+#[inline]
 pub fn in_foreign_allocator() -> bool {
-    ANY_FOREIGN.load(Ordering::Relaxed) && IN_FOREIGN_ALLOCATOR.try_with(Cell::get).unwrap_or(false)
+    ANY_FOREIGN.load(Ordering::Relaxed) && in_foreign_allocator_now()
+}
+
+/// [`in_foreign_allocator`]'s thread-local. Never inlined: the compiler computes a
+/// thread-local's address (in a preloaded library, a call into the loader and two cold lines)
+/// ahead of the test that guards its use, so inlined it cost every allocation and free that.
+#[inline(never)]
+fn in_foreign_allocator_now() -> bool {
+    IN_FOREIGN_ALLOCATOR.try_with(Cell::get).unwrap_or(false)
 }
 
 /// Run `f` marked as inside a foreign allocator (see [`in_foreign_allocator`]).
