@@ -57,15 +57,13 @@ thread_local! {
     static IN_FOREIGN_ALLOCATOR: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Whether any private pool has a [`ForeignAllocator`] (the hooks skip the thread-local
-/// otherwise).
-static ANY_FOREIGN: AtomicBool = AtomicBool::new(false);
-
 /// Whether the calling thread runs a program's own allocator for one of our pools: its CUDA
 /// calls (a `cudaMalloc` or `cudaFree` of the segment itself) go to CUDA, never to our pools.
 #[inline]
 pub fn in_foreign_allocator() -> bool {
-    ANY_FOREIGN.load(Ordering::Relaxed) && in_foreign_allocator_now()
+    // Until a private pool has a foreign allocator, its bit says no (Note [Rare conditions in
+    // one word]).
+    crate::rare::any(crate::rare::FOREIGN) && in_foreign_allocator_now()
 }
 
 /// [`in_foreign_allocator`]'s thread-local. Never inlined: the compiler computes a
@@ -144,7 +142,7 @@ impl CudaDevice {
         foreign: Option<ForeignAllocator>,
     ) -> Self {
         if foreign.is_some() {
-            ANY_FOREIGN.store(true, Ordering::Relaxed);
+            crate::rare::note(crate::rare::FOREIGN);
         }
         CudaDevice {
             holds_releases: true,

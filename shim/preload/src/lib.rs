@@ -62,6 +62,7 @@ pub mod ipc_counters;
 pub mod log;
 pub mod process;
 pub mod python_integration;
+pub mod rare;
 pub mod real;
 pub mod report;
 pub mod settings;

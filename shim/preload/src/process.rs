@@ -162,13 +162,17 @@ pub fn at_start(f: fn()) {
 
 /// Called in the child after `fork` (registered with `pthread_atfork` by the constructor).
 pub fn after_fork_in_child() {
+    crate::rare::note(crate::rare::FORKED);
     FORKED_CHILD.store(true, Ordering::Release);
 }
 
 /// The shim, built at first use; `None` in passthrough and in a forked child.
 pub fn shim() -> Option<&'static Shim> {
     // A pool's own allocator (MemPool(allocator)) reaches CUDA, not our pools.
-    if FORKED_CHILD.load(Ordering::Acquire) || crate::backend::in_foreign_allocator() {
+    // Note [Rare conditions in one word]: one line for both questions while neither happened.
+    if crate::rare::any(crate::rare::FORKED | crate::rare::FOREIGN)
+        && (FORKED_CHILD.load(Ordering::Acquire) || crate::backend::in_foreign_allocator())
+    {
         return None;
     }
     SHIM.get_or_init(start).as_ref()
@@ -176,7 +180,7 @@ pub fn shim() -> Option<&'static Shim> {
 
 /// The shim if it has started (never starts it); `None` in a forked child.
 pub fn started_shim() -> Option<&'static Shim> {
-    if FORKED_CHILD.load(Ordering::Acquire) {
+    if crate::rare::any(crate::rare::FORKED) && FORKED_CHILD.load(Ordering::Acquire) {
         return None;
     }
     SHIM.get()?.as_ref()

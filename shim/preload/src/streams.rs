@@ -126,6 +126,7 @@ impl StreamRegistry {
                 joined: None,
             }),
         }
+        crate::rare::note(crate::rare::CAPTURE);
         self.captures.fetch_add(1, Ordering::AcqRel);
     }
 
@@ -175,7 +176,8 @@ impl StreamRegistry {
     /// Whether any stream is capturing a graph (one atomic load).
     #[inline]
     pub fn captures_active(&self) -> bool {
-        self.captures.load(Ordering::Acquire) > 0
+        // No capture ever began: one line for the answer (Note [Rare conditions in one word]).
+        crate::rare::any(crate::rare::CAPTURE) && self.captures.load(Ordering::Acquire) > 0
     }
 
     /// Whether `stream` is capturing a graph.

@@ -190,6 +190,7 @@ impl Shim {
             held.exported.push((id, fd_server::Exported::new(fds)));
             self.ipc.exports_open.store(true, Ordering::Release);
         }
+        crate::rare::note(crate::rare::IPC);
         self.ipc.any.store(true, Ordering::Release);
         drop(held);
         self.ipc_collect();
@@ -232,7 +233,7 @@ impl Shim {
     /// At a free of `address` on `stream`: hold it in limbo if another process may still use
     /// it (answering the free with success), else forget its shares. `None`: free it now.
     pub(super) fn ipc_hold(&self, address: u64, stream: u64) -> Option<CudaError> {
-        if !self.ipc.any.load(Ordering::Acquire) {
+        if !crate::rare::any(crate::rare::IPC) || !self.ipc.any.load(Ordering::Acquire) {
             return None;
         }
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -248,7 +249,9 @@ impl Shim {
 
     /// At an allocation: every 64th while blocks wait in limbo, free those let go of.
     pub(super) fn ipc_collect_now_and_then(&self) {
-        if self.ipc.limbo_pending.load(Ordering::Relaxed)
+        // Note [Rare conditions in one word]: no block was ever shared.
+        if crate::rare::any(crate::rare::IPC)
+            && self.ipc.limbo_pending.load(Ordering::Relaxed)
             && self
                 .ipc
                 .ticks
@@ -262,7 +265,7 @@ impl Shim {
     /// Free the blocks in limbo that no other process holds any more, and close the file
     /// descriptors exported for shares released since. Returns how many blocks.
     pub(super) fn ipc_collect(&self) -> usize {
-        if !self.ipc.any.load(Ordering::Acquire) {
+        if !crate::rare::any(crate::rare::IPC) || !self.ipc.any.load(Ordering::Acquire) {
             return 0;
         }
         let ready: Vec<(u64, u64)> = {

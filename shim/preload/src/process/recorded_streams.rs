@@ -143,6 +143,7 @@ impl Shim {
         if !streams.contains(&stream) {
             streams.push(stream);
         }
+        crate::rare::note(crate::rare::RECORDED);
         self.recorded.any.store(true, Ordering::Release);
         true
     }
@@ -166,7 +167,7 @@ impl Shim {
         stream: u64,
         capturing: Option<usize>,
     ) -> Option<CudaError> {
-        if !self.recorded.any.load(Ordering::Acquire) {
+        if !crate::rare::any(crate::rare::RECORDED) || !self.recorded.any.load(Ordering::Acquire) {
             return None;
         }
         let recorded = {
@@ -236,7 +237,10 @@ impl Shim {
     /// Free the waiting blocks whose recorded work is done (with `wait`, outside captures: wait
     /// for it). Returns how many were freed.
     pub(super) fn free_recorded_when_done(&self, wait: bool) -> usize {
-        if !self.recorded.waiting.load(Ordering::Acquire) {
+        // Note [Rare conditions in one word]: `record_stream` was never used.
+        if !crate::rare::any(crate::rare::RECORDED)
+            || !self.recorded.waiting.load(Ordering::Acquire)
+        {
             return 0;
         }
         let wait = wait && !self.streams.captures_active();

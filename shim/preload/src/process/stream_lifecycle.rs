@@ -25,7 +25,9 @@ impl Shim {
     /// way): it began a capture, or joined one (Note [Capture pools]).
     #[inline]
     pub fn is_capturing(&self, stream: usize) -> bool {
-        self.streams.captures_active()
+        // Ask the word before the registry's line (Note [Rare conditions in one word]).
+        crate::rare::any(crate::rare::CAPTURE)
+            && self.streams.captures_active()
             && (self.streams.is_capturing(Stream(stream)) || self.capture_joined(stream))
     }
 

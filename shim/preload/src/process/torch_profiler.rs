@@ -39,6 +39,9 @@ impl Shim {
     /// The profiler functions, while a profiler on this thread records memory.
     #[inline]
     pub(super) fn memory_profiler(&self) -> Option<&'static TorchProfiler> {
+        if !crate::rare::any(crate::rare::PROFILER) {
+            return None; // Note [Rare conditions in one word]
+        }
         TORCH_PROFILER.get().filter(|p| (p.enabled)())
     }
 

@@ -12,12 +12,17 @@ static FREE_STACKS: AtomicBool = AtomicBool::new(false);
 
 /// Capture stacks at frees from now on (or stop); returns whether it was on.
 pub fn set_free_stacks(on: bool) -> bool {
+    if on {
+        crate::rare::note(crate::rare::FREE_STACKS);
+    }
     FREE_STACKS.swap(on, Ordering::Relaxed)
 }
 
 /// Whether frees capture stacks.
+#[inline]
 pub fn free_stacks() -> bool {
-    FREE_STACKS.load(Ordering::Relaxed)
+    // Note [Rare conditions in one word]: never asked for, one line for the answer.
+    crate::rare::any(crate::rare::FREE_STACKS) && FREE_STACKS.load(Ordering::Relaxed)
 }
 
 thread_local! {
@@ -31,7 +36,20 @@ pub fn set_at_free(stack: u32) -> u32 {
     AT_FREE.try_with(|s| s.replace(stack)).unwrap_or(0)
 }
 
-/// The stack of the free the calling thread is in (0: none, or free stacks off).
+/// The stack of the free the calling thread is in (0: none, or free stacks off). Until free
+/// stacks were first asked for, no thread set one: no thread-local read (in a preloaded library,
+/// a call into the loader and cold lines at every free record).
+#[inline]
 pub fn at_free() -> u32 {
+    if !crate::rare::any(crate::rare::FREE_STACKS) {
+        return 0;
+    }
+    thread_at_free()
+}
+
+/// [`at_free`]'s thread-local. Never inlined: the compiler computes a thread-local's address
+/// ahead of the test that guards its use.
+#[inline(never)]
+fn thread_at_free() -> u32 {
     AT_FREE.try_with(std::cell::Cell::get).unwrap_or(0)
 }

@@ -113,6 +113,7 @@ pub unsafe extern "C" fn cachealloc_torch_profiler(
             if FUNCTIONS.set(functions).is_err() {
                 return 1;
             }
+            crate::rare::note(crate::rare::PROFILER);
             let _ = process::TORCH_PROFILER.set(TorchProfiler {
                 enabled,
                 usage,

@@ -37,7 +37,6 @@
 
 use std::cell::RefCell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use cachealloc_core::BlockState;
 
@@ -48,11 +47,6 @@ thread_local! {
     /// The pools the calling thread allocates to, innermost last.
     static ALLOCATING_TO: RefCell<Vec<PoolKey>> = const { RefCell::new(Vec::new()) };
 }
-
-/// Whether any thread has ever allocated to a `MemPool`: until one has, an allocation does not
-/// read [`ALLOCATING_TO`]. A preloaded library's thread-local costs a call into the loader and
-/// two cold lines (the thread's vector of TLS blocks, then its slot) on every allocation.
-static ANY_ALLOCATING_TO: AtomicBool = AtomicBool::new(false);
 
 impl Shim {
     /// Make the pool `key` with `settings` if it does not exist, and add a reference to it
@@ -97,7 +91,7 @@ impl Shim {
     /// adds a reference too).
     pub fn mem_pool_begin_thread(&self, key: PoolKey) -> Result<(), CudaError> {
         self.mem_pool_retain(key, PoolSettings::default())?;
-        ANY_ALLOCATING_TO.store(true, Ordering::Release);
+        crate::rare::note(crate::rare::MEM_POOL);
         let _ = ALLOCATING_TO.try_with(|stack| stack.borrow_mut().push(key));
         Ok(())
     }
@@ -116,7 +110,10 @@ impl Shim {
     /// The pool the calling thread allocates to on `device`, if any.
     #[inline]
     fn thread_mem_pool(&self, device: i32) -> Option<Arc<PrivatePool>> {
-        if !ANY_ALLOCATING_TO.load(Ordering::Acquire) {
+        // Until a thread has allocated to a MemPool, no allocation reads [`ALLOCATING_TO`]: a
+        // preloaded library's thread-local costs a call into the loader and two cold lines
+        // (Note [Rare conditions in one word]).
+        if !crate::rare::any(crate::rare::MEM_POOL) {
             return None;
         }
         self.find_private_pool(thread_pool_key(device)?)
@@ -219,8 +216,7 @@ impl Shim {
 }
 
 /// The innermost pool the calling thread allocates to on `device`. Never inlined: the compiler
-/// computes a thread-local's address ahead of the test that guards its use (see
-/// [`ANY_ALLOCATING_TO`]).
+/// computes a thread-local's address ahead of the test that guards its use.
 #[inline(never)]
 fn thread_pool_key(device: i32) -> Option<PoolKey> {
     ALLOCATING_TO

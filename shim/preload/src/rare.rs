@@ -1,0 +1,71 @@
+//! What an allocation or a free must look out for, in one word.
+//!
+//! # Note [Rare conditions in one word]
+//!
+//! The hot path of every interposed allocation and free asks whether anything unusual is going
+//! on: a forked child (pass everything through), a program's own allocator running for one of
+//! our pools, a thread allocating to a `MemPool`, a stream capturing a CUDA graph, blocks
+//! `record_stream` named streams for, blocks shared with other processes, PyTorch's profiler,
+//! stacks at frees.
+//! Each has its own flag where it is kept, and each flag is its own cache line: in a real
+//! training step the program's work between two allocations evicts them, and a call missed on
+//! one line per question (`scripts/bench-cold-lines`, BENCHMARKS.md, fifteenth session). So each
+//! condition also sets a bit here when it first becomes possible, and the hot path reads this
+//! one word first, asking its own flag only when the bit is set. The bits are never cleared
+//! (a flag's own truth can come and go under other threads; a bit that stays set only sends the
+//! check to that flag, as before), so a program that never uses these features pays one line
+//! for all of them, and one that does pays what it paid before. A bit is set *before* the
+//! condition it announces is made true, so whoever can see the condition sees the bit.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// The process is the child of a `fork` ([`crate::process::after_fork_in_child`]).
+pub const FORKED: u32 = 1;
+/// A private pool has a program's own allocator ([`crate::backend::ForeignAllocator`]).
+pub const FOREIGN: u32 = 1 << 1;
+/// A thread has allocated to a `MemPool`.
+pub const MEM_POOL: u32 = 1 << 2;
+/// A stream has begun capturing a CUDA graph.
+pub const CAPTURE: u32 = 1 << 3;
+/// `record_stream` named a stream for a block.
+pub const RECORDED: u32 = 1 << 4;
+/// A block was shared with another process (IPC).
+pub const IPC: u32 = 1 << 5;
+/// PyTorch's profiler functions are known.
+pub const PROFILER: u32 = 1 << 6;
+/// Frees capture their own stacks (`_record_memory_history(context="all")`).
+pub const FREE_STACKS: u32 = 1 << 7;
+
+/// The word, alone on its cache line (it is read by every call and written a few times a run).
+#[repr(align(64))]
+struct Word(AtomicU32);
+
+static RARE: Word = Word(AtomicU32::new(0));
+
+/// Announce `bits`: call before making the condition true.
+pub fn note(bits: u32) {
+    RARE.0.fetch_or(bits, Ordering::SeqCst);
+}
+
+/// Whether any of `bits` was ever announced: if not, none of their conditions holds.
+#[inline]
+pub fn any(bits: u32) -> bool {
+    RARE.0.load(Ordering::Acquire) & bits != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_noted_bit_stays_and_others_stay_clear() {
+        // The word is the process's: use a bit no other code sets in this test binary.
+        const TEST_BIT: u32 = 1 << 31;
+        assert!(!any(TEST_BIT));
+        note(TEST_BIT);
+        assert!(any(TEST_BIT));
+        assert!(any(TEST_BIT | FORKED));
+        note(TEST_BIT);
+        assert!(any(TEST_BIT), "noting twice keeps it");
+    }
+}
