@@ -173,7 +173,8 @@ impl StreamRegistry {
         self.captures.load(Ordering::Acquire) == 0
     }
 
-    /// Whether any stream is capturing a graph (one atomic load).
+    /// Whether any stream is capturing a graph (one load of the rare word until a capture
+    /// first began, then also the count).
     #[inline]
     pub fn captures_active(&self) -> bool {
         // No capture ever began: one line for the answer (Note [Rare conditions in one word]).

@@ -21,8 +21,8 @@ impl Shim {
         }
     }
 
-    /// Whether `stream` is capturing a CUDA graph (one atomic load when no capture is under
-    /// way): it began a capture, or joined one (Note [Capture pools]).
+    /// Whether `stream` is capturing a CUDA graph (one load of the rare word until a capture
+    /// first began): it began a capture, or joined one (Note [Capture pools]).
     #[inline]
     pub fn is_capturing(&self, stream: usize) -> bool {
         // Ask the word before the registry's line (Note [Rare conditions in one word]).
