@@ -66,9 +66,7 @@ pub fn in_foreign_allocator() -> bool {
     crate::rare::any(crate::rare::FOREIGN) && in_foreign_allocator_now()
 }
 
-/// [`in_foreign_allocator`]'s thread-local. Never inlined: the compiler computes a
-/// thread-local's address (in a preloaded library, a call into the loader and two cold lines)
-/// ahead of the test that guards its use, so inlined it cost every allocation and free that.
+/// [`in_foreign_allocator`]'s thread-local, never inlined (Note [Rare conditions in one word]).
 #[inline(never)]
 fn in_foreign_allocator_now() -> bool {
     IN_FOREIGN_ALLOCATOR.try_with(Cell::get).unwrap_or(false)

@@ -16,6 +16,11 @@
 //! check to that flag, as before), so a program that never uses these features pays one line
 //! for all of them, and one that does pays what it paid before. A bit is set *before* the
 //! condition it announces is made true, so whoever can see the condition sees the bit.
+//!
+//! Where the check guards a thread-local, the thread-local's read is a function that is never
+//! inlined: a preloaded library reaches its thread-locals through the loader (a call and two
+//! cold lines), and the compiler computes a thread-local's address ahead of the test that
+//! guards its use, so inlined, the read cost every call even while the bit said no.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -94,8 +94,6 @@ pub struct IpcShare {
 /// The blocks this process has shared, and those freed while shared.
 #[derive(Debug, Default)]
 pub struct IpcBook {
-    /// Whether any block has ever been shared (frees skip the book until then).
-    any: AtomicBool,
     /// Whether the limbo holds blocks (allocations look at it now and then).
     limbo_pending: AtomicBool,
     /// Allocations since the limbo was last looked at by one.
@@ -190,8 +188,9 @@ impl Shim {
             held.exported.push((id, fd_server::Exported::new(fds)));
             self.ipc.exports_open.store(true, Ordering::Release);
         }
+        // Whether any block was ever shared is the rare word's bit: frees skip the book until
+        // then (Note [Rare conditions in one word]).
         crate::rare::note(crate::rare::IPC);
-        self.ipc.any.store(true, Ordering::Release);
         drop(held);
         self.ipc_collect();
         Ok(IpcShare {
@@ -220,7 +219,7 @@ impl Shim {
     /// Whether the block at `address` was shared with another process (its free may wait for
     /// that process: [`Shim::ipc_hold`]).
     pub(super) fn ipc_shares(&self, address: u64) -> bool {
-        self.ipc.any.load(Ordering::Acquire)
+        crate::rare::any(crate::rare::IPC)
             && self
                 .ipc
                 .inner
@@ -233,7 +232,7 @@ impl Shim {
     /// At a free of `address` on `stream`: hold it in limbo if another process may still use
     /// it (answering the free with success), else forget its shares. `None`: free it now.
     pub(super) fn ipc_hold(&self, address: u64, stream: u64) -> Option<CudaError> {
-        if !crate::rare::any(crate::rare::IPC) || !self.ipc.any.load(Ordering::Acquire) {
+        if !crate::rare::any(crate::rare::IPC) {
             return None;
         }
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -265,7 +264,7 @@ impl Shim {
     /// Free the blocks in limbo that no other process holds any more, and close the file
     /// descriptors exported for shares released since. Returns how many blocks.
     pub(super) fn ipc_collect(&self) -> usize {
-        if !crate::rare::any(crate::rare::IPC) || !self.ipc.any.load(Ordering::Acquire) {
+        if !crate::rare::any(crate::rare::IPC) {
             return 0;
         }
         let ready: Vec<(u64, u64)> = {

@@ -69,8 +69,6 @@ use crate::streams::Stream;
 /// The streams recorded for live blocks, and the frees waiting for them.
 #[derive(Debug, Default)]
 pub(super) struct RecordedStreams {
-    /// Whether any stream was ever recorded (the free path looks no further until then).
-    any: AtomicBool,
     /// Whether frees are waiting (allocations look no further while none are).
     waiting: AtomicBool,
     /// `graph_capture_record_stream_reuse`: a capture's free may be reused within the capture
@@ -143,15 +141,16 @@ impl Shim {
         if !streams.contains(&stream) {
             streams.push(stream);
         }
+        // Whether any stream was ever recorded is the rare word's bit: the free path looks no
+        // further until then (Note [Rare conditions in one word]).
         crate::rare::note(crate::rare::RECORDED);
-        self.recorded.any.store(true, Ordering::Release);
         true
     }
 
     /// Forget what `record_stream` recorded for the block at `address`, which the library freed
     /// itself (a graph pool put back to a checkpoint).
     pub(super) fn forget_recorded_uses(&self, address: u64) {
-        if !self.recorded.any.load(Ordering::Acquire) {
+        if !crate::rare::any(crate::rare::RECORDED) {
             return;
         }
         let mut book = self.recorded.book.lock().unwrap_or_else(|p| p.into_inner());
@@ -167,7 +166,7 @@ impl Shim {
         stream: u64,
         capturing: Option<usize>,
     ) -> Option<CudaError> {
-        if !crate::rare::any(crate::rare::RECORDED) || !self.recorded.any.load(Ordering::Acquire) {
+        if !crate::rare::any(crate::rare::RECORDED) {
             return None;
         }
         let recorded = {

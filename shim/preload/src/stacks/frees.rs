@@ -37,8 +37,7 @@ pub fn set_at_free(stack: u32) -> u32 {
 }
 
 /// The stack of the free the calling thread is in (0: none, or free stacks off). Until free
-/// stacks were first asked for, no thread set one: no thread-local read (in a preloaded library,
-/// a call into the loader and cold lines at every free record).
+/// stacks were first asked for, no thread set one, and no thread-local is read.
 #[inline]
 pub fn at_free() -> u32 {
     if !crate::rare::any(crate::rare::FREE_STACKS) {
@@ -47,8 +46,7 @@ pub fn at_free() -> u32 {
     thread_at_free()
 }
 
-/// [`at_free`]'s thread-local. Never inlined: the compiler computes a thread-local's address
-/// ahead of the test that guards its use.
+/// [`at_free`]'s thread-local, never inlined (Note [Rare conditions in one word]).
 #[inline(never)]
 fn thread_at_free() -> u32 {
     AT_FREE.try_with(std::cell::Cell::get).unwrap_or(0)

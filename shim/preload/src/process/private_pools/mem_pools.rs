@@ -110,8 +110,7 @@ impl Shim {
     /// The pool the calling thread allocates to on `device`, if any.
     #[inline]
     fn thread_mem_pool(&self, device: i32) -> Option<Arc<PrivatePool>> {
-        // Until a thread has allocated to a MemPool, no allocation reads [`ALLOCATING_TO`]: a
-        // preloaded library's thread-local costs a call into the loader and two cold lines
+        // Until a thread has allocated to a MemPool, no allocation reads [`ALLOCATING_TO`]
         // (Note [Rare conditions in one word]).
         if !crate::rare::any(crate::rare::MEM_POOL) {
             return None;
@@ -215,8 +214,8 @@ impl Shim {
     }
 }
 
-/// The innermost pool the calling thread allocates to on `device`. Never inlined: the compiler
-/// computes a thread-local's address ahead of the test that guards its use.
+/// The innermost pool the calling thread allocates to on `device`; never inlined (Note [Rare
+/// conditions in one word]).
 #[inline(never)]
 fn thread_pool_key(device: i32) -> Option<PoolKey> {
     ALLOCATING_TO
