@@ -9,15 +9,23 @@
 //! blocks, but allocates one (zeroed) per 31 records and takes a locked instruction per record on
 //! each side: on the development VM it cost ~25 ns more a send than the array.
 //!
-//! Here a send claims an index with one `fetch_add` on the tail (a line the senders share and
-//! the worker reads once per batch), then writes the record's words and the slot's sequence
-//! number with plain stores (relaxed and release atomics compile to plain moves on x86-64):
-//! a store to a line the worker read waits in the store buffer, not in the pipeline, so the
-//! miss is paid off the program's path. (The `fetch_add`, a locked instruction, waits only for
-//! the previous send's stores, long drained when records come microseconds apart.) The worker reads slots in index order, each once its
-//! sequence number says it is written, and publishes how far it has read once per batch; a
-//! sender loads that only to see that the ring has room. The order of the trace is the order of
-//! the claims: records sent under the allocator's lock stay in the lock's order.
+//! Here a send claims an index with one `fetch_add` on the tail, then writes the record's words
+//! and the slot's sequence number with plain stores (relaxed and release atomics compile to
+//! plain moves on x86-64): a store to a line the worker read waits in the store buffer, not in
+//! the pipeline, so the miss is paid off the program's path. (The `fetch_add`, a locked
+//! instruction, waits only for the previous send's stores, long drained when records come
+//! microseconds apart.) The worker reads slots in index order, each once its sequence number
+//! says it is written, and publishes how far it has read once per batch.
+//!
+//! A send touches two lines of the queue: the *claims* line, which holds the tail, where the
+//! slots are, and the worker's head as a sender last saw it, and the slot. In a real step the
+//! program's own work evicts both between two records (`scripts/bench-cold-lines`), so each line
+//! more is a miss a record. A sender checks for room against the head it last saw, on the line
+//! it has just written; only when that says the ring may be full does it load the worker's own
+//! head (another core's line) and write what it saw back — about once per ring's worth of
+//! records. The worker keeps its own copy of where the slots are, so it never reads the claims
+//! line while draining. The order of the trace is the order of the claims: records sent under
+//! the allocator's lock stay in the lock's order.
 //!
 //! The hot kinds (allocations, frees, segments, scopes, tags) fit a slot's seven words. Any
 //! other message (stack and frame definitions, annotations, checkpoints, flushes) is kept aside
@@ -26,8 +34,8 @@
 //! waits for room: the worker takes that lock to read a token.)
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::schema::{
     Alloc, FreeCompleted, FreeRequested, Record, ScopeEvent, SegmentEvent, TagEvent, kinds,
@@ -57,12 +65,30 @@ struct Slot {
 #[derive(Default)]
 struct Padded(AtomicUsize);
 
+/// Everything a send reads and writes besides its slot, on a line of its own (two, against the
+/// adjacent-line prefetcher): the next index to claim, a lower bound of the worker's head, and
+/// the slots.
+#[repr(align(128))]
+struct Claims {
+    /// The next index to claim.
+    tail: AtomicUsize,
+    /// The worker's head as a sender last loaded it (only grows, and never passes the head):
+    /// a send that finds room against it needs no other line.
+    head_seen: AtomicUsize,
+    slots: Arc<[Slot]>,
+    mask: usize,
+    /// How many sends loaded the worker's head (the tests' window on the fast path).
+    #[cfg(test)]
+    head_loads: AtomicUsize,
+}
+
 /// The ring (see the module docs). `M`: the side queue's messages.
 pub(crate) struct Queue<M> {
-    slots: Box<[Slot]>,
+    /// The senders' line.
+    claims: Claims,
+    /// The worker's copy of `claims.slots`, on a line the senders do not write.
+    slots: Arc<[Slot]>,
     mask: usize,
-    /// The next index to claim.
-    tail: Padded,
     /// The next index the worker reads: every slot before it is free to write again.
     head: Padded,
     /// The messages that do not fit a slot, by the index of their token.
@@ -77,10 +103,18 @@ impl<M> Queue<M> {
     /// A ring of at least `capacity` slots (a power of two).
     pub(crate) fn new(capacity: usize) -> Queue<M> {
         let capacity = capacity.max(2).next_power_of_two();
+        let slots: Arc<[Slot]> = (0..capacity).map(|_| Slot::default()).collect();
         Queue {
-            slots: (0..capacity).map(|_| Slot::default()).collect(),
+            claims: Claims {
+                tail: AtomicUsize::new(0),
+                head_seen: AtomicUsize::new(0),
+                slots: slots.clone(),
+                mask: capacity - 1,
+                #[cfg(test)]
+                head_loads: AtomicUsize::new(0),
+            },
+            slots,
             mask: capacity - 1,
-            tail: Padded::default(),
             head: Padded::default(),
             side: Mutex::new(HashMap::new()),
             stopped: AtomicBool::new(false),
@@ -119,19 +153,38 @@ impl<M> Queue<M> {
     }
 
     fn claim(&self, wait: impl FnOnce(&dyn Fn() -> bool)) -> usize {
-        let index = self.tail.0.fetch_add(1, Ordering::Relaxed);
+        let claims = &self.claims;
+        let index = claims.tail.fetch_add(1, Ordering::Relaxed);
+        // Acquire: the sender that saw this head loaded it with acquire, so the worker's reads
+        // of the slot's previous record happen before this send's writes to it.
+        if index.wrapping_sub(claims.head_seen.load(Ordering::Acquire)) <= claims.mask {
+            return index;
+        }
+        self.claim_against_head(index, wait);
+        index
+    }
+
+    /// The ring looked full against the head a sender last saw: look at the worker's own, and
+    /// wait for room if there is none.
+    #[cold]
+    #[inline(never)]
+    fn claim_against_head(&self, index: usize, wait: impl FnOnce(&dyn Fn() -> bool)) {
+        let claims = &self.claims;
         let room = || {
-            index.wrapping_sub(self.head.0.load(Ordering::Acquire)) < self.capacity()
-                || self.stopped.load(Ordering::Acquire)
+            #[cfg(test)]
+            claims.head_loads.fetch_add(1, Ordering::Relaxed);
+            let head = self.head.0.load(Ordering::Acquire);
+            claims.head_seen.fetch_max(head, Ordering::AcqRel);
+            index.wrapping_sub(head) <= claims.mask || self.stopped.load(Ordering::Acquire)
         };
         if !room() {
             wait(&room);
         }
-        index
     }
 
     fn fill(&self, index: usize, words: [u64; WORDS]) {
-        let slot = &self.slots[index & self.mask];
+        let claims = &self.claims;
+        let slot = &claims.slots[index & claims.mask];
         for (word, value) in slot.words.iter().zip(words) {
             word.store(value, Ordering::Relaxed);
         }
@@ -141,7 +194,10 @@ impl<M> Queue<M> {
     /// Records claimed and not yet read (approximate while senders are claiming).
     pub(crate) fn backlog(&self) -> usize {
         let head = self.head.0.load(Ordering::Relaxed);
-        self.tail.0.load(Ordering::Relaxed).saturating_sub(head)
+        self.claims
+            .tail
+            .load(Ordering::Relaxed)
+            .saturating_sub(head)
     }
 
     /// The worker: the message at `*head`, if it is written yet; advances `*head`. The slots
@@ -400,6 +456,39 @@ mod tests {
             let words = encode(&record).expect("a hot kind");
             assert_eq!(decode(words), Some(record));
         }
+    }
+
+    /// A send reads the worker's head only when the head it last saw says the ring may be
+    /// full: once per ring's worth of records, not once a record.
+    #[test]
+    fn sends_look_at_the_workers_head_once_a_ring() {
+        let queue = Queue::<Record>::new(8);
+        let record = |i: u64| {
+            Record::Scope(ScopeEvent {
+                t: i,
+                thread: 1,
+                scope: 1,
+            })
+        };
+        let loads = || queue.claims.head_loads.load(Ordering::Relaxed);
+        let mut head = 0;
+        let mut taken = 0;
+        for i in 0..64u64 {
+            queue.send(record(i), |_| panic!("the worker keeps up: no send waits"));
+            // The worker keeps up: it reads each record at once and releases every fourth.
+            while queue.take(&mut head).is_some() {
+                taken += 1;
+            }
+            if head % 4 == 0 {
+                queue.release(head);
+            }
+        }
+        assert_eq!(taken, 64);
+        // The first 8 sends fit against head 0; after that a send loads the head and then
+        // finds room against it for as many records as the worker had released then (8 here),
+        // never each time.
+        assert!(loads() >= 1, "the ring filled past the first head seen");
+        assert!(loads() <= 64 / 4, "{} head loads for 64 sends", loads());
     }
 
     /// Records and side messages come out in the order they were sent, across wrap-arounds,
