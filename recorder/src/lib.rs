@@ -58,6 +58,7 @@ pub mod recorder;
 pub mod schema;
 pub mod spans;
 pub mod state;
+mod ticks;
 pub mod writer;
 
 pub use reader::{Item, ReadError, Tear, TraceReader};

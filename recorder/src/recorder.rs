@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Sender, bounded};
 
 use crate::queue::{Queue, Taken};
+use crate::ticks::TickConverter;
 
 use crate::schema::{Dropped, Header, Record, StatsSample};
 use crate::writer::{Clock, MonotonicClock, TraceWriter, WriterConfig};
@@ -117,13 +118,47 @@ impl Recorder {
         clock: C,
         on_error: impl Fn(&io::Error) + Send + 'static,
     ) -> io::Result<Recorder> {
+        Self::spawn(config, header, capacity, clock, None, on_error)
+    }
+
+    /// [`Recorder::start`] for senders that stamp their records with `read_ticks` — a tick
+    /// counter that runs at a constant rate, in step on every CPU — instead of
+    /// [`crate::monotonic_ns`]: the worker turns the ticks into nanoseconds (Note [Record times
+    /// in ticks]). Only the records sent are converted; the recorder's own (stats samples,
+    /// checkpoints) are in nanoseconds already.
+    pub fn start_with_ticks(
+        config: WriterConfig,
+        header: Header,
+        capacity: usize,
+        read_ticks: fn() -> u64,
+        on_error: impl Fn(&io::Error) + Send + 'static,
+    ) -> io::Result<Recorder> {
+        let ticks = TickConverter::new(read_ticks);
+        Self::spawn(
+            config,
+            header,
+            capacity,
+            MonotonicClock,
+            Some(ticks),
+            on_error,
+        )
+    }
+
+    fn spawn<C: Clock + 'static>(
+        config: WriterConfig,
+        header: Header,
+        capacity: usize,
+        clock: C,
+        ticks: Option<TickConverter>,
+        on_error: impl Fn(&io::Error) + Send + 'static,
+    ) -> io::Result<Recorder> {
         let writer = TraceWriter::create(config, header, clock)?;
         let queue = Arc::new(Queue::new(capacity));
         let stats = Arc::new(RecorderStats::default());
         let (worker_queue, worker_stats) = (queue.clone(), stats.clone());
         let worker = std::thread::Builder::new()
             .name("cachealloc-rec".to_string())
-            .spawn(move || run_worker(writer, &worker_queue, worker_stats, on_error))?;
+            .spawn(move || run_worker(writer, &worker_queue, worker_stats, ticks, on_error))?;
         Ok(Recorder {
             queue,
             stats,
@@ -296,6 +331,7 @@ fn run_worker<C: Clock>(
     mut writer: TraceWriter<C>,
     queue: &Queue<Message>,
     stats: Arc<RecorderStats>,
+    mut ticks: Option<TickConverter>,
     on_error: impl Fn(&io::Error),
 ) {
     let _stop = StopOnExit(queue);
@@ -315,6 +351,9 @@ fn run_worker<C: Clock>(
     let capacity = queue.capacity();
     loop {
         stats.set_congested(queue.backlog().saturating_mul(4) > capacity.saturating_mul(3));
+        if let Some(ticks) = &mut ticks {
+            ticks.observe();
+        }
         let mut handled = 0;
         let mut stop = false;
         while handled < BATCH {
@@ -349,6 +388,11 @@ fn run_worker<C: Clock>(
                 queue.release(head);
             }
             let mut record = record;
+            if let Some(ticks) = &mut ticks
+                && let Some(t) = record.time_mut()
+            {
+                *t = ticks.nanoseconds(*t);
+            }
             symbolize(&mut record);
             if ok && let Err(e) = writer.write(&record) {
                 fail(e, &mut ok);

@@ -472,6 +472,30 @@ impl Record {
         })
     }
 
+    /// [`Record::time`], to change (the worker turns a sender's ticks into nanoseconds: Note
+    /// [Record times in ticks]).
+    pub(crate) fn time_mut(&mut self) -> Option<&mut u64> {
+        Some(match self {
+            Record::Alloc(a) => &mut a.t,
+            Record::FreeRequested(f) | Record::Free(f) => &mut f.t,
+            Record::FreeCompleted(f) => &mut f.t,
+            Record::SegmentAlloc(s)
+            | Record::SegmentFree(s)
+            | Record::SegmentMap(s)
+            | Record::SegmentUnmap(s) => &mut s.t,
+            Record::Oom(o) => &mut o.t,
+            Record::StreamCreated(s) | Record::StreamDestroyed(s) => &mut s.t,
+            Record::Annotation(a) => &mut a.t,
+            Record::StatsSample(s) => &mut s.t,
+            Record::Dropped(d) => &mut d.t,
+            Record::CheckpointEnd(c) => &mut c.t,
+            Record::Scope(s) => &mut s.t,
+            Record::Phase(p) => &mut p.t,
+            Record::Tag(g) => &mut g.t,
+            _ => return None,
+        })
+    }
+
     /// Whether this is one of the program's context records (phase, scope, tag, a live
     /// block's context): what a trace of a program that says nothing of itself lacks.
     pub fn is_context(&self) -> bool {

@@ -5,7 +5,8 @@
 //! * flushing follows the injected clock;
 //! * 8 producers through a tiny channel: nothing is lost, the blocking is counted;
 //! * an unwritable directory fails at start;
-//! * live totals equal a recount; congestion is visible to producers.
+//! * live totals equal a recount; congestion is visible to producers;
+//! * records stamped in ticks come out in the monotonic clock's nanoseconds.
 
 mod common;
 
@@ -444,4 +445,69 @@ fn a_stuck_worker_holds_senders_at_the_bound_and_a_stopped_one_holds_none() {
     done_rx
         .recv_timeout(Duration::from_secs(10))
         .expect("sends after shutdown return");
+}
+
+/// A counter at 2.5 ticks a nanosecond, from an offset: what a CPU's tick counter looks like
+/// to the converter.
+fn fake_ticks() -> u64 {
+    cachealloc_recorder::monotonic_ns() * 5 / 2 + 1_000_000_007
+}
+
+#[test]
+fn records_stamped_in_ticks_are_written_in_the_clocks_nanoseconds() {
+    let dir = temp_dir("ticks");
+    let recorder = Recorder::start_with_ticks(
+        WriterConfig::new(&dir, 1 << 30, 2, false),
+        header(),
+        64,
+        fake_ticks,
+        |e| panic!("{e}"),
+    )
+    .unwrap();
+    // Senders stamp in ticks; the truth is the monotonic clock read beside each stamp. Some
+    // records wait across several of the worker's drains, some are sent right after one.
+    let mut truth = vec![];
+    for i in 0..300u64 {
+        let before = cachealloc_recorder::monotonic_ns();
+        let t = fake_ticks();
+        truth.push((before, cachealloc_recorder::monotonic_ns()));
+        let record = if i % 50 == 7 {
+            // A record that goes through the side queue.
+            Record::Annotation(Box::new(Annotation {
+                t,
+                name: format!("mark {i}"),
+                thread: 1,
+            }))
+        } else {
+            Record::Scope(ScopeEvent {
+                t,
+                thread: 1,
+                scope: i as u32,
+            })
+        };
+        recorder.send(record);
+        if i % 37 == 0 {
+            std::thread::sleep(Duration::from_micros(1500));
+        }
+    }
+    assert!(recorder.shutdown(Duration::from_secs(10)));
+    let (read, _) = read_all(&dir);
+    let times: Vec<u64> = read
+        .iter()
+        .filter_map(|(_, r)| match r {
+            Record::Scope(_) | Record::Annotation(_) => r.time(),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(times.len(), truth.len());
+    let mut last = 0;
+    for (i, (&t, &(before, after))) in times.iter().zip(&truth).enumerate() {
+        // Within the clock reads around the stamp, give or take the pairs' own error.
+        assert!(
+            t + 2_000 >= before && t <= after + 2_000,
+            "record {i}: {t} not in [{before}, {after}]"
+        );
+        assert!(t >= last, "record {i} went back: {t} after {last}");
+        last = t;
+    }
 }

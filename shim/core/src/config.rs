@@ -80,6 +80,18 @@ pub enum StackMode {
     All,
 }
 
+/// How records are timed (`clock`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClockChoice {
+    /// The CPU's tick counter where the kernel's own clock is built on it (an invariant
+    /// counter, `tsc` clock source), else the system's monotonic clock.
+    Auto,
+    /// The tick counter wherever the CPU says it is invariant.
+    Tsc,
+    /// The system's monotonic clock (`clock_gettime`).
+    Os,
+}
+
 /// How much the shim says on stderr.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LogLevel {
@@ -155,6 +167,8 @@ pub struct Config {
     pub stack_depth: u32,
     /// `compress`: zstd-compress trace chunks.
     pub compress: bool,
+    /// `clock`: what times the records (the recorder writes nanoseconds either way).
+    pub clock: ClockChoice,
     /// `oom_checkpoint`: write a full state checkpoint to the trace at an OOM.
     pub oom_checkpoint: bool,
     /// `graph_capture_record_stream_reuse` (PyTorch's key): a block freed during a graph
@@ -215,6 +229,7 @@ impl Default for Config {
             stacks: StackMode::Auto,
             stack_depth: 64,
             compress: true,
+            clock: ClockChoice::Auto,
             oom_checkpoint: true,
             graph_capture_record_stream_reuse: false,
             python: true,

@@ -24,6 +24,7 @@ use cachealloc_recorder::{Record, Recorder, WriterConfig, monotonic_ns};
 
 use crate::log;
 
+pub mod clock;
 pub mod pause;
 pub mod scopes;
 
@@ -33,6 +34,8 @@ const CHANNEL_CAPACITY: usize = 1 << 16;
 /// A running trace.
 #[derive(Debug)]
 pub struct Trace {
+    /// What the records' times are (read beside `recorder`, on every record).
+    clock: clock::RecordClock,
     recorder: Recorder,
     /// Blocks allocated while the records were paused (Note [A paused trace stays consistent]).
     unrecorded: pause::Unrecorded,
@@ -91,15 +94,26 @@ impl Trace {
         // action kills the process: our trace must never be the reason. The recorder's thread
         // is started with the signal blocked (a new thread inherits the mask), so its writes fail
         // with EFBIG instead, which ends the trace with one message.
-        let recorder = with_sigxfsz_blocked(|| {
-            Recorder::start(writer, header, CHANNEL_CAPACITY, |e| {
-                log::error!(
-                    "writing the trace failed: {e}; the trace stops here, the program goes on"
-                );
-            })
+        let (clock, why_not) = clock::RecordClock::choose(config.clock);
+        if let Some(why_not) = why_not {
+            log::info!("{why_not}");
+        }
+        let on_error = |e: &std::io::Error| {
+            log::error!("writing the trace failed: {e}; the trace stops here, the program goes on");
+        };
+        let recorder = with_sigxfsz_blocked(|| match clock {
+            clock::RecordClock::Ticks => Recorder::start_with_ticks(
+                writer,
+                header,
+                CHANNEL_CAPACITY,
+                clock::read_ticks,
+                on_error,
+            ),
+            clock::RecordClock::Os => Recorder::start(writer, header, CHANNEL_CAPACITY, on_error),
         })
         .map_err(refused)?;
         Ok(Trace {
+            clock,
             recorder,
             unrecorded: pause::Unrecorded::default(),
             dir,
@@ -110,7 +124,7 @@ impl Trace {
     /// block, both recorded.
     pub fn raw_allocation(&self, device: u32, address: u64, size: u64, stack: u32) {
         self.announce_scope();
-        let t = now();
+        let t = self.now();
         let pool = pool_byte(cachealloc_core::sizes::pool_for(size));
         self.send(Record::SegmentAlloc(schema::SegmentEvent {
             t,
@@ -134,7 +148,7 @@ impl Trace {
 
     /// The free of a raw allocation ([`Trace::raw_allocation`]): the block and its segment.
     pub fn raw_free(&self, device: u32, address: u64, size: u64) {
-        let t = now();
+        let t = self.now();
         self.send(Record::Free(schema::FreeRequested {
             t,
             device,
@@ -157,7 +171,7 @@ impl Trace {
     /// A named marker of the application's (`cachealloc_annotate`).
     pub fn annotation(&self, name: &str) {
         self.send(Record::Annotation(Box::new(schema::Annotation {
-            t: now(),
+            t: self.now(),
             name: name.to_string(),
             thread: thread_number(),
         })));
@@ -166,7 +180,7 @@ impl Trace {
     /// The application created `stream` on `device`.
     pub fn stream_created(&self, device: u32, stream: u64, flags: u32) {
         self.send(Record::StreamCreated(schema::StreamEvent {
-            t: now(),
+            t: self.now(),
             device,
             stream,
             flags,
@@ -176,7 +190,7 @@ impl Trace {
     /// The application destroyed `stream`.
     pub fn stream_destroyed(&self, stream: u64) {
         self.send(Record::StreamDestroyed(schema::StreamEvent {
-            t: now(),
+            t: self.now(),
             device: 0,
             stream,
             flags: 0,
@@ -215,9 +229,15 @@ impl Trace {
     }
 }
 
-/// Time for a record.
-pub fn now() -> u64 {
-    monotonic_ns()
+impl Trace {
+    /// Time for a record: ticks or nanoseconds, as the recorder expects them ([`clock`]).
+    #[inline]
+    pub fn now(&self) -> u64 {
+        match self.clock {
+            clock::RecordClock::Ticks => clock::read_ticks(),
+            clock::RecordClock::Os => monotonic_ns(),
+        }
+    }
 }
 
 /// A small per-process number for the calling thread (1, 2, …), for records.
@@ -275,7 +295,7 @@ impl Observer for DeviceObserver {
             }
             _ => {}
         }
-        let t = now();
+        let t = trace.now();
         let record = match event {
             Event::Alloc(a) => Record::Alloc(schema::Alloc {
                 t,

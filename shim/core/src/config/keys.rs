@@ -8,7 +8,7 @@ use super::values::{
     bad, bad_because, choose, parse_bool, parse_file_mode, parse_fraction, parse_int,
     parse_max_split, parse_memory_fraction, parse_roundup,
 };
-use super::{Config, Expandable, LogLevel, ReusePolicy, StackMode, TorchCaching};
+use super::{ClockChoice, Config, Expandable, LogLevel, ReusePolicy, StackMode, TorchCaching};
 
 /// One configuration key: its name, its valid values (for error messages and `--help`), whether
 /// `PYTORCH_CUDA_ALLOC_CONF` may set it (the allocator's keys), and how its value is read into
@@ -235,6 +235,23 @@ pub const KEYS: &[Key] = &[
         from_pytorch: false,
         set: |c, k, v| {
             c.compress = parse_bool(k, v)?;
+            Ok(())
+        },
+    },
+    Key {
+        name: "clock",
+        valid: "auto, tsc or os",
+        from_pytorch: false,
+        set: |c, k, v| {
+            c.clock = choose(
+                k,
+                v,
+                &[
+                    ("auto", ClockChoice::Auto),
+                    ("tsc", ClockChoice::Tsc),
+                    ("os", ClockChoice::Os),
+                ],
+            )?;
             Ok(())
         },
     },

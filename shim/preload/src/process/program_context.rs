@@ -15,7 +15,7 @@ use cachealloc_recorder::schema::{
 };
 
 use super::Shim;
-use crate::trace::{now, scopes};
+use crate::trace::scopes;
 
 pub use scopes::{
     define as define_scope, is_known as scope_known, set as scope_set, slot as scope_slot,
@@ -64,7 +64,7 @@ impl Shim {
         }
         if let Ok(trace) = &self.trace {
             trace.send(Record::Phase(PhaseEvent {
-                t: now(),
+                t: trace.now(),
                 phase,
                 step,
             }));
@@ -83,7 +83,7 @@ impl Shim {
             return Err(BadFact::UnknownCategory);
         }
         if let Ok(trace) = &self.trace {
-            let t = now();
+            let t = trace.now();
             for &address in addresses {
                 trace.send(Record::Tag(TagEvent {
                     t,

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{ScopeEvent, ScopeName};
 
-use super::{Trace, now, thread_number};
+use super::{Trace, thread_number};
 
 thread_local! {
     /// The calling thread's scope, as the integration last wrote it (0: none).
@@ -106,7 +106,7 @@ impl Trace {
             return;
         }
         self.send(Record::Scope(ScopeEvent {
-            t: now(),
+            t: self.now(),
             thread: thread_number(),
             scope,
         }));

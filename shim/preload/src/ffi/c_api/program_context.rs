@@ -192,7 +192,7 @@ pub extern "C" fn cachealloc_memory_history(free_stacks: c_int, native_frames: c
             if let Some(shim) = process::shim() {
                 shim.memory_history(free_stacks != 0, native_frames != 0);
             }
-            crate::trace::now()
+            cachealloc_recorder::monotonic_ns()
         },
         || 0,
     )
@@ -203,7 +203,11 @@ pub extern "C" fn cachealloc_memory_history(free_stacks: c_int, native_frames: c
 /// (`torch.cuda.memory._set_memory_metadata`).
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn cachealloc_trace_time() -> u64 {
-    guarded("cachealloc_trace_time", crate::trace::now, || 0)
+    guarded(
+        "cachealloc_trace_time",
+        cachealloc_recorder::monotonic_ns,
+        || 0,
+    )
 }
 
 /// Hear from the interpreter when Python code objects are destroyed (CPython 3.12+), so that
