@@ -12,10 +12,9 @@
 //! directory that is another user's, a symbolic link, or writable by others is refused with one
 //! message and the program runs on untraced (`cachealloc_recorder::private`).
 
-use std::cell::Cell;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+
 use std::time::Duration;
 
 use cachealloc_core::{Config, Event, Observer, PoolKind};
@@ -27,6 +26,7 @@ use crate::log;
 pub mod clock;
 pub mod pause;
 pub mod scopes;
+mod thread;
 
 /// Records the channel holds before producers wait (under 5 MB).
 const CHANNEL_CAPACITY: usize = 1 << 16;
@@ -123,7 +123,7 @@ impl Trace {
     /// A raw allocation that passed through (`pool:off`, or degraded): a segment holding one
     /// block, both recorded.
     pub fn raw_allocation(&self, device: u32, address: u64, size: u64, stack: u32) {
-        self.announce_scope();
+        let thread = self.announce_scope();
         let t = self.now();
         let pool = pool_byte(cachealloc_core::sizes::pool_for(size));
         self.send(Record::SegmentAlloc(schema::SegmentEvent {
@@ -142,7 +142,7 @@ impl Trace {
             requested: size,
             size,
             stack,
-            thread: thread_number(),
+            thread,
         }));
     }
 
@@ -242,18 +242,7 @@ impl Trace {
 
 /// A small per-process number for the calling thread (1, 2, …), for records.
 pub fn thread_number() -> u32 {
-    static NEXT: AtomicU32 = AtomicU32::new(1);
-    thread_local! {
-        static NUMBER: Cell<u32> = const { Cell::new(0) };
-    }
-    NUMBER
-        .try_with(|n| {
-            if n.get() == 0 {
-                n.set(NEXT.fetch_add(1, Ordering::Relaxed));
-            }
-            n.get()
-        })
-        .unwrap_or(0)
+    thread::with(thread::ThreadTrace::number).unwrap_or(0)
 }
 
 /// Turns one device's allocator events into records.
@@ -278,8 +267,9 @@ impl Observer for DeviceObserver {
     fn on_event(&self, event: Event<'_>) {
         let Some(trace) = &self.trace else { return };
         let device = self.device;
-        // Note [A paused trace stays consistent].
-        match &event {
+        // Note [A paused trace stays consistent]. An allocation's scope goes before its record
+        // (and gives the thread's number with it).
+        let allocating_thread = match &event {
             Event::Alloc(a) if pause::paused() => {
                 trace.unrecorded.add(device, a.address);
                 return;
@@ -293,8 +283,8 @@ impl Observer for DeviceObserver {
             {
                 return;
             }
-            _ => {}
-        }
+            _ => 0,
+        };
         let t = trace.now();
         let record = match event {
             Event::Alloc(a) => Record::Alloc(schema::Alloc {
@@ -305,7 +295,7 @@ impl Observer for DeviceObserver {
                 requested: a.requested,
                 size: a.size,
                 stack: a.tag as u32,
-                thread: thread_number(),
+                thread: allocating_thread,
             }),
             Event::FreeRequested(f) => {
                 let body = schema::FreeRequested {

@@ -16,7 +16,6 @@
 //! of the autograd threads (idle by then) that backward's hooks named; it is atomic so that the
 //! compiler never assumes it unchanged across the foreign writes.
 
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -24,14 +23,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{ScopeEvent, ScopeName};
 
-use super::{Trace, thread_number};
-
-thread_local! {
-    /// The calling thread's scope, as the integration last wrote it (0: none).
-    static SLOT: AtomicU32 = const { AtomicU32::new(0) };
-    /// The scope this thread last sent to the trace, and the phase generation it was sent in.
-    static SENT: Cell<(u32, u64)> = const { Cell::new((0, 0)) };
-}
+use super::{Trace, thread};
 
 /// Bumped at each phase change: every thread's scope in the trace is none after it.
 static PHASE_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -68,14 +60,15 @@ pub fn is_known(scope: u32) -> bool {
             .is_some_and(|t| scope as usize <= t.names.len())
 }
 
-/// The address of the calling thread's scope slot (valid while the thread lives).
+/// The address of the calling thread's scope slot (valid while the thread lives; null while it
+/// is being torn down).
 pub fn slot() -> *const AtomicU32 {
-    SLOT.with(|s| s as *const AtomicU32)
+    thread::with(|t| &t.slot as *const AtomicU32).unwrap_or(std::ptr::null())
 }
 
 /// Set the calling thread's scope (an id of [`define`], or 0).
 pub fn set(scope: u32) {
-    let _ = SLOT.try_with(|s| s.store(scope, Ordering::Relaxed));
+    thread::with(|t| t.slot.store(scope, Ordering::Relaxed));
 }
 
 /// A phase change: every thread's scope must be said again at its next allocation.
@@ -85,32 +78,30 @@ pub fn phase_changed() {
 
 impl Trace {
     /// Before the record of an allocation the calling thread makes: tell the trace the
-    /// thread's scope if it is not what the trace last heard.
-    pub fn announce_scope(&self) {
-        let Ok(scope) = SLOT.try_with(|s| s.load(Ordering::Relaxed)) else {
-            return;
-        };
-        let generation = PHASE_GENERATION.load(Ordering::Relaxed);
-        let Ok((sent, sent_in)) = SENT.try_with(Cell::get) else {
-            return;
-        };
-        // After a phase change the trace holds no scope for this thread.
-        let in_trace = if sent_in == generation { sent } else { 0 };
-        if scope == in_trace {
-            if sent_in != generation {
-                let _ = SENT.try_with(|s| s.set((scope, generation)));
+    /// thread's scope if it is not what the trace last heard. Returns the thread's number (0
+    /// while the thread is being torn down), which the allocation's record carries.
+    pub fn announce_scope(&self) -> u32 {
+        thread::with(|thread| {
+            let scope = thread.slot.load(Ordering::Relaxed);
+            let generation = PHASE_GENERATION.load(Ordering::Relaxed);
+            let (sent, sent_in) = thread.sent.get();
+            // After a phase change the trace holds no scope for this thread.
+            let in_trace = if sent_in == generation { sent } else { 0 };
+            if scope == in_trace {
+                if sent_in != generation {
+                    thread.sent.set((scope, generation));
+                }
+            } else if scope == 0 || self.define_in_trace(scope) {
+                self.send(Record::Scope(ScopeEvent {
+                    t: self.now(),
+                    thread: thread.number(),
+                    scope,
+                }));
+                thread.sent.set((scope, generation));
             }
-            return;
-        }
-        if scope != 0 && !self.define_in_trace(scope) {
-            return;
-        }
-        self.send(Record::Scope(ScopeEvent {
-            t: self.now(),
-            thread: thread_number(),
-            scope,
-        }));
-        let _ = SENT.try_with(|s| s.set((scope, generation)));
+            thread.number()
+        })
+        .unwrap_or(0)
     }
 
     /// Send `scope`'s name if the trace does not have it yet; false for an unknown id.
