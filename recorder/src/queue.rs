@@ -77,6 +77,10 @@ struct Claims {
     head_seen: AtomicUsize,
     slots: Arc<[Slot]>,
     mask: usize,
+    /// Whether the worker is behind ([`Queue::congested`]): read by every allocation that
+    /// would capture a stack, just before its send writes this line; written only when it
+    /// changes.
+    congested: AtomicBool,
     /// How many sends loaded the worker's head (the tests' window on the fast path).
     #[cfg(test)]
     head_loads: AtomicUsize,
@@ -110,6 +114,7 @@ impl<M> Queue<M> {
                 head_seen: AtomicUsize::new(0),
                 slots: slots.clone(),
                 mask: capacity - 1,
+                congested: AtomicBool::new(false),
                 #[cfg(test)]
                 head_loads: AtomicUsize::new(0),
             },
@@ -189,6 +194,20 @@ impl<M> Queue<M> {
             word.store(value, Ordering::Relaxed);
         }
         slot.seq.store(index as u64 + 1, Ordering::Release);
+    }
+
+    /// Whether the worker is behind: set by the worker when it finds the ring more than three
+    /// quarters full and by a send that finds it full, cleared by the worker.
+    pub(crate) fn congested(&self) -> bool {
+        self.claims.congested.load(Ordering::Relaxed)
+    }
+
+    /// Publish whether the worker is behind; a store only when that changes, so that the
+    /// senders' line is not taken from them for nothing.
+    pub(crate) fn set_congested(&self, congested: bool) {
+        if self.claims.congested.load(Ordering::Relaxed) != congested {
+            self.claims.congested.store(congested, Ordering::Relaxed);
+        }
     }
 
     /// Records claimed and not yet read (approximate while senders are claiming).

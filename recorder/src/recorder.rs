@@ -66,20 +66,6 @@ pub struct RecorderStats {
     pub stacks_shed: AtomicU64,
     /// Set once a write failed; nothing is written after.
     pub failed: AtomicBool,
-    /// Whether the worker is behind ([`Recorder::congested`]): set by the worker when it
-    /// finds the queue more than three quarters full and by a send that finds it full,
-    /// cleared by the worker when it finds the backlog below that.
-    congested: AtomicBool,
-}
-
-impl RecorderStats {
-    /// Publish whether the worker is behind; a store only when that changes, so that the
-    /// flag's cache line stays shared by the producers that read it on every allocation.
-    fn set_congested(&self, congested: bool) {
-        if self.congested.load(Ordering::Relaxed) != congested {
-            self.congested.store(congested, Ordering::Relaxed);
-        }
-    }
 }
 
 /// The producer side. Cheap to share (`&Recorder` from many threads).
@@ -174,7 +160,7 @@ impl Recorder {
 
     #[cold]
     fn wait_for_room(&self, room: &dyn Fn() -> bool) {
-        self.stats.set_congested(true);
+        self.queue.set_congested(true);
         let start = Instant::now();
         while !room() {
             std::thread::sleep(WAIT_FOR_ROOM);
@@ -209,9 +195,9 @@ impl Recorder {
     /// Whether the worker is behind (producers may shed stacks): the queue was more than
     /// three quarters full when the worker last looked, or a send has found it full since.
     /// Producers ask on every allocation, so this reads a flag the worker publishes, not the
-    /// queue's backlog, whose head the worker writes and whose tail every send writes.
+    /// queue's backlog; the flag sits on the line the allocation's send writes next.
     pub fn congested(&self) -> bool {
-        self.stats.congested.load(Ordering::Relaxed)
+        self.queue.congested()
     }
 
     /// Write everything sent so far as a chunk; waits up to `timeout`. Returns whether it did.
@@ -350,7 +336,7 @@ fn run_worker<C: Clock>(
     };
     let capacity = queue.capacity();
     loop {
-        stats.set_congested(queue.backlog().saturating_mul(4) > capacity.saturating_mul(3));
+        queue.set_congested(queue.backlog().saturating_mul(4) > capacity.saturating_mul(3));
         if let Some(ticks) = &mut ticks {
             ticks.observe();
         }

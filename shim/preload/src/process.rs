@@ -432,7 +432,8 @@ impl Shim {
         let (Some(stacks), Ok(trace)) = (&self.stacks, &self.trace) else {
             return 0;
         };
-        if crate::stacks::paused() || crate::trace::pause::paused() {
+        // Either pause: one read of the rare conditions' word, which holds both switches.
+        if crate::rare::any(crate::rare::STACKS_PAUSED | crate::rare::TRACE_PAUSED) {
             return 0;
         }
         if trace.congested() {

@@ -17,6 +17,11 @@
 //! for all of them, and one that does pays what it paid before. A bit is set *before* the
 //! condition it announces is made true, so whoever can see the condition sees the bit.
 //!
+//! Two bits are not conditions but switches: the benchmarks' pauses of the trace's records
+//! and of stack capture (`cachealloc_trace_pause`, `cachealloc_stacks_pause`). The hot path asks
+//! them at every allocation, so the word is their only home; they are set and cleared by their
+//! calls ([`switch`]), not sticky, and a program that never pauses reads nothing more for them.
+//!
 //! Where the check guards a thread-local, the thread-local's read is a function that is never
 //! inlined: a preloaded library reaches its thread-locals through the loader (a call and two
 //! cold lines), and the compiler computes a thread-local's address ahead of the test that
@@ -41,6 +46,11 @@ pub const PROFILER: u32 = 1 << 6;
 /// Frees capture their own stacks (`_record_memory_history(context="all")`).
 pub const FREE_STACKS: u32 = 1 << 7;
 
+/// Switch: allocation records are paused (`trace::pause`).
+pub const TRACE_PAUSED: u32 = 1 << 8;
+/// Switch: stack capture is paused (`stacks::pause`).
+pub const STACKS_PAUSED: u32 = 1 << 9;
+
 /// The word, alone on its cache line (it is read by every call and written a few times a run).
 #[repr(align(64))]
 struct Word(AtomicU32);
@@ -52,7 +62,18 @@ pub fn note(bits: u32) {
     RARE.0.fetch_or(bits, Ordering::SeqCst);
 }
 
-/// Whether any of `bits` was ever announced: if not, none of their conditions holds.
+/// Turn the switch `bit` on or off; returns whether it was on.
+pub fn switch(bit: u32, on: bool) -> bool {
+    let before = if on {
+        RARE.0.fetch_or(bit, Ordering::SeqCst)
+    } else {
+        RARE.0.fetch_and(!bit, Ordering::SeqCst)
+    };
+    before & bit != 0
+}
+
+/// Whether any of `bits` was ever announced (a switch: is on): if not, none of their
+/// conditions holds.
 #[inline]
 pub fn any(bits: u32) -> bool {
     RARE.0.load(Ordering::Acquire) & bits != 0
@@ -72,5 +93,18 @@ mod tests {
         assert!(any(TEST_BIT | FORKED));
         note(TEST_BIT);
         assert!(any(TEST_BIT), "noting twice keeps it");
+    }
+
+    #[test]
+    fn a_switch_goes_on_and_off_and_leaves_the_other_bits() {
+        const SWITCH: u32 = 1 << 30;
+        note(1 << 29);
+        assert!(!switch(SWITCH, true), "it was off");
+        assert!(any(SWITCH));
+        assert!(switch(SWITCH, true), "it was on");
+        assert!(switch(SWITCH, false), "it was on");
+        assert!(!any(SWITCH));
+        assert!(!switch(SWITCH, false), "it was off");
+        assert!(any(1 << 29), "other bits stay");
     }
 }

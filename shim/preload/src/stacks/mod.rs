@@ -57,18 +57,18 @@ use recent::RecentStacks;
 /// Deepest stack captured, whatever `stack_depth` says.
 const MAX_DEPTH: usize = 256;
 
-/// Whether stack capture is paused (`cachealloc_stacks_pause`): records go on, with stack 0.
-static PAUSED: AtomicBool = AtomicBool::new(false);
-
-/// Pause (or resume) stack capture; returns whether it was paused. A benchmark's switch: the
-/// cost of stacks measured within one process, step by step (issue 25).
+/// Pause (or resume) stack capture (`cachealloc_stacks_pause`: records go on, with stack 0);
+/// returns whether it was paused. A benchmark's switch: the cost of stacks measured within one
+/// process, step by step (issue 25). A bit of the rare conditions' word, which every allocation
+/// reads anyway.
 pub fn pause(paused: bool) -> bool {
-    PAUSED.swap(paused, Ordering::Relaxed)
+    crate::rare::switch(crate::rare::STACKS_PAUSED, paused)
 }
 
 /// Whether stack capture is paused.
+#[inline]
 pub fn paused() -> bool {
-    PAUSED.load(Ordering::Relaxed)
+    crate::rare::any(crate::rare::STACKS_PAUSED)
 }
 
 /// Code objects whose frames stacks leave out (0: an empty place).

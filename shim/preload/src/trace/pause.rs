@@ -19,17 +19,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustc_hash::FxHashSet;
 
-/// Whether allocation records are paused.
-static PAUSED: AtomicBool = AtomicBool::new(false);
-
-/// Pause (or resume) allocation records; returns whether they were paused.
+/// Pause (or resume) allocation records; returns whether they were paused. The switch is a bit
+/// of the rare conditions' word, which every allocation reads anyway (Note [Rare conditions in
+/// one word]).
 pub fn set_paused(paused: bool) -> bool {
-    PAUSED.swap(paused, Ordering::Relaxed)
+    crate::rare::switch(crate::rare::TRACE_PAUSED, paused)
 }
 
 /// Whether allocation records are paused now.
+#[inline]
 pub fn paused() -> bool {
-    PAUSED.load(Ordering::Relaxed)
+    crate::rare::any(crate::rare::TRACE_PAUSED)
 }
 
 /// The blocks allocated while paused and not freed yet, whose frees go unrecorded.
@@ -40,8 +40,10 @@ pub fn paused() -> bool {
 /// lock, the set) still makes in-process trace costs read a little low, never high
 /// (BENCHMARKS.md, tenth session).
 #[derive(Debug, Default)]
+#[repr(C)]
 pub struct Unrecorded {
-    /// Whether `blocks` holds any (frees skip the lock until then).
+    /// Whether `blocks` holds any (frees skip the lock until then). First: every free reads it,
+    /// beside the trace's other hot fields.
     any: AtomicBool,
     blocks: Mutex<FxHashSet<(u32, u64)>>,
 }
