@@ -359,17 +359,35 @@ impl Stacks {
     /// [`Stacks::capture`] without the `skip` innermost Python frames (the caller's own
     /// wrapper).
     pub fn capture_skipping(&self, trace: &Trace, skip: usize) -> u32 {
+        let tstate = self.python.as_ref().and_then(Python::thread_state);
+        let native = self
+            .native
+            .get()
+            .filter(|_| self.native_on.load(Ordering::Relaxed));
+        if tstate.is_none() && native.is_none() {
+            // No frame to read (autograd's threads, which allocate half a training step): the
+            // stack of the thread in `backward()`, without the thread's buffers, a
+            // thread-local that a preloaded library reaches through the loader.
+            return self.backward.load(Ordering::Acquire);
+        }
         // Reused per thread: a capture neither zeroes nor allocates buffers once warm. (`try_`:
         // during thread teardown the buffers may be gone; that allocation goes without a stack.)
         SCRATCH
             .try_with(|scratch| match scratch.try_borrow_mut() {
-                Ok(mut scratch) => self.capture_with(&mut scratch, trace, skip),
+                Ok(mut scratch) => self.capture_with(&mut scratch, trace, skip, tstate, native),
                 Err(_) => 0,
             })
             .unwrap_or(0)
     }
 
-    fn capture_with(&self, scratch: &mut Scratch, trace: &Trace, skip: usize) -> u32 {
+    fn capture_with(
+        &self,
+        scratch: &mut Scratch,
+        trace: &Trace,
+        skip: usize,
+        tstate: Option<python::ThreadState>,
+        native: Option<&NativeStacks>,
+    ) -> u32 {
         let Scratch {
             ips,
             py,
@@ -381,19 +399,16 @@ impl Stacks {
             ips.resize(self.depth, 0);
             py.resize(self.depth, RawFrame::default());
         }
-        let native = match self.native.get() {
-            Some(n) if self.native_on.load(Ordering::Relaxed) => n.capture(&mut ips[..self.depth]),
-            _ => 0,
-        };
+        let native = native.map_or(0, |n| n.capture(&mut ips[..self.depth]));
         // Read before the walk: the known code objects' table belongs to it (Note [Known code
         // objects]), and a frame's code object is alive from before the capture on.
         let epoch = python::code_deaths::epoch();
-        let python = match &self.python {
-            Some(p) => {
-                let walked = p.walk(&mut py[..self.depth], known, epoch);
+        let python = match (&self.python, tstate) {
+            (Some(p), Some(tstate)) => {
+                let walked = p.walk(tstate, &mut py[..self.depth], known, epoch);
                 without_hidden(&mut py[..walked])
             }
-            None => 0,
+            _ => 0,
         };
         let skip = skip.min(python);
         let (py, python) = (&py[skip..], python - skip);

@@ -155,6 +155,11 @@ pub(crate) fn symbol(name: &CStr) -> Option<*mut c_void> {
     (!found.is_null()).then_some(found)
 }
 
+/// The calling thread's Python thread state ([`Python::thread_state`]), good for one walk in
+/// the same hook.
+#[derive(Clone, Copy, Debug)]
+pub struct ThreadState(usize);
+
 impl Python {
     /// Find the interpreter in this process. `Err` says why there are no Python stacks
     /// (`None` inside: not a Python process at all).
@@ -214,27 +219,40 @@ impl Python {
         self.layout.version
     }
 
+    /// The calling thread's Python thread state; `None` for a thread Python never saw (or
+    /// has let go of), or while the interpreter is not running.
+    pub fn thread_state(&self) -> Option<ThreadState> {
+        // SAFETY: the three are public C API functions, callable without the GIL (they read a
+        // flag, a flag and a thread-local), found with these signatures by `detect`.
+        unsafe {
+            // During finalization other threads' states are being freed: no walk then.
+            if (self.is_initialized)() == 0 || self.is_finalizing.is_some_and(|f| f() != 0) {
+                return None;
+            }
+            let tstate = (self.this_thread_state)() as usize;
+            plausible(tstate).then_some(ThreadState(tstate))
+        }
+    }
+
     /// The calling thread's Python frames, innermost first, into `out`; returns how many.
-    /// Zero when the thread has no Python thread state (a thread Python never saw) or the
-    /// interpreter is not running.
+    /// `tstate` is the thread's state, from [`Python::thread_state`] in the same hook.
     ///
     /// `known` is the calling thread's [`KnownCode`] and `epoch` the code objects' deaths'
     /// epoch, read before the walk ([`code_deaths::epoch`]).
-    pub fn walk(&self, out: &mut [RawFrame], known: &mut KnownCode, epoch: u64) -> usize {
+    pub fn walk(
+        &self,
+        tstate: ThreadState,
+        out: &mut [RawFrame],
+        known: &mut KnownCode,
+        epoch: u64,
+    ) -> usize {
         known.begin(epoch);
+        let tstate = tstate.0;
         // SAFETY: see the module docs: the calling thread is parked in our hook, so its own
         // frame chain and the code objects it references stay as they are while we read; every
         // pointer is checked for null and alignment, every code object's type is checked before
         // its fields are read, and the walk is bounded by `out`'s length.
         unsafe {
-            // During finalization other threads' states are being freed: no walk then.
-            if (self.is_initialized)() == 0 || self.is_finalizing.is_some_and(|f| f() != 0) {
-                return 0;
-            }
-            let tstate = (self.this_thread_state)() as usize;
-            if !plausible(tstate) {
-                return 0;
-            }
             let l = &self.layout;
             let mut frame = read_ptr(tstate + l.tstate_frame);
             if l.kind == FrameKind::CFrame {
