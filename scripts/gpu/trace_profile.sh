@@ -12,7 +12,9 @@
 # warm-up: samples per step is a file's count over that. PAUSES (default "none trace") names the
 # processes of a pair (steady_steps.py's PAUSE: none, trace, stacks, categories); PYFLAGS (e.g.
 # "-X perf", Python 3.12+) is given to Python, whose perf trampolines then name each Python
-# function in the reports (`py::name:file`).
+# function in the reports (`py::name:file`). A stripped library shows as addresses: map them
+# with `addr2line -f -C -i -e UNSTRIPPED.so ADDR+D` on the same build (the same build ID), D
+# being the executable LOAD segment's VirtAddr minus its Offset (`readelf -lW`).
 set -uo pipefail
 LIB=$(realpath "$1")/libcachealloc.so
 ROUNDS=${2:-2}
