@@ -96,6 +96,11 @@ pub struct Python {
 /// was made, during this epoch, from a live frame's code object; if that object had died since,
 /// its death would have ended the epoch. Where deaths are not heard (epoch 0: Python before
 /// 3.12) the table is not used.
+///
+/// Most of a walk's frames are where the thread's last walk found them (the outer ones do not
+/// change between two allocations), so each place in the chain also remembers the code object
+/// the last walk met there: a frame whose code object is that one is answered by the next entry
+/// of a short array, without the table's hash and its scattered line. Both belong to the epoch.
 #[derive(Debug)]
 pub struct KnownCode {
     /// The epoch the entries belong to (0: none, and none are made).
@@ -103,6 +108,9 @@ pub struct KnownCode {
     /// `(code object's address, its first traceable instruction)`, by a hash of the address
     /// (direct-mapped: a collision replaces the older entry).
     slots: Box<[(usize, c_int)]>,
+    /// The last walk's `(code object, first traceable instruction)` by place in the chain,
+    /// innermost first.
+    last_walk: Vec<(usize, c_int)>,
 }
 
 impl Default for KnownCode {
@@ -110,6 +118,7 @@ impl Default for KnownCode {
         KnownCode {
             epoch: 0,
             slots: vec![(0, 0); KnownCode::SLOTS].into_boxed_slice(),
+            last_walk: Vec::new(),
         }
     }
 }
@@ -122,7 +131,34 @@ impl KnownCode {
     pub fn begin(&mut self, epoch: u64) {
         if epoch != self.epoch {
             self.slots.fill((0, 0));
+            self.last_walk.clear();
             self.epoch = epoch;
+        }
+    }
+
+    /// [`KnownCode::get`] for the code object of the chain's `place`-th frame: the last walk's
+    /// there first, then the table (what it finds there is noted for the next walk).
+    fn get_at(&mut self, place: usize, code: usize) -> Option<c_int> {
+        if let Some(&(known, first)) = self.last_walk.get(place)
+            && known == code
+            && self.epoch != 0
+        {
+            return Some(first);
+        }
+        let first = self.get(code)?;
+        self.note_at(place, code, first);
+        Some(first)
+    }
+
+    /// What [`KnownCode::get_at`] found, or learned, for the chain's `place`-th frame.
+    fn note_at(&mut self, place: usize, code: usize, first: c_int) {
+        if self.epoch == 0 {
+            return;
+        }
+        if place < self.last_walk.len() {
+            self.last_walk[place] = (code, first);
+        } else if place == self.last_walk.len() {
+            self.last_walk.push((code, first));
         }
     }
 
@@ -265,7 +301,7 @@ impl Python {
             let mut steps = 0;
             while plausible(frame) && n < out.len() && steps < 4 * out.len() {
                 steps += 1;
-                if let Some(raw) = self.frame(frame, known) {
+                if let Some(raw) = self.frame(frame, steps - 1, known) {
                     out[n] = raw;
                     n += 1;
                 }
@@ -279,8 +315,9 @@ impl Python {
     ///
     /// # Safety
     ///
-    /// `frame` must point to a live frame of the calling thread (see [`Python::walk`]).
-    unsafe fn frame(&self, frame: usize, known: &mut KnownCode) -> Option<RawFrame> {
+    /// `frame` must point to a live frame of the calling thread (see [`Python::walk`]), the
+    /// `place`-th link of its chain from the innermost.
+    unsafe fn frame(&self, frame: usize, place: usize, known: &mut KnownCode) -> Option<RawFrame> {
         let l = &self.layout;
         // SAFETY: the caller guarantees `frame` is a live frame; the code object it holds is
         // alive with it, and is read only after its type is checked (or `known` says it was,
@@ -290,7 +327,7 @@ impl Python {
             if !plausible(code) {
                 return None;
             }
-            let first = match known.get(code) {
+            let first = match known.get_at(place, code) {
                 Some(first) => first,
                 None => {
                     if read_ptr(code + layout::OBJECT_TYPE) != self.code_type {
@@ -305,6 +342,7 @@ impl Python {
                             .read()
                     };
                     known.put(code, first);
+                    known.note_at(place, code, first);
                     first
                 }
             };
@@ -495,5 +533,33 @@ mod tests {
         known.put(other, 2);
         assert_eq!(known.get(other), Some(2));
         assert_eq!(known.get(first), None);
+    }
+
+    #[test]
+    fn a_place_remembers_its_last_code_object_within_the_epoch() {
+        let mut known = KnownCode::default();
+        known.begin(1);
+        let (a, b) = (0x7f00_0000_1000usize, 0x7f00_0000_2000usize);
+        // Learned at place 0 and 1 by the first walk.
+        known.put(a, 3);
+        known.note_at(0, a, 3);
+        known.put(b, 4);
+        known.note_at(1, b, 4);
+        // Evict `a` from the table: the place still answers for it, and only for it.
+        let colliding = (1..)
+            .map(|i| a + 16 * i)
+            .find(|&c| KnownCode::slot(c) == KnownCode::slot(a))
+            .expect("a colliding address");
+        known.put(colliding, 9);
+        assert_eq!(known.get(a), None, "gone from the table");
+        assert_eq!(known.get_at(0, a), Some(3), "the last walk's at place 0");
+        assert_eq!(known.get_at(1, a), None, "place 1 had another one");
+        // What the table answers at a place is noted there for the next walk.
+        assert_eq!(known.get_at(2, b), Some(4));
+        assert_eq!(known.last_walk.get(2), Some(&(b, 4)));
+        // Another epoch forgets the places too.
+        known.begin(2);
+        assert_eq!(known.get_at(0, a), None);
+        assert_eq!(known.get_at(1, b), None);
     }
 }
