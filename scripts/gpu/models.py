@@ -15,6 +15,7 @@ with fused AdamW by `step_fn`:
 `alternate` is the within-process benchmark those scripts share. Used by categories.py,
 categories_cost.py, recorder_cost.py and train_models.py (import this module)."""
 import time
+import uuid
 
 import torch
 import torch.nn as nn
@@ -171,9 +172,12 @@ def alternate(step, rounds, labels, switch, log, workload):
     reverse on odd ones; `switch(label)` sets the label's configuration (and may return a
     function to call after the timed step); each timed step follows an untimed one (a switch
     can cost the next step: patched classes make Python's attribute caches re-warm). Writes
-    `workload=… label=… round=… step_ms=… main_ms=…` lines to `log` for ratio_ci.py (`main_ms`:
-    the calling thread's CPU time in the timed step, which tells its own work from waiting and
-    from other threads' interference)."""
+    `workload=… label=… round=… step_ms=… main_ms=… set=…` lines to `log` for ratio_ci.py
+    (`main_ms`: the calling thread's CPU time in the timed step, which tells its own work from
+    waiting and from other threads' interference; `set`: this process, a random name, so that
+    ratio_ci.py's interval over a log of several processes resamples the processes before their
+    rounds: processes of one build differ by more than their rounds say)."""
+    process = uuid.uuid4().hex[:8]
     for r in range(rounds):
         for label in labels if r % 2 == 0 else labels[::-1]:
             done = switch(label)
@@ -187,6 +191,7 @@ def alternate(step, rounds, labels, switch, log, workload):
             if done is not None:
                 done()
             print(
-                f"workload={workload} label={label} round={r} step_ms={ms:.4f} main_ms={main_ms:.4f}",
+                f"workload={workload} label={label} round={r} step_ms={ms:.4f} main_ms={main_ms:.4f}"
+                f" set={process}",
                 file=log,
             )

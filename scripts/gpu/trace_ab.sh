@@ -7,7 +7,9 @@
 # turns first. `-` for OLD_LIBDIR measures NEW alone. Stops starting processes after BUDGET
 # seconds (540). Writes $OUT/trace_old.log and $OUT/trace_new.log and prints ratio_ci.py's
 # on/off ratio per build and model, for the step's wall time and for the Python
-# thread's CPU time (main_ms).
+# thread's CPU time (main_ms). Each process names its lines (`set=`), so the interval resamples
+# the processes, then their rounds (before the sixteenth session it resampled rounds alone, and
+# read tighter than what processes of one build differ by).
 set -uo pipefail
 OLD=-; [ "$1" != - ] && OLD="$(realpath "$1")/libcachealloc.so"
 NEW="$(realpath "$2")/libcachealloc.so"; ROUNDS=$3; PROCESSES=$4; shift 4
