@@ -6,6 +6,7 @@
 //! | [`driver`] | the wrapped driver functions (`cuMemAlloc_v2` …) |
 //! | [`entry_points`] | `dlsym`, `cuGetProcAddress*`, `cudaGetDriverEntryPoint*`, and the table of wrapped driver functions |
 //! | [`c_api`] | the `cachealloc_*` C API |
+//! | [`static_tls`] | thread-locals the allocation path reads without the loader (the TLS ABI) |
 //!
 //! and here: `guarded` and the out-pointer writes every export uses, the library's
 //! constructor, its fork handler and its exit callback.
@@ -24,6 +25,7 @@ pub mod c_api;
 pub mod driver;
 pub mod entry_points;
 pub mod runtime;
+pub mod static_tls;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

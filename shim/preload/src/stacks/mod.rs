@@ -38,6 +38,7 @@ pub mod frees;
 pub mod native;
 pub mod python;
 mod recent;
+mod scratch;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -52,7 +53,7 @@ use crate::trace::Trace;
 use native::NativeStacks;
 use python::linetable::LineTable;
 use python::{CodeCheck, CodeInfo, Python, RawFrame};
-use recent::RecentStacks;
+use scratch::Scratch;
 
 /// Deepest stack captured, whatever `stack_depth` says.
 const MAX_DEPTH: usize = 256;
@@ -101,23 +102,6 @@ fn without_hidden(frames: &mut [RawFrame]) -> usize {
         }
     }
     kept
-}
-
-/// A thread's capture buffers: return addresses, Python frames, and the raw stack key (the
-/// addresses, then per Python frame its code object, offset and [`CodeCheck`]); the stacks it
-/// captured last (Note [The thread's recent stacks]); and the code objects its walks have read
-/// ([`python::KnownCode`]).
-#[derive(Default)]
-struct Scratch {
-    ips: Vec<u64>,
-    py: Vec<RawFrame>,
-    raw: Vec<u64>,
-    recent: RecentStacks,
-    known: python::KnownCode,
-}
-
-thread_local! {
-    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// A code object's cached facts, and the frame ids of the offsets seen in it.
@@ -370,13 +354,9 @@ impl Stacks {
             // thread-local that a preloaded library reaches through the loader.
             return self.backward.load(Ordering::Acquire);
         }
-        // Reused per thread: a capture neither zeroes nor allocates buffers once warm. (`try_`:
-        // during thread teardown the buffers may be gone; that allocation goes without a stack.)
-        SCRATCH
-            .try_with(|scratch| match scratch.try_borrow_mut() {
-                Ok(mut scratch) => self.capture_with(&mut scratch, trace, skip, tstate, native),
-                Err(_) => 0,
-            })
+        // The thread's own buffers (`scratch`); during its exit they may be gone, and that
+        // allocation goes without a stack.
+        scratch::with(|scratch| self.capture_with(scratch, trace, skip, tstate, native))
             .unwrap_or(0)
     }
 

@@ -1,13 +1,14 @@
 //! The calling thread's part of the trace — its number in the records and its module scope —
 //! in one thread-local.
 //!
-//! A preloaded library reaches its thread-locals through the loader (`__tls_get_addr`: a call
-//! and the thread's vector of modules, cold in a real step), once for each thread-local it
-//! reads. An allocation's record needs the thread's number, its scope slot and the scope the
-//! trace last heard from it; kept together, that is one trip through the loader a record.
+//! An allocation's record needs the thread's number, its scope slot and the scope the trace
+//! last heard from it; they are kept together in one thread-local in the static TLS block
+//! (Note [Thread-locals in static TLS]): two loads, no call into the loader.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::ffi::static_tls::{ZeroInit, static_thread_local};
 
 /// See the module docs.
 pub(super) struct ThreadTrace {
@@ -18,7 +19,7 @@ pub(super) struct ThreadTrace {
     /// caller clears the slots of the autograd threads.
     pub(super) slot: AtomicU32,
     /// The scope this thread last sent to the trace, and the phase generation it was sent in.
-    pub(super) sent: Cell<(u32, u64)>,
+    pub(super) sent: Cell<(u32, u32)>,
 }
 
 impl ThreadTrace {
@@ -32,17 +33,24 @@ impl ThreadTrace {
     }
 }
 
-thread_local! {
-    static THREAD: ThreadTrace = const {
-        ThreadTrace {
-            number: Cell::new(0),
-            slot: AtomicU32::new(0),
-            sent: Cell::new((0, 0)),
-        }
+// SAFETY: all-zero bytes are number 0 (not yet given), slot 0 (no scope) and sent (0, 0):
+// the initial values; the fields need no drop.
+unsafe impl ZeroInit for ThreadTrace {
+    const ZERO: Self = ThreadTrace {
+        number: Cell::new(0),
+        slot: AtomicU32::new(0),
+        sent: Cell::new((0, 0)),
     };
 }
 
-/// `f` of the calling thread's part of the trace; `None` while the thread is being torn down.
+static_thread_local! {
+    static THREAD: ThreadTrace, symbol "cachealloc_tls_thread_trace";
+}
+
+/// `f` of the calling thread's part of the trace. (`Option` for the callers of the
+/// thread-local it replaced, which could be gone during the thread's teardown: this one
+/// cannot.)
+#[inline]
 pub(super) fn with<R>(f: impl FnOnce(&ThreadTrace) -> R) -> Option<R> {
-    THREAD.try_with(f).ok()
+    Some(THREAD.with(f))
 }
