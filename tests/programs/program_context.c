@@ -4,7 +4,9 @@
  *  - an unknown scope id, phase or category, a negative device or null addresses are refused
  *    with cudaErrorInvalidValue (1) and write nothing;
  *  - the calls before the first CUDA call (no trace yet) are accepted and do nothing;
- *  - a scope written to the thread's slot counts as one set by a call.
+ *  - a scope written to the thread's slot counts as one set by a call;
+ *  - a phase change ends every thread's scope in the trace: a scope set before it is said again
+ *    at the thread's next allocation.
  * The trace's records are checked by tests/tests/trace.rs. Runs under the shim only (it needs
  * the C API). Prints the blocks' addresses as "block NAME ADDRESS". */
 #include <dlfcn.h>
@@ -83,9 +85,17 @@ int main(void) {
     EXPECT(tag(0, 3, grads, 1) == 0, "tag the gradient");
     CHECK(cudaFree(hidden));
     EXPECT(phase_set(0, 1) == 0, "the step ends");
-    printf("block weights %llu\nblock input %llu\nblock grad %llu\n",
+    void *before_phase, *after_phase;
+    EXPECT(scope_set(outer) == 0, "scope outer, between phases");
+    CHECK(cudaMalloc(&before_phase, 4096));
+    EXPECT(phase_set(3, 1) == 0, "the optimizer");
+    CHECK(cudaMalloc(&after_phase, 4096));
+    EXPECT(scope_set(0) == 0, "scope none");
+    printf("block weights %llu\nblock input %llu\nblock grad %llu\nblock after_phase %llu\n",
            (unsigned long long)(uintptr_t)weights, (unsigned long long)(uintptr_t)input,
-           (unsigned long long)(uintptr_t)grad);
+           (unsigned long long)(uintptr_t)grad, (unsigned long long)(uintptr_t)after_phase);
+    CHECK(cudaFree(after_phase));
+    CHECK(cudaFree(before_phase));
     CHECK(cudaFree(grad));
     CHECK(cudaFree(input));
     CHECK(cudaFree(weights));

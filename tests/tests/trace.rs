@@ -499,7 +499,7 @@ fn stream_ordered_records_carry_their_stream() {
 #[test]
 fn scopes_phases_and_tags_reach_the_trace() {
     use cachealloc_recorder::schema::{
-        PHASE_BACKWARD, PHASE_FORWARD, TAG_GRADIENT, TAG_INPUT, TAG_PARAMETER,
+        PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, TAG_GRADIENT, TAG_INPUT, TAG_PARAMETER,
     };
     let out = Run::c("program_context", &[]).output();
     out.assert_ok("program_context");
@@ -577,6 +577,15 @@ fn scopes_phases_and_tags_reach_the_trace() {
         "{in_forward:?}"
     );
     assert_eq!(count(&records, kinds::TAG), 3, "refused tags write nothing");
-    assert_eq!(count(&records, kinds::PHASE), 3, "forward, backward, none");
+    assert_eq!(
+        last_of(block("after_phase")),
+        (Some("Net".into()), Some((PHASE_OPTIMIZER, 0))),
+        "the scope set before a phase change, said again after it"
+    );
+    assert_eq!(
+        count(&records, kinds::PHASE),
+        4,
+        "forward, backward, none, optimizer"
+    );
     assert!(state.context.blocks.is_empty(), "every block freed");
 }

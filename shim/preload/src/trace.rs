@@ -14,6 +14,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
 use std::time::Duration;
 
@@ -42,6 +43,10 @@ pub struct Trace {
     recorder: Recorder,
     /// What the records' times are.
     clock: clock::RecordClock,
+    /// Bumped at each phase change: every thread's scope in the trace is none after it
+    /// (`scopes`; compared for equality only, so wrapping is harmless). Every allocation reads
+    /// it, so it sits on this line.
+    phase_generation: AtomicU32,
     /// Blocks allocated while the records were paused (Note [A paused trace stays consistent]);
     /// its first field says whether there are any.
     unrecorded: pause::Unrecorded,
@@ -120,6 +125,7 @@ impl Trace {
         .map_err(refused)?;
         Ok(Trace {
             clock,
+            phase_generation: AtomicU32::new(0),
             recorder,
             unrecorded: pause::Unrecorded::default(),
             dir,
@@ -482,12 +488,13 @@ mod tests {
 
     #[test]
     fn trace_fields_a_record_reads_share_a_line() {
-        // The struct starts a line; the whole recorder handle, the clock and the unrecorded
-        // blocks' flag (Unrecorded's first field) end within it.
+        // The struct starts a line; the whole recorder handle, the clock, the phase generation
+        // and the unrecorded blocks' flag (Unrecorded's first field) end within it.
         assert_eq!(std::mem::align_of::<Trace>(), 64);
         assert_eq!(std::mem::offset_of!(Trace, recorder), 0);
         assert!(std::mem::size_of::<Recorder>() <= std::mem::offset_of!(Trace, clock));
         assert!(std::mem::offset_of!(Trace, clock) < 64);
+        assert!(std::mem::offset_of!(Trace, phase_generation) + 4 <= 64);
         assert!(std::mem::offset_of!(Trace, unrecorded) < 64);
     }
 }

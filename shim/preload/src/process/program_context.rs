@@ -68,11 +68,11 @@ impl Shim {
                 phase,
                 step,
             }));
+            // After the record: a thread that allocates in between says its scope again after
+            // the phase (at worst one allocation goes unnamed); before it, the phase could
+            // erase a scope said too early, for good.
+            trace.phase_changed();
         }
-        // After the record: a thread that allocates in between says its scope again after the
-        // phase (at worst one allocation goes unnamed); before it, the phase could erase a
-        // scope said too early, for good.
-        scopes::phase_changed();
         Ok(())
     }
 

@@ -18,15 +18,12 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use cachealloc_recorder::Record;
 use cachealloc_recorder::schema::{ScopeEvent, ScopeName};
 
 use super::{Trace, thread};
-
-/// Bumped at each phase change: every thread's scope in the trace is none after it.
-static PHASE_GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// Interned module paths: id `i + 1` is `names[i]`.
 #[derive(Default)]
@@ -71,19 +68,19 @@ pub fn set(scope: u32) {
     thread::with(|t| t.slot.store(scope, Ordering::Relaxed));
 }
 
-/// A phase change: every thread's scope must be said again at its next allocation.
-pub fn phase_changed() {
-    PHASE_GENERATION.fetch_add(1, Ordering::Relaxed);
-}
-
 impl Trace {
+    /// A phase change: every thread's scope must be said again at its next allocation.
+    pub fn phase_changed(&self) {
+        self.phase_generation.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Before the record of an allocation the calling thread makes: tell the trace the
     /// thread's scope if it is not what the trace last heard. Returns the thread's number (0
     /// while the thread is being torn down), which the allocation's record carries.
     pub fn announce_scope(&self) -> u32 {
         thread::with(|thread| {
             let scope = thread.slot.load(Ordering::Relaxed);
-            let generation = PHASE_GENERATION.load(Ordering::Relaxed);
+            let generation = self.phase_generation.load(Ordering::Relaxed);
             let (sent, sent_in) = thread.sent.get();
             // After a phase change the trace holds no scope for this thread.
             let in_trace = if sent_in == generation { sent } else { 0 };
