@@ -56,6 +56,9 @@ fn env(name: &str, default: u64) -> u64 {
 }
 
 fn main() {
+    if env("PROGRAM", 0) == 1 {
+        return program();
+    }
     let gap = Duration::from_nanos(env("GAP_NS", 3000));
     let events = env("EVENTS", 400_000);
     let dir = std::env::temp_dir().join(format!("cachealloc-send-cost-{}", std::process::id()));
@@ -98,5 +101,68 @@ fn main() {
         at(0.5),
         at(0.9),
         at(0.99)
+    );
+}
+
+/// `PROGRAM=1`: what the sends cost the program's own work, not the send alone. A store to a
+/// line another core read waits in the store buffer, and is paid at the program's next locked
+/// instruction (PyTorch's reference counts) or when the buffer fills, so timing `send` alone
+/// misses it. Each iteration does fixed work (`WORK_LINES` lines of 32 MiB walked, an atomic
+/// add every 64 lines), then sends a record or not: blocks of `BLOCK` iterations with sends and
+/// without alternate, `ROUNDS` pairs; printed: the median over pairs of the added ns per
+/// iteration, and the iteration's ns without sends.
+fn program() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let lines = env("WORK_LINES", 256) as usize;
+    let block = env("BLOCK", 2000);
+    let rounds = env("ROUNDS", 200);
+    let dir = std::env::temp_dir().join(format!("cachealloc-send-cost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = WriterConfig::new(&dir, 1 << 30, 4, true);
+    let recorder = Recorder::start(config, header(), 1 << 16, |e| panic!("{e}")).unwrap();
+    let mut work = vec![0u64; 4 << 20];
+    let counts: Vec<AtomicU64> = (0..64).map(|_| AtomicU64::new(0)).collect();
+    let mut cursor = 0usize;
+    let mut i = 0u64;
+    let mut run = |send: bool| {
+        let start = Instant::now();
+        for _ in 0..block {
+            for l in 0..lines {
+                work[cursor] = work[cursor].wrapping_add(i);
+                cursor = (cursor + 8) % work.len();
+                if l % 64 == 63 {
+                    counts[(l / 64) % 64].fetch_add(1, Ordering::AcqRel);
+                }
+            }
+            if send {
+                recorder.send(black_box(record(i)));
+            }
+            i += 1;
+        }
+        start.elapsed().as_nanos() as f64 / block as f64
+    };
+    let (mut added, mut base) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let (with, without) = if r % 2 == 0 {
+            let w = run(true);
+            (w, run(false))
+        } else {
+            let wo = run(false);
+            (run(true), wo)
+        };
+        added.push(with - without);
+        base.push(without);
+    }
+    black_box(&work);
+    recorder.shutdown(Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(&dir);
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "program: lines={lines} block={block} rounds={rounds} added_ns={:.1} iteration_ns={:.1}",
+        median(&mut added),
+        median(&mut base)
     );
 }

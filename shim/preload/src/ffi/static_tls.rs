@@ -37,7 +37,8 @@ pub unsafe trait ZeroInit: Sized {
 }
 
 /// Declares `static NAME: StaticThreadLocal<…>` of a [`ZeroInit`] type, read with `NAME.with`.
-/// `symbol` names the variable in the library's symbol table (local to the library; unique).
+/// `symbol` names the variable in the library's symbol table (hidden: seen by the library's own
+/// object files only; unique).
 ///
 /// ```ignore
 /// static_thread_local! {
@@ -52,6 +53,9 @@ macro_rules! static_thread_local {
         std::arch::global_asm!(
             ".pushsection .tbss,\"awT\",@nobits",
             ".p2align {align}",
+            // Global, for the codegen units that read it, and hidden: not exported.
+            concat!(".globl ", $symbol),
+            concat!(".hidden ", $symbol),
             concat!(".type ", $symbol, ",@object"),
             concat!(".size ", $symbol, ",{size}"),
             concat!($symbol, ":"),
