@@ -55,16 +55,27 @@ fn env(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// A recorder writing to a fresh directory of its own, with the default queue.
+fn start() -> (Recorder, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("cachealloc-send-cost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = WriterConfig::new(&dir, 1 << 30, 4, true);
+    let recorder = Recorder::start(config, header(), 1 << 16, |e| panic!("{e}")).unwrap();
+    (recorder, dir)
+}
+
+fn stop(recorder: Recorder, dir: &std::path::Path) {
+    recorder.shutdown(Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn main() {
     if env("PROGRAM", 0) == 1 {
         return program();
     }
     let gap = Duration::from_nanos(env("GAP_NS", 3000));
     let events = env("EVENTS", 400_000);
-    let dir = std::env::temp_dir().join(format!("cachealloc-send-cost-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let config = WriterConfig::new(&dir, 1 << 30, 4, true);
-    let recorder = Recorder::start(config, header(), 1 << 16, |e| panic!("{e}")).unwrap();
+    let (recorder, dir) = start();
     // The program's own memory, walked a little between records (16 KiB of 32 MiB each time).
     let mut work = vec![0u64; 4 << 20];
     let mut cursor = 0usize;
@@ -90,8 +101,7 @@ fn main() {
         costs.push((start.elapsed().as_nanos() as u64).saturating_sub(timer));
     }
     black_box(&work);
-    recorder.shutdown(Duration::from_secs(60));
-    let _ = std::fs::remove_dir_all(&dir);
+    stop(recorder, &dir);
     let mean = costs.iter().sum::<u64>() as f64 / costs.len() as f64;
     costs.sort_unstable();
     let at = |q: f64| costs[((costs.len() - 1) as f64 * q) as usize];
@@ -116,10 +126,7 @@ fn program() {
     let lines = env("WORK_LINES", 256) as usize;
     let block = env("BLOCK", 2000);
     let rounds = env("ROUNDS", 200);
-    let dir = std::env::temp_dir().join(format!("cachealloc-send-cost-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let config = WriterConfig::new(&dir, 1 << 30, 4, true);
-    let recorder = Recorder::start(config, header(), 1 << 16, |e| panic!("{e}")).unwrap();
+    let (recorder, dir) = start();
     let mut work = vec![0u64; 4 << 20];
     let counts: Vec<AtomicU64> = (0..64).map(|_| AtomicU64::new(0)).collect();
     let mut cursor = 0usize;
@@ -154,8 +161,7 @@ fn program() {
         base.push(without);
     }
     black_box(&work);
-    recorder.shutdown(Duration::from_secs(60));
-    let _ = std::fs::remove_dir_all(&dir);
+    stop(recorder, &dir);
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]

@@ -7,7 +7,7 @@
 //! thread-locals (BENCHMARKS.md, sixteenth session), and `scripts/bench-cold-lines` counts its
 //! lines (the call's code, the thread's control block, the vector, the block). Rust chooses the
 //! model for the whole crate and stable Rust cannot ask for another, so the few thread-locals an
-//! allocation reads are declared here, by [`static_thread_local!`], in the *initial-exec* model
+//! allocation reads are declared here, by `static_thread_local!`, in the *initial-exec* model
 //! a C library would ask for with `__attribute__((tls_model("initial-exec")))`: the variable
 //! lives in the thread's static TLS block, at an offset from the thread pointer that the loader
 //! writes once into the library's GOT. An access is two loads, the GOT's entry and the
@@ -104,7 +104,7 @@ macro_rules! static_thread_local {
 }
 pub(crate) use static_thread_local;
 
-/// A thread-local declared by [`static_thread_local!`].
+/// A thread-local declared by `static_thread_local!`.
 pub struct StaticThreadLocal<T: ZeroInit + 'static> {
     address: fn() -> *const T,
 }
