@@ -30,9 +30,11 @@ what turning the trace and hooks off by configuration saves.
 Each round runs the same step once per variant (in the variants' order on even rounds, the
 reverse on odd ones), each timed step after an untimed one (a switch patches classes, and
 Python's caches take a step to re-warm); appends `workload=… label=… round=… step_ms=…
-cpu_ms=… main_ms=…` lines to LOG (wall time; the process's CPU time, the trace's writer thread
-included, which here shares the one core; the main thread's CPU time alone, as on a GPU
-machine, where the writer has a core of its own; scripts/gpu/ratio_ci.py reads any of them)
+cpu_ms=… main_ms=… set=…` lines to LOG (wall time; the process's CPU time, the trace's writer
+thread included, which here shares the one core; the main thread's CPU time alone, as on a GPU
+machine, where the writer has a core of its own; scripts/gpu/ratio_ci.py reads any of them;
+`set`: this process, a random name, so that an interval over several processes' lines
+resamples the processes)
 and prints, for each variant against `off` (`off+nostacks` for a `+nostacks` one; else the
 first), the median per-round ratio and the median per-round difference in µs, each with a 95 %
 bootstrap interval. Variants: off, on (all hooks), and as diagnostics: no_backward_scopes,
@@ -328,6 +330,9 @@ if args.tags:
     model.zero_grad(set_to_none=True)
 
 if args.rounds:
+    # This process's name in the log, so that scripts/gpu/ratio_ci.py's interval over a log of
+    # several processes resamples the processes before their rounds.
+    process = bytes(random.SystemRandom().getrandbits(8) for _ in range(4)).hex()
     with open(args.log, "a") as log:
         for r in range(args.rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
@@ -341,7 +346,7 @@ if args.rounds:
                 done()
                 print(
                     f"workload={args.workload} label={label} round={r} step_ms={ms:.4f} "
-                    f"cpu_ms={cpu:.4f} main_ms={main:.4f}",
+                    f"cpu_ms={cpu:.4f} main_ms={main:.4f} set={process}",
                     file=log,
                 )
     rows = [dict(x.split("=", 1) for x in line.split()) for line in open(args.log)]
