@@ -10,8 +10,11 @@
 //! allocation reads are declared here, by `static_thread_local!`, in the *initial-exec* model
 //! a C library would ask for with `__attribute__((tls_model("initial-exec")))`: the variable
 //! lives in the thread's static TLS block, at an offset from the thread pointer that the loader
-//! writes once into the library's GOT. An access is two loads, the GOT's entry and the
-//! variable, and no call.
+//! writes once into the library's GOT. An access reads the GOT's entry, the thread pointer
+//! (`fs:0`, on the line every thread-local access of the process reads) and the variable, and
+//! makes no call. Measured: 94.7 → 90.9 cache lines a traced call (`scripts/bench-cold-lines`);
+//! on the H200, inside the noise of the trace's in-process ratio (BENCHMARKS.md, seventeenth
+//! session).
 //!
 //! What that costs: the library is marked `STATIC_TLS`, so the loader must place its whole TLS
 //! segment (a few hundred bytes) in the static block of every thread. Preloaded, it always can;
