@@ -414,6 +414,15 @@ fn decode(w: [u64; WORDS]) -> Option<Record> {
 mod tests {
     use super::*;
 
+    /// A scope record of thread 1 at time `t`.
+    fn scope_record(t: u64, scope: u32) -> Record {
+        Record::Scope(ScopeEvent {
+            t,
+            thread: 1,
+            scope,
+        })
+    }
+
     /// Every kind `encode` takes comes back from `decode` as it went in, with every field at
     /// its widest.
     #[test]
@@ -482,13 +491,7 @@ mod tests {
     #[test]
     fn sends_look_at_the_workers_head_once_a_ring() {
         let queue = Queue::<Record>::new(8);
-        let record = |i: u64| {
-            Record::Scope(ScopeEvent {
-                t: i,
-                thread: 1,
-                scope: 1,
-            })
-        };
+        let record = |i: u64| scope_record(i, 1);
         let loads = || queue.claims.head_loads.load(Ordering::Relaxed);
         let mut head = 0;
         let mut taken = 0;
@@ -515,13 +518,7 @@ mod tests {
     #[test]
     fn the_ring_keeps_the_order_of_records_and_side_messages() {
         let queue = Queue::<Record>::new(4);
-        let scope = |i: u64| {
-            Record::Scope(ScopeEvent {
-                t: i,
-                thread: 1,
-                scope: i as u32,
-            })
-        };
+        let scope = |i: u64| scope_record(i, i as u32);
         let annotation = |i: u64| {
             Record::Annotation(Box::new(crate::schema::Annotation {
                 t: i,
