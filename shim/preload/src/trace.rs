@@ -254,7 +254,7 @@ impl Trace {
 
 /// A small per-process number for the calling thread (1, 2, …), for records.
 pub fn thread_number() -> u32 {
-    thread::with(thread::ThreadTrace::number).unwrap_or(0)
+    thread::with(thread::ThreadTrace::number)
 }
 
 /// Turns one device's allocator events into records.

@@ -131,7 +131,7 @@ impl<T: ZeroInit + 'static> StaticThreadLocal<T> {
     }
 }
 
-// SAFETY: all-zero bytes are 0 and 0: the initial values. `Cell<u32>` etc. need no drop.
+// SAFETY: all-zero bytes are 0, the initial value; a `Cell<u32>` needs no drop.
 unsafe impl ZeroInit for std::cell::Cell<u32> {
     const ZERO: Self = std::cell::Cell::new(0);
 }

@@ -350,8 +350,7 @@ impl Stacks {
             .filter(|_| self.native_on.load(Ordering::Relaxed));
         if tstate.is_none() && native.is_none() {
             // No frame to read (autograd's threads, which allocate half a training step): the
-            // stack of the thread in `backward()`, without the thread's buffers, a
-            // thread-local that a preloaded library reaches through the loader.
+            // stack of the thread in `backward()`, without touching the thread's buffers.
             return self.backward.load(Ordering::Acquire);
         }
         // The thread's own buffers (`scratch`); during its exit they may be gone, and that

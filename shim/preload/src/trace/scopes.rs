@@ -57,10 +57,9 @@ pub fn is_known(scope: u32) -> bool {
             .is_some_and(|t| scope as usize <= t.names.len())
 }
 
-/// The address of the calling thread's scope slot (valid while the thread lives; null while it
-/// is being torn down).
+/// The address of the calling thread's scope slot (valid while the thread lives).
 pub fn slot() -> *const AtomicU32 {
-    thread::with(|t| &t.slot as *const AtomicU32).unwrap_or(std::ptr::null())
+    thread::with(|t| &t.slot as *const AtomicU32)
 }
 
 /// Set the calling thread's scope (an id of [`define`], or 0).
@@ -75,8 +74,8 @@ impl Trace {
     }
 
     /// Before the record of an allocation the calling thread makes: tell the trace the
-    /// thread's scope if it is not what the trace last heard. Returns the thread's number (0
-    /// while the thread is being torn down), which the allocation's record carries.
+    /// thread's scope if it is not what the trace last heard. Returns the thread's number,
+    /// which the allocation's record carries.
     pub fn announce_scope(&self) -> u32 {
         thread::with(|thread| {
             let scope = thread.slot.load(Ordering::Relaxed);
@@ -98,7 +97,6 @@ impl Trace {
             }
             thread.number()
         })
-        .unwrap_or(0)
     }
 
     /// Send `scope`'s name if the trace does not have it yet; false for an unknown id.

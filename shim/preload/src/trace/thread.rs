@@ -47,10 +47,9 @@ static_thread_local! {
     static THREAD: ThreadTrace, symbol "cachealloc_tls_thread_trace";
 }
 
-/// `f` of the calling thread's part of the trace. (`Option` for the callers of the
-/// thread-local it replaced, which could be gone during the thread's teardown: this one
-/// cannot.)
+/// `f` of the calling thread's part of the trace (there at every point of the thread's life,
+/// its teardown included: it lives in the thread's static TLS block).
 #[inline]
-pub(super) fn with<R>(f: impl FnOnce(&ThreadTrace) -> R) -> Option<R> {
-    Some(THREAD.with(f))
+pub(super) fn with<R>(f: impl FnOnce(&ThreadTrace) -> R) -> R {
+    THREAD.with(f)
 }
