@@ -332,7 +332,7 @@ if args.tags:
 if args.rounds:
     # This process's name in the log, so that scripts/gpu/ratio_ci.py's interval over a log of
     # several processes resamples the processes before their rounds.
-    process = bytes(random.SystemRandom().getrandbits(8) for _ in range(4)).hex()
+    process = f"{random.SystemRandom().getrandbits(32):08x}"
     with open(args.log, "a") as log:
         for r in range(args.rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
