@@ -32,6 +32,12 @@ mod thread;
 /// Records the channel holds before producers wait (under 5 MB).
 const CHANNEL_CAPACITY: usize = 1 << 16;
 
+/// Send records directly instead of through the threads' stages (`paused`), or through them
+/// again; returns whether they were paused. A benchmark's switch (`cachealloc_stages_pause`).
+pub fn pause_stages(paused: bool) -> bool {
+    crate::rare::switch(crate::rare::STAGES_PAUSED, paused)
+}
+
 /// A running trace.
 ///
 /// Every record reads the recorder (its queue), the clock and, at a free, whether any block
@@ -209,9 +215,10 @@ impl Trace {
         }));
     }
 
-    /// Send one record.
+    /// Send one record, through the calling thread's stage (recorder Note [Staged sends]),
+    /// unless the stages are paused ([`pause_stages`]).
     pub fn send(&self, record: Record) {
-        self.recorder.send(record);
+        thread::send(&self.recorder, record);
     }
 
     /// Whether producers should shed optional payloads (stacks) now: the channel is filling.

@@ -1,12 +1,16 @@
-//! The calling thread's part of the trace — its number in the records and its module scope —
-//! in one thread-local.
+//! The calling thread's part of the trace — its number in the records, its module scope and
+//! its stage — in one thread-local.
 //!
-//! An allocation's record needs the thread's number, its scope slot and the scope the trace
-//! last heard from it; they are kept together in one thread-local in the static TLS block
-//! (Note [Thread-locals in static TLS]): two loads, no call into the loader.
+//! An allocation's record needs the thread's number, its scope slot, the scope the trace last
+//! heard from it and the stage its records wait on (recorder Note [Staged sends]); they are
+//! kept together in one thread-local in the static TLS block (Note [Thread-locals in static
+//! TLS]): two loads, no call into the loader. The stage itself is owned by an ordinary
+//! thread-local, which publishes and frees it at the thread's exit.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use cachealloc_recorder::{Record, Recorder, Stage};
 
 use crate::ffi::static_tls::{ZeroInit, static_thread_local};
 
@@ -20,7 +24,16 @@ pub(super) struct ThreadTrace {
     pub(super) slot: AtomicU32,
     /// The scope this thread last sent to the trace, and the phase generation it was sent in.
     pub(super) sent: Cell<(u32, u32)>,
+    /// The thread's stage: null before its first record, [`BUSY`] while a send uses it (a
+    /// send it interrupts, from a signal handler, goes to the queue directly), [`GONE`] once
+    /// the thread's exit has dropped it.
+    stage: Cell<*const Stage>,
 }
+
+/// What [`ThreadTrace::stage`] holds while a send uses the stage: never a stage's address.
+const BUSY: *const Stage = std::ptr::dangling();
+/// What it holds once the thread's [`StageOwner`] has dropped the stage.
+const GONE: *const Stage = BUSY.wrapping_add(1);
 
 impl ThreadTrace {
     /// The thread's number, given at its first record.
@@ -33,13 +46,14 @@ impl ThreadTrace {
     }
 }
 
-// SAFETY: all-zero bytes are number 0 (not yet given), slot 0 (no scope) and sent (0, 0):
-// the initial values; the fields need no drop.
+// SAFETY: all-zero bytes are number 0 (not yet given), slot 0 (no scope), sent (0, 0) and a
+// null stage (none yet): the initial values; the fields need no drop.
 unsafe impl ZeroInit for ThreadTrace {
     const ZERO: Self = ThreadTrace {
         number: Cell::new(0),
         slot: AtomicU32::new(0),
         sent: Cell::new((0, 0)),
+        stage: Cell::new(std::ptr::null()),
     };
 }
 
@@ -52,4 +66,64 @@ static_thread_local! {
 #[inline]
 pub(super) fn with<R>(f: impl FnOnce(&ThreadTrace) -> R) -> R {
     THREAD.with(f)
+}
+
+/// Send `record` through the calling thread's stage, made at its first record (directly when
+/// the thread has none: during its exit, or in a send that interrupted another).
+#[inline]
+pub(super) fn send(recorder: &Recorder, record: Record) {
+    if crate::rare::any(crate::rare::STAGES_PAUSED) {
+        // A benchmark's switch (`cachealloc_stages_pause`): what the stages save, step by step.
+        // Records already staged keep their places; the stage's next batch or the worker's
+        // forward writes them.
+        return recorder.send(record);
+    }
+    THREAD.with(|t| {
+        let mut stage = t.stage.replace(BUSY);
+        if stage.is_null() {
+            stage = first_stage(recorder);
+        }
+        if stage == BUSY || stage == GONE {
+            recorder.send(record);
+        } else {
+            // SAFETY: `stage` is this thread's live box from `first_stage`: only its
+            // `StageOwner` frees it, on this thread, after setting the pointer to `GONE`, and
+            // while this send holds it the pointer says `BUSY`. No other thread has it.
+            recorder.send_staged(unsafe { &*stage }, record);
+        }
+        t.stage.set(stage);
+    })
+}
+
+/// Owns the calling thread's stage; drops it (publishing its records) at the thread's exit.
+struct StageOwner(Cell<*mut Stage>);
+
+impl Drop for StageOwner {
+    fn drop(&mut self) {
+        THREAD.with(|t| t.stage.set(GONE));
+        let stage = self.0.replace(std::ptr::null_mut());
+        if !stage.is_null() {
+            // SAFETY: `stage` came from `Box::into_raw` in `first_stage`, and nothing reaches
+            // it any more: the thread's pointer says `GONE`.
+            drop(unsafe { Box::from_raw(stage) });
+        }
+    }
+}
+
+std::thread_local! {
+    static STAGE_OWNER: StageOwner = const { StageOwner(Cell::new(std::ptr::null_mut())) };
+}
+
+/// The thread's first record: make its stage and give it to its owner. `GONE` if the owner is
+/// already gone (the thread is exiting).
+#[cold]
+#[inline(never)]
+fn first_stage(recorder: &Recorder) -> *const Stage {
+    STAGE_OWNER
+        .try_with(|owner| {
+            let stage = Box::into_raw(Box::new(recorder.stage()));
+            owner.0.set(stage);
+            stage.cast_const()
+        })
+        .unwrap_or(GONE)
 }

@@ -158,6 +158,20 @@ pub extern "C" fn cachealloc_stacks_pause(paused: c_int) -> c_int {
     )
 }
 
+/// Send the trace's records directly to the recorder's ring (`paused` non-zero) instead of
+/// through each thread's stage (recorder Note [Staged sends]), or through the stages again;
+/// returns 1 if they were paused before, 0 if not. The trace is the same either way. A
+/// benchmark's switch: what the stages save, measured step by step within one process
+/// (`scripts/gpu/recorder_cost.py`, `SWITCH=stages`).
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_stages_pause(paused: c_int) -> c_int {
+    guarded(
+        "cachealloc_stages_pause",
+        || c_int::from(crate::trace::pause_stages(paused != 0)),
+        || 0,
+    )
+}
+
 /// Pause the trace's allocation records (`paused` non-zero) or resume them; returns 1 if they
 /// were paused before, 0 if not. While paused, allocations and the frees of blocks allocated
 /// meanwhile go unrecorded and no stack is captured; segments, OOMs and the program's context
