@@ -27,7 +27,7 @@
 //! line while draining. The order of the trace is the order of the claims: records sent under
 //! the allocator's lock stay in the lock's order.
 //!
-//! A thread that sends often sends through a *stage* of its own (module `stage`, Note [Staged
+//! A thread that sends often may send through a *stage* of its own (module `stage`, Note [Staged
 //! sends]): its record claims its index as above, but its slot is written a batch at a time,
 //! from lines the thread's core keeps; the worker forwards a stage's records itself when they
 //! hold it up.

@@ -9,7 +9,7 @@
 //!
 //! The worker polls: it drains whatever is queued, writes it, and sleeps for a millisecond
 //! unless it is behind. It never blocks, so a sender never has to wake it — a send is one
-//! atomic add and a few stores, no system call. A thread that sends often sends through its
+//! atomic add and a few stores, no system call. A thread that sends often may send through its
 //! [`Stage`], which hands its records over 16 at a time (Note [Staged sends]); the worker
 //! forwards the records of a stage whose thread has gone quiet. A write error (disk full, directory gone) is
 //! reported once; the worker then keeps draining so producers never block on a dead trace.

@@ -53,6 +53,30 @@ fn within_a_minute<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send +
         .unwrap_or_else(|_| panic!("{what}: stuck"))
 }
 
+/// A thread that sends allocations at `times` through its stage (thread 1), then waits, with
+/// them staged, until the returned sender says go on, as a thread waits for the GPU or for the
+/// backward pass; returned once they are staged.
+fn idle_with_staged(
+    recorder: &Arc<Recorder>,
+    times: std::ops::Range<u64>,
+) -> (std::thread::JoinHandle<()>, mpsc::Sender<()>) {
+    let staged = Arc::new(Barrier::new(2));
+    let (release, released) = mpsc::channel::<()>();
+    let thread = {
+        let (recorder, staged) = (recorder.clone(), staged.clone());
+        std::thread::spawn(move || {
+            let stage = recorder.stage();
+            for t in times {
+                recorder.send_staged(&stage, alloc(t, 1));
+            }
+            staged.wait();
+            released.recv().unwrap();
+        })
+    };
+    staged.wait();
+    (thread, release)
+}
+
 /// The times of the trace's allocations, in the trace's order.
 fn alloc_times(dir: &std::path::Path) -> Vec<u64> {
     let (read, reader) = read_all(dir);
@@ -112,20 +136,7 @@ fn staged_sends_under_a_lock_keep_its_order_and_lose_nothing() {
 fn a_thread_blocked_with_records_staged_does_not_block_the_others() {
     let dir = temp_dir("stages-blocked");
     let recorder = start(&dir, 16);
-    let staged = Arc::new(Barrier::new(2));
-    let (release, released) = mpsc::channel::<()>();
-    let blocked = {
-        let (recorder, staged) = (recorder.clone(), staged.clone());
-        std::thread::spawn(move || {
-            let stage = recorder.stage();
-            recorder.send_staged(&stage, alloc(0, 1));
-            staged.wait();
-            // Waits for the other thread, as a thread waits for the backward pass.
-            released.recv().unwrap();
-            drop(stage);
-        })
-    };
-    staged.wait();
+    let (blocked, release) = idle_with_staged(&recorder, 0..1);
     // Far more than the ring holds, all behind the blocked thread's record.
     let sender = recorder.clone();
     within_a_minute("the other thread's sends", move || {
@@ -144,20 +155,7 @@ fn a_thread_blocked_with_records_staged_does_not_block_the_others() {
 fn a_flush_writes_an_idle_threads_staged_records_in_their_places() {
     let dir = temp_dir("stages-flush");
     let recorder = start(&dir, 1024);
-    let staged = Arc::new(Barrier::new(2));
-    let (release, released) = mpsc::channel::<()>();
-    let idle = {
-        let (recorder, staged) = (recorder.clone(), staged.clone());
-        std::thread::spawn(move || {
-            let stage = recorder.stage();
-            for t in 0..3 {
-                recorder.send_staged(&stage, alloc(t, 1));
-            }
-            staged.wait();
-            released.recv().unwrap();
-        })
-    };
-    staged.wait();
+    let (idle, release) = idle_with_staged(&recorder, 0..3);
     recorder.send(alloc(3, 2));
     assert!(
         recorder.flush(Duration::from_secs(10)),

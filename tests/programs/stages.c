@@ -1,8 +1,9 @@
 /* The threads' stages (recorder Note [Staged sends]) through the whole library. Two threads
  * take turns allocating and freeing blocks of one size, so the pool hands an address from one
  * thread to the other: the trace must keep every free before the next allocation of its
- * address, though each thread's records reach the recorder 16 at a time. In the middle the
- * stages are paused (`cachealloc_stages_pause`: records go one at a time) and resumed. At the
+ * address, though each thread's records reach the recorder 16 at a time. The stages are
+ * paused by default: the program turns them on (`cachealloc_stages_pause(0)`), pauses them in
+ * the middle (records go one at a time) and turns them on again. At the
  * end the first thread stops with records staged and waits while the second goes on: the
  * recorder's worker must forward them. Runs under the shim only (it needs the C API).
  * Prints "allocations N". */
@@ -74,6 +75,7 @@ static void *thread_main(void *arg) {
 int main(void) {
     stages_pause = (int (*)(int))dlsym(RTLD_DEFAULT, "cachealloc_stages_pause");
     EXPECT(stages_pause != NULL, "the library does not export cachealloc_stages_pause");
+    EXPECT(stages_pause(0) == 1, "the stages are paused by default");
     pthread_t t[2];
     for (int i = 0; i < 2; i++) pthread_create(&t[i], NULL, thread_main, (void *)(size_t)i);
     for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);

@@ -32,10 +32,12 @@ mod thread;
 /// Records the channel holds before producers wait (under 5 MB).
 const CHANNEL_CAPACITY: usize = 1 << 16;
 
-/// Send records directly instead of through the threads' stages (`paused`), or through them
-/// again; returns whether they were paused. A benchmark's switch (`cachealloc_stages_pause`).
+/// Send records directly instead of through the threads' stages (`paused`), or through them;
+/// returns whether they were paused. Paused by default: on the development VM the stages cost
+/// more than they save (BENCHMARKS.md, eighteenth session), and the machine they are meant for
+/// has not measured them yet. A benchmark's switch (`cachealloc_stages_pause`).
 pub fn pause_stages(paused: bool) -> bool {
-    crate::rare::switch(crate::rare::STAGES_PAUSED, paused)
+    !crate::rare::switch(crate::rare::STAGES, !paused)
 }
 
 /// A running trace.
@@ -215,10 +217,15 @@ impl Trace {
         }));
     }
 
-    /// Send one record, through the calling thread's stage (recorder Note [Staged sends]),
-    /// unless the stages are paused ([`pause_stages`]).
+    /// Send one record: through the calling thread's stage (recorder Note [Staged sends]) if
+    /// the stages are not paused ([`pause_stages`]; they are by default), else directly.
+    #[inline]
     pub fn send(&self, record: Record) {
-        thread::send(&self.recorder, record);
+        if crate::rare::any(crate::rare::STAGES) {
+            thread::send_staged(&self.recorder, record);
+        } else {
+            self.recorder.send(record);
+        }
     }
 
     /// Whether producers should shed optional payloads (stacks) now: the channel is filling.

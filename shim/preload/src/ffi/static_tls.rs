@@ -25,7 +25,7 @@
 //! A static thread-local starts as all-zero bytes in every thread (the loader zeroes `.tbss`)
 //! and is never dropped: its type says so by implementing [`ZeroInit`]. Where something needs
 //! dropping at thread exit, the static thread-local holds a pointer to it, and an ordinary
-//! thread-local owns it (`stacks`' buffers). On other architectures the macro declares an
+//! thread-local owns it, an [`ExitOwner`] (`stacks`' buffers, the trace's stages). On other architectures the macro declares an
 //! ordinary thread-local with the same interface.
 
 /// A type whose all-zero bytes are a valid value, the one a thread starts with, and which needs
@@ -141,9 +141,50 @@ unsafe impl<T> ZeroInit for std::cell::Cell<*mut T> {
     const ZERO: Self = std::cell::Cell::new(std::ptr::null_mut());
 }
 
+/// Owns a box for its thread, reached through a pointer in a static thread-local, and drops it
+/// at the thread's exit after `forget` has set that pointer to say it is gone. Declared in an
+/// ordinary `thread_local!` (which runs the drop); [`ExitOwner::own`] hands it the box.
+pub struct ExitOwner<T> {
+    owned: std::cell::Cell<*mut T>,
+    forget: fn(),
+}
+
+impl<T> ExitOwner<T> {
+    /// An owner of nothing yet; `forget` marks the static thread-local's pointer as gone.
+    pub const fn new(forget: fn()) -> ExitOwner<T> {
+        ExitOwner {
+            owned: std::cell::Cell::new(std::ptr::null_mut()),
+            forget,
+        }
+    }
+
+    /// Take `value` (the owner owns nothing yet: a thread's first use); returns where it is,
+    /// valid on this thread until its exit calls `forget`.
+    pub fn own(&self, value: T) -> *mut T {
+        debug_assert!(self.owned.get().is_null(), "owned once a thread");
+        let owned = Box::into_raw(Box::new(value));
+        self.owned.set(owned);
+        owned
+    }
+}
+
+impl<T> Drop for ExitOwner<T> {
+    fn drop(&mut self) {
+        (self.forget)();
+        let owned = self.owned.replace(std::ptr::null_mut());
+        if !owned.is_null() {
+            // SAFETY: `owned` came from `Box::into_raw` in `own`, and nothing reaches it any
+            // more: `forget` has marked the thread's pointer to it as gone.
+            drop(unsafe { Box::from_raw(owned) });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
+
+    use super::ExitOwner;
 
     static_thread_local! {
         static COUNT: Cell<u32>, symbol "cachealloc_tls_test_count";
@@ -183,5 +224,30 @@ mod tests {
             .join()
             .unwrap();
         assert_ne!(a, elsewhere);
+    }
+
+    /// An owner's thread exit marks the pointer gone, then drops what it owns, once.
+    #[test]
+    fn an_exit_owner_forgets_then_drops_at_the_threads_exit() {
+        use std::sync::Mutex;
+        static EVENTS: Mutex<Vec<&str>> = Mutex::new(Vec::new());
+        struct Owned;
+        impl Drop for Owned {
+            fn drop(&mut self) {
+                EVENTS.lock().unwrap().push("dropped");
+            }
+        }
+        std::thread_local! {
+            static OWNER: ExitOwner<Owned> =
+                const { ExitOwner::new(|| EVENTS.lock().unwrap().push("forgotten")) };
+        }
+        std::thread::spawn(|| {
+            let owned = OWNER.with(|o| o.own(Owned));
+            assert!(!owned.is_null());
+            EVENTS.lock().unwrap().push("used");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(*EVENTS.lock().unwrap(), ["used", "forgotten", "dropped"]);
     }
 }

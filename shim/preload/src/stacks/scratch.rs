@@ -9,7 +9,7 @@ use std::cell::{Cell, RefCell};
 
 use super::python::{self, RawFrame};
 use super::recent::RecentStacks;
-use crate::ffi::static_tls::static_thread_local;
+use crate::ffi::static_tls::{ExitOwner, static_thread_local};
 
 /// A thread's capture buffers: return addresses, Python frames, and the raw stack key (the
 /// addresses, then per Python frame its code object, offset and `CodeCheck`); the stacks it
@@ -36,23 +36,9 @@ static_thread_local! {
 /// as an address, never an allocation's.
 const GONE: *mut Buffers = std::ptr::dangling_mut();
 
-/// Owns the calling thread's buffers; frees them at the thread's exit.
-struct Owner(Cell<*mut Buffers>);
-
-impl Drop for Owner {
-    fn drop(&mut self) {
-        BUFFERS.with(|b| b.set(GONE));
-        let buffers = self.0.replace(std::ptr::null_mut());
-        if !buffers.is_null() {
-            // SAFETY: `buffers` came from `Box::into_raw` in `first_use`, and nothing can reach
-            // it any more: `BUFFERS` says `GONE`.
-            drop(unsafe { Box::from_raw(buffers) });
-        }
-    }
-}
-
 std::thread_local! {
-    static OWNER: Owner = const { Owner(Cell::new(std::ptr::null_mut())) };
+    /// Owns the calling thread's buffers; frees them at the thread's exit.
+    static OWNER: ExitOwner<Buffers> = const { ExitOwner::new(|| BUFFERS.with(|b| b.set(GONE))) };
 }
 
 /// `f` of the calling thread's buffers; `None` once the thread's exit has freed them (a
@@ -68,7 +54,7 @@ pub(super) fn with<R>(f: impl FnOnce(&mut Scratch) -> R) -> Option<R> {
         return None;
     }
     // SAFETY: `buffers` is this thread's live allocation from `first_use`: it is freed only by
-    // the thread's `Owner`, which sets `BUFFERS` to `GONE` first, and no other thread has its
+    // the thread's `OWNER`, which sets `BUFFERS` to `GONE` first, and no other thread has its
     // address. The `RefCell` refuses a second borrow (a capture re-entered on this thread).
     let buffers = unsafe { &*buffers };
     let mut scratch = buffers.try_borrow_mut().ok()?;
@@ -82,8 +68,7 @@ pub(super) fn with<R>(f: impl FnOnce(&mut Scratch) -> R) -> Option<R> {
 fn first_use() -> Option<*mut Buffers> {
     OWNER
         .try_with(|owner| {
-            let buffers = Box::into_raw(Box::new(RefCell::new(Scratch::default())));
-            owner.0.set(buffers);
+            let buffers = owner.own(RefCell::new(Scratch::default()));
             BUFFERS.with(|b| b.set(buffers));
             buffers
         })

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use cachealloc_recorder::{Record, Recorder, Stage};
 
-use crate::ffi::static_tls::{ZeroInit, static_thread_local};
+use crate::ffi::static_tls::{ExitOwner, ZeroInit, static_thread_local};
 
 /// See the module docs.
 pub(super) struct ThreadTrace {
@@ -32,7 +32,7 @@ pub(super) struct ThreadTrace {
 
 /// What [`ThreadTrace::stage`] holds while a send uses the stage: never a stage's address.
 const BUSY: *const Stage = std::ptr::dangling();
-/// What it holds once the thread's [`StageOwner`] has dropped the stage.
+/// What it holds once the thread's `STAGE_OWNER` has dropped the stage.
 const GONE: *const Stage = BUSY.wrapping_add(1);
 
 impl ThreadTrace {
@@ -68,16 +68,12 @@ pub(super) fn with<R>(f: impl FnOnce(&ThreadTrace) -> R) -> R {
     THREAD.with(f)
 }
 
-/// Send `record` through the calling thread's stage, made at its first record (directly when
-/// the thread has none: during its exit, or in a send that interrupted another).
-#[inline]
-pub(super) fn send(recorder: &Recorder, record: Record) {
-    if crate::rare::any(crate::rare::STAGES_PAUSED) {
-        // A benchmark's switch (`cachealloc_stages_pause`): what the stages save, step by step.
-        // Records already staged keep their places; the stage's next batch or the worker's
-        // forward writes them.
-        return recorder.send(record);
-    }
+/// Send `record` through the calling thread's stage, made at its first staged record; directly
+/// when the thread has none (during its exit, or in a send that interrupted another). (While
+/// the stages are paused, records a thread staged before keep their places: its next batch or
+/// the worker's forward writes them.)
+#[inline(never)]
+pub(super) fn send_staged(recorder: &Recorder, record: Record) {
     THREAD.with(|t| {
         let mut stage = t.stage.replace(BUSY);
         if stage.is_null() {
@@ -87,7 +83,7 @@ pub(super) fn send(recorder: &Recorder, record: Record) {
             recorder.send(record);
         } else {
             // SAFETY: `stage` is this thread's live box from `first_stage`: only its
-            // `StageOwner` frees it, on this thread, after setting the pointer to `GONE`, and
+            // `STAGE_OWNER` frees it, on this thread, after setting the pointer to `GONE`, and
             // while this send holds it the pointer says `BUSY`. No other thread has it.
             recorder.send_staged(unsafe { &*stage }, record);
         }
@@ -95,23 +91,9 @@ pub(super) fn send(recorder: &Recorder, record: Record) {
     })
 }
 
-/// Owns the calling thread's stage; drops it (publishing its records) at the thread's exit.
-struct StageOwner(Cell<*mut Stage>);
-
-impl Drop for StageOwner {
-    fn drop(&mut self) {
-        THREAD.with(|t| t.stage.set(GONE));
-        let stage = self.0.replace(std::ptr::null_mut());
-        if !stage.is_null() {
-            // SAFETY: `stage` came from `Box::into_raw` in `first_stage`, and nothing reaches
-            // it any more: the thread's pointer says `GONE`.
-            drop(unsafe { Box::from_raw(stage) });
-        }
-    }
-}
-
 std::thread_local! {
-    static STAGE_OWNER: StageOwner = const { StageOwner(Cell::new(std::ptr::null_mut())) };
+    /// Owns the calling thread's stage; drops it (publishing its records) at the thread's exit.
+    static STAGE_OWNER: ExitOwner<Stage> = const { ExitOwner::new(|| THREAD.with(|t| t.stage.set(GONE))) };
 }
 
 /// The thread's first record: make its stage and give it to its owner. `GONE` if the owner is
@@ -120,10 +102,6 @@ std::thread_local! {
 #[inline(never)]
 fn first_stage(recorder: &Recorder) -> *const Stage {
     STAGE_OWNER
-        .try_with(|owner| {
-            let stage = Box::into_raw(Box::new(recorder.stage()));
-            owner.0.set(stage);
-            stage.cast_const()
-        })
+        .try_with(|owner| owner.own(recorder.stage()).cast_const())
         .unwrap_or(GONE)
 }
