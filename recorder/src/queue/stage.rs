@@ -30,9 +30,10 @@
 //! its owner drops it (the thread's exit) and stays registered until then; the worker's forward
 //! covers a thread that never drops it (the process's main thread at exit).
 //!
-//! The shim sends through stages only once they are turned on (`cachealloc_stages_pause(0)`):
-//! on the development VM they measure worse than direct sends, and the GPU machine, whose misses
-//! they are for, has not measured them yet (design.md, "The hand-off in batches").
+//! The shim sends through stages only once they are turned on (`stages:on`,
+//! `cachealloc_stages_pause(0)`): on the development VM they measure worse than direct sends,
+//! and the GPU machine, whose misses they are for, has not measured them yet (design.md, "The
+//! hand-off in batches").
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -33,9 +33,10 @@ mod thread;
 const CHANNEL_CAPACITY: usize = 1 << 16;
 
 /// Send records directly instead of through the threads' stages (`paused`), or through them;
-/// returns whether they were paused. Paused by default: on the development VM the stages cost
-/// more than they save (BENCHMARKS.md, eighteenth session), and the machine they are meant for
-/// has not measured them yet. A benchmark's switch (`cachealloc_stages_pause`).
+/// returns whether they were paused. Paused by default (`stages:off`): on the development VM the
+/// stages cost more than they save (BENCHMARKS.md, eighteenth session), and the machine they are
+/// meant for has not measured them yet. `stages:on` turns them on at the trace's start; a
+/// benchmark switches them within a run (`cachealloc_stages_pause`).
 pub fn pause_stages(paused: bool) -> bool {
     !crate::rare::switch(crate::rare::STAGES, !paused)
 }
@@ -131,6 +132,9 @@ impl Trace {
             clock::RecordClock::Os => Recorder::start(writer, header, CHANNEL_CAPACITY, on_error),
         })
         .map_err(refused)?;
+        if config.stages {
+            pause_stages(false);
+        }
         Ok(Trace {
             clock,
             phase_generation: AtomicU32::new(0),
