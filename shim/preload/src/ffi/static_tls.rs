@@ -24,9 +24,12 @@
 //!
 //! A static thread-local starts as all-zero bytes in every thread (the loader zeroes `.tbss`)
 //! and is never dropped: its type says so by implementing [`ZeroInit`]. Where something needs
-//! dropping at thread exit, the static thread-local holds a pointer to it, and an ordinary
-//! thread-local owns it, an [`ExitOwner`] (`stacks`' buffers, the trace's stages). On other architectures the macro declares an
+//! dropping at thread exit, the static thread-local lends it ([`Lent`]), and an ordinary
+//! thread-local owns it ([`ExitOwner`]): `stacks`' buffers, the trace's stages. On other architectures the macro declares an
 //! ordinary thread-local with the same interface.
+
+use std::cell::Cell;
+use std::thread::LocalKey;
 
 /// A type whose all-zero bytes are a valid value, the one a thread starts with, and which needs
 /// no drop.
@@ -141,40 +144,121 @@ unsafe impl<T> ZeroInit for std::cell::Cell<*mut T> {
     const ZERO: Self = std::cell::Cell::new(std::ptr::null_mut());
 }
 
-/// Owns a box for its thread, reached through a pointer in a static thread-local, and drops it
-/// at the thread's exit after `forget` has set that pointer to say it is gone. Declared in an
-/// ordinary `thread_local!` (which runs the drop); [`ExitOwner::own`] hands it the box.
+/// A static thread-local's loan of a value its thread owns: null until the thread's first use,
+/// then a box that the thread's [`ExitOwner`] owns and drops at the thread's exit, after marking
+/// this pointer gone. While a use has the value the pointer says busy, so a use that interrupts
+/// it on the same thread (a signal handler) gets none: the value is lent to one use at a time,
+/// mutably. Read with [`StaticThreadLocal::lend`].
+pub struct Lent<T>(Cell<*mut T>);
+
+// SAFETY: all-zero bytes are the null pointer, "not made yet", the initial value; a pointer
+// needs no drop.
+unsafe impl<T> ZeroInit for Lent<T> {
+    const ZERO: Self = Lent(Cell::new(std::ptr::null_mut()));
+}
+
+/// What a [`Lent`] holds while a use has the value: never a box's address (`T` is not
+/// zero-sized).
+fn busy<T>() -> *mut T {
+    std::ptr::without_provenance_mut(1)
+}
+
+/// What a [`Lent`] holds once the thread's exit has dropped the value.
+fn gone<T>() -> *mut T {
+    std::ptr::without_provenance_mut(2)
+}
+
+impl<T: 'static> StaticThreadLocal<Lent<T>> {
+    /// `f` of the calling thread's value, made by `make` and given to the thread's `owner` at
+    /// its first use; `None` once the thread's exit has dropped it (or is under way), or while
+    /// another use on this thread has it.
+    #[inline]
+    pub fn lend<R>(
+        &'static self,
+        owner: &'static LocalKey<ExitOwner<T>>,
+        make: impl FnOnce() -> T,
+        f: impl FnOnce(Option<&mut T>) -> R,
+    ) -> R {
+        self.with(|lent| {
+            let mut value = lent.0.replace(busy());
+            if value.is_null() {
+                value = first_use(lent, owner, make);
+            }
+            let result = if value == busy() || value == gone() {
+                f(None)
+            } else {
+                // SAFETY: `value` is this thread's box from `ExitOwner::own` (only `first_use`
+                // stores one, and `lent` is this thread's own). Its owner drops it only at the
+                // thread's exit, after setting `lent` to gone; while `f` runs `lent` says busy,
+                // so no other use on this thread reaches it, and no other thread has it.
+                f(Some(unsafe { &mut *value }))
+            };
+            lent.0.set(value);
+            result
+        })
+    }
+}
+
+/// A thread's first use of a [`Lent`]: make its value and give it to the thread's owner; gone
+/// if the owner is (the thread is exiting).
+#[cold]
+#[inline(never)]
+fn first_use<T>(
+    lent: &Lent<T>,
+    owner: &'static LocalKey<ExitOwner<T>>,
+    make: impl FnOnce() -> T,
+) -> *mut T {
+    owner
+        .try_with(|owner| owner.own(lent, make()))
+        .unwrap_or_else(|_| gone())
+}
+
+/// Owns the value a thread's [`Lent`] lends, and drops it at the thread's exit, after marking
+/// the `Lent` gone. Declared in an ordinary `thread_local!` (which runs the drop).
 pub struct ExitOwner<T> {
-    owned: std::cell::Cell<*mut T>,
-    forget: fn(),
+    owned: Cell<*mut T>,
+    /// The thread's `Lent` in its static TLS block, which outlives its thread-local destructors.
+    lent: Cell<*const Lent<T>>,
 }
 
 impl<T> ExitOwner<T> {
-    /// An owner of nothing yet; `forget` marks the static thread-local's pointer as gone.
-    pub const fn new(forget: fn()) -> ExitOwner<T> {
+    /// An owner of nothing yet.
+    #[allow(clippy::new_without_default)] // const, for `thread_local!`'s const initializer
+    pub const fn new() -> ExitOwner<T> {
         ExitOwner {
-            owned: std::cell::Cell::new(std::ptr::null_mut()),
-            forget,
+            owned: Cell::new(std::ptr::null_mut()),
+            lent: Cell::new(std::ptr::null()),
         }
     }
 
-    /// Take `value` (the owner owns nothing yet: a thread's first use); returns where it is,
-    /// valid on this thread until its exit calls `forget`.
-    pub fn own(&self, value: T) -> *mut T {
+    fn own(&self, lent: &Lent<T>, value: T) -> *mut T {
+        const {
+            assert!(
+                std::mem::size_of::<T>() > 0,
+                "busy and gone are not boxes' addresses"
+            )
+        };
         debug_assert!(self.owned.get().is_null(), "owned once a thread");
         let owned = Box::into_raw(Box::new(value));
         self.owned.set(owned);
+        self.lent.set(lent);
         owned
     }
 }
 
 impl<T> Drop for ExitOwner<T> {
     fn drop(&mut self) {
-        (self.forget)();
+        let lent = self.lent.get();
+        if !lent.is_null() {
+            // SAFETY: `lent` is this thread's `Lent` (`own` is called on the thread whose
+            // `Lent` it is), in the thread's static TLS block, which is freed only after the
+            // thread's thread-local destructors, this one among them.
+            unsafe { &*lent }.0.set(gone());
+        }
         let owned = self.owned.replace(std::ptr::null_mut());
         if !owned.is_null() {
             // SAFETY: `owned` came from `Box::into_raw` in `own`, and nothing reaches it any
-            // more: `forget` has marked the thread's pointer to it as gone.
+            // more: the thread's `Lent` says gone.
             drop(unsafe { Box::from_raw(owned) });
         }
     }
@@ -184,7 +268,7 @@ impl<T> Drop for ExitOwner<T> {
 mod tests {
     use std::cell::Cell;
 
-    use super::ExitOwner;
+    use super::{ExitOwner, Lent};
 
     static_thread_local! {
         static COUNT: Cell<u32>, symbol "cachealloc_tls_test_count";
@@ -226,28 +310,55 @@ mod tests {
         assert_ne!(a, elsewhere);
     }
 
-    /// An owner's thread exit marks the pointer gone, then drops what it owns, once.
+    /// What `a_lent_value_…` lends: it says when it is dropped.
+    struct Owned(u32);
+
+    static EVENTS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+    impl Drop for Owned {
+        fn drop(&mut self) {
+            EVENTS.lock().unwrap().push(format!("dropped {}", self.0));
+        }
+    }
+
+    static_thread_local! {
+        static LENT: Lent<Owned>, symbol "cachealloc_tls_test_lent";
+    }
+
+    /// A value is made at its thread's first use, lent to one use at a time, and dropped at
+    /// the thread's exit, after which it is gone (a later destructor's use gets none, and no
+    /// new value is made).
     #[test]
-    fn an_exit_owner_forgets_then_drops_at_the_threads_exit() {
-        use std::sync::Mutex;
-        static EVENTS: Mutex<Vec<&str>> = Mutex::new(Vec::new());
-        struct Owned;
-        impl Drop for Owned {
+    fn a_lent_value_is_made_once_lent_once_at_a_time_and_gone_after_exit() {
+        let event = |e: String| EVENTS.lock().unwrap().push(e);
+        /// Used before `OWNER`, so destroyed after it (destructors run last registered first).
+        struct Late;
+        impl Drop for Late {
             fn drop(&mut self) {
-                EVENTS.lock().unwrap().push("dropped");
+                let seen = LENT.lend(&OWNER, || Owned(99), |v| v.map(|v| v.0));
+                EVENTS.lock().unwrap().push(format!("late {seen:?}"));
             }
         }
         std::thread_local! {
-            static OWNER: ExitOwner<Owned> =
-                const { ExitOwner::new(|| EVENTS.lock().unwrap().push("forgotten")) };
+            static OWNER: ExitOwner<Owned> = const { ExitOwner::new() };
+            static LATE: Late = const { Late };
         }
-        std::thread::spawn(|| {
-            let owned = OWNER.with(|o| o.own(Owned));
-            assert!(!owned.is_null());
-            EVENTS.lock().unwrap().push("used");
+        std::thread::spawn(move || {
+            LATE.with(|_| ());
+            let made = LENT.lend(&OWNER, || Owned(7), |v| v.map(|v| v.0));
+            let again = LENT.lend(&OWNER, || Owned(8), |v| v.map(|v| v.0));
+            let nested = LENT.lend(
+                &OWNER,
+                || Owned(9),
+                |_| LENT.lend(&OWNER, || Owned(10), |v| v.is_some()),
+            );
+            event(format!("{made:?} {again:?} nested {nested}"));
         })
         .join()
         .unwrap();
-        assert_eq!(*EVENTS.lock().unwrap(), ["used", "forgotten", "dropped"]);
+        assert_eq!(
+            *EVENTS.lock().unwrap(),
+            ["Some(7) Some(7) nested false", "dropped 7", "late None"]
+        );
     }
 }

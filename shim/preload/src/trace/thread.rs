@@ -1,18 +1,19 @@
 //! The calling thread's part of the trace — its number in the records, its module scope and
 //! its stage — in one thread-local.
 //!
-//! An allocation's record needs the thread's number, its scope slot, the scope the trace last
-//! heard from it and the stage its records wait on (recorder Note [Staged sends]); they are
-//! kept together in one thread-local in the static TLS block (Note [Thread-locals in static
-//! TLS]): two loads, no call into the loader. The stage itself is owned by an ordinary
-//! thread-local, which publishes and frees it at the thread's exit.
+//! An allocation's record needs the thread's number, its scope slot and the scope the trace
+//! last heard from it; they are kept together in one thread-local in the static TLS block
+//! (Note [Thread-locals in static TLS]): two loads, no call into the loader. The stage its
+//! records wait on when the stages are on (recorder Note [Staged sends]) is lent by another
+//! (`ffi::static_tls::Lent`); an ordinary thread-local owns it, and publishes and frees it at
+//! the thread's exit.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use cachealloc_recorder::{Record, Recorder, Stage};
 
-use crate::ffi::static_tls::{ExitOwner, ZeroInit, static_thread_local};
+use crate::ffi::static_tls::{ExitOwner, Lent, ZeroInit, static_thread_local};
 
 /// See the module docs.
 pub(super) struct ThreadTrace {
@@ -24,16 +25,7 @@ pub(super) struct ThreadTrace {
     pub(super) slot: AtomicU32,
     /// The scope this thread last sent to the trace, and the phase generation it was sent in.
     pub(super) sent: Cell<(u32, u32)>,
-    /// The thread's stage: null before its first record, [`BUSY`] while a send uses it (a
-    /// send it interrupts, from a signal handler, goes to the queue directly), [`GONE`] once
-    /// the thread's exit has dropped it.
-    stage: Cell<*const Stage>,
 }
-
-/// What [`ThreadTrace::stage`] holds while a send uses the stage: never a stage's address.
-const BUSY: *const Stage = std::ptr::dangling();
-/// What it holds once the thread's `STAGE_OWNER` has dropped the stage.
-const GONE: *const Stage = BUSY.wrapping_add(1);
 
 impl ThreadTrace {
     /// The thread's number, given at its first record.
@@ -46,14 +38,13 @@ impl ThreadTrace {
     }
 }
 
-// SAFETY: all-zero bytes are number 0 (not yet given), slot 0 (no scope), sent (0, 0) and a
-// null stage (none yet): the initial values; the fields need no drop.
+// SAFETY: all-zero bytes are number 0 (not yet given), slot 0 (no scope) and sent (0, 0):
+// the initial values; the fields need no drop.
 unsafe impl ZeroInit for ThreadTrace {
     const ZERO: Self = ThreadTrace {
         number: Cell::new(0),
         slot: AtomicU32::new(0),
         sent: Cell::new((0, 0)),
-        stage: Cell::new(std::ptr::null()),
     };
 }
 
@@ -68,40 +59,29 @@ pub(super) fn with<R>(f: impl FnOnce(&ThreadTrace) -> R) -> R {
     THREAD.with(f)
 }
 
+static_thread_local! {
+    /// The thread's stage, lent to one send at a time: a send that interrupts another on this
+    /// thread (from a signal handler) goes to the queue directly.
+    static STAGE: Lent<Stage>, symbol "cachealloc_tls_stage";
+}
+
+std::thread_local! {
+    /// Owns the calling thread's stage; drops it (publishing its records) at the thread's exit.
+    static STAGE_OWNER: ExitOwner<Stage> = const { ExitOwner::new() };
+}
+
 /// Send `record` through the calling thread's stage, made at its first staged record; directly
 /// when the thread has none (during its exit, or in a send that interrupted another). (While
 /// the stages are paused, records a thread staged before keep their places: its next batch or
 /// the worker's forward writes them.)
 #[inline(never)]
 pub(super) fn send_staged(recorder: &Recorder, record: Record) {
-    THREAD.with(|t| {
-        let mut stage = t.stage.replace(BUSY);
-        if stage.is_null() {
-            stage = first_stage(recorder);
-        }
-        if stage == BUSY || stage == GONE {
-            recorder.send(record);
-        } else {
-            // SAFETY: `stage` is this thread's live box from `first_stage`: only its
-            // `STAGE_OWNER` frees it, on this thread, after setting the pointer to `GONE`, and
-            // while this send holds it the pointer says `BUSY`. No other thread has it.
-            recorder.send_staged(unsafe { &*stage }, record);
-        }
-        t.stage.set(stage);
-    })
-}
-
-std::thread_local! {
-    /// Owns the calling thread's stage; drops it (publishing its records) at the thread's exit.
-    static STAGE_OWNER: ExitOwner<Stage> = const { ExitOwner::new(|| THREAD.with(|t| t.stage.set(GONE))) };
-}
-
-/// The thread's first record: make its stage and give it to its owner. `GONE` if the owner is
-/// already gone (the thread is exiting).
-#[cold]
-#[inline(never)]
-fn first_stage(recorder: &Recorder) -> *const Stage {
-    STAGE_OWNER
-        .try_with(|owner| owner.own(recorder.stage()).cast_const())
-        .unwrap_or(GONE)
+    STAGE.lend(
+        &STAGE_OWNER,
+        || recorder.stage(),
+        |stage| match stage {
+            Some(stage) => recorder.send_staged(stage, record),
+            None => recorder.send(record),
+        },
+    );
 }
