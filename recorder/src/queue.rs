@@ -68,6 +68,22 @@ struct Slot {
     words: [AtomicU64; WORDS],
 }
 
+impl Slot {
+    /// Write a record's words, then the slot's sequence number with `order` (release where a
+    /// worker that sees the number reads the words).
+    fn write(&self, index: usize, words: [u64; WORDS], order: Ordering) {
+        for (word, value) in self.words.iter().zip(words) {
+            word.store(value, Ordering::Relaxed);
+        }
+        self.seq.store(index as u64 + 1, order);
+    }
+
+    /// The record's words (after its sequence number said they are written).
+    fn words(&self) -> [u64; WORDS] {
+        std::array::from_fn(|i| self.words[i].load(Ordering::Relaxed))
+    }
+}
+
 /// A counter on a cache line of its own.
 #[repr(align(128))]
 #[derive(Default)]
@@ -254,8 +270,7 @@ impl<M> Queue<M> {
             if slot.seq.load(Ordering::Acquire) != index as u64 + 1 {
                 return None;
             }
-            let words: [u64; WORDS] =
-                std::array::from_fn(|i| slot.words[i].load(Ordering::Relaxed));
+            let words = slot.words();
             *head += 1;
             if let Some(record) = decode(words) {
                 return Some(Taken::Record(record));
@@ -301,11 +316,7 @@ impl<M> Queue<M> {
 /// Write a record's words into the slot of `index`, then its sequence number (release: a
 /// worker that sees the number reads the words).
 fn fill_slot(slots: &[Slot], mask: usize, index: usize, words: [u64; WORDS]) {
-    let slot = &slots[index & mask];
-    for (word, value) in slot.words.iter().zip(words) {
-        word.store(value, Ordering::Relaxed);
-    }
-    slot.seq.store(index as u64 + 1, Ordering::Release);
+    slots[index & mask].write(index, words, Ordering::Release);
 }
 
 /// The first word: the kind, a byte beside it, and a 32-bit field in the upper half.

@@ -38,7 +38,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use super::{Queue, Slot, WORDS};
+use super::{Queue, Slot};
 
 /// Records a stage holds before its owner copies them into the ring.
 pub(crate) const STAGE_SLOTS: usize = 16;
@@ -117,11 +117,7 @@ impl<M> Queue<M> {
         });
         // Only this thread writes `staged` outside the lock, and the worker only reads it.
         let n = stage.staged.load(Ordering::Relaxed);
-        let slot = &stage.slots[n];
-        for (word, value) in slot.words.iter().zip(words) {
-            word.store(value, Ordering::Relaxed);
-        }
-        slot.seq.store(index as u64 + 1, Ordering::Relaxed);
+        stage.slots[n].write(index, words, Ordering::Relaxed);
         // Release: a worker that reads the count under the lock reads the slot written.
         stage.staged.store(n + 1, Ordering::Release);
         if n + 1 == STAGE_SLOTS {
@@ -161,19 +157,19 @@ impl<M> Queue<M> {
             let from = stage.forwarded.load(Ordering::Relaxed);
             let to = stage.staged.load(Ordering::Acquire);
             self.copy_to_ring(stage, from, to);
-            stage.forwarded.store(to.max(from), Ordering::Relaxed);
+            stage.forwarded.store(to, Ordering::Relaxed);
             stage.unlock();
         }
     }
 
-    /// Copy the stage's slots `from..to` into the ring, each to its index's slot. Each index
-    /// was claimed and not yet read, so its ring slot is this record's to write.
+    /// Copy the stage's slots `from..to` into the ring, each to its index's slot (`forwarded`
+    /// never passes `staged`: both are reset together, and the worker sets the one to the
+    /// other). Each index was claimed and not yet read, so its ring slot is this record's to
+    /// write.
     fn copy_to_ring(&self, stage: &Stage, from: usize, to: usize) {
-        for slot in &stage.slots[from.min(to)..to] {
+        for slot in &stage.slots[from..to] {
             let index = slot.seq.load(Ordering::Relaxed) - 1;
-            let words: [u64; WORDS] =
-                std::array::from_fn(|i| slot.words[i].load(Ordering::Relaxed));
-            super::fill_slot(&self.slots, self.mask, index as usize, words);
+            super::fill_slot(&self.slots, self.mask, index as usize, slot.words());
         }
     }
 
