@@ -46,9 +46,7 @@ torch.compile's tracing), empty (global module hooks that do nothing: PyTorch's 
 and any of them with `+nostacks` (stack capture paused, `cachealloc_stacks_pause`: the
 interplay of the hooks with the Python stack walk) or `+notrace` (the allocation records
 paused, stacks included, `cachealloc_trace_pause`: `--variants on+notrace,on` is the trace's
-own cost, issue 25's in-process measurement) or `+stages` (records sent 16 at a time from
-each thread's stage instead of one at a time, `cachealloc_stages_pause(0)`: `--variants
-on,on+stages`), and `base` (with `--baseline-hooks FILE`:
+own cost, issue 25's in-process measurement), and `base` (with `--baseline-hooks FILE`:
 that version of cachealloc_categories.py, e.g. an earlier commit's, all on; `on` is then also
 compared with it). `--profile STEPS`: cProfile of STEPS steps with the hooks on, then off.
 `--tags`: what the tag path costs by itself (µs per call)."""
@@ -86,7 +84,6 @@ if ctypes.CDLL(args.allocator).bench_shim_cpu_allocator(1) != 0:
     sys.exit("FAIL: no cudaMalloc for the CPU allocator")
 lib.cachealloc_stacks_pause.argtypes = [ctypes.c_int]
 lib.cachealloc_trace_pause.argtypes = [ctypes.c_int]
-lib.cachealloc_stages_pause.argtypes = [ctypes.c_int]
 lib.cachealloc_annotate.argtypes = [ctypes.c_char_p]
 
 import cachealloc_backward_scopes  # noqa: E402
@@ -231,7 +228,6 @@ def switch(label):
     name, _, extra = label.partition("+")
     lib.cachealloc_stacks_pause(1 if extra == "nostacks" else 0)
     lib.cachealloc_trace_pause(1 if extra == "notrace" else 0)
-    lib.cachealloc_stages_pause(0 if extra == "stages" else 1)
     parts = {"only_modules": ["module"], "only_optimizer": ["optimizer"]}.get(name)
     if base is not None:
         base.enable(False)

@@ -1,12 +1,10 @@
 /* A training step's allocations as the allocator meets them in a real step: out of the caches.
  * STEPS steps of 16 stream-ordered allocations of a fixed sequence of sizes, then their 16 frees
  * (on the legacy stream, as PyTorch's), reading EVICT bytes between any two calls so that what
- * a call touches is cold. With TOUCH 0 the same loop makes no calls (the eviction alone). With
- * STAGES=1 in the environment the records go through the thread's stage
- * (`cachealloc_stages_pause(0)`). Run by scripts/bench-cold-lines under cachegrind, over fakecuda:
+ * a call touches is cold. With TOUCH 0 the same loop makes no calls (the eviction alone).
+ * Run by scripts/bench-cold-lines under cachegrind, over fakecuda:
  *   cold_pairs STEPS EVICT TOUCH */
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -32,12 +30,6 @@ int main(int argc, char **argv) {
     void *p[LIVE];
     void *warm;
     if (cudaMalloc(&warm, 1 << 20) != cudaSuccess) return 1;
-    const char *stages = getenv("STAGES");
-    if (stages && atoi(stages) == 1) {
-        int (*stages_pause)(int) = (int (*)(int))dlsym(RTLD_DEFAULT, "cachealloc_stages_pause");
-        if (!stages_pause) return 1;
-        stages_pause(0);
-    }
     for (int st = 0; st < steps; st++) {
         for (int i = 0; i < LIVE; i++) {
             evict();

@@ -7,7 +7,7 @@
 //!
 //! Reported, as `key=value` on one line: mean, median, p90 and p99 nanoseconds per `send`, each
 //! timed alone, less the cost of the timer itself. `GAP_NS` (default 3 000) sets the spacing, `EVENTS` (default 400 000) the
-//! records. `STAGED=1` sends through a stage, as the shim's threads do (Note [Staged sends]). Run with `cargo bench -p cachealloc-recorder --bench send_cost`; to compare builds,
+//! records. Run with `cargo bench -p cachealloc-recorder --bench send_cost`; to compare builds,
 //! alternate their binaries (`target/release/deps/send_cost-*`) with `scripts/bench-alternate`.
 //! The machine matters: on the development VM the worker's lines come back cheaply, on the GPU
 //! machine's Xeon each miss cost ~100 ns.
@@ -16,7 +16,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use cachealloc_recorder::schema::*;
-use cachealloc_recorder::{Record, Recorder, Stage, WriterConfig};
+use cachealloc_recorder::{Record, Recorder, WriterConfig};
 use common::header;
 
 mod common;
@@ -64,33 +64,6 @@ fn start() -> (Recorder, std::path::PathBuf) {
     (recorder, dir)
 }
 
-/// The records' way to the queue: a stage (`STAGED=1`) or a direct send.
-struct Sender {
-    recorder: Recorder,
-    stage: Option<Stage>,
-}
-
-impl Sender {
-    fn new(recorder: Recorder) -> Sender {
-        let stage = (env("STAGED", 0) == 1).then(|| recorder.stage());
-        Sender { recorder, stage }
-    }
-
-    #[inline]
-    fn send(&self, record: Record) {
-        match &self.stage {
-            Some(stage) => self.recorder.send_staged(stage, record),
-            None => self.recorder.send(record),
-        }
-    }
-
-    /// Publish the stage and stop the recorder.
-    fn stop(self, dir: &std::path::Path) {
-        drop(self.stage);
-        stop(self.recorder, dir);
-    }
-}
-
 fn stop(recorder: Recorder, dir: &std::path::Path) {
     recorder.shutdown(Duration::from_secs(60));
     let _ = std::fs::remove_dir_all(dir);
@@ -103,7 +76,6 @@ fn main() {
     let gap = Duration::from_nanos(env("GAP_NS", 3000));
     let events = env("EVENTS", 400_000);
     let (recorder, dir) = start();
-    let sender = Sender::new(recorder);
     // The program's own memory, walked a little between records (16 KiB of 32 MiB each time).
     let mut work = vec![0u64; 4 << 20];
     let mut cursor = 0usize;
@@ -125,17 +97,16 @@ fn main() {
         }
         let r = record(i);
         let start = Instant::now();
-        sender.send(black_box(r));
+        recorder.send(black_box(r));
         costs.push((start.elapsed().as_nanos() as u64).saturating_sub(timer));
     }
     black_box(&work);
-    sender.stop(&dir);
+    stop(recorder, &dir);
     let mean = costs.iter().sum::<u64>() as f64 / costs.len() as f64;
     costs.sort_unstable();
     let at = |q: f64| costs[((costs.len() - 1) as f64 * q) as usize];
     println!(
-        "send: staged={} records={events} gap_ns={} timer_ns={timer} mean_ns={mean:.1} median_ns={} p90_ns={} p99_ns={}",
-        env("STAGED", 0),
+        "send: records={events} gap_ns={} timer_ns={timer} mean_ns={mean:.1} median_ns={} p90_ns={} p99_ns={}",
         gap.as_nanos(),
         at(0.5),
         at(0.9),
@@ -156,7 +127,6 @@ fn program() {
     let block = env("BLOCK", 2000);
     let rounds = env("ROUNDS", 200);
     let (recorder, dir) = start();
-    let sender = Sender::new(recorder);
     let mut work = vec![0u64; 4 << 20];
     let counts: Vec<AtomicU64> = (0..64).map(|_| AtomicU64::new(0)).collect();
     let mut cursor = 0usize;
@@ -172,7 +142,7 @@ fn program() {
                 }
             }
             if send {
-                sender.send(black_box(record(i)));
+                recorder.send(black_box(record(i)));
             }
             i += 1;
         }
@@ -191,14 +161,13 @@ fn program() {
         base.push(without);
     }
     black_box(&work);
-    sender.stop(&dir);
+    stop(recorder, &dir);
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
     println!(
-        "program: staged={} lines={lines} block={block} rounds={rounds} added_ns={:.1} iteration_ns={:.1}",
-        env("STAGED", 0),
+        "program: lines={lines} block={block} rounds={rounds} added_ns={:.1} iteration_ns={:.1}",
         median(&mut added),
         median(&mut base)
     );

@@ -62,7 +62,7 @@ mod ticks;
 pub mod writer;
 
 pub use reader::{Item, ReadError, Tear, TraceReader};
-pub use recorder::{Recorder, RecorderStats, Stage};
+pub use recorder::{Recorder, RecorderStats};
 pub use schema::Record;
 pub use state::LiveState;
 pub use writer::{Clock, MonotonicClock, TraceWriter, WriterConfig};

@@ -27,11 +27,6 @@
 //! line while draining. The order of the trace is the order of the claims: records sent under
 //! the allocator's lock stay in the lock's order.
 //!
-//! A thread that sends often may send through a *stage* of its own (module `stage`, Note [Staged
-//! sends]): its record claims its index as above, but its slot is written a batch at a time,
-//! from lines the thread's core keeps; the worker forwards a stage's records itself when they
-//! hold it up.
-//!
 //! The hot kinds (allocations, frees, segments, scopes, tags) fit a slot's seven words. Any
 //! other message (stack and frame definitions, annotations, checkpoints, flushes) is kept aside
 //! under its slot's index, and the slot holds a token: the worker takes the message when it
@@ -41,9 +36,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-
-mod stage;
-pub(crate) use stage::Stage;
 
 use crate::schema::{
     Alloc, FreeCompleted, FreeRequested, Record, ScopeEvent, SegmentEvent, TagEvent, kinds,
@@ -69,13 +61,13 @@ struct Slot {
 }
 
 impl Slot {
-    /// Write a record's words, then the slot's sequence number with `order` (release where a
-    /// worker that sees the number reads the words).
-    fn write(&self, index: usize, words: [u64; WORDS], order: Ordering) {
+    /// Write a record's words, then the slot's sequence number (release: a worker that sees the
+    /// number reads the words).
+    fn write(&self, index: usize, words: [u64; WORDS]) {
         for (word, value) in self.words.iter().zip(words) {
             word.store(value, Ordering::Relaxed);
         }
-        self.seq.store(index as u64 + 1, order);
+        self.seq.store(index as u64 + 1, Ordering::Release);
     }
 
     /// The record's words (after its sequence number said they are written).
@@ -125,11 +117,6 @@ pub(crate) struct Queue<M> {
     stopped: AtomicBool,
     /// No sender will send any more: the worker stops once the queue is empty.
     closed: AtomicBool,
-    /// The senders' stages (Note [Staged sends]), for the worker to forward from.
-    stages: Mutex<Vec<Arc<Stage>>>,
-    /// Something waits for the worker (a flush, a checkpoint, the shutdown): it forwards the
-    /// stages at once when their records hold it up.
-    hurry: AtomicBool,
 }
 
 impl<M> Queue<M> {
@@ -153,8 +140,6 @@ impl<M> Queue<M> {
             side: Mutex::new(HashMap::new()),
             stopped: AtomicBool::new(false),
             closed: AtomicBool::new(false),
-            stages: Mutex::new(Vec::new()),
-            hurry: AtomicBool::new(false),
         }
     }
 
@@ -219,7 +204,8 @@ impl<M> Queue<M> {
     }
 
     fn fill(&self, index: usize, words: [u64; WORDS]) {
-        fill_slot(&self.claims.slots, self.claims.mask, index, words);
+        let claims = &self.claims;
+        claims.slots[index & claims.mask].write(index, words);
     }
 
     /// Whether the worker is behind: set by the worker when it finds the ring more than three
@@ -234,22 +220,6 @@ impl<M> Queue<M> {
         if self.claims.congested.load(Ordering::Relaxed) != congested {
             self.claims.congested.store(congested, Ordering::Relaxed);
         }
-    }
-
-    /// How many indices have been claimed (the worker's look at the senders' line: it takes
-    /// the line from them).
-    pub(crate) fn claimed(&self) -> usize {
-        self.claims.tail.load(Ordering::Acquire)
-    }
-
-    /// Ask the worker to forward the stages as soon as their records hold it up.
-    pub(crate) fn hurry(&self) {
-        self.hurry.store(true, Ordering::Release);
-    }
-
-    /// The worker: whether it was asked to hurry since it last asked (and forget it).
-    pub(crate) fn hurried(&self) -> bool {
-        self.hurry.load(Ordering::Relaxed) && self.hurry.swap(false, Ordering::Acquire)
     }
 
     /// Records claimed and not yet read (approximate while senders are claiming).
@@ -311,12 +281,6 @@ impl<M> Queue<M> {
     pub(crate) fn closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
-}
-
-/// Write a record's words into the slot of `index`, then its sequence number (release: a
-/// worker that sees the number reads the words).
-fn fill_slot(slots: &[Slot], mask: usize, index: usize, words: [u64; WORDS]) {
-    slots[index & mask].write(index, words, Ordering::Release);
 }
 
 /// The first word: the kind, a byte beside it, and a 32-bit field in the upper half.

@@ -9,9 +9,7 @@
 //!
 //! The worker polls: it drains whatever is queued, writes it, and sleeps for a millisecond
 //! unless it is behind. It never blocks, so a sender never has to wake it — a send is one
-//! atomic add and a few stores, no system call. A thread that sends often may send through its
-//! [`Stage`], which hands its records over 16 at a time (Note [Staged sends]); the worker
-//! forwards the records of a stage whose thread has gone quiet. A write error (disk full, directory gone) is
+//! atomic add and a few stores, no system call. A write error (disk full, directory gone) is
 //! reported once; the worker then keeps draining so producers never block on a dead trace.
 
 use std::io;
@@ -36,12 +34,6 @@ const WAIT_FOR_ROOM: Duration = Duration::from_micros(50);
 const BATCH: usize = 8192;
 /// Records read between two releases of their slots to the senders, within a batch.
 const RELEASE_EVERY: usize = 1024;
-/// How long the ring may be held up at one index, whose record a thread has staged and not
-/// published, before the worker forwards the stages' records itself (Note [Staged sends]).
-/// Long enough that a sending thread publishes its own batches (each forward takes its stage's
-/// lines from its core), short next to a trace's use; a flush or a checkpoint does not wait
-/// for it.
-const FORWARD_AFTER: Duration = Duration::from_millis(4);
 /// Interval between stats samples (computed here from the live state, off the hot path).
 const SAMPLE_INTERVAL_NS: u64 = 100_000_000;
 
@@ -74,29 +66,6 @@ pub struct RecorderStats {
     pub stacks_shed: AtomicU64,
     /// Set once a write failed; nothing is written after.
     pub failed: AtomicBool,
-}
-
-/// A sending thread's stage (Note [Staged sends]): records sent through it
-/// ([`Recorder::send_staged`]) keep their place in the trace's order and reach the worker a
-/// batch at a time. One thread sends through it (it is not `Sync`); dropping it publishes what
-/// it holds.
-pub struct Stage {
-    stage: Arc<crate::queue::Stage>,
-    queue: Arc<Queue<Message>>,
-    /// Not `Sync`: its count is its owner's.
-    _owner: std::marker::PhantomData<std::cell::Cell<()>>,
-}
-
-impl std::fmt::Debug for Stage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stage").finish_non_exhaustive()
-    }
-}
-
-impl Drop for Stage {
-    fn drop(&mut self) {
-        self.queue.retire_stage(&self.stage);
-    }
 }
 
 /// The producer side. Cheap to share (`&Recorder` from many threads).
@@ -189,27 +158,6 @@ impl Recorder {
         self.queue.send(record, |room| self.wait_for_room(room));
     }
 
-    /// A stage for the calling thread (Note [Staged sends]).
-    pub fn stage(&self) -> Stage {
-        Stage {
-            stage: self.queue.new_stage(),
-            queue: self.queue.clone(),
-            _owner: std::marker::PhantomData,
-        }
-    }
-
-    /// [`Recorder::send`] through the calling thread's `stage`: the record keeps its place in
-    /// the order of every send, and its slot is written with its batch's. A stage of another
-    /// recorder is ignored (the record is sent directly).
-    pub fn send_staged(&self, stage: &Stage, record: Record) {
-        if Arc::ptr_eq(&stage.queue, &self.queue) {
-            self.queue
-                .send_staged(&stage.stage, record, |room| self.wait_for_room(room));
-        } else {
-            self.send(record);
-        }
-    }
-
     #[cold]
     fn wait_for_room(&self, room: &dyn Fn() -> bool) {
         self.queue.set_congested(true);
@@ -223,12 +171,10 @@ impl Recorder {
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
-    /// A control message, in order with the records; the worker forwards staged records that
-    /// hold it up at once.
+    /// A control message, in order with the records.
     fn send_message(&self, message: Message) {
         self.queue
             .send_side(message, |room| self.wait_for_room(room));
-        self.queue.hurry();
     }
 
     /// Write a checkpoint of the live state after everything sent so far, and flush it.
@@ -389,8 +335,6 @@ fn run_worker<C: Clock>(
         }
     };
     let capacity = queue.capacity();
-    // Where the worker last found the ring held up by an unwritten slot, and since when.
-    let mut held_up: Option<(usize, Instant)> = None;
     loop {
         queue.set_congested(queue.backlog().saturating_mul(4) > capacity.saturating_mul(3));
         if let Some(ticks) = &mut ticks {
@@ -398,7 +342,6 @@ fn run_worker<C: Clock>(
         }
         let mut handled = 0;
         let mut stop = false;
-        let mut forwarded = false;
         while handled < BATCH {
             // Whether the queue was closed before this look: then an empty queue is the end.
             let closed = queue.closed();
@@ -422,26 +365,6 @@ fn run_worker<C: Clock>(
                     break;
                 }
                 None => {
-                    // The slot at `head` is not written. If its index is claimed, a thread may
-                    // have staged its record and not published it (Note [Staged sends]).
-                    if !forwarded && queue.claimed() != head {
-                        let now = Instant::now();
-                        let since = match held_up {
-                            Some((at, since)) if at == head => since,
-                            _ => now,
-                        };
-                        held_up = Some((head, since));
-                        // A sender waiting for room (congested) may be waiting for these.
-                        if closed
-                            || queue.hurried()
-                            || queue.congested()
-                            || now - since >= FORWARD_AFTER
-                        {
-                            queue.forward_stages();
-                            forwarded = true;
-                            continue;
-                        }
-                    }
                     stop = closed;
                     break;
                 }

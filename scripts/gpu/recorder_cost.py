@@ -6,9 +6,6 @@ timed step after an untimed one. SWITCH (env) says which part:
                     labels stacks|nostacks
   trace             the allocation records themselves, stacks included
                     (`cachealloc_trace_pause`): labels trace|notrace
-  stages            the threads' stages (`cachealloc_stages_pause`: records sent 16 at a time
-                    from each thread's stage, or one at a time; the trace is the same):
-                    labels stages|nostages
   history           PyTorch's memory history, `_record_memory_history(stacks="python")` and
                     `(None)` (under the shim: the trace's settings and PyTorch's own recorder,
                     Note [PyTorch's own contexts]; natively PyTorch's recorder): labels
@@ -31,7 +28,7 @@ if SWITCH == "history":
     def pause(off):
         torch.cuda.memory._record_memory_history(None if off else "all", stacks="python")
 else:
-    pause = getattr(ctypes.CDLL(None), f"cachealloc_{SWITCH}_pause")
+    pause = getattr(ctypes.CDLL(None), "cachealloc_stacks_pause" if SWITCH == "stacks" else "cachealloc_trace_pause")
     pause.argtypes = [ctypes.c_int]
     pause.restype = ctypes.c_int
 torch.manual_seed(0)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The trace's cost within one process (recorder_cost.py with SWITCH=trace: the records and
-# their stacks on and paused step by step; SWITCH=stacks, stages or history for the other parts
+# their stacks on and paused step by step; SWITCH=stacks or history for the other parts
 # recorder_cost.py measures) for two builds, their processes alternating:
 #   scripts/gpu/trace_ab.sh OLD_LIBDIR|- NEW_LIBDIR ROUNDS PROCESSES MODEL...
 # MODEL: llama, cnn, mlp, gpt2 (models.py). Each process runs ROUNDS rounds; the builds take

@@ -1,8 +1,6 @@
 //! `cachealloc_trace_pause`: while paused, allocations and the frees of blocks allocated
 //! meanwhile go unrecorded, a block allocated before the pause has its free recorded, and the
 //! trace stays consistent (Note [A paused trace stays consistent] in the shim's `trace::pause`).
-//! `cachealloc_stages_pause` and the threads' stages: the trace keeps the order of blocks handed
-//! between threads, with the stages on and paused.
 
 use std::collections::HashSet;
 
@@ -59,45 +57,4 @@ fn a_paused_trace_records_no_allocation_made_meanwhile_and_stays_consistent() {
         ("free", after),
     ];
     assert_eq!(seen, expected, "during {during:#x}, kept {kept:#x}");
-}
-
-/// `cachealloc_stages_pause` and the threads' stages (recorder Note [Staged sends]): two threads
-/// hand one address back and forth under a lock, with the stages on, paused and on again, and
-/// one thread stops with records staged while the other goes on. The trace holds every
-/// allocation, and each address's frees and allocations alternate as they happened.
-#[test]
-fn staged_records_keep_the_order_of_blocks_handed_between_threads() {
-    let out = Run::c("stages", &[]).output();
-    out.assert_ok("stages");
-    let (records, tears) = read_trace(&out.one_trace());
-    assert!(tears.is_empty(), "{tears:?}");
-    let mut live = HashSet::new();
-    let mut allocations = 0;
-    let mut threads = HashSet::new();
-    for r in &records {
-        match r {
-            Record::Alloc(a) => {
-                assert!(
-                    live.insert(a.address),
-                    "allocated again before its free: {a:?}"
-                );
-                allocations += 1;
-                threads.insert(a.thread);
-            }
-            Record::Free(f) | Record::FreeRequested(f) => {
-                assert!(
-                    live.remove(&f.address),
-                    "a free before its allocation: {f:?}"
-                );
-            }
-            _ => {}
-        }
-    }
-    assert!(live.is_empty(), "blocks left live in the trace: {live:?}");
-    assert_eq!(
-        allocations,
-        out.number_after("allocations"),
-        "every allocation is in the trace"
-    );
-    assert_eq!(threads.len(), 2, "both threads' records");
 }

@@ -169,9 +169,6 @@ pub struct Config {
     pub compress: bool,
     /// `clock`: what times the records (the recorder writes nanoseconds either way).
     pub clock: ClockChoice,
-    /// `stages`: each thread hands its records to the recorder 16 at a time from a stage of
-    /// its own (recorder Note [Staged sends]); off by default until measured on a GPU.
-    pub stages: bool,
     /// `oom_checkpoint`: write a full state checkpoint to the trace at an OOM.
     pub oom_checkpoint: bool,
     /// `graph_capture_record_stream_reuse` (PyTorch's key): a block freed during a graph
@@ -233,7 +230,6 @@ impl Default for Config {
             stack_depth: 64,
             compress: true,
             clock: ClockChoice::Auto,
-            stages: false,
             oom_checkpoint: true,
             graph_capture_record_stream_reuse: false,
             python: true,

@@ -17,9 +17,8 @@
 //! for all of them, and one that does pays what it paid before. A bit is set *before* the
 //! condition it announces is made true, so whoever can see the condition sees the bit.
 //!
-//! Three bits are not conditions but switches: the benchmarks' pauses of the trace's records
-//! and of stack capture, and the threads' stages, paused by default (`cachealloc_trace_pause`,
-//! `cachealloc_stacks_pause`, `cachealloc_stages_pause`). The hot path asks
+//! Two bits are not conditions but switches: the benchmarks' pauses of the trace's records
+//! and of stack capture (`cachealloc_trace_pause`, `cachealloc_stacks_pause`). The hot path asks
 //! them at every allocation, so the word is their only home; they are set and cleared by their
 //! calls ([`switch`]), not sticky, and a program that never pauses reads nothing more for them.
 //!
@@ -51,9 +50,6 @@ pub const FREE_STACKS: u32 = 1 << 7;
 pub const TRACE_PAUSED: u32 = 1 << 8;
 /// Switch: stack capture is paused (`stacks::pause`).
 pub const STACKS_PAUSED: u32 = 1 << 9;
-/// Switch: threads send their records through their stages (`trace::pause_stages`; off, the
-/// stages paused, by default until they are measured on a GPU).
-pub const STAGES: u32 = 1 << 10;
 
 /// The word, alone on its cache line (it is read by every call and written a few times a run).
 #[repr(align(64))]

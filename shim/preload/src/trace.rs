@@ -32,15 +32,6 @@ mod thread;
 /// Records the channel holds before producers wait (under 5 MB).
 const CHANNEL_CAPACITY: usize = 1 << 16;
 
-/// Send records directly instead of through the threads' stages (`paused`), or through them;
-/// returns whether they were paused. Paused by default (`stages:off`): on the development VM the
-/// stages cost more than they save (BENCHMARKS.md, eighteenth session), and the machine they are
-/// meant for has not measured them yet. `stages:on` turns them on at the trace's start; a
-/// benchmark switches them within a run (`cachealloc_stages_pause`).
-pub fn pause_stages(paused: bool) -> bool {
-    !crate::rare::switch(crate::rare::STAGES, !paused)
-}
-
 /// A running trace.
 ///
 /// Every record reads the recorder (its queue), the clock and, at a free, whether any block
@@ -132,9 +123,6 @@ impl Trace {
             clock::RecordClock::Os => Recorder::start(writer, header, CHANNEL_CAPACITY, on_error),
         })
         .map_err(refused)?;
-        if config.stages {
-            pause_stages(false);
-        }
         Ok(Trace {
             clock,
             phase_generation: AtomicU32::new(0),
@@ -221,15 +209,9 @@ impl Trace {
         }));
     }
 
-    /// Send one record: through the calling thread's stage (recorder Note [Staged sends]) if
-    /// the stages are not paused ([`pause_stages`]; they are by default), else directly.
-    #[inline]
+    /// Send one record.
     pub fn send(&self, record: Record) {
-        if crate::rare::any(crate::rare::STAGES) {
-            thread::send_staged(&self.recorder, record);
-        } else {
-            self.recorder.send(record);
-        }
+        self.recorder.send(record);
     }
 
     /// Whether producers should shed optional payloads (stacks) now: the channel is filling.

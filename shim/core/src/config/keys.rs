@@ -256,15 +256,6 @@ pub const KEYS: &[Key] = &[
         },
     },
     Key {
-        name: "stages",
-        valid: "on or off",
-        from_pytorch: false,
-        set: |c, k, v| {
-            c.stages = parse_bool(k, v)?;
-            Ok(())
-        },
-    },
-    Key {
         name: "oom_checkpoint",
         valid: "on or off",
         from_pytorch: false,

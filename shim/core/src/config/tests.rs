@@ -12,8 +12,7 @@ fn parses_every_kind_of_value() {
     let c = Config::parse(
         "max_split_size_mb:256, garbage_collection_threshold:0.6,expandable_segments:True,\
          reuse:fenced,pool:off,stacks:python,stack_depth:30,trace_dir:/tmp/x,log:quiet,\
-         per_process_memory_fraction:0.5,trace_files:3,compress:off,torch_caching:keep,clock:os,\
-         stages:on",
+         per_process_memory_fraction:0.5,trace_files:3,compress:off,torch_caching:keep,clock:os",
         "t",
     )
     .unwrap();
@@ -30,7 +29,6 @@ fn parses_every_kind_of_value() {
     assert_eq!(c.log, LogLevel::Quiet);
     assert_eq!(c.torch_caching, TorchCaching::Keep);
     assert_eq!(c.clock, ClockChoice::Os);
-    assert!(c.stages && !Config::default().stages);
 }
 
 #[test]

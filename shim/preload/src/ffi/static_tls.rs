@@ -25,8 +25,8 @@
 //! A static thread-local starts as all-zero bytes in every thread (the loader zeroes `.tbss`)
 //! and is never dropped: its type says so by implementing [`ZeroInit`]. Where something needs
 //! dropping at thread exit, the static thread-local lends it ([`Lent`]), and an ordinary
-//! thread-local owns it ([`ExitOwner`]): `stacks`' buffers, the trace's stages. On other architectures the macro declares an
-//! ordinary thread-local with the same interface.
+//! thread-local owns it ([`ExitOwner`]): `stacks`' capture buffers. On other architectures the
+//! macro declares an ordinary thread-local with the same interface.
 
 use std::cell::Cell;
 use std::thread::LocalKey;

@@ -1,19 +1,14 @@
-//! The calling thread's part of the trace — its number in the records, its module scope and
-//! its stage — in one thread-local.
+//! The calling thread's part of the trace — its number in the records and its module scope —
+//! in one thread-local.
 //!
 //! An allocation's record needs the thread's number, its scope slot and the scope the trace
 //! last heard from it; they are kept together in one thread-local in the static TLS block
-//! (Note [Thread-locals in static TLS]): two loads, no call into the loader. The stage its
-//! records wait on when the stages are on (recorder Note [Staged sends]) is lent by another
-//! (`ffi::static_tls::Lent`); an ordinary thread-local owns it, and publishes and frees it at
-//! the thread's exit.
+//! (Note [Thread-locals in static TLS]): two loads, no call into the loader.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use cachealloc_recorder::{Record, Recorder, Stage};
-
-use crate::ffi::static_tls::{ExitOwner, Lent, ZeroInit, static_thread_local};
+use crate::ffi::static_tls::{ZeroInit, static_thread_local};
 
 /// See the module docs.
 pub(super) struct ThreadTrace {
@@ -57,31 +52,4 @@ static_thread_local! {
 #[inline]
 pub(super) fn with<R>(f: impl FnOnce(&ThreadTrace) -> R) -> R {
     THREAD.with(f)
-}
-
-static_thread_local! {
-    /// The thread's stage, lent to one send at a time: a send that interrupts another on this
-    /// thread (from a signal handler) goes to the queue directly.
-    static STAGE: Lent<Stage>, symbol "cachealloc_tls_stage";
-}
-
-std::thread_local! {
-    /// Owns the calling thread's stage; drops it (publishing its records) at the thread's exit.
-    static STAGE_OWNER: ExitOwner<Stage> = const { ExitOwner::new() };
-}
-
-/// Send `record` through the calling thread's stage, made at its first staged record; directly
-/// when the thread has none (during its exit, or in a send that interrupted another). (While
-/// the stages are paused, records a thread staged before keep their places: its next batch or
-/// the worker's forward writes them.)
-#[inline(never)]
-pub(super) fn send_staged(recorder: &Recorder, record: Record) {
-    STAGE.lend(
-        &STAGE_OWNER,
-        || recorder.stage(),
-        |stage| match stage {
-            Some(stage) => recorder.send_staged(stage, record),
-            None => recorder.send(record),
-        },
-    );
 }

@@ -158,20 +158,6 @@ pub extern "C" fn cachealloc_stacks_pause(paused: c_int) -> c_int {
     )
 }
 
-/// Send the trace's records directly to the recorder's ring (`paused` non-zero), or through
-/// each thread's stage, 16 at a time (recorder Note [Staged sends]); returns 1 if the stages
-/// were paused before, 0 if not. Paused by default until measured on a GPU. The trace is the
-/// same either way. A benchmark's switch: what the stages save, measured step by step within
-/// one process (`scripts/gpu/recorder_cost.py`, `SWITCH=stages`).
-#[cfg_attr(not(test), unsafe(no_mangle))]
-pub extern "C" fn cachealloc_stages_pause(paused: c_int) -> c_int {
-    guarded(
-        "cachealloc_stages_pause",
-        || c_int::from(crate::trace::pause_stages(paused != 0)),
-        || 0,
-    )
-}
-
 /// Pause the trace's allocation records (`paused` non-zero) or resume them; returns 1 if they
 /// were paused before, 0 if not. While paused, allocations and the frees of blocks allocated
 /// meanwhile go unrecorded and no stack is captured; segments, OOMs and the program's context
