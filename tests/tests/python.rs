@@ -309,6 +309,21 @@ fn the_integration_tells_each_allocations_module_phase_and_category() {
     let out = Run::new("python3", &[script]).output();
     out.assert_ok("python_categories");
     let (records, _) = read_trace(&out.trace_dirs()[0]);
+    // The integration's wrapper of `_call_impl` is left out of the stacks (Note [The walk's
+    // loop]), the program's own frames are not.
+    let block = &alloc_stacks(&records)[&1024];
+    let frames: Vec<(&str, &str)> = block
+        .iter()
+        .map(|f| (f.name.as_str(), f.file.rsplit('/').next().unwrap_or("")))
+        .collect();
+    assert!(
+        frames.contains(&("Block.forward", "python_categories.py")),
+        "{frames:?}"
+    );
+    assert!(
+        !frames.iter().any(|f| f.1 == "cachealloc_categories.py"),
+        "the wrapper is hidden: {frames:?}"
+    );
     let mut state = LiveState::default();
     // requested size -> every (scope, phase, tag) seen for it at its frees (or at the end).
     let mut seen: HashMap<u64, Vec<(String, u8, u8)>> = HashMap::new();

@@ -16,7 +16,8 @@
 //! per Python frame its code object and offset, and — unless the interpreter tells us when code
 //! objects die, Note [Code objects' deaths] — what identifies the code object's contents), and
 //! each thread finds the stacks it captured last by the raw key's hash without the interner's
-//! lock (`recent`, Note [The thread's recent stacks]).
+//! lock (`recent`, Note [The thread's recent stacks]). The hash is taken from the walk's
+//! buffers; the key itself is only built for the interner, when the thread's recent stacks miss.
 //!
 //! Anything new is defined in the trace (`FrameDef`, then `StackDef`) *before* its id is first
 //! used: definitions are sent under the interner's lock, so any other thread that finds the stack
@@ -26,8 +27,8 @@
 //! (the Python code is what called into the native code).
 //!
 //! Frames of code objects the Python integration hides ([`hide_python_code`]: its wrapper of
-//! `nn.Module._call_impl`) are dropped right after the walk, before anything is read of them:
-//! a stack is the same with the integration's wrapper as without it, and costs no more.
+//! `nn.Module._call_impl`) are left out by the walk itself, before anything is read of their code
+//! objects: a stack is the same with the integration's wrapper as without it, and costs no more.
 //!
 //! A thread with no frame to record (in PyTorch, the autograd engine's device threads, which run
 //! the backward pass while the Python thread that called `backward()` waits) gets the stack of
@@ -87,21 +88,9 @@ pub fn hide_python_code(code: usize) -> bool {
     })
 }
 
-/// Drop the frames of hidden code objects from `frames` in place; returns how many are left.
-fn without_hidden(frames: &mut [RawFrame]) -> usize {
-    let hidden = HIDDEN_CODE.each_ref().map(|p| p.load(Ordering::Relaxed));
-    if hidden[0] == 0 {
-        return frames.len();
-    }
-    let mut kept = 0;
-    for i in 0..frames.len() {
-        let code = frames[i].code;
-        if !hidden.contains(&code) {
-            frames[kept] = frames[i];
-            kept += 1;
-        }
-    }
-    kept
+/// The code objects whose frames stacks leave out now (0: an empty place).
+fn hidden_code() -> [usize; 4] {
+    HIDDEN_CODE.each_ref().map(|p| p.load(Ordering::Relaxed))
 }
 
 /// A code object's cached facts, and the frame ids of the offsets seen in it.
@@ -384,8 +373,7 @@ impl Stacks {
         let epoch = python::code_deaths::epoch();
         let python = match (&self.python, tstate) {
             (Some(p), Some(tstate)) => {
-                let walked = p.walk(tstate, &mut py[..self.depth], known, epoch);
-                without_hidden(&mut py[..walked])
+                p.walk(tstate, &mut py[..self.depth], known, epoch, &hidden_code())
             }
             _ => 0,
         };
@@ -394,28 +382,35 @@ impl Stacks {
         if native + python == 0 {
             return self.backward.load(Ordering::Acquire);
         }
-        // The raw key: what was read off the stack, and for each Python frame what identifies
-        // its code object's contents (so a code object replaced at the same address is a miss).
-        // Where code objects' deaths are heard, the addresses and offsets are enough (Note
-        // [Code objects' deaths]).
+        // Where code objects' deaths are not heard (Note [Code objects' deaths]), what
+        // identifies each code object's contents is part of the key, so that a code object
+        // replaced at the same address is a miss.
         raw.clear();
-        raw.extend_from_slice(&ips[..native]);
-        if let Some(p) = &self.python {
+        if epoch == 0
+            && let Some(p) = &self.python
+        {
             for frame in &py[..python] {
-                raw.extend([frame.code as u64, frame.offset as u64]);
-                if epoch == 0 {
-                    // SAFETY: `frame` was just walked on this thread, which is still in the hook.
-                    let check = unsafe { p.check(frame.code) };
-                    raw.extend(check.map(|word| word as u64));
-                }
+                // SAFETY: `frame` was just walked on this thread, which is still in the hook.
+                let check = unsafe { p.check(frame.code) };
+                raw.extend(check.map(|word| word as u64));
             }
         }
-        let raw = &raw[..];
-        let hash = recent::key_hash(raw);
+        let hash = recent::key_hash(&ips[..native], &py[..python], raw);
         if let Some(id) = recent.get(hash, self.number, epoch) {
             self.recent_hits.fetch_add(1, Ordering::Relaxed);
             return id;
         }
+        // The raw key, for the interner: what was read off the stack (the addresses, then per
+        // Python frame its code object and offset), then the checks (epoch 0).
+        let checks = raw.len();
+        raw.extend_from_slice(&ips[..native]);
+        raw.extend(
+            py[..python]
+                .iter()
+                .flat_map(|f| [f.code as u64, f.offset as u64]),
+        );
+        raw.rotate_left(checks);
+        let raw = &raw[..];
         // SAFETY: `py` was just walked on this thread, which is still in the hook.
         let id = unsafe { self.intern(trace, raw, epoch, &ips[..native], &py[..python]) };
         recent.put(hash, self.number, epoch, id);

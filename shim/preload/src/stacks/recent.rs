@@ -9,8 +9,8 @@
 //! compared word by word, both out of the CPU's caches after the program's own work between two
 //! allocations (BENCHMARKS.md, "The trace on the CPU proxy, by symbol"). So each thread keeps a
 //! small table of the stacks it captured last, indexed by a 128-bit hash of the raw key computed
-//! in four independent lanes (a quarter of the dependent multiplies); a hit is one line read and
-//! no lock.
+//! in four independent lanes (a quarter of the dependent multiplies), from the walk's buffers
+//! (no key is built for a hit); a hit is one line read and no lock.
 //!
 //! An entry holds the number of the [`Stacks`](super::Stacks) that interned it and the code
 //! objects' epoch it was read in (Note [Code objects' deaths]): a hit is a stack of the same
@@ -19,6 +19,8 @@
 //! for a process's few thousand distinct stacks that has a probability of about 10⁻³¹. A
 //! thread's entries are only ever ids the interner gave it, after their definitions were sent,
 //! so its events still follow their stacks' definitions in the trace.
+
+use super::python::RawFrame;
 
 /// Entries a thread keeps (a power of two): 256 of 32 bytes, 8 KiB.
 const ENTRIES: usize = 256;
@@ -60,30 +62,65 @@ impl RecentStacks {
     }
 }
 
-/// A 128-bit hash of a raw key: four lanes, each taking every fourth word (so their multiplies
-/// overlap), mixed into two words at the end; the key's length goes in too.
-pub(super) fn key_hash(raw: &[u64]) -> (u64, u64) {
-    const K: [u64; 4] = [
-        0x9E37_79B9_7F4A_7C15,
-        0xC2B2_AE3D_27D4_EB4F,
-        0x1656_67B1_9E37_79F9,
-        0xD6E8_FEB8_6659_FD93,
-    ];
+/// A 128-bit hash of a raw key, taken from its parts where the walk left them (no key is
+/// built for a capture that hits): the native frames' addresses, the Python frames (code object
+/// and offset) and, where code objects' deaths are not heard, the words that identify each
+/// code object (`checks`, four a frame). Four lanes, each taking every fourth word of a part
+/// (so their multiplies overlap; a Python frame's two words go to two lanes, two frames a
+/// round), mixed into two words at the end with the parts' lengths.
+pub(super) fn key_hash(native: &[u64], frames: &[RawFrame], checks: &[u64]) -> (u64, u64) {
     let mut lanes = K;
-    let mut chunks = raw.chunks_exact(4);
-    for chunk in &mut chunks {
-        for i in 0..4 {
-            lanes[i] = (lanes[i] ^ chunk[i]).wrapping_mul(K[i]).rotate_left(29);
-        }
+    words(&mut lanes, native);
+    let mut pairs = frames.chunks_exact(2);
+    for p in &mut pairs {
+        round(
+            &mut lanes,
+            [
+                p[0].code as u64,
+                p[0].offset as u64,
+                p[1].code as u64,
+                p[1].offset as u64,
+            ],
+        );
     }
-    for (i, &w) in chunks.remainder().iter().enumerate() {
-        lanes[i] = (lanes[i] ^ w).wrapping_mul(K[i]).rotate_left(29);
+    if let [last] = pairs.remainder() {
+        round(&mut lanes, [last.code as u64, last.offset as u64, 0, 0]);
     }
-    let n = raw.len() as u64;
+    words(&mut lanes, checks);
+    let n = (native.len() as u64) | (frames.len() as u64) << 21 | (checks.len() as u64) << 42;
     let a = mix(lanes[0] ^ mix(lanes[1] ^ n));
     let b = mix(lanes[2] ^ mix(lanes[3].wrapping_add(n)));
     (a ^ b.rotate_left(17), mix(b ^ a))
 }
+
+/// One round: each lane takes its word.
+#[inline(always)]
+fn round(lanes: &mut [u64; 4], words: [u64; 4]) {
+    for i in 0..4 {
+        lanes[i] = (lanes[i] ^ words[i]).wrapping_mul(K[i]).rotate_left(29);
+    }
+}
+
+/// Rounds over `words`, four at a time, the last padded with zeros.
+#[inline(always)]
+fn words(lanes: &mut [u64; 4], words: &[u64]) {
+    let mut chunks = words.chunks_exact(4);
+    for c in &mut chunks {
+        round(lanes, [c[0], c[1], c[2], c[3]]);
+    }
+    if !chunks.remainder().is_empty() {
+        let mut tail = [0; 4];
+        tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+        round(lanes, tail);
+    }
+}
+
+const K: [u64; 4] = [
+    0x9E37_79B9_7F4A_7C15,
+    0xC2B2_AE3D_27D4_EB4F,
+    0x1656_67B1_9E37_79F9,
+    0xD6E8_FEB8_6659_FD93,
+];
 
 /// splitmix64's finalizer: every bit of the input moves every bit of the output.
 fn mix(mut x: u64) -> u64 {
@@ -99,7 +136,7 @@ mod tests {
     #[test]
     fn a_hit_needs_the_same_hash_interner_and_epoch() {
         let mut recent = RecentStacks::default();
-        let h = key_hash(&[1, 2, 3]);
+        let h = key_hash(&[1, 2, 3], &[], &[]);
         assert_eq!(recent.get(h, 1, 0), None);
         recent.put(h, 1, 0, 7);
         assert_eq!(recent.get(h, 1, 0), Some(7));
@@ -122,23 +159,42 @@ mod tests {
 
     #[test]
     fn every_word_and_its_place_change_the_hash() {
-        // The keys a capture makes: (code, offset) pairs, often differing in one word, or in
-        // order, or in length by a trailing zero.
-        let base: Vec<u64> = (0..23).map(|i| 0x7f00_0000_0000 + i * 0x40).collect();
+        // The keys a capture makes: Python frames, often differing in one word, or in order,
+        // or in length by a frame of zeros; native addresses before them; checks after.
+        let base: Vec<RawFrame> = (0..23)
+            .map(|i| RawFrame {
+                code: 0x7f00_0000_0000 + i * 0x40,
+                offset: 2 * i as i32,
+            })
+            .collect();
         let mut seen = std::collections::HashSet::new();
-        assert!(seen.insert(key_hash(&base)));
+        assert!(seen.insert(key_hash(&[], &base, &[])));
         for i in 0..base.len() {
             let mut k = base.clone();
-            k[i] ^= 1;
-            assert!(seen.insert(key_hash(&k)), "flipping word {i}");
+            k[i].code ^= 8;
+            assert!(
+                seen.insert(key_hash(&[], &k, &[])),
+                "code object of frame {i}"
+            );
+            let mut k = base.clone();
+            k[i].offset += 2;
+            assert!(seen.insert(key_hash(&[], &k, &[])), "offset of frame {i}");
             let mut k = base.clone();
             k.swap(i, (i + 1) % base.len());
-            assert!(seen.insert(key_hash(&k)), "swap at {i}");
-            assert!(seen.insert(key_hash(&base[..i])), "prefix of {i}");
+            assert!(seen.insert(key_hash(&[], &k, &[])), "swap at {i}");
+            assert!(seen.insert(key_hash(&[], &base[..i], &[])), "prefix of {i}");
         }
         let mut longer = base.clone();
-        longer.push(0);
-        assert!(seen.insert(key_hash(&longer)), "a trailing zero");
+        longer.push(RawFrame::default());
+        assert!(seen.insert(key_hash(&[], &longer, &[])), "a frame of zeros");
+        // The same words in another part, or one more zero word in a part.
+        let words = [0x40_1000u64, 0x40_2000, 0x40_3000];
+        assert!(seen.insert(key_hash(&words, &base, &[])));
+        assert!(seen.insert(key_hash(&words[..2], &base, &words[2..])));
+        assert!(seen.insert(key_hash(&[], &base, &words)));
+        assert!(seen.insert(key_hash(&[words[0], words[1], words[2], 0], &base, &[])));
+        assert!(seen.insert(key_hash(&[], &base, &[words[0], words[1], words[2], 0])));
+        assert!(seen.insert(key_hash(&words, &[], &[])));
         // Both halves differ between any two of them.
         let firsts: std::collections::HashSet<u64> = seen.iter().map(|h| h.0).collect();
         let seconds: std::collections::HashSet<u64> = seen.iter().map(|h| h.1).collect();

@@ -73,8 +73,9 @@ pub const OWNED_BY_CSTACK: u8 = 3;
 /// Size of a bytecode unit (`_Py_CODEUNIT`).
 pub const CODE_UNIT: usize = 2;
 
-/// The layout of CPython `major.minor`, if supported.
-pub fn for_version(major: u32, minor: u32) -> Option<Layout> {
+/// The layout of CPython `major.minor`, if supported. A `const fn`, so that the walker's loop
+/// can be compiled once a version, with the offsets as constants.
+pub const fn for_version(major: u32, minor: u32) -> Option<Layout> {
     if major != 3 {
         return None;
     }
@@ -115,24 +116,7 @@ pub fn for_version(major: u32, minor: u32) -> Option<Layout> {
             ascii_size: 48,
             compact_size: 72,
         },
-        12 => Layout {
-            version: (3, 12),
-            kind: FrameKind::CFrame,
-            tstate_frame: 56,
-            cframe_current_frame: 0,
-            frame_code: 0,
-            frame_previous: 8,
-            frame_instr: 56,
-            frame_owner: 70,
-            code_filename: 112,
-            code_name: 128,
-            code_firstlineno: 68,
-            code_linetable: 136,
-            code_bytecode: 192,
-            code_firsttraceable: 176,
-            ascii_size: 40,
-            compact_size: 56,
-        },
+        12 => V3_12,
         // 3.13 moved the current frame into the thread state and grew the code object.
         13 => Layout {
             version: (3, 13),
@@ -140,12 +124,32 @@ pub fn for_version(major: u32, minor: u32) -> Option<Layout> {
             tstate_frame: 72,
             code_bytecode: 200,
             code_firsttraceable: 184,
-            ..for_version(3, 12)?
+            ..V3_12
         },
         _ => return None,
     };
     Some(layout)
 }
+
+/// CPython 3.12's layout (3.13 starts from it).
+const V3_12: Layout = Layout {
+    version: (3, 12),
+    kind: FrameKind::CFrame,
+    tstate_frame: 56,
+    cframe_current_frame: 0,
+    frame_code: 0,
+    frame_previous: 8,
+    frame_instr: 56,
+    frame_owner: 70,
+    code_filename: 112,
+    code_name: 128,
+    code_firstlineno: 68,
+    code_linetable: 136,
+    code_bytecode: 192,
+    code_firsttraceable: 176,
+    ascii_size: 40,
+    compact_size: 56,
+};
 
 impl Layout {
     /// The table as `name offset` lines, in the format `offsets.c` (beside this file) prints,

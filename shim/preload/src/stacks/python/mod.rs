@@ -111,6 +111,8 @@ pub struct KnownCode {
     /// The last walk's `(code object, first traceable instruction)` by place in the chain,
     /// innermost first.
     last_walk: Vec<(usize, c_int)>,
+    /// The hidden code objects the entries were made with ([`HIDDEN`]).
+    hidden: [usize; 4],
 }
 
 impl Default for KnownCode {
@@ -119,6 +121,7 @@ impl Default for KnownCode {
             epoch: 0,
             slots: vec![(0, 0); KnownCode::SLOTS].into_boxed_slice(),
             last_walk: Vec::new(),
+            hidden: [0; 4],
         }
     }
 }
@@ -127,30 +130,30 @@ impl KnownCode {
     /// Entries: 8 KiB a thread, more than the code objects a model's stacks run through.
     const SLOTS: usize = 512;
 
-    /// Before a walk in `epoch`: forget the entries of another epoch.
-    pub fn begin(&mut self, epoch: u64) {
-        if epoch != self.epoch {
+    /// Before a walk in `epoch` with the code objects of `hidden` hidden: forget the entries
+    /// of another epoch, or of another set of hidden code objects (it only grows, and rarely:
+    /// the Python integration hides its wrappers once).
+    pub fn begin(&mut self, epoch: u64, hidden: &[usize; 4]) {
+        if epoch != self.epoch || *hidden != self.hidden {
             self.slots.fill((0, 0));
             self.last_walk.clear();
             self.epoch = epoch;
+            self.hidden = *hidden;
         }
     }
 
-    /// [`KnownCode::get`] for the code object of the chain's `place`-th frame: the last walk's
-    /// there first, then the table (what it finds there is noted for the next walk).
-    fn get_at(&mut self, place: usize, code: usize) -> Option<c_int> {
-        if let Some(&(known, first)) = self.last_walk.get(place)
-            && known == code
-            && self.epoch != 0
-        {
-            return Some(first);
+    /// The first traceable instruction of `code` if the last walk met it at the chain's
+    /// `place`-th frame (in this epoch: in epoch 0 no place is remembered).
+    #[inline(always)]
+    fn at(&self, place: usize, code: usize) -> Option<c_int> {
+        match self.last_walk.get(place) {
+            Some(&(known, first)) if known == code => Some(first),
+            _ => None,
         }
-        let first = self.get(code)?;
-        self.note_at(place, code, first);
-        Some(first)
     }
 
-    /// What [`KnownCode::get_at`] found, or learned, for the chain's `place`-th frame.
+    /// What the chain's `place`-th frame's code object `code` was found to be, for the next
+    /// walk.
     fn note_at(&mut self, place: usize, code: usize, first: c_int) {
         if self.epoch == 0 {
             return;
@@ -182,6 +185,10 @@ impl KnownCode {
         }
     }
 }
+
+/// What [`KnownCode`] keeps, instead of a first traceable instruction, for a code object whose
+/// frames stacks leave out.
+const HIDDEN: c_int = -1;
 
 /// Look up `name` in the host process.
 pub(crate) fn symbol(name: &CStr) -> Option<*mut c_void> {
@@ -271,7 +278,9 @@ impl Python {
     }
 
     /// The calling thread's Python frames, innermost first, into `out`; returns how many.
-    /// `tstate` is the thread's state, from [`Python::thread_state`] in the same hook.
+    /// `tstate` is the thread's state, from [`Python::thread_state`] in the same hook. Frames
+    /// whose code object is one of `hidden` (0: an empty place) are left out, before anything
+    /// is read of their code object.
     ///
     /// `known` is the calling thread's [`KnownCode`] and `epoch` the code objects' deaths'
     /// epoch, read before the walk ([`code_deaths::epoch`]).
@@ -281,88 +290,154 @@ impl Python {
         out: &mut [RawFrame],
         known: &mut KnownCode,
         epoch: u64,
+        hidden: &[usize; 4],
     ) -> usize {
-        known.begin(epoch);
-        let tstate = tstate.0;
+        known.begin(epoch, hidden);
+        // A loop a version, whose offsets are constants (Note [The walk's loop]).
+        match self.layout.version.1 {
+            10 => self.walk_chain::<10>(tstate, out, known, hidden),
+            11 => self.walk_chain::<11>(tstate, out, known, hidden),
+            12 => self.walk_chain::<12>(tstate, out, known, hidden),
+            _ => self.walk_chain::<13>(tstate, out, known, hidden),
+        }
+    }
+
+    /// [`Python::walk`] for CPython 3.`MINOR` (the layout's version).
+    ///
+    /// # Note [The walk's loop]
+    ///
+    /// A capture walks the whole chain (~60 frames on a transformers model), so what a frame
+    /// costs is most of what a capture costs. The loop is compiled once for each version, with
+    /// that version's offsets as constants (they would otherwise be loaded, and spilled, a
+    /// frame); a frame whose code object is the one the last walk met at its place
+    /// ([`KnownCode`]) is answered by one compare, which also stands for the pointer's
+    /// plausibility and for whether the code object's frames are hidden (the place keeps
+    /// [`HIDDEN`] for those). Everything else about a code object is learned once, out of the
+    /// loop ([`Python::learn`]).
+    #[inline(always)]
+    fn walk_chain<const MINOR: u32>(
+        &self,
+        tstate: ThreadState,
+        out: &mut [RawFrame],
+        known: &mut KnownCode,
+        hidden: &[usize; 4],
+    ) -> usize {
+        let l = const {
+            match layout::for_version(3, MINOR) {
+                Some(layout) => layout,
+                None => panic!("a supported version"),
+            }
+        };
         // SAFETY: see the module docs: the calling thread is parked in our hook, so its own
         // frame chain and the code objects it references stay as they are while we read; every
         // pointer is checked for null and alignment, every code object's type is checked before
-        // its fields are read, and the walk is bounded by `out`'s length.
+        // its fields are read (or `known` says it was, in this epoch: Note [Known code
+        // objects]), and the walk is bounded by `out`'s length.
         unsafe {
-            let l = &self.layout;
-            let mut frame = read_ptr(tstate + l.tstate_frame);
+            let mut frame = read_ptr(tstate.0 + l.tstate_frame);
             if l.kind == FrameKind::CFrame {
                 if !plausible(frame) {
                     return 0;
                 }
                 frame = read_ptr(frame + l.cframe_current_frame);
             }
-            let mut n = 0;
-            let mut steps = 0;
-            while plausible(frame) && n < out.len() && steps < 4 * out.len() {
-                steps += 1;
-                if let Some(raw) = self.frame(frame, steps - 1, known) {
-                    out[n] = raw;
+            let (mut n, mut place) = (0, 0);
+            let links = 4 * out.len();
+            while plausible(frame) && n < out.len() && place < links {
+                let code = read_ptr(frame + l.frame_code);
+                let previous = read_ptr(frame + l.frame_previous);
+                let first = match known.at(place, code) {
+                    Some(first) => Some(first),
+                    None => self.learn(code, place, known, hidden),
+                };
+                if let Some(first) = first
+                    && first != HIDDEN
+                    && let Some(offset) = Self::offset(&l, frame, code, first)
+                {
+                    out[n] = RawFrame { code, offset };
                     n += 1;
                 }
-                frame = read_ptr(frame + l.frame_previous);
+                place += 1;
+                frame = previous;
             }
             n
         }
     }
 
-    /// One frame of the chain, or `None` for frames that are not (yet) running Python code.
+    /// What the walk needs of the code object at `code`, met at the chain's `place`-th frame
+    /// and not known there: its first traceable instruction, or [`HIDDEN`] for a code object
+    /// of `hidden` (nothing is read of it then); read from the object (after its type is
+    /// checked) unless the known table has it, and noted for the next walk. `None` when `code`
+    /// is not a code object.
     ///
     /// # Safety
     ///
-    /// `frame` must point to a live frame of the calling thread (see [`Python::walk`]), the
-    /// `place`-th link of its chain from the innermost.
-    unsafe fn frame(&self, frame: usize, place: usize, known: &mut KnownCode) -> Option<RawFrame> {
-        let l = &self.layout;
-        // SAFETY: the caller guarantees `frame` is a live frame; the code object it holds is
-        // alive with it, and is read only after its type is checked (or `known` says it was,
-        // in this epoch: Note [Known code objects]).
-        unsafe {
-            let code = read_ptr(frame + l.frame_code);
-            if !plausible(code) {
-                return None;
-            }
-            let first = match known.get_at(place, code) {
-                Some(first) => first,
-                None => {
+    /// `code` must be the code object pointer of a live frame of the calling thread.
+    #[inline(never)]
+    unsafe fn learn(
+        &self,
+        code: usize,
+        place: usize,
+        known: &mut KnownCode,
+        hidden: &[usize; 4],
+    ) -> Option<c_int> {
+        if !plausible(code) {
+            return None;
+        }
+        let first = match known.get(code) {
+            Some(first) => first,
+            None if hidden.contains(&code) => HIDDEN,
+            None => {
+                // SAFETY: as the caller guarantees: a live frame's code object pointer, whose
+                // type is read (an object header) before anything else.
+                unsafe {
                     if read_ptr(code + layout::OBJECT_TYPE) != self.code_type {
                         return None;
                     }
-                    let first = if l.kind == FrameKind::FrameObject {
+                    if self.layout.kind == FrameKind::FrameObject {
                         0
                     } else {
                         (code as *const u8)
-                            .add(l.code_firsttraceable)
+                            .add(self.layout.code_firsttraceable)
                             .cast::<c_int>()
                             .read()
-                    };
-                    known.put(code, first);
-                    known.note_at(place, code, first);
-                    first
+                            .max(0)
+                    }
                 }
-            };
+            }
+        };
+        known.put(code, first);
+        known.note_at(place, code, first);
+        Some(first)
+    }
+
+    /// The offset of the frame at `frame`, running the code object at `code` whose first
+    /// traceable instruction is `first`, or `None` for frames that are not (yet) running Python
+    /// code.
+    ///
+    /// # Safety
+    ///
+    /// `frame` must point to a live frame of the calling thread (see [`Python::walk`]) of a
+    /// chain laid out as `l`, whose code object `code` is.
+    #[inline(always)]
+    unsafe fn offset(l: &Layout, frame: usize, code: usize, first: c_int) -> Option<i32> {
+        // SAFETY: as the caller guarantees: the fields read are the frame's own.
+        unsafe {
             if l.kind == FrameKind::FrameObject {
                 let lasti = (frame as *const u8).add(l.frame_instr).cast::<i32>().read();
-                let offset = if lasti < 0 { -1 } else { lasti * 2 };
-                return Some(RawFrame { code, offset });
+                return Some(if lasti < 0 { -1 } else { lasti * 2 });
             }
             let owner = (frame as *const u8).add(l.frame_owner).read();
-            if l.version >= (3, 12) && owner == layout::OWNED_BY_CSTACK {
+            if l.version.1 >= 12 && owner == layout::OWNED_BY_CSTACK {
                 return None;
             }
             let bytecode = code + l.code_bytecode;
             let instr = read_ptr(frame + l.frame_instr);
-            let first = bytecode + first.max(0) as usize * layout::CODE_UNIT;
+            let first = bytecode + first as usize * layout::CODE_UNIT;
             if owner != layout::OWNED_BY_GENERATOR && instr < first {
                 return None; // not started: CPython's own walkers skip it too
             }
-            let offset = i32::try_from(instr.wrapping_sub(bytecode) as isize).unwrap_or(-1);
-            Some(RawFrame { code, offset })
+            Some(i32::try_from(instr.wrapping_sub(bytecode) as isize).unwrap_or(-1))
         }
     }
 
@@ -507,23 +582,27 @@ mod tests {
     fn known_code_objects_belong_to_one_epoch() {
         let mut known = KnownCode::default();
         // Deaths not heard: nothing is kept.
-        known.begin(0);
+        known.begin(0, &[0; 4]);
         known.put(0x7f00_0000_1000, 3);
         assert_eq!(known.get(0x7f00_0000_1000), None);
         // Within an epoch an entry stays; another epoch forgets it.
-        known.begin(5);
+        known.begin(5, &[0; 4]);
         known.put(0x7f00_0000_1000, 3);
-        known.begin(5);
+        known.begin(5, &[0; 4]);
         assert_eq!(known.get(0x7f00_0000_1000), Some(3));
         assert_eq!(known.get(0x7f00_0000_2000), None);
-        known.begin(6);
+        known.begin(6, &[0; 4]);
+        assert_eq!(known.get(0x7f00_0000_1000), None);
+        // So does another set of hidden code objects.
+        known.put(0x7f00_0000_1000, 3);
+        known.begin(6, &[0x7f00_0000_9000, 0, 0, 0]);
         assert_eq!(known.get(0x7f00_0000_1000), None);
     }
 
     #[test]
     fn a_colliding_address_replaces_the_entry_and_never_reads_another_objects() {
         let mut known = KnownCode::default();
-        known.begin(1);
+        known.begin(1, &[0; 4]);
         let first = 0x7f00_0000_1000usize;
         let other = (1..)
             .map(|i| first + 16 * i)
@@ -538,7 +617,7 @@ mod tests {
     #[test]
     fn a_place_remembers_its_last_code_object_within_the_epoch() {
         let mut known = KnownCode::default();
-        known.begin(1);
+        known.begin(1, &[0; 4]);
         let (a, b) = (0x7f00_0000_1000usize, 0x7f00_0000_2000usize);
         // Learned at place 0 and 1 by the first walk.
         known.put(a, 3);
@@ -552,14 +631,21 @@ mod tests {
             .expect("a colliding address");
         known.put(colliding, 9);
         assert_eq!(known.get(a), None, "gone from the table");
-        assert_eq!(known.get_at(0, a), Some(3), "the last walk's at place 0");
-        assert_eq!(known.get_at(1, a), None, "place 1 had another one");
-        // What the table answers at a place is noted there for the next walk.
-        assert_eq!(known.get_at(2, b), Some(4));
-        assert_eq!(known.last_walk.get(2), Some(&(b, 4)));
-        // Another epoch forgets the places too.
-        known.begin(2);
-        assert_eq!(known.get_at(0, a), None);
-        assert_eq!(known.get_at(1, b), None);
+        assert_eq!(known.at(0, a), Some(3), "the last walk's at place 0");
+        assert_eq!(known.at(1, a), None, "place 1 had another one");
+        assert_eq!(known.at(2, b), None, "a place not yet reached");
+        known.note_at(2, b, 4);
+        assert_eq!(known.at(2, b), Some(4));
+        // A place takes the code object met there last.
+        known.note_at(0, b, 4);
+        assert_eq!(known.at(0, a), None);
+        assert_eq!(known.at(0, b), Some(4));
+        // Another epoch forgets the places too; epoch 0 keeps none.
+        known.begin(2, &[0; 4]);
+        assert_eq!(known.at(0, b), None);
+        assert_eq!(known.at(1, b), None);
+        known.begin(0, &[0; 4]);
+        known.note_at(0, a, 3);
+        assert_eq!(known.at(0, a), None, "no place is kept in epoch 0");
     }
 }
