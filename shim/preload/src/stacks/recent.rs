@@ -195,6 +195,21 @@ mod tests {
         assert!(seen.insert(key_hash(&[words[0], words[1], words[2], 0], &base, &[])));
         assert!(seen.insert(key_hash(&[], &base, &[words[0], words[1], words[2], 0])));
         assert!(seen.insert(key_hash(&words, &[], &[])));
+        // Every word of the native addresses and of the checks counts, at equal lengths.
+        let checks: Vec<u64> = (0..4 * base.len() as u64)
+            .map(|i| 0x5500_0000 + i)
+            .collect();
+        assert!(seen.insert(key_hash(&words, &base, &checks)));
+        for i in 0..words.len() {
+            let mut w = words;
+            w[i] ^= 1 << 12;
+            assert!(seen.insert(key_hash(&w, &base, &checks)), "native word {i}");
+        }
+        for i in 0..checks.len() {
+            let mut c = checks.clone();
+            c[i] ^= 1 << 20;
+            assert!(seen.insert(key_hash(&words, &base, &c)), "check word {i}");
+        }
         // Both halves differ between any two of them.
         let firsts: std::collections::HashSet<u64> = seen.iter().map(|h| h.0).collect();
         let seconds: std::collections::HashSet<u64> = seen.iter().map(|h| h.1).collect();

@@ -114,6 +114,7 @@ impl KnownCode {
 /// What [`KnownCode`] keeps, instead of a first traceable instruction, for a code object whose
 /// frames stacks leave out.
 pub(super) const HIDDEN: c_int = -1;
+
 #[cfg(test)]
 mod tests {
     use super::*;
