@@ -1,7 +1,7 @@
 """Python stacks under cachealloc: allocates through ctypes from known functions at known lines,
 with the GIL released by the call (ctypes.CDLL), held through it (ctypes.PyDLL), from a second
 thread, from a generator, and from functions whose code objects are freed and made again at the
-same address, and writes what each allocation's stack must be to the JSON file
+same address, from the same two lines again and again, and writes what each allocation's stack must be to the JSON file
 named by argv[1]: [{"size": N, "gil": bool, "frames": [[qualname, file, line], ...]}],
 innermost first, as Python itself reports them. Prints "OK python_stacks"."""
 import ctypes
@@ -79,9 +79,18 @@ def generated_functions(lib, ptrs, count=24):
     return reused
 
 
+def two_lines(lib, ptrs, rounds=4):
+    """The same two stacks again and again, differing only in this frame's line: the repeats
+    are found in the thread's recent stacks, and each must keep its own line."""
+    for _ in range(rounds):
+        ptrs.append(allocate(lib))
+        ptrs.append(allocate(lib))
+
+
 def main():
     ptrs = []
     reused = generated_functions(released, ptrs)
+    two_lines(released, ptrs)
     for lib in (released, held):
         ptrs.append(allocate(lib))
         ptrs.append(Model().forward(lib, 30))

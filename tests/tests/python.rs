@@ -183,9 +183,11 @@ fn recorded_stacks(records: &[Record]) -> HashMap<u64, Vec<(u8, String, String, 
 }
 
 /// The exit summary's account of the captures (`stacks: N captures, C cold (…), warm keys
-/// forgotten F times`): every recorded allocation was captured, the first of each stack cold;
-/// on 3.12+, where code objects' deaths are heard, the program's dying code objects made the
-/// cache forget its keys, which never happens before 3.12.
+/// forgotten F times (…), R found in the thread's recent stacks`): every recorded allocation
+/// was captured, the first of each stack cold; on 3.12+, where code objects' deaths are heard,
+/// the program's dying code objects made the cache forget its keys, which never happens before
+/// 3.12; the program's repeated stacks (`two_lines`: six repeats) were found in the thread's
+/// recent stacks.
 fn check_capture_counts(stderr: &str, version: (u32, u32), allocations: usize) {
     let line = stderr
         .lines()
@@ -195,11 +197,12 @@ fn check_capture_counts(stderr: &str, version: (u32, u32), allocations: usize) {
         .split(|c: char| !c.is_ascii_digit())
         .filter_map(|w| w.parse().ok())
         .collect();
-    // pid, captures, cold, the percentage's two parts, forgotten.
-    let [_, captures, cold, _, _, forgotten] = numbers[..] else {
+    // pid, captures, cold, the percentage's two parts, forgotten, recent.
+    let [_, captures, cold, _, _, forgotten, recent] = numbers[..] else {
         panic!("unexpected stacks line: {line}");
     };
     assert!(captures >= allocations as u64, "{line}");
+    assert!(recent >= 6 && recent < captures, "{line}");
     assert!(cold >= 1 && cold <= captures, "{line}");
     if version >= (3, 12) {
         assert!(
@@ -233,7 +236,7 @@ fn python_stacks_show_functions_and_lines_with_and_without_the_gil() {
             let (records, tears) = read_trace(&dirs[0]);
             assert!(tears.is_empty());
             let recorded = recorded_stacks(&records);
-            assert_eq!(expected.len(), 9 + 24);
+            assert_eq!(expected.len(), 9 + 24 + 8);
             assert!(expected.iter().any(|e| e.gil) && expected.iter().any(|e| !e.gil));
             for e in &expected {
                 let got = &recorded[&e.size];

@@ -85,11 +85,12 @@ fn print_summary(facts: ExitFacts) {
     if let Some(c) = facts.stacks.filter(|c| c.captures > 0) {
         log::info!(
             "pid {pid}: stacks: {} captures, {} cold ({:.1} %), warm keys forgotten {} times \
-             (code objects died)",
+             (code objects died), {} found in the thread's recent stacks",
             c.captures,
             c.cold,
             100.0 * c.cold as f64 / c.captures as f64,
             c.forgotten,
+            c.recent,
         );
     }
     let other_contexts = facts.unpooled_context_mallocs;

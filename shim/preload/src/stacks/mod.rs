@@ -119,8 +119,9 @@ struct Interner {
     counts: CaptureCounts,
 }
 
-/// How captures went, for the exit summary: how many found their stack warm, and how often
-/// the warm keys were forgotten because a code object died.
+/// How captures went, for the exit summary: how many found their stack warm (and how many of
+/// those in the thread's recent stacks), and how often the warm keys were forgotten because a
+/// code object died.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct CaptureCounts {
     /// Captures that reached the interner (a stack with at least one frame).
@@ -129,6 +130,9 @@ pub struct CaptureCounts {
     pub cold: u64,
     /// Times the warm keys were forgotten (Note [Code objects' deaths]).
     pub forgotten: u64,
+    /// Captures answered by the thread's recent stacks (Note [The thread's recent stacks]),
+    /// counted in `captures` too.
+    pub recent: u64,
 }
 
 impl Interner {
@@ -314,7 +318,8 @@ impl Stacks {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .counts;
-        counts.captures += self.recent_hits.load(Ordering::Relaxed);
+        counts.recent = self.recent_hits.load(Ordering::Relaxed);
+        counts.captures += counts.recent;
         counts
     }
 
@@ -348,6 +353,21 @@ impl Stacks {
             .unwrap_or(0)
     }
 
+    /// [`Stacks::capture_skipping`] with the thread's buffers.
+    ///
+    /// # Note [A hit writes no frames]
+    ///
+    /// Nearly every capture finds a stack the thread has seen (the thread's recent stacks, Note
+    /// [The thread's recent stacks]), and what it costs then is the cache lines it touches, the
+    /// program's work having evicted them since the last allocation: the frames themselves (two
+    /// lines each on 3.12, where a frame's code object and its instruction pointer are 56 bytes
+    /// apart), the places of [`python::KnownCode`], and the buffer the frames were written to
+    /// before they were hashed — 16 bytes a frame, ten more lines written for a 40-frame stack
+    /// (`scripts/bench-cold-lines`). So where the key is the frames alone (code objects' deaths
+    /// heard, epoch ≠ 0), the walk hands each frame to the hash ([`recent::KeyHash`]) and writes
+    /// nothing down; only when the recent stacks miss does a second walk write the frames for
+    /// the interner. Both walks see the same chain: the thread is parked in this hook, and they
+    /// are given the same epoch and hidden code objects.
     fn capture_with(
         &self,
         scratch: &mut Scratch,
@@ -371,14 +391,35 @@ impl Stacks {
         // Read before the walk: the known code objects' table belongs to it (Note [Known code
         // objects]), and a frame's code object is alive from before the capture on.
         let epoch = python::code_deaths::epoch();
-        let python = match (&self.python, tstate) {
-            (Some(p), Some(tstate)) => {
-                p.walk(tstate, &mut py[..self.depth], known, epoch, &hidden_code())
+        let hidden = hidden_code();
+        let walker = self.python.as_ref().zip(tstate);
+        // Note [A hit writes no frames]: where code objects' deaths are heard, the key is the
+        // frames alone, and a first walk hashes them as it finds them.
+        let hashed_walk = epoch != 0 && walker.is_some();
+        if hashed_walk && let Some((p, tstate)) = walker {
+            let mut hash = recent::KeyHash::new(&ips[..native]);
+            let walked = p.walk(tstate, skip..self.depth, known, epoch, &hidden, |frame| {
+                hash.frame(frame)
+            });
+            if native + walked.saturating_sub(skip) == 0 {
+                return self.backward.load(Ordering::Acquire);
             }
-            _ => 0,
-        };
-        let skip = skip.min(python);
-        let (py, python) = (&py[skip..], python - skip);
+            if let Some(id) = recent.get(hash.finish(&[]), self.number, epoch) {
+                self.recent_hits.fetch_add(1, Ordering::Relaxed);
+                return id;
+            }
+        }
+        // The frames written down: for the interner (the thread's recent stacks missed), or for
+        // the code objects' checks (deaths not heard).
+        let walked = walker.map_or(0, |(p, tstate)| {
+            let mut n = 0;
+            p.walk(tstate, 0..self.depth, known, epoch, &hidden, |frame| {
+                py[n] = frame;
+                n += 1;
+            })
+        });
+        let skip = skip.min(walked);
+        let (py, python) = (&py[skip..], walked - skip);
         if native + python == 0 {
             return self.backward.load(Ordering::Acquire);
         }
@@ -396,7 +437,8 @@ impl Stacks {
             }
         }
         let hash = recent::key_hash(&ips[..native], &py[..python], raw);
-        if let Some(id) = recent.get(hash, self.number, epoch) {
+        // (The first walk's hash, if there was one, is this one, and missed.)
+        if !hashed_walk && let Some(id) = recent.get(hash, self.number, epoch) {
             self.recent_hits.fetch_add(1, Ordering::Relaxed);
             return id;
         }

@@ -65,32 +65,64 @@ impl RecentStacks {
 /// A 128-bit hash of a raw key, taken from its parts where the walk left them (no key is
 /// built for a capture that hits): the native frames' addresses, the Python frames (code object
 /// and offset) and, where code objects' deaths are not heard, the words that identify each
-/// code object (`checks`, four a frame). Four lanes, each taking every fourth word of a part
-/// (so their multiplies overlap; a Python frame's two words go to two lanes, two frames a
-/// round), mixed into two words at the end with the parts' lengths.
+/// code object (`checks`, four a frame). [`KeyHash`] takes the same parts one at a time.
 pub(super) fn key_hash(native: &[u64], frames: &[RawFrame], checks: &[u64]) -> (u64, u64) {
-    let mut lanes = K;
-    words(&mut lanes, native);
-    let mut pairs = frames.chunks_exact(2);
-    for p in &mut pairs {
-        round(
-            &mut lanes,
-            [
-                p[0].code as u64,
-                p[0].offset as u64,
-                p[1].code as u64,
-                p[1].offset as u64,
-            ],
-        );
+    let mut hash = KeyHash::new(native);
+    for &frame in frames {
+        hash.frame(frame);
     }
-    if let [last] = pairs.remainder() {
-        round(&mut lanes, [last.code as u64, last.offset as u64, 0, 0]);
+    hash.finish(checks)
+}
+
+/// [`key_hash`] of a key whose Python frames are given as a walk finds them, so that a capture
+/// whose stack the thread has seen writes none of them down (Note [A hit writes no frames]).
+/// Four lanes: the native frames' addresses and the checks go a word a lane, four words a
+/// round (so their multiplies overlap); a Python frame's code object and offset go to the
+/// first two lanes, which then trade places with the other two, so that each lane's multiply
+/// waits for the one two frames back, and a frame costs no branch and no memory. The lanes are
+/// mixed into two words at the end with the parts' lengths.
+pub(super) struct KeyHash {
+    lanes: [u64; 4],
+    native: u64,
+    frames: u64,
+}
+
+impl KeyHash {
+    /// A hash that starts with the native frames' addresses.
+    #[inline(always)]
+    pub(super) fn new(native: &[u64]) -> KeyHash {
+        let mut lanes = K;
+        words(&mut lanes, native);
+        KeyHash {
+            lanes,
+            native: native.len() as u64,
+            frames: 0,
+        }
     }
-    words(&mut lanes, checks);
-    let n = (native.len() as u64) | (frames.len() as u64) << 21 | (checks.len() as u64) << 42;
-    let a = mix(lanes[0] ^ mix(lanes[1] ^ n));
-    let b = mix(lanes[2] ^ mix(lanes[3].wrapping_add(n)));
-    (a ^ b.rotate_left(17), mix(b ^ a))
+
+    /// The next Python frame, innermost first.
+    #[inline(always)]
+    pub(super) fn frame(&mut self, frame: RawFrame) {
+        let [a, b, c, d] = self.lanes;
+        self.lanes = [
+            c,
+            d,
+            (a ^ frame.code as u64).wrapping_mul(K[0]).rotate_left(29),
+            (b ^ frame.offset as u64).wrapping_mul(K[1]).rotate_left(29),
+        ];
+        self.frames += 1;
+    }
+
+    /// The hash, with the code objects' `checks` last.
+    #[inline(always)]
+    pub(super) fn finish(mut self, checks: &[u64]) -> (u64, u64) {
+        let lanes = &mut self.lanes;
+        words(lanes, checks);
+        let n = self.native | self.frames << 21 | (checks.len() as u64) << 42;
+        let a = mix(lanes[0] ^ mix(lanes[1] ^ n));
+        let b = mix(lanes[2] ^ mix(lanes[3].wrapping_add(n)));
+        (a ^ b.rotate_left(17), mix(b ^ a))
+    }
 }
 
 /// One round: each lane takes its word.

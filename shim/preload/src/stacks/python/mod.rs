@@ -31,6 +31,7 @@ pub mod layout;
 pub mod linetable;
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ops::Range;
 
 use known_code::HIDDEN;
 pub use known_code::KnownCode;
@@ -168,28 +169,32 @@ impl Python {
         }
     }
 
-    /// The calling thread's Python frames, innermost first, into `out`; returns how many.
-    /// `tstate` is the thread's state, from [`Python::thread_state`] in the same hook. Frames
-    /// whose code object is one of `hidden` (0: an empty place) are left out, before anything
-    /// is read of their code object.
+    /// The calling thread's Python frames, innermost first, those whose place among them is in
+    /// `frames` given to `record` (none after its end is read); returns how many were found up
+    /// to `frames`' end, those before its start too. `tstate` is the thread's state, from
+    /// [`Python::thread_state`] in the same hook. Frames whose code object is one of `hidden`
+    /// (0: an empty place) are left out, before anything is read of their code object. Two
+    /// walks in the same hook, with the same `epoch` and `hidden`, give the same frames.
     ///
     /// `known` is the calling thread's [`KnownCode`] and `epoch` the code objects' deaths'
     /// epoch, read before the walk ([`code_deaths::epoch`]).
+    #[inline(always)]
     pub fn walk(
         &self,
         tstate: ThreadState,
-        out: &mut [RawFrame],
+        frames: Range<usize>,
         known: &mut KnownCode,
         epoch: u64,
         hidden: &[usize; 4],
+        record: impl FnMut(RawFrame),
     ) -> usize {
         known.begin(epoch, hidden);
         // A loop a version, whose offsets are constants (Note [The walk's loop]).
         match self.layout.version.1 {
-            10 => self.walk_chain::<10>(tstate, out, known, hidden),
-            11 => self.walk_chain::<11>(tstate, out, known, hidden),
-            12 => self.walk_chain::<12>(tstate, out, known, hidden),
-            _ => self.walk_chain::<13>(tstate, out, known, hidden),
+            10 => self.walk_chain::<10>(tstate, frames.start, frames.end, known, hidden, record),
+            11 => self.walk_chain::<11>(tstate, frames.start, frames.end, known, hidden, record),
+            12 => self.walk_chain::<12>(tstate, frames.start, frames.end, known, hidden, record),
+            _ => self.walk_chain::<13>(tstate, frames.start, frames.end, known, hidden, record),
         }
     }
 
@@ -209,9 +214,11 @@ impl Python {
     fn walk_chain<const MINOR: u32>(
         &self,
         tstate: ThreadState,
-        out: &mut [RawFrame],
+        skip: usize,
+        max: usize,
         known: &mut KnownCode,
         hidden: &[usize; 4],
+        mut record: impl FnMut(RawFrame),
     ) -> usize {
         let l = const {
             match layout::for_version(3, MINOR) {
@@ -223,7 +230,7 @@ impl Python {
         // frame chain and the code objects it references stay as they are while we read; every
         // pointer is checked for null and alignment, every code object's type is checked before
         // its fields are read (or `known` says it was, in this epoch: Note [Known code
-        // objects]), and the walk is bounded by `out`'s length.
+        // objects]), and the walk is bounded by `max`.
         unsafe {
             let mut frame = read_ptr(tstate.0 + l.tstate_frame);
             if l.kind == FrameKind::CFrame {
@@ -233,8 +240,8 @@ impl Python {
                 frame = read_ptr(frame + l.cframe_current_frame);
             }
             let (mut n, mut place) = (0, 0);
-            let links = 4 * out.len();
-            while plausible(frame) && n < out.len() && place < links {
+            let links = 4 * max;
+            while plausible(frame) && n < max && place < links {
                 let code = read_ptr(frame + l.frame_code);
                 let previous = read_ptr(frame + l.frame_previous);
                 let first = match known.at(place, code) {
@@ -245,7 +252,9 @@ impl Python {
                     && first != HIDDEN
                     && let Some(offset) = Self::offset(&l, frame, code, first)
                 {
-                    out[n] = RawFrame { code, offset };
+                    if n >= skip {
+                        record(RawFrame { code, offset });
+                    }
                     n += 1;
                 }
                 place += 1;
