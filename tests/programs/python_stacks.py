@@ -1,9 +1,10 @@
 """Python stacks under cachealloc: allocates through ctypes from known functions at known lines,
 with the GIL released by the call (ctypes.CDLL), held through it (ctypes.PyDLL), from a second
-thread, from a generator, and from functions whose code objects are freed and made again at the
-same address, from the same two lines again and again, and writes what each allocation's stack must be to the JSON file
-named by argv[1]: [{"size": N, "gil": bool, "frames": [[qualname, file, line], ...]}],
-innermost first, as Python itself reports them. Prints "OK python_stacks"."""
+thread, from a generator, from functions whose code objects are freed and made again at the
+same address, and from the same two lines again and again, and writes what each allocation's
+stack must be to the JSON file named by argv[1]:
+[{"size": N, "gil": bool, "frames": [[qualname, file, line], ...]}], innermost first, as Python
+itself reports them. Prints "OK python_stacks"."""
 import ctypes
 import json
 import sys

@@ -79,8 +79,9 @@ pub(super) fn key_hash(native: &[u64], frames: &[RawFrame], checks: &[u64]) -> (
 /// Four lanes: the native frames' addresses and the checks go a word a lane, four words a
 /// round (so their multiplies overlap); a Python frame's code object and offset go to the
 /// first two lanes, which then trade places with the other two, so that each lane's multiply
-/// waits for the one two frames back, and a frame costs no branch and no memory. The lanes are
-/// mixed into two words at the end with the parts' lengths.
+/// waits for the one two frames back, and a frame costs no branch (the walk's loop holds the
+/// four lanes, and spills some: BENCHMARKS.md, "A hit writes no frames"). The lanes are mixed
+/// into two words at the end with the parts' lengths.
 pub(super) struct KeyHash {
     lanes: [u64; 4],
     native: u64,
