@@ -82,7 +82,11 @@ class _Api:
             if t is not None:
                 device = _device_of(t)
                 if device >= 0:
-                    by_device.setdefault(device, []).append(t.data_ptr())
+                    try:
+                        pointer = t.data_ptr()
+                    except RuntimeError:
+                        continue  # no storage of its own: a fake or functional tensor
+                    by_device.setdefault(device, []).append(pointer)
         for device, pointers in by_device.items():
             self.tag_pointers(category, device, pointers)
 
@@ -346,6 +350,8 @@ def _make_call_impl(original):
                         slot.value = outer
                     else:
                         _leave(s, threads, self, output)
+        if _traced_not_run():
+            return original(self, *args, **kwargs)
         t = _enter(s, self, entry, args)
         output = None
         try:
@@ -362,6 +368,20 @@ def _make_call_impl(original):
     # compiled region more than natively (PyTorch's test_memory_compile_regions).
     cachealloc_common.dynamo_skips_frames_of(sys.modules[__name__])
     return _call_impl
+
+
+def _traced_not_run():
+    """Whether the module is being traced rather than run: under PyTorch's fake, functional or
+    proxy dispatch mode (Inductor lowers a graph's subgraphs, `make_fx` traces, with fake
+    tensors and no torch.compile frame on the stack), where no memory is allocated, so there is
+    no phase to begin and no tensor to tag. Asked only where a module starts the thread's module
+    stack or is new, not for every module call."""
+    try:
+        torch_c = sys.modules["torch"]._C
+        keys, get = torch_c._TorchDispatchModeKey, torch_c._get_dispatch_mode
+    except AttributeError:
+        return False
+    return any(get(k) is not None for k in (keys.FAKE, keys.FUNCTIONAL, keys.PROXY))
 
 
 def _enter(s, module, entry, args):
@@ -504,6 +524,11 @@ def install_module_hooks(module_module):
     classes (`Linear`, `Conv2d`, norms: most module calls) keep PyTorch's, at no cost."""
     if _ensure_state() is None:
         return False
+    # The registration hook below runs inside PyTorch's own code too, torch.compile's included
+    # (compiled autograd wraps its graph in a module while Dynamo is active): Dynamo must not
+    # compile its frame, nor any other of this module's, as one of its own (PyTorch's
+    # test_compiled_autograd_static_input_params).
+    cachealloc_common.dynamo_skips_frames_of(sys.modules[__name__])
     patched = []  # (class, the _call_impl it had)
 
     def patch(cls):

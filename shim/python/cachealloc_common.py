@@ -85,7 +85,6 @@ def dynamo_skips_frames_of(module):
     is."""
     if module.__name__ in _dynamo_skipped:
         return
-    _dynamo_skipped.add(module.__name__)
     try:
         from torch._C._dynamo import eval_frame
 
@@ -93,6 +92,7 @@ def dynamo_skips_frames_of(module):
         set_code_exec_strategy = eval_frame.set_code_exec_strategy
     except Exception:
         return
+    _dynamo_skipped.add(module.__name__)
     strategy = strategy_of(action.SKIP, action.DEFAULT)
     pending = []
     for value in list(vars(module).values()):

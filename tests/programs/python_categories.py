@@ -22,6 +22,7 @@ import os
 import pickle
 import sys
 import tempfile
+import types
 import weakref
 
 root = tempfile.mkdtemp()
@@ -316,6 +317,54 @@ hooks = [len(node.prehooks) for node in torch.autograd._graph[made:]]
 if hooks != [1, 1]:
     fail(f"each Layer's output node gets one pre-hook (the Stack's is the second's): {hooks}")
 del out, torch.autograd._graph[made:]
+
+
+# A model traced rather than run (Inductor lowering a graph with fake tensors, `make_fx`): an
+# input with no storage of its own, whose `data_ptr()` raises as a fake or functional tensor's
+# does, is left untagged, and the program goes on; under a tracing dispatch mode (this torch's
+# `_C` says so, as PyTorch's does for its fake, functional and proxy modes) the outermost module
+# begins no phase. Nothing is allocated here, so the trace's checks are not touched.
+class NoStorage(torch.Tensor):
+    def __init__(self):
+        self.nbytes, self.param, self.grad, self._node, self._ptr = 0, False, None, None, None
+
+    def data_ptr(self):
+        raise RuntimeError("Cannot access data pointer of Tensor (e.g. FakeTensor)")
+
+    def __del__(self):
+        pass
+
+
+phases = []
+
+
+class Probe(nn.Module):
+    def forward(self, x):
+        phases.append(cachealloc_categories._state.phase)
+        return x
+
+
+class Traced(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.probe = Probe()
+
+    def forward(self, x):
+        return self.probe(x)
+
+
+traced = Traced()
+traced(NoStorage())
+modes = {}
+torch._C = types.SimpleNamespace(
+    _TorchDispatchModeKey=types.SimpleNamespace(FAKE="fake", FUNCTIONAL="functional", PROXY="proxy"),
+    _get_dispatch_mode=modes.get,
+)
+modes["fake"] = object()
+traced(NoStorage())
+del modes["fake"]
+if phases != [cachealloc_categories.PHASE_FORWARD, cachealloc_categories.PHASE_NONE]:
+    fail(f"a run begins the forward phase, a traced call none: {phases}")
 if not cachealloc_categories.enable(False):
     fail("enable(False) found no hooks")
 if "_call_impl" in Net.__dict__ or "_call_impl" in Block.__dict__:

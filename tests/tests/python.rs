@@ -430,11 +430,19 @@ fn the_integration_tells_each_allocations_module_phase_and_category() {
         PHASE_OPTIMIZER,
         0,
     ];
-    // Then the Stack's forward alone.
+    // Then the Stack's forward alone, and the Traced model's run; its call under a tracing
+    // dispatch mode begins no phase.
     let forward = [PHASE_FORWARD, 0];
     assert_eq!(
         phases,
-        [&step[..], &step[..], &recomputed[..], &forward[..]].concat()
+        [
+            &step[..],
+            &step[..],
+            &recomputed[..],
+            &forward[..],
+            &forward[..]
+        ]
+        .concat()
     );
     // The Stack's outputs are named by the Layer each was made in.
     let mut stack_outputs: Vec<String> = seen[&4608].iter().map(|c| c.0.clone()).collect();
