@@ -19,6 +19,12 @@
 # side only: a build's check against the native column of an earlier run on the same kind of
 # machine (native outcomes do not depend on the build); NATIVE_FROM=TSV (an earlier run's
 # pytorch_tests.tsv, absolute path) then fills the native column, and the counts compare with it.
+# BATCH=N runs the selected tests in N pytest processes a side instead, as PyTorch's CI runs a
+# file (for test/inductor/test_cudagraph_trees.py, whose tests compile for a minute each in a
+# process of their own): round-robin over the GPUs, outcomes read from pytest's -v lines, a
+# test that dies names itself (abort, timeout) and the rest of its process's tests are not run;
+# each process's output stays in $OUT/batch_SIDE_K.log. The device returns few files: callers
+# should pack $OUT into one archive.
 set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
@@ -74,18 +80,70 @@ one() {
 }
 export -f one
 export LIB OUT GPUS=${GPUS:-1} GPU_LIST=${CUDA_VISIBLE_DEVICES:-}
+# batch SIDE SHARD: run the tests of $OUT/shard_SHARD.txt in one pytest process on one GPU, as
+# PyTorch's CI runs a file, and print "ID<TAB>SIDE<TAB>OUTCOME" for each test it reached, read
+# from pytest's -v lines as they were written: a test whose line has no outcome when the process
+# died aborted it (the tests after it in the shard are not run).
+batch() {
+    local side=$1 shard=$2 log="$OUT/batch_$1_$2.log" list=(${GPU_LIST//,/ })
+    export CUDA_VISIBLE_DEVICES=${list[$(( shard % GPUS ))]:-$(( shard % GPUS ))}
+    if [ "$side" = shim ]; then
+        CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout "$3" python3 -m pytest -v -p no:cacheprovider $(cat "$OUT/shard_$shard.txt") > "$log" 2>&1
+    else
+        timeout "$3" python3 -m pytest -v -p no:cacheprovider $(cat "$OUT/shard_$shard.txt") > "$log" 2>&1
+    fi
+    local rc=$?
+    python3 - "$log" "$side" "$rc" <<'PY'
+import re, sys
+log, side, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rank = {"pass": 0, "skip": 0, "fail": 1, "abort": 2, "timeout": 2}
+seen, last, done = {}, None, True
+for line in open(log, errors="replace"):
+    # "-v" writes a test's id when it starts and its outcome, with the progress, when it ends
+    # (output the test writes past pytest's capture can come between them).
+    start = re.match(r"^(\S+\.py::\S+)", line)
+    if start:
+        last, done = start.group(1), False
+    end = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b[^\[]*\[\s*\d+%\]", line)
+    if end and last is not None:
+        outcome = {"PASSED": "pass", "XPASS": "pass", "SKIPPED": "skip", "XFAIL": "skip"}.get(end.group(1), "fail")
+        if rank[outcome] >= rank.get(seen.get(last), -1):
+            seen[last] = outcome
+        done = True
+if last is not None and not done and rc != 0:
+    seen[last] = "timeout" if rc == 124 else "abort"
+for test, outcome in seen.items():
+    print(f"{test}\t{side}\t{outcome}")
+PY
+}
+export -f batch
+if [ -n "${BATCH:-}" ]; then
+    # BATCH=N: the selected tests in N pytest processes a side (every test compiles with
+    # inductor, seconds each, so a process per test would not fit), round-robin over the GPUs.
+    awk -v n="$BATCH" -v out="$OUT" '{ print > (out "/shard_" ((NR - 1) % n) ".txt") }' "$OUT/selected.txt"
+    for side in ${SIDES:-native shim}; do
+        for (( k = 0; k < BATCH && k < $(wc -l < "$OUT/selected.txt"); k++ )); do
+            batch "$side" "$k" "$(( ${DEADLINE:-520} - (SECONDS - start) ))" > "$OUT/raw_${side}_$k.tsv" &
+        done
+    done
+    wait
+    cat "$OUT"/raw_*_*.tsv > "$OUT/raw.tsv"
+    SKIP_SINGLE=1
+fi
 # PyTorch's @serialTest() tests (pytest mark "serial") measure the whole device
 # (`mem_get_info`): they run one at a time after the others, with nothing else on the GPU.
-python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
+[ -z "${SKIP_SINGLE:-}" ] && python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
     | grep '::' | grep -xFf "$OUT/selected.txt" > "$OUT/serial.txt"
 SIDES=${SIDES:-native shim}
 pairs() { while read -r id; do for side in $SIDES; do printf '%s %s\n' "$id" "$side"; done; done; }
 left() { local l=$(( ${DEADLINE:-520} - (SECONDS - start) )); echo $(( l > 1 ? l : 1 )); }
 # The serial tests keep a third of the time left (when there are any).
 reserve=0; [ -s "$OUT/serial.txt" ] && reserve=$(( $(left) / 3 ))
+if [ -z "${SKIP_SINGLE:-}" ]; then
 grep -vxFf "$OUT/serial.txt" "$OUT/selected.txt" | pairs \
     | timeout "$(( $(left) - reserve ))" xargs -r -P "$JOBS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
 pairs < "$OUT/serial.txt" | timeout "$(left)" xargs -r -P "$GPUS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' >> "$OUT/raw.tsv"
+fi
 python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" "${NATIVE_FROM:-}" <<'PY'
 import collections, sys
 rows = collections.defaultdict(dict)
