@@ -350,7 +350,7 @@ def _make_call_impl(original):
                         slot.value = outer
                     else:
                         _leave(s, threads, self, output)
-        if _traced_not_run():
+        if cachealloc_common.torch_traces_not_runs():
             return original(self, *args, **kwargs)
         t = _enter(s, self, entry, args)
         output = None
@@ -368,20 +368,6 @@ def _make_call_impl(original):
     # compiled region more than natively (PyTorch's test_memory_compile_regions).
     cachealloc_common.dynamo_skips_frames_of(sys.modules[__name__])
     return _call_impl
-
-
-def _traced_not_run():
-    """Whether the module is being traced rather than run: under PyTorch's fake, functional or
-    proxy dispatch mode (Inductor lowers a graph's subgraphs, `make_fx` traces, with fake
-    tensors and no torch.compile frame on the stack), where no memory is allocated, so there is
-    no phase to begin and no tensor to tag. Asked only where a module starts the thread's module
-    stack or is new, not for every module call."""
-    try:
-        torch_c = sys.modules["torch"]._C
-        keys, get = torch_c._TorchDispatchModeKey, torch_c._get_dispatch_mode
-    except AttributeError:
-        return False
-    return any(get(k) is not None for k in (keys.FAKE, keys.FUNCTIONAL, keys.PROXY))
 
 
 def _enter(s, module, entry, args):

@@ -110,3 +110,17 @@ def dynamo_skips_frames_of(module):
 
 #: The modules `dynamo_skips_frames_of` has marked.
 _dynamo_skipped = set()
+
+
+def torch_traces_not_runs():
+    """Whether PyTorch is tracing rather than running the calling code: a fake, functional or
+    proxy dispatch mode is active (Inductor lowering a graph's subgraphs, `make_fx`), with fake
+    tensors and no torch.compile frame on the stack, and no memory is allocated. The category
+    hooks ask it where a module starts a thread's module stack or is new (then there is no
+    phase to begin and no tensor to tag), not at every module call."""
+    try:
+        torch_c = sys.modules["torch"]._C
+        keys, get = torch_c._TorchDispatchModeKey, torch_c._get_dispatch_mode
+    except AttributeError:
+        return False
+    return any(get(k) is not None for k in (keys.FAKE, keys.FUNCTIONAL, keys.PROXY))
