@@ -266,6 +266,13 @@ out=$(ROUNDS=2 CALLS=10 LD_PRELOAD="$LIB" timeout 400 python3 scripts/gpu/compil
 echo "$out"
 if grep -q "ok=True" <<< "$out"; then pass "torch.compile reduce-overhead on a transformers GPT-2"; else fail "compile_reduce_overhead.py"; fi
 # CUDA graph trees on cachealloc's allocator for PyTorch: branches, checkpoints, training.
+# A transformers model trained with torch.compile and a compiled-autograd backward: the losses
+# and parameters under the shim equal native's (the category hooks run under Dynamo's frame
+# callback there).
+native=$(timeout 400 python3 scripts/gpu/compiled_model.py 2>&1 | grep '^compiled_model')
+shim=$(LD_PRELOAD="$LIB" timeout 400 python3 scripts/gpu/compiled_model.py 2>&1 | grep '^compiled_model')
+echo "$native"; echo "$shim"
+if [ -n "$native" ] && [ "$native" = "$shim" ]; then pass "compiled_model.py: the shim's losses equal native's"; else fail "compiled_model.py"; fi
 out=$(LABEL=shim LD_PRELOAD="$LIB" timeout 300 python3 scripts/gpu/graph_trees.py 2>&1)
 echo "$out" | grep -E '^graph_trees '
 if grep -qE "^graph_trees label=shim passed=([0-9]+)/\1$" <<< "$out"; then pass "graph_trees.py"; else fail "graph_trees.py"; echo "$out" | tail -5; fi

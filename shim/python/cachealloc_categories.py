@@ -366,7 +366,7 @@ def _make_call_impl(original):
     # No frame of this module is compiled alone: after a graph break inside a module Dynamo
     # compiles each frame it meets above it, and the wrapper's (or `_enter`'s) would be one
     # compiled region more than natively (PyTorch's test_memory_compile_regions).
-    cachealloc_common.dynamo_skips_frames_of(sys.modules[__name__])
+    cachealloc_common.dynamo_skips_frames_of(sys.modules[__name__], ("_call_impl",))
     return _call_impl
 
 
@@ -513,8 +513,9 @@ def install_module_hooks(module_module):
     # The registration hook below runs inside PyTorch's own code too, torch.compile's included
     # (compiled autograd wraps its graph in a module while Dynamo is active): Dynamo must not
     # compile its frame, nor any other of this module's, as one of its own (PyTorch's
-    # test_compiled_autograd_static_input_params).
-    cachealloc_common.dynamo_skips_frames_of(sys.modules[__name__])
+    # test_compiled_autograd_static_input_params), nor what they call: only the wrapper's
+    # callee, the module's forward (scripts/gpu/compiled_model.py).
+    cachealloc_common.dynamo_skips_frames_of(sys.modules[__name__], ("_call_impl",))
     patched = []  # (class, the _call_impl it had)
 
     def patch(cls):

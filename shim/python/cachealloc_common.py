@@ -77,12 +77,15 @@ def pool_key(pool):
     return ((int(first) & 0xFFFFFFFF) << 32) | (int(second) & 0xFFFFFFFF)
 
 
-def dynamo_skips_frames_of(module):
+def dynamo_skips_frames_of(module, compiled_callees=()):
     """Mark every code object of `module`'s functions and methods (nested ones included) so
     that torch.compile's Dynamo never compiles one of their frames as a frame of its own,
     while still tracing through them inside a compiled frame: what PyTorch does for its own
-    `_call_impl`. Once per module; a PyTorch without Dynamo's frame strategies is left as it
-    is."""
+    `_call_impl`. Nor does it compile what they call (bookkeeping: PyTorch's `named_modules`,
+    weak references), except from the functions named in `compiled_callees` (a wrapper of
+    `_call_impl`, whose callee is the module's forward): these run where Dynamo's frame
+    callback is active too, as when compiled autograd calls its compiled graph. Once per
+    module; a PyTorch without Dynamo's frame strategies is left as it is."""
     if module.__name__ in _dynamo_skipped:
         return
     try:
@@ -93,7 +96,8 @@ def dynamo_skips_frames_of(module):
     except Exception:
         return
     _dynamo_skipped.add(module.__name__)
-    strategy = strategy_of(action.SKIP, action.DEFAULT)
+    skip_all = strategy_of(action.SKIP, action.SKIP)
+    skip_own = strategy_of(action.SKIP, action.DEFAULT)
     pending = []
     for value in list(vars(module).values()):
         if getattr(value, "__module__", None) != module.__name__:
@@ -104,7 +108,7 @@ def dynamo_skips_frames_of(module):
             pending.append(value.__code__)
     while pending:
         code = pending.pop()
-        set_code_exec_strategy(code, strategy)
+        set_code_exec_strategy(code, skip_own if code.co_name in compiled_callees else skip_all)
         pending += [c for c in code.co_consts if isinstance(c, type(code))]
 
 
