@@ -37,6 +37,8 @@ class History:
     # PyTorch's own `_cuda_memorySnapshot` (the C++ allocator's snapshot, its contexts
     # symbolized).
     native_snapshot = None
+    # Whether the program was told that its snapshots come from the pools (no trace).
+    said_no_trace = False
 
 
 _ENABLED = (None, "state", "all")
@@ -135,22 +137,23 @@ def record_history_legacy(enabled, record_context=True, trace_alloc_max_entries=
     )
 
 
+class NoTrace(RuntimeError):
+    """There is no trace to build a snapshot from, or no `cachealloc` command to build it."""
+
+
 def snapshot_from_trace(flush):
+    """PyTorch's snapshot built by `cachealloc snapshot` from the trace, flushed first; raises
+    `NoTrace` when that cannot be (the caller then reads the pools: `cachealloc_memory`)."""
     import pickle
     import subprocess
     import tempfile
 
     trace = text(flush)
     if not trace:
-        raise RuntimeError(
-            "cachealloc: no trace to take a snapshot from (CACHEALLOC_CONF has trace:off, "
-            "or the trace could not be written)"
-        )
+        raise NoTrace("CACHEALLOC_CONF has trace:off, or the trace could not be written")
     tool = cachealloc_binary()
     if tool is None:
-        raise RuntimeError(
-            "cachealloc: the `cachealloc` command was not found beside the preloaded library"
-        )
+        raise NoTrace("the `cachealloc` command was not found beside the preloaded library")
     events = min(History.max_entries, 10_000_000)
     history = ",".join(":".join(str(part) for part in change) for change in History.changes)
     with tempfile.TemporaryDirectory() as scratch:

@@ -10,6 +10,7 @@ import sys
 from cachealloc_common import c_functions, pool_key, say, text, torch_backend, warn
 from cachealloc_history import (
     History,
+    NoTrace,
     get_metadata,
     record_history,
     record_history_legacy,
@@ -176,6 +177,29 @@ def _pool_snapshot(api, pool_id):
     return {"segments": segments, "device_traces": []}
 
 
+def _snapshot_from_pools(why):
+    """PyTorch's snapshot of every device's pools now, read from the library, for when there
+    is no trace to build it from (`why`): segments and blocks, no history and no stacks."""
+    import ctypes
+    import json
+
+    import torch
+
+    api = c_functions(snapshot="cachealloc_snapshot_json")
+    if api is None:
+        raise RuntimeError(f"cachealloc: no snapshot: {why}")
+    api.snapshot.restype = ctypes.c_size_t
+    api.snapshot.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    if not History.said_no_trace:
+        History.said_no_trace = True
+        say(f"memory snapshots show the pools now, without history or stacks: {why}")
+    devices = range(torch.cuda.device_count())
+    segments = [s for d in devices for s in json.loads(text(api.snapshot, d) or "[]")]
+    for segment in segments:
+        segment["segment_pool_id"] = tuple(segment["segment_pool_id"])
+    return {"segments": segments, "device_traces": [[] for _ in devices]}
+
+
 def _mem_pools(memory, native):
     """Replace MemPool and use_mem_pool's entry points (see the module's docs)."""
     api = _mem_pool_api()
@@ -312,7 +336,11 @@ def adjust(memory):
         # whole allocator.
         if pools is not None and isinstance(which, tuple) and len(which) >= 2 and tuple(which[:2]) != (0, 0):
             return _pool_snapshot(pools, which[:2])
-        return with_pytorch_frames(with_library_facts(snapshot_from_trace(flush)))
+        try:
+            snapshot = snapshot_from_trace(flush)
+        except NoTrace as e:
+            return _snapshot_from_pools(e)
+        return with_pytorch_frames(with_library_facts(snapshot))
 
     def history_enabled():
         # What the program asked for (the recorder keeps the history anyway).

@@ -1,7 +1,8 @@
 """PyTorch's memory-history settings as `_snapshot()` shows them under the shim, part of
 python_integration.py (which calls `check_history_settings` with its stand-in torch and the
 runtime's library): what PyTorch's own tests (test_memory_plots_*, the snapshot tests) check of
-the settings, of `skip_actions` and of `_set_memory_metadata`."""
+the settings, of `skip_actions` and of `_set_memory_metadata`; and, with `trace:off`, the
+snapshot read from the library's pools instead (`check_pool_snapshot`)."""
 import ctypes
 import sys
 
@@ -318,3 +319,68 @@ def check_pytorch_frames(torch, glob, record, malloc):
         fail("an event PyTorch did not record took forward_frames")
     glob.cudaFree(live)
     glob.cudaFree(other)
+
+
+def check_pool_snapshot(torch, glob, live):
+    """With no trace (`trace:off`) `memory_snapshot()` comes from the library's pools: PyTorch's
+    structure, the live block at `live` allocated, a freed one inactive, no history; the
+    segments tile their blocks and add up to the reserved bytes (an expandable segment shows
+    its mapped runs only, as PyTorch shows its own)."""
+
+    def snapshot():
+        return torch._C._cuda_memorySnapshot(None)
+
+    def state_of(address):
+        return [b["state"] for seg in snapshot()["segments"] for b in seg["blocks"] if b["address"] == address]
+
+    freed = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(freed), 8192) != 0:
+        fail("cudaMalloc failed")
+    if state_of(freed.value) != ["active_allocated"]:
+        fail(f"a live block shows as {state_of(freed.value)}")
+    glob.cudaFree(freed)
+    if state_of(freed.value) != ["inactive"]:
+        fail(f"a freed block shows as {state_of(freed.value)}")
+    # A new segment, expandable (empty_cache first, and larger than the free rest of the live
+    # block's segment: no cached block may serve it).
+    default_pool = ctypes.c_void_p()
+    glob.cudaDeviceGetDefaultMemPool(ctypes.byref(default_pool), 0)
+    glob.cudaMemPoolTrimTo(default_pool, ctypes.c_size_t(0))
+    mapped = ctypes.c_void_p()
+    torch._C._cuda_cudaCachingAllocator_set_allocator_settings("expandable_segments:True")
+    if glob.cudaMalloc(ctypes.byref(mapped), 24 << 20) != 0:
+        fail("cudaMalloc of an expandable block failed")
+    torch._C._cuda_cudaCachingAllocator_set_allocator_settings("")
+    taken = snapshot()
+    if taken["device_traces"] != [[]]:
+        fail(f"a snapshot without a trace has history: {taken['device_traces']}")
+    segments = taken["segments"]
+    for seg in segments:
+        blocks = seg["blocks"]
+        ends = [b["address"] + b["size"] for b in blocks]
+        if [b["address"] for b in blocks] != [seg["address"]] + ends[:-1] or \
+                ends[-1] != seg["address"] + seg["total_size"]:
+            fail(f"a segment's blocks do not tile it: {seg}")
+        allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        if seg["allocated_size"] != allocated or seg["frames"] or seg["device"] != 0:
+            fail(f"a segment's facts: {seg}")
+    live_blocks = [b for seg in segments for b in seg["blocks"] if b["address"] == live]
+    if len(live_blocks) != 1 or live_blocks[0]["state"] != "active_allocated" or live_blocks[0]["size"] < 3 << 20:
+        fail(f"the snapshot does not hold the live block at {live:#x}")
+    holder = [seg for seg in segments if seg["address"] <= mapped.value < seg["address"] + seg["total_size"]]
+    if len(holder) != 1 or not holder[0]["is_expandable"] or holder[0]["segment_pool_id"] != (0, 0):
+        fail(f"the expandable block's segment: {holder}")
+    # The library's own count of the device's memory (PyTorch's `memory_stats()` counts only
+    # PyTorch's allocations).
+    import json
+
+    stats = ctypes.CDLL(None).cachealloc_stats_json
+    stats.restype = ctypes.c_size_t
+    stats.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    buf = ctypes.create_string_buffer(1 << 16)
+    stats(buf, len(buf))
+    reserved = json.loads(buf.value)["devices"]["0"]["reserved_bytes.all.current"]
+    if sum(seg["total_size"] for seg in segments) != reserved:
+        fail(f"the segments add up to {sum(seg['total_size'] for seg in segments)} bytes, "
+             f"{reserved} are reserved (unmapped address space shown?)")
+    glob.cudaFree(mapped)

@@ -131,7 +131,7 @@ graph.capture_begin((0, 7))
 if graph.pool_used != ((0, 7), "global"):
     fail(f"a capture given a pool began with {graph.pool_used}")
 
-from python_history import check_history_settings  # noqa: E402
+from python_history import check_history_settings, check_pool_snapshot  # noqa: E402
 
 
 def check_profiler(torch, glob):
@@ -224,6 +224,31 @@ def check_segments_walk(glob, live):
             fail(f"the blocks of a {total}-byte segment end at {at - address}")
     if found != live:
         fail(f"cachealloc_segments_walk found the live blocks {found}, expected {live}")
+
+
+def check_history(torch, glob, ptr):
+    """The history from the trace: it begins at the program's first call, as natively; then
+    what its settings keep (python_history.py)."""
+    torch._C._cuda_record_memory_history("all", "all", "all", 1000)
+    after = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(after), 8192) != 0:
+        fail("cudaMalloc after the history began failed")
+    snapshot = torch._C._cuda_memorySnapshot(None)
+    blocks = [b for seg in snapshot["segments"] for b in seg["blocks"]]
+    mine = [b for b in blocks if b["address"] == ptr.value]
+    if len(mine) != 1 or mine[0]["state"] != "active_allocated" or mine[0]["size"] < 3 << 20:
+        fail(f"the snapshot does not hold the allocation at {ptr.value:#x}: {blocks}")
+    if mine[0]["frames"]:
+        fail("a block allocated before the program's history began shows a stack")
+    # As natively, the history begins at the program's first call.
+    allocs = [e["addr"] for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
+    if after.value not in allocs or ptr.value in allocs:
+        fail(f"the history should hold the allocation after its start, not the one before: {allocs}")
+    glob.cudaFree(after)
+    torch._C._cuda_record_memory_history(None, None, "all", 1000)
+    if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
+        fail("history was shown after _record_memory_history(None)")
+    check_history_settings(torch, glob)
 
 
 def check_record_stream(torch, glob):
@@ -439,26 +464,10 @@ else:
     if torch._C._cuda_memoryStats(0)["allocated_bytes"]["all"]["allocated"] != 0:
         fail("reset_accumulated_memory_stats left the accumulated bytes")
 
-    torch._C._cuda_record_memory_history("all", "all", "all", 1000)
-    after = ctypes.c_void_p()
-    if glob.cudaMalloc(ctypes.byref(after), 8192) != 0:
-        fail("cudaMalloc after the history began failed")
-    snapshot = torch._C._cuda_memorySnapshot(None)
-    blocks = [b for seg in snapshot["segments"] for b in seg["blocks"]]
-    mine = [b for b in blocks if b["address"] == ptr.value]
-    if len(mine) != 1 or mine[0]["state"] != "active_allocated" or mine[0]["size"] < 3 << 20:
-        fail(f"the snapshot does not hold the allocation at {ptr.value:#x}: {blocks}")
-    if mine[0]["frames"]:
-        fail("a block allocated before the program's history began shows a stack")
-    # As natively, the history begins at the program's first call.
-    allocs = [e["addr"] for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
-    if after.value not in allocs or ptr.value in allocs:
-        fail(f"the history should hold the allocation after its start, not the one before: {allocs}")
-    glob.cudaFree(after)
-    torch._C._cuda_record_memory_history(None, None, "all", 1000)
-    if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
-        fail("history was shown after _record_memory_history(None)")
-    check_history_settings(torch, glob)
+    if "trace:off" in os.environ.get("CACHEALLOC_CONF", ""):
+        check_pool_snapshot(torch, glob, ptr.value)
+    else:
+        check_history(torch, glob, ptr)
     # (Its streams turn fenced reuse on: after the checks that assume none.)
     check_record_stream(torch, glob)
 

@@ -516,6 +516,8 @@ fn python_integration_keeps_the_users_sitecustomize_and_serves_graph_trees_stats
         ("", "backend:native", "True"),
         ("torch_caching:keep", "", "True"),
         ("torch_allocator:off", "", "False"),
+        // No trace: snapshots come from the pools (python_history.py's check_pool_snapshot).
+        ("trace:off", "", "False"),
     ];
     for (conf, torch_conf, trees) in cases {
         let programs = cachealloc_tests::program("");
@@ -533,6 +535,14 @@ fn python_integration_keeps_the_users_sitecustomize_and_serves_graph_trees_stats
         }
         let out = run.output();
         out.assert_ok("python_integration");
+        assert_eq!(
+            out.stderr
+                .matches("memory snapshots show the pools now, without history or stacks")
+                .count(),
+            usize::from(conf.contains("trace:off")),
+            "one message when snapshots come from the pools ({conf}): {}",
+            out.stderr
+        );
         let said = out.stderr.matches("cudagraph_trees = False").count();
         assert_eq!(
             said,

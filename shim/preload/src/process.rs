@@ -60,6 +60,7 @@ mod graph_capture;
 mod ipc;
 mod peer_access;
 mod pointers;
+mod pool_snapshot;
 mod private_pools;
 pub mod program_context;
 mod recorded_streams;

@@ -301,6 +301,28 @@ pub extern "C" fn cachealloc_mem_pool_end_thread(device: c_int, id: u64) {
     );
 }
 
+/// Write the segments of every pool of `device` now (the ordinary pool, graph pools and
+/// `MemPool`s) — a JSON list of PyTorch's snapshot `segments`, each with its blocks — into
+/// `buf`, as [`cachealloc_stats_json`] writes its text. What `torch.cuda.memory_snapshot()`
+/// returns under the shim when there is no trace to build it from (`trace:off`).
+///
+/// # Safety
+/// `buf` must be null or valid for `len` bytes of writes.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_snapshot_json(
+    device: c_int,
+    buf: *mut c_char,
+    len: usize,
+) -> usize {
+    let text = guarded(
+        "cachealloc_snapshot_json",
+        || process::shim().map_or_else(|| "[]".to_string(), |s| s.pool_segments_json(device, None)),
+        || "[]".to_string(),
+    );
+    // SAFETY: the caller's contract.
+    unsafe { write_text(&text, buf, len) }
+}
+
 /// Write the segments of the private pool `id` of `device` now — a JSON list of PyTorch's
 /// snapshot `segments`, each with its blocks — into `buf`, as [`cachealloc_stats_json`]
 /// writes its text. What `MemPool.snapshot()` returns under the shim.

@@ -38,8 +38,6 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use cachealloc_core::BlockState;
-
 use super::{PoolKey, PoolSettings, PrivatePool, Shim};
 use crate::cuda::{self, CudaError};
 
@@ -164,53 +162,12 @@ impl Shim {
     }
 
     /// The segments of the pool `key` now, as the JSON list of PyTorch's snapshot `segments`
-    /// (each with its blocks, tiling it); `[]` for no such pool.
+    /// (`pool_snapshot`); `[]` for no such pool.
     pub fn mem_pool_snapshot_json(&self, key: PoolKey) -> String {
-        let Some(pool) = self.find_private_pool(key) else {
+        if self.find_private_pool(key).is_none() {
             return "[]".to_string();
-        };
-        let pool_id = format!("[{},{}]", key.0 >> 32, key.0 & 0xFFFF_FFFF);
-        let segments: Vec<String> = pool
-            .alloc
-            .snapshot()
-            .iter()
-            .map(|s| {
-                let blocks: Vec<String> = s
-                    .blocks
-                    .iter()
-                    .map(|b| {
-                        let state = match b.state {
-                            BlockState::Active => "active_allocated",
-                            BlockState::PendingFree => "active_pending_free",
-                            BlockState::Free | BlockState::Unmapped => "inactive",
-                        };
-                        format!(
-                            "{{\"address\":{},\"size\":{},\"requested_size\":{},\"state\":\"{state}\",\"frames\":[]}}",
-                            b.address, b.size, b.requested_size
-                        )
-                    })
-                    .collect();
-                let segment_type = match s.pool {
-                    cachealloc_core::PoolKind::Small => "small",
-                    cachealloc_core::PoolKind::Large => "large",
-                };
-                format!(
-                    "{{\"device\":{},\"address\":{},\"total_size\":{},\"allocated_size\":{},\
-                     \"active_size\":{},\"requested_size\":{},\"stream\":{},\
-                     \"segment_type\":\"{segment_type}\",\"segment_pool_id\":{pool_id},\
-                     \"is_expandable\":false,\"frames\":[],\"blocks\":[{}]}}",
-                    key.1,
-                    s.address,
-                    s.total_size,
-                    s.allocated_size,
-                    s.active_size,
-                    s.requested_size,
-                    s.stream,
-                    blocks.join(",")
-                )
-            })
-            .collect();
-        format!("[{}]", segments.join(","))
+        }
+        self.pool_segments_json(key.1, Some(key.0))
     }
 }
 
