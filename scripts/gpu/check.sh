@@ -215,6 +215,9 @@ both mem_pools.py mem_pools
 both ipc_torch.py ipc
 both ipc_torch.py ipc CACHEALLOC_CONF=expandable_segments:False
 both memory_history.py memory_api
+# The allocator's state in a snapshot, from the trace and, with trace:off, from the pools.
+both snapshot_state.py snapshot_state
+both snapshot_state.py snapshot_state CACHEALLOC_CONF=trace:off
 both torch_settings.py torch_settings
 both profiler_memory.py profiler_memory
 # Tensors in expandable segments (mapped memory, shared through POSIX file descriptors): natively
@@ -272,7 +275,7 @@ if grep -q "ok=True" <<< "$out"; then pass "torch.compile reduce-overhead on a t
 native=$(timeout 400 python3 scripts/gpu/compiled_model.py 2>&1 | grep '^compiled_model')
 shim=$(LD_PRELOAD="$LIB" timeout 400 python3 scripts/gpu/compiled_model.py 2>&1 | grep '^compiled_model')
 echo "$native"; echo "$shim"
-if [ -n "$native" ] && [ "$native" = "$shim" ]; then pass "compiled_model.py: the shim's losses equal native's"; else fail "compiled_model.py"; fi
+if python3 scripts/gpu/compiled_model.py --compare "$native" "$shim"; then pass "compiled_model.py: the shim's losses equal native's"; else fail "compiled_model.py"; fi
 out=$(LABEL=shim LD_PRELOAD="$LIB" timeout 300 python3 scripts/gpu/graph_trees.py 2>&1)
 echo "$out" | grep -E '^graph_trees '
 if grep -qE "^graph_trees label=shim passed=([0-9]+)/\1$" <<< "$out"; then pass "graph_trees.py"; else fail "graph_trees.py"; echo "$out" | tail -5; fi
