@@ -74,7 +74,10 @@ one() {
     fi
     printf '%s\t%s\t%s\n' "$id" "$label" "$outcome"
     if [ "$outcome" != pass ] && [ "$outcome" != skip ]; then
-        { echo "=== $id $label $outcome"; tail -15 "$log"; } >> "$OUT/failures_$label.log"
+        # The assertion and the error lines (pytest's "E " lines and the failing test's own
+        # source line), then the end: the tail alone is mostly warnings' summary.
+        { echo "=== $id $label $outcome"; grep -E '^(E  |>  )' "$log" | head -40; echo "--- end:"; tail -15 "$log"; } \
+            >> "$OUT/failures_$label.log"
     fi
     rm -f "$log"
 }
