@@ -195,8 +195,8 @@ pub struct Unmapping {
     /// When the memory became free (its block's [`Pools::lookups`] stamp).
     free_since: u64,
     /// Whether this unmaps a parked place only (its memory stays with its holder); `block` is
-    /// then the busy unmapped block that keeps its addresses from other maps meanwhile, or `NIL`
-    /// inside the plan that clears it.
+    /// then the busy unmapped block that keeps its addresses from other maps meanwhile: for a
+    /// place a plan clears, the part of it past the plan, or `NIL` where the plan covers it.
     parked: bool,
     /// For a parked place: the mapping that holds its memory.
     holder: u64,
@@ -288,11 +288,12 @@ impl<F: Clone> Pools<F> {
     /// Where to map memory for a request of `rounded` bytes on `stream`: in the stream's ranges,
     /// the unmapped block that can hold the request together with the free block before it
     /// with the fewest granules still missing — not counting parked places at its start whose
-    /// memory can flip back (see [`moves`]), and counting the whole of a parked place the
-    /// request would end in (it is never split) — (the lowest such block on a tie; PyTorch
-    /// takes the lowest of all, which can map more than needed or fail where this fits). A
-    /// place whose map stays within `limit` comes before one that would not. The bytes count as
-    /// [`Pools::reserved`] until the map is reported.
+    /// memory can flip back (see [`moves`]) — (the lowest such block on a tie; PyTorch takes
+    /// the lowest of all, which can map more than needed or fail where this fits). A place whose
+    /// map stays within `limit` comes before one that would not. The map is only the granules
+    /// the request still needs, even where it ends inside a parked place: that place is
+    /// cleared whole before the map ([`Pools::take_clears`]), which holds its part past the map
+    /// meanwhile. The bytes count as [`Pools::reserved`] until the map is reported.
     pub fn plan_map(&mut self, rounded: u64, stream: u64, limit: u64) -> MapOutcome {
         let Some(Geometry { granularity: g, .. }) = self.expandable else {
             return MapOutcome::NeedsRange;
@@ -336,9 +337,6 @@ impl<F: Clone> Pools<F> {
                 let in_the_way = (self.parked.range(b.address + free..b.address + size))
                     .next()
                     .is_some();
-                // Never split a parked place (see moves.rs): it lies in one unmapped block, and
-                // the map covers the whole of one the request ends in.
-                let size = self.past_parked(b.address, size) - b.address;
                 let over_limit = reserved.saturating_add(size) > limit;
                 Some((
                     segment,

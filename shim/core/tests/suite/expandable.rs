@@ -213,6 +213,49 @@ fn a_map_goes_around_a_parked_place_in_use_and_clears_it_only_when_there_is_no_r
     }
 }
 
+/// A map that ends inside a parked place maps only the granules its request needs: the place
+/// is cleared whole and the rest of it is address space again. Mapping the whole place would
+/// take reserved memory over the limit here (a spurious OOM the property test found).
+#[test]
+fn a_map_into_part_of_a_parked_place_maps_only_what_the_request_needs() {
+    let limited = AllocatorConfig {
+        per_process_memory_fraction: 0.5, // 44 MiB
+        ..expandable()
+    };
+    let c = Checked::new(88 * MIB, limited);
+    // a, b's parked place [8, 16) (its memory in d, live), third, d; then 6 MiB past d.
+    let (a, _third, d) = recycle_by_a_move(&c);
+    assert_eq!(c.malloc(6 * MIB).address, d + 16 * MIB);
+    c.free(a);
+    assert_eq!(
+        c.malloc(4 * MIB).address,
+        a,
+        "4 MiB of a's memory free after it"
+    );
+    assert_eq!(reserved(&c), 38 * MIB);
+    let (maps, aliases, unmaps) = driver_calls(&c);
+    // 8 MiB: a's free 4 MiB and 4 MiB of the parked place (42 MiB reserved); the whole place,
+    // or 8 MiB past the last block, would take 46 MiB.
+    let e = c.malloc(8 * MIB);
+    assert_eq!(e.address, a + 4 * MIB);
+    assert_eq!(reserved(&c), 42 * MIB);
+    assert_eq!(
+        driver_calls(&c),
+        (maps + 1, aliases, unmaps + 1),
+        "the parked place unmapped whole, new memory mapped in its first half"
+    );
+    assert!(c.device().is_backed(a + 8 * MIB, 4 * MIB));
+    assert!(
+        !c.device().is_backed(a + 12 * MIB, 4 * MIB),
+        "its rest unmapped"
+    );
+    // The rest of the place is address space like any other.
+    c.free(e.address);
+    assert_eq!(c.malloc(10 * MIB).address, a + 4 * MIB);
+    assert_eq!(reserved(&c), 44 * MIB, "at the limit");
+    assert_eq!(c.device().mapped_bytes(), reserved(&c));
+}
+
 /// The control: a device that cannot alias memory recycles by unmapping, and the same steps
 /// call the driver.
 #[test]

@@ -33,19 +33,22 @@
 //! A parked place whose holder is in use cannot flip. A map goes around it if it can, since it
 //! would have to *clear* the place first: unmap its mapping (that frees nothing: the holder keeps
 //! the memory), after the same idle check as any unmap, since kernels queued before the memory
-//! moved may still use the place ([`Pools::take_clears`]). Memory that really goes back to the
-//! device (released by `empty_cache` or the out-of-memory ladder, or recycled where it cannot
-//! move) is unmapped at its parked places first ([`Unmapping::aliases`]): the driver frees memory
-//! only with its last mapping. Until the driver has unmapped it, a parked place taken out of the
-//! pools stays a busy block, so that no other thread maps over it meanwhile
-//! (`Pools::hold_place`). At most [`PARKED_LIMIT`] places stay parked.
+//! moved may still use the place ([`Pools::take_clears`]). A map that ends inside a place still
+//! maps only the granules its request needs ([`Pools::plan_map`]): the driver unmaps the whole
+//! place, so its part past the map is held as a busy block until then, and is plain address
+//! space after. Memory that really goes back to the device (released by `empty_cache` or the
+//! out-of-memory ladder, or recycled where it cannot move) is unmapped at its parked places
+//! first ([`Unmapping::aliases`]): the driver frees memory only with its last mapping. Until the
+//! driver has unmapped it, a parked place taken out of the pools stays a busy block, so that no
+//! other thread maps over it meanwhile (`Pools::hold_place`). At most [`PARKED_LIMIT`] places
+//! stay parked.
 //!
 //! Invariants ([`Pools::check_invariants`]): parked places are disjoint from each other and
-//! from the mappings, each lies wholly inside one unmapped block of its range (maps never split
-//! one: [`Pools::plan_map`] stretches a map over a parked place it reaches into), and each
-//! holder is a mapping of the same range and size. The conformance suite checks on
-//! [`SimDevice`](crate::sim::SimDevice), which knows the memory behind every address, that no
-//! two live blocks ever share memory.
+//! from the mappings, each lies wholly inside one unmapped block of its range (a plan that
+//! reaches into one is given up, or the place taken out for clearing, before the lock is
+//! released), and each holder is a mapping of the same range and size. The conformance suite
+//! checks on [`SimDevice`](crate::sim::SimDevice), which knows the memory behind every address,
+//! that no two live blocks ever share memory.
 
 use std::collections::BTreeMap;
 
@@ -127,16 +130,6 @@ impl<F: Clone> Pools<F> {
             .into_iter()
             .chain(self.parked.range(low..high).map(|(a, p)| (*a, *p)))
             .collect()
-    }
-
-    /// Where a map at `address` of `size` bytes must end so as not to split a parked place:
-    /// past the end of the one it reaches into, if any.
-    pub(in crate::pools) fn past_parked(&self, address: u64, size: u64) -> u64 {
-        let end = address + size;
-        self.parked
-            .range(..end)
-            .next_back()
-            .map_or(end, |(a, p)| end.max(a + p.size))
     }
 
     /// Whether moving memory between the places of this range now is reuse the pools allow:
@@ -253,13 +246,21 @@ impl<F: Clone> Pools<F> {
 
     /// The parked places inside `plan` that did not flip: taken out of the pools' parked
     /// places, to be unmapped before the plan is mapped (their memory stays with its holders).
+    /// The driver unmaps a place only whole, so the part of one past the plan's end (the plan
+    /// maps only what the request needs) is held meanwhile, as a busy block.
     pub fn take_clears(&mut self, plan: &MapPlan) -> Vec<Unmapping> {
-        let pool = plan.pool;
-        self.parked_in(plan.address, plan.address + plan.size)
+        let (pool, end) = (plan.pool, plan.address + plan.size);
+        self.parked_in(plan.address, end)
             .into_iter()
             .map(|(address, p)| {
                 self.parked.remove(&address);
-                parked_place_unmapping(address, &p, pool, NIL)
+                let past = (address + p.size).saturating_sub(end);
+                let block = if past > 0 {
+                    self.hold_place(end, past)
+                } else {
+                    NIL
+                };
+                parked_place_unmapping(address, &p, pool, block)
             })
             .collect()
     }
@@ -495,7 +496,8 @@ impl<F: Clone> Pools<F> {
 }
 
 /// The unmapping of the parked place `address` (its memory stays with its holder), held by
-/// `block` meanwhile (`NIL`: inside the plan that clears it).
+/// `block` meanwhile (`NIL`: inside the plan that clears it; else what is past the plan, or
+/// the whole place).
 fn parked_place_unmapping(address: u64, p: &Parked, pool: PoolKind, block: BlockId) -> Unmapping {
     Unmapping {
         address,
