@@ -213,3 +213,35 @@ fn a_block_of_memory_still_being_mapped_by_another_thread_can_be_freed() {
             .assert_ok("map_race");
     }
 }
+
+#[test]
+fn private_pools_map_their_memory_and_keep_it_while_in_use() {
+    // The graph and pool programs, whose private pools now grow by mapping (Note [Expandable
+    // private pools]): captures into pools, checkpoints restored over mapped runs, MemPools
+    // that keep their memory and lend it on OOM. No fixed segment is made for them, but the
+    // one mem_pools' own allocator takes from CUDA for its pool.
+    for (name, capacity, foreign) in [
+        ("capture_pools", "1024", 0),
+        ("pool_checkpoints", "1024", 0),
+        ("mem_pools", "100", 1),
+    ] {
+        let out = Run::c(name, &[])
+            .env("CACHEALLOC_CONF", EXPANDABLE)
+            .env("EXACT_FREE", "1")
+            .env("FAKECUDA_CAPACITY_MB", capacity)
+            .env("FAKECUDA_REPORT", "1")
+            .output();
+        out.assert_pooled(name);
+        assert!(
+            !out.stderr.contains("cachealloc: error"),
+            "{name}: {}",
+            out.stderr
+        );
+        let (device_allocations, physical) = report(&out);
+        assert!(
+            physical > 0 && device_allocations == foreign,
+            "{name}: {device_allocations} device allocations, {physical} physical creates: {}",
+            out.stderr
+        );
+    }
+}

@@ -399,7 +399,7 @@ fn mem_pools_route_their_threads_allocations_keep_their_memory_and_lend_it_on_oo
     assert_no_shim_failure(&out.stderr);
     assert!(
         out.stderr
-            .contains("of which its other pools (graphs, MemPools) hold 60.00 MiB"),
+            .contains("of which its other pools (graphs, MemPools) hold 40.00 MiB"),
         "the out-of-memory report under a memory fraction names what the MemPools hold: {}",
         out.stderr
     );

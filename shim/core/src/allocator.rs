@@ -429,10 +429,13 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             }
         }
 
-        // 7. Empty the cache, then try once more.
+        // 7. Empty the cache, then try once more (pools that keep their maps unmap nothing:
+        // Note [Kept maps]).
         let all = pools.take_free_segments(&[PoolKind::Large, PoolKind::Small]);
         pools = self.release_unlocked(pools, all, changes);
-        pools = self.unmap_unlocked(pools, changes);
+        if !pools.keeps_maps() {
+            pools = self.unmap_unlocked(pools, changes);
+        }
         let (served, relocked) = self.grow_and_serve(pools, request, changes, true);
         pools = relocked;
         if let Some(a) = served? {

@@ -333,6 +333,9 @@ pub struct Pools<F> {
     /// Whether the synchronous API's requests grow by fixed segments even while
     /// `grows_expandable` ([`Pools::set_synchronous_fixed`]).
     synchronous_fixed: bool,
+    /// Whether what is mapped stays mapped until the cache is emptied, mapped in PyTorch's
+    /// pages (a private pool's); see [Note [Kept maps]](expandable#note-kept-maps).
+    keeps_maps: bool,
     /// The expandable segments: stream, pool, segment.
     ranges: Vec<(u64, PoolKind, SegmentId)>,
     /// The live mappings of expandable segments, by address: one per map, unmapped whole.
@@ -377,6 +380,7 @@ impl<F: Clone> Pools<F> {
             expandable: None,
             grows_expandable: false,
             synchronous_fixed: false,
+            keeps_maps: false,
             ranges: Vec::new(),
             mappings: BTreeMap::new(),
             parked: BTreeMap::new(),

@@ -132,12 +132,15 @@ impl CudaDevice {
 
     /// The device of a private pool (see Note [Private pools] in the shim's `process`): fixed
     /// segments, from `foreign` when given, and a release is held until the pool is no longer
-    /// used ([`CudaDevice::release_deferred`]), since a graph may still write the memory.
+    /// used ([`CudaDevice::release_deferred`]), since a graph may still write the memory; with
+    /// virtual memory if `expandable` (whose maps the pool keeps: Note [Expandable private
+    /// pools]).
     pub fn for_private_pool(
         driver: LoadedDriver,
         ordinal: i32,
         streams: Arc<StreamRegistry>,
         foreign: Option<ForeignAllocator>,
+        expandable: bool,
     ) -> Self {
         if foreign.is_some() {
             crate::rare::note(crate::rare::FOREIGN);
@@ -145,7 +148,7 @@ impl CudaDevice {
         CudaDevice {
             holds_releases: true,
             foreign,
-            ..CudaDevice::new(driver, ordinal, streams, false)
+            ..CudaDevice::new(driver, ordinal, streams, expandable)
         }
     }
 

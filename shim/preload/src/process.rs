@@ -361,10 +361,7 @@ impl Shim {
         // Pooling is only ever on with a driver; without one, say so rather than panic.
         let driver = self.driver.ok_or(cuda::ERROR_INITIALIZATION)?;
         let pool = slot.get_or_init(|| {
-            let config = (self.runtime_allocator.lock())
-                .unwrap_or_else(|p| p.into_inner())
-                .clone()
-                .unwrap_or_else(|| settings::get().config.allocator.clone());
+            let config = self.allocator_config_now();
             let config_fraction_set = config.per_process_memory_fraction < 1.0;
             let observer = DeviceObserver {
                 device: device as u32,

@@ -80,7 +80,12 @@ impl<D: Device, O: Observer> Allocator<D, O> {
                 plan
             };
             attempts += 1;
-            pools.note_range_mapped(&plan, &self.device);
+            // Pools that keep their maps give nothing back here (Note [Kept maps]), and so
+            // have no parked places and need no idle horizon.
+            let recycles = !pools.keeps_maps();
+            if recycles {
+                pools.note_range_mapped(&plan, &self.device);
+            }
             // Parked places in the way are unmapped (their memory stays where it is).
             let mut to_unmap = pools.take_clears(&plan);
             // Too many parked places: the oldest idle ones go (no wait, and no matter if not).
@@ -89,7 +94,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
             let beyond_peak = pools
                 .reserved()
                 .saturating_sub(pools.stats.reserved_bytes.all.peak as u64);
-            if beyond_peak > 0 {
+            if recycles && beyond_peak > 0 {
                 // A new high-water mark: give back free memory first, moving what fits into
                 // the plan (see the Notes).
                 let holes = pools.take_to_recycle(&plan, beyond_peak);

@@ -32,6 +32,16 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         Ok(changes)
     }
 
+    /// Give the address space of the expandable segments that have nothing mapped back to the
+    /// device, with the lock released (a private pool emptied for good: Note [Kept maps]).
+    /// Returns how many ranges the device refused to free (their address space is lost).
+    pub fn free_empty_ranges(&self) -> usize {
+        let empty = self.pools.lock().take_empty_ranges(&self.device);
+        (empty.into_iter())
+            .filter(|&(address, size)| self.device.free_range(address, size).is_err())
+            .count()
+    }
+
     /// Close the open fence batch now (for example before a long pause, or at a stream
     /// synchronization the caller saw), and collect completed ones.
     pub fn flush_fences(&self) -> Result<SegmentChanges, DeviceError> {

@@ -1,6 +1,7 @@
 //! Settings the program changes at run time (PyTorch's `_set_allocator_settings`): the
 //! request policy ([`Allocator::set_policy`]) and expandable segments
-//! ([`Allocator::set_expandable`]).
+//! ([`Allocator::set_expandable`]); and how a private pool's expandable segments keep their
+//! memory ([`Allocator::keep_maps`]).
 
 use super::Allocator;
 use crate::config::{AllocatorConfig, Expandable};
@@ -14,6 +15,14 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// `_set_allocator_settings`); the allocator's other settings stay as they were made.
     pub fn set_policy(&self, config: &AllocatorConfig) {
         self.pools.lock().set_policy(config);
+    }
+
+    /// Keep what is mapped into expandable segments until [`Allocator::empty_cache`], mapping
+    /// in PyTorch's pages, from now on: a private pool's allocator, whose blocks a graph may
+    /// replay into after they were freed (see [Note [Kept
+    /// maps]](crate::pools::expandable#note-kept-maps)).
+    pub fn keep_maps(&self) {
+        self.pools.lock().keep_maps();
     }
 
     /// The program turns expandable segments on or off at run time (PyTorch's

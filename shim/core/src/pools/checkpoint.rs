@@ -12,18 +12,23 @@
 //! over tensors that the replays made live:
 //!
 //! 1. every block the pool has allocated now is freed (the caller learns which, to forget
-//!    their storages), and so each segment of the checkpoint becomes one free block;
-//! 2. each segment of the checkpoint is split again into its blocks, at the same addresses,
-//!    and the blocks the checkpoint had allocated are allocated again (the caller learns
-//!    which, to give their storages a deleter).
+//!    their storages), and so the memory of each segment of the checkpoint is free;
+//! 2. the blocks the checkpoint had allocated are carved out of that free memory again, at
+//!    the same addresses (the caller learns which, to give their storages a deleter); what lies
+//!    between them stays free.
 //!
 //! Segments the pool gained after the checkpoint stay, free. This is PyTorch's
 //! `setCheckpointPoolState`. It needs every block of the pool to be allocated or free (no block
-//! waiting for a fence, as a pool that is never fenced has none) and fixed segments (a graph
-//! pool has no expandable ones); it refuses, changing nothing, when the pool lost a segment of
-//! the checkpoint.
+//! waiting for a fence, as a pool that is never fenced has none); it refuses, changing nothing,
+//! when the pool lost memory of the checkpoint.
+//!
+//! An expandable segment's "segments" are its runs of mapped memory, as PyTorch's snapshots
+//! show them. A private pool keeps its maps ([Note [Kept maps]](super::expandable#note-kept-maps)),
+//! so a run can only have grown since the checkpoint: its blocks are carved out of the larger
+//! free run, and the memory mapped after the checkpoint stays free around them (PyTorch's
+//! expandable private pools behave so; its `test_expandable_segment_checkpoint_growth`).
 
-use super::{Allocation, BlockId, BlockState, Freed, NIL, Pools};
+use super::{Allocation, BlockState, Freed, NIL, Pools};
 use crate::NO_STREAM;
 use crate::config::ReusePolicy;
 
@@ -73,47 +78,54 @@ pub struct Restored {
 /// Why a pool could not be put back to a checkpoint. Nothing was changed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RestoreError {
-    /// A segment of the checkpoint is no longer in the pool, or has another size.
-    #[error("the pool no longer has the checkpoint's segment at {0:#x} of the same size")]
+    /// Memory of the checkpoint is no longer in the pool: a fixed segment gone or of another
+    /// size, or a run of an expandable segment no longer mapped throughout.
+    #[error("the pool no longer has the checkpoint's memory at {0:#x}")]
     SegmentGone(u64),
     /// The checkpoint's blocks do not tile their segment.
     #[error("the checkpoint's blocks do not tile the segment at {0:#x}")]
     BadLayout(u64),
-    /// A block of the pool waits for a fence or has no memory (an expandable segment).
+    /// A block of the pool waits for a fence, or is being mapped or unmapped.
     #[error("the pool has a block at {0:#x} that is neither allocated nor free")]
     NotSettled(u64),
 }
 
 impl<F: Clone> Pools<F> {
-    /// The pools' layout now: every segment with its blocks. `None` when a block is neither
-    /// allocated nor free, which a checkpoint cannot describe.
+    /// The pools' layout now: every fixed segment, and every run of mapped memory of an
+    /// expandable one, with its blocks. `None` when a block is neither allocated nor free (nor
+    /// unmapped and idle), which a checkpoint cannot describe.
     pub fn checkpoint(&self) -> Option<Checkpoint> {
         let mut segments = Vec::new();
         for &seg in self.segment_index.values() {
-            let segment = self.segment(seg);
-            let mut blocks = Vec::new();
-            let mut id = segment.first;
+            let mut run: Option<CheckpointSegment> = None;
+            let mut id = self.segment(seg).first;
             while id != NIL {
                 let b = &self.blocks[id as usize];
+                id = b.next;
                 let allocated = match b.state {
                     BlockState::Active => true,
                     BlockState::Free => false,
+                    BlockState::Unmapped if !b.busy => {
+                        segments.extend(run.take());
+                        continue;
+                    }
                     BlockState::PendingFree | BlockState::Unmapped => return None,
                 };
-                blocks.push(CheckpointBlock {
+                let run = run.get_or_insert_with(|| CheckpointSegment {
+                    address: b.address,
+                    size: 0,
+                    blocks: Vec::new(),
+                });
+                run.size += b.size;
+                run.blocks.push(CheckpointBlock {
                     address: b.address,
                     size: b.size,
                     allocated,
                     requested: if allocated { b.requested } else { 0 },
                     tag: if allocated { b.tag } else { 0 },
                 });
-                id = b.next;
             }
-            segments.push(CheckpointSegment {
-                address: segment.address,
-                size: segment.size,
-                blocks,
-            });
+            segments.extend(run);
         }
         Some(Checkpoint { segments })
     }
@@ -133,11 +145,10 @@ impl<F: Clone> Pools<F> {
             restored.freed.push(freed);
         }
         self.settle();
-        for segment in &checkpoint.segments {
-            let seg = self.segment_index[&segment.address];
-            let first = self.segment(seg).first;
-            self.remove_free(first);
-            self.rebuild_segment(first, &segment.blocks, &mut restored.allocated);
+        for block in checkpoint.segments.iter().flat_map(|s| &s.blocks) {
+            if block.allocated {
+                restored.allocated.push(self.carve_at(block));
+            }
         }
         Ok(restored)
     }
@@ -153,19 +164,13 @@ impl<F: Clone> Pools<F> {
         {
             return Err(RestoreError::NotSettled(b.address));
         }
-        if let Some(b) = self
-            .live_blocks()
-            .find(|b| matches!(b.state, BlockState::PendingFree | BlockState::Unmapped))
-        {
+        if let Some(b) = self.live_blocks().find(|b| {
+            b.state == BlockState::PendingFree || (b.state == BlockState::Unmapped && b.busy)
+        }) {
             return Err(RestoreError::NotSettled(b.address));
         }
         for segment in &checkpoint.segments {
-            let live = self.segment_index.get(&segment.address);
-            let same = live.is_some_and(|&seg| {
-                let s = self.segment(seg);
-                s.size == segment.size && !s.expandable
-            });
-            if !same {
+            if !self.still_has(segment) {
                 return Err(RestoreError::SegmentGone(segment.address));
             }
             let mut at = segment.address;
@@ -182,27 +187,52 @@ impl<F: Clone> Pools<F> {
         Ok(())
     }
 
-    /// Split the free block `id` (a whole segment, out of every list) into `blocks`, allocating
-    /// those the checkpoint had allocated and listing the others as free.
-    fn rebuild_segment(
-        &mut self,
-        mut id: BlockId,
-        blocks: &[CheckpointBlock],
-        allocated: &mut Vec<Allocation>,
-    ) {
-        for (i, spec) in blocks.iter().enumerate() {
-            if i + 1 < blocks.len() {
-                self.split_off_rest(id, spec.size);
-            }
-            let next = self.blocks[id as usize].next;
-            if spec.allocated {
-                allocated.push(self.hand_out(id, spec.requested, spec.tag));
-            } else {
-                let b = &mut self.blocks[id as usize];
-                b.free_since = self.lookups;
-                self.add_free(id);
-            }
-            id = next;
+    /// Whether the pools still have the memory of `segment`, allocated or free: the same fixed
+    /// segment, or memory mapped throughout it in an expandable one.
+    fn still_has(&self, segment: &CheckpointSegment) -> bool {
+        let Some((_, &seg)) = self.segment_index.range(..=segment.address).next_back() else {
+            return false;
+        };
+        let live = self.segment(seg);
+        if !live.expandable {
+            return live.address == segment.address && live.size == segment.size;
         }
+        let end = segment.address + segment.size;
+        if end > live.address + live.size {
+            return false;
+        }
+        let mut id = live.first;
+        while id != NIL {
+            let b = &self.blocks[id as usize];
+            if b.address >= end {
+                break;
+            }
+            if b.address + b.size > segment.address && b.state == BlockState::Unmapped {
+                return false;
+            }
+            id = b.next;
+        }
+        true
+    }
+
+    /// Allocate the checkpoint's `block` again, out of the free block that holds its memory
+    /// (every block is free now): what lies before and after it in that block stays free.
+    fn carve_at(&mut self, block: &CheckpointBlock) -> Allocation {
+        let mut id = self
+            .find_block(block.address)
+            .expect("checked: the memory is there");
+        debug_assert_eq!(self.blocks[id as usize].state, BlockState::Free);
+        self.remove_free(id);
+        let start = self.blocks[id as usize].address;
+        if start < block.address {
+            let rest = self.split_off_rest(id, block.address - start);
+            self.add_free(id);
+            id = rest;
+        }
+        if self.blocks[id as usize].size > block.size {
+            let rest = self.split_off_rest(id, block.size);
+            self.add_free(rest);
+        }
+        self.hand_out(id, block.requested, block.tag)
     }
 }

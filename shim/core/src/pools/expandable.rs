@@ -71,6 +71,28 @@
 //! again after relocking: if the free block before the mapped memory was taken meanwhile, the
 //! new memory joins the free lists and the allocator maps again.
 //!
+//! # Note [Kept maps]
+//!
+//! A private pool (a CUDA graph's, a `MemPool`) may not give memory back while it is in use: a
+//! graph replays into blocks the program freed after the capture, so memory unmapped under
+//! them and mapped again elsewhere would be written by a replay that nobody ordered. Its
+//! pools *keep their maps* ([`Pools::keep_maps`]):
+//!
+//! * nothing is recycled at a new high-water mark, and the out-of-memory ladder unmaps
+//!   nothing: only an explicit `empty_cache` unmaps, which the shim calls once the pool has no
+//!   user left (with no moves there are no parked places either);
+//! * maps are made in PyTorch's pages: whole 20 MiB ([`sizes::LARGE_BUFFER`]) in the large
+//!   pool, whole granules in the small one. PyTorch's private pools map so, and its tests of
+//!   graph pools with expandable segments compare their snapshots block for block (a 2 MiB
+//!   request maps 20 MiB, whose 18 MiB rest serves the pool's next requests). Mapping only
+//!   the granules a request needs saves memory where maps can be given back and remade at a
+//!   new peak; in a pool that keeps every map, pages cost at most one page per range, and
+//!   PyTorch's user sees the layout PyTorch gives.
+//!
+//! A kept range is checkpointed by its runs of mapped memory ([Note [Pool
+//! checkpoints]](super::checkpoint#note-pool-checkpoints)), and once the pool is emptied its
+//! address space is given back too ([`Pools::take_empty_ranges`]).
+//!
 //! While fencing has just started ([`Pools::start_fencing`]'s gate), no block that was free
 //! before the gate may be handed out on [`NO_STREAM`]; new memory is then carved on its own,
 //! before it merges with anything.
@@ -245,6 +267,26 @@ impl<F: Clone> Pools<F> {
         self.grows_expandable
     }
 
+    /// Keep what is mapped until the cache is emptied, and map in PyTorch's pages, from now
+    /// on (a private pool's pools; see [Note [Kept maps]](self#note-kept-maps)).
+    pub fn keep_maps(&mut self) {
+        self.keeps_maps = true;
+    }
+
+    /// Whether the pools keep what they map ([`Pools::keep_maps`]).
+    pub fn keeps_maps(&self) -> bool {
+        self.keeps_maps
+    }
+
+    /// The unit a map of `pool` is made of: the granularity `g`, or PyTorch's pages when the
+    /// pools keep their maps (Note [Kept maps]).
+    fn map_step(&self, pool: PoolKind, g: u64) -> u64 {
+        match pool {
+            PoolKind::Large if self.keeps_maps => sizes::LARGE_BUFFER.div_ceil(g) * g,
+            _ => g,
+        }
+    }
+
     /// Whether a request for `stream` grows by mapping into an expandable segment now.
     pub fn grows_expandable_for(&self, stream: u64) -> bool {
         self.grows_expandable && !(self.synchronous_fixed && stream == NO_STREAM)
@@ -299,6 +341,7 @@ impl<F: Clone> Pools<F> {
             return MapOutcome::NeedsRange;
         };
         let pool = sizes::pool_for(rounded);
+        let step = self.map_step(pool, g);
         // Under the gate, the free block before the unmapped one may not be used.
         let gated = self.gated && stream == NO_STREAM;
         // Memory that can flip back to parked places costs nothing (see moves.rs).
@@ -325,7 +368,7 @@ impl<F: Clone> Pools<F> {
                     }
                     _ => 0,
                 };
-                let size = sizes::round_up(rounded.saturating_sub(before), g).max(g);
+                let size = rounded.saturating_sub(before).div_ceil(step).max(1) * step;
                 if size > b.size {
                     return None;
                 }

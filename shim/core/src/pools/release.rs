@@ -189,17 +189,19 @@ impl<F: Clone> Pools<F> {
             stats.active_bytes.decrease(b.stat_at(), b.size);
             stats.requested_bytes.decrease(b.stat_at(), b.requested);
         }
-        let (fencing, expandable, grows, synchronous_fixed) = (
+        let (fencing, expandable, grows, synchronous_fixed, keeps_maps) = (
             self.fencing,
             self.expandable,
             self.grows_expandable,
             self.synchronous_fixed,
+            self.keeps_maps,
         );
         *self = Pools::new(&config);
         self.fencing = fencing;
         self.expandable = expandable;
         self.grows_expandable = grows;
         self.synchronous_fixed = synchronous_fixed;
+        self.keeps_maps = keeps_maps;
         self.stats = stats;
     }
 }

@@ -9,6 +9,8 @@
 //! * `streams`     — stream-ordered reuse: blocks per stream, fences only where needed;
 //! * `expandable`  — expandable segments: mapping, unmapping, ranges per stream;
 //! * `expandable_waits` — when expandable segments wait for the device (unmaps, recycling);
+//! * `kept_maps`   — a private pool's expandable segments: PyTorch's pages, nothing given
+//!   back until `empty_cache`, checkpoints of mapped runs;
 //! * `properties`  — proptest: random sequences against a naive model.
 
 mod checkpoints;
@@ -17,6 +19,7 @@ mod conformance;
 mod expandable;
 mod expandable_waits;
 mod fences;
+mod kept_maps;
 mod oom;
 mod properties;
 mod rules;

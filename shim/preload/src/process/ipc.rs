@@ -64,12 +64,14 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use cachealloc_core::{AddressInfo, BlockState};
+use cachealloc_core::{AddressInfo, Allocator, BlockState};
 
 use super::Shim;
+use crate::backend::CudaDevice;
 use crate::cuda::{self, CudaError};
 use crate::ipc_counters::{self, SlotId};
 use crate::log;
+use crate::trace::DeviceObserver;
 
 mod description;
 mod expandable;
@@ -145,12 +147,15 @@ impl Shim {
                      64-byte IPC handle names: share it with cachealloc_ipc_share_desc"
                 ));
             }
-            let exported = self
-                .allocators()
-                .find(|a| a.lookup(address).is_some())
+            let export = |alloc: &Allocator<CudaDevice, DeviceObserver>| {
+                (alloc.device()).export_mapped(info.block_address, info.block_size)
+            };
+            let exported = match self.allocators().find(|a| a.lookup(address).is_some()) {
+                Some(alloc) => Some(export(alloc)),
+                None => self.with_private_pool_holding(address, export),
+            };
+            let exported = exported
                 .ok_or_else(|| format!("{address:#x} is not in a device's pools"))?
-                .device()
-                .export_mapped(info.block_address, info.block_size)
                 .map_err(|why| {
                     format!(
                         "{address:#x} lies in an expandable segment that cannot be shared: {why}"

@@ -89,6 +89,18 @@ impl Shim {
                  (cuMemSetAccess failed)"
             );
         }
+        // The private pools' mapped memory too; their later maps grant access as they are
+        // made.
+        let mut failed = 0;
+        self.for_each_private_pool(owner, |alloc| {
+            failed += alloc.device().grant_peer(accessor).unwrap_or(1);
+        });
+        if failed > 0 {
+            log::error!(
+                "device {accessor} enabled peer access to device {owner}, but {failed} mappings \
+                 of device {owner}'s private pools could not be shared (cuMemSetAccess failed)"
+            );
+        }
         let Some(alloc) = self.allocator_of(owner) else {
             return; // no pool yet: its maps will grant access as they are made
         };

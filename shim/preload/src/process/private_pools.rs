@@ -34,11 +34,30 @@
 //!   the low bits of a `u64` (the Python integration's `pool_key`); ours count down from the
 //!   top, so the two never meet.
 
+//!
+//! # Note [Expandable private pools]
+//!
+//! PyTorch's private pools grow by expandable segments when the program asked for them
+//! (`expandable_segments:True`), and ours do then too: a graph pool's memory is a run of
+//! mapped memory per stream, as PyTorch's snapshots show it and its tests count it. The
+//! shim's own default (`stream_ordered`: PyTorch's ordinary tensors in expandable segments)
+//! is not a request PyTorch knows of, so private pools keep fixed segments under it, as
+//! PyTorch's do by default; so do pools that never split (`MemPool(no_split=True)`) and pools
+//! whose memory comes from the program's allocator. The program may switch at run time
+//! (`_set_allocator_settings`), for private pools as for the ordinary ones.
+//!
+//! An expandable private pool *keeps its maps* (Note [Kept maps] in `cachealloc_core`): a
+//! graph replays into blocks freed after its capture, so no memory is recycled, moved or
+//! unmapped while the pool has a user, and maps come in PyTorch's pages. When the pool is
+//! released its free memory is unmapped like any pool's, and once nothing is mapped its
+//! address space is freed too (a pool per capture would otherwise leave a device-sized range
+//! of address space behind each time).
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use cachealloc_core::{Allocator, FreeError, SegmentSnapshot, Stats};
+use cachealloc_core::{Allocator, Expandable, FreeError, SegmentSnapshot, Stats};
 
 use super::Shim;
 use crate::backend::{CudaDevice, ForeignAllocator};
@@ -65,6 +84,9 @@ pub struct PrivatePool {
     /// Made for graphs (not a `MemPool`): its memory is released only by `empty_cache` or an
     /// allocation out of memory, once it is not in use (see Note [Private pools]).
     for_graphs: bool,
+    /// Fixed segments whatever the program asks (`no_split`, or memory from the program's
+    /// allocator): Note [Expandable private pools].
+    fixed_only: bool,
     alloc: Allocator<CudaDevice, DeviceObserver>,
 }
 
@@ -168,11 +190,12 @@ impl Shim {
         }
         let driver = self.driver?;
         let (id, device) = key;
-        let mut config = crate::settings::get().config.allocator.clone();
-        // A private pool keeps its memory: no collection, and fixed segments (an unmap would
-        // give memory back).
+        let mut config = self.allocator_config_now();
+        // A private pool keeps its memory while it is used: no collection, and expandable
+        // segments keep their maps (Note [Expandable private pools]).
         config.garbage_collection_threshold = 0.0;
-        config.expandable_segments = cachealloc_core::Expandable::Off;
+        let fixed_only = settings.no_split || settings.foreign.is_some();
+        config.expandable_segments = private_mode(config.expandable_segments, fixed_only);
         if settings.no_split {
             config.max_split_size = 0; // every block is oversize: never split
         }
@@ -181,18 +204,25 @@ impl Shim {
             trace: self.trace.as_ref().ok().cloned(),
             oom_checkpoint: false,
         };
-        let device_handle =
-            CudaDevice::for_private_pool(driver, device, self.streams.clone(), settings.foreign);
+        let device_handle = CudaDevice::for_private_pool(
+            driver,
+            device,
+            self.streams.clone(),
+            settings.foreign,
+            config.expandable_segments.any(),
+        );
         // Never fenced (unlike the device's ordinary pool once streams exist): a capture into
         // the pool frees synchronously, and a fence is an event, which a capture cannot take.
         // Frees in a stream's order (PyTorch's) are reused in that order, as everywhere.
         let alloc = Allocator::with_observer(device_handle, config, observer);
+        alloc.keep_maps();
         log::debug!("device {device}: private pool {id:#x} created");
         let pool = Arc::new(PrivatePool {
             id,
             device,
             use_on_oom: settings.use_on_oom,
             for_graphs: settings.for_graphs,
+            fixed_only,
             alloc,
         });
         let mut pools = self.private_pools.pools.write();
@@ -206,12 +236,23 @@ impl Shim {
 
     /// What a private pool knows of `address`.
     pub(super) fn private_lookup(&self, address: u64) -> Option<cachealloc_core::AddressInfo> {
+        self.with_private_pool_holding(address, |alloc| alloc.lookup(address))
+            .flatten()
+    }
+
+    /// Run `f` on the allocator of the private pool that holds `address`, if one does.
+    pub(super) fn with_private_pool_holding<R>(
+        &self,
+        address: u64,
+        f: impl FnOnce(&Allocator<CudaDevice, DeviceObserver>) -> R,
+    ) -> Option<R> {
         if !self.private_pools.any.load(Ordering::Acquire) {
             return None;
         }
         let pools = self.private_pools.pools.read();
         let pools = pools.unwrap_or_else(|p| p.into_inner());
-        pools.iter().find_map(|p| p.alloc.lookup(address))
+        let pool = pools.iter().find(|p| p.alloc.lookup(address).is_some())?;
+        Some(f(&pool.alloc))
     }
 
     /// A new id of our own, for a capture given no pool.
@@ -252,6 +293,14 @@ impl Shim {
             );
         }
         if pool.alloc.stats().reserved_bytes.all.current <= 0 {
+            let lost = pool.alloc.free_empty_ranges();
+            if lost > 0 {
+                log::error!(
+                    "device {}: the address space of {lost} expandable segments of a private \
+                     pool could not be freed",
+                    pool.device
+                );
+            }
             let mut all = self.private_pools.pools.write();
             let all = all.as_mut().unwrap_or_else(|p| p.get_mut());
             all.retain(|p| !std::ptr::eq(&**p, pool));
@@ -436,5 +485,35 @@ impl Shim {
             .map(|p| p.alloc.stats().reserved_bytes.all.current)
             .sum();
         (pools.len(), reserved)
+    }
+}
+
+/// How a private pool grows when the program's setting is `asked` (Note [Expandable private
+/// pools]): expandable segments only where the program asked PyTorch for them.
+fn private_mode(asked: Expandable, fixed_only: bool) -> Expandable {
+    match asked {
+        Expandable::On if !fixed_only => Expandable::On,
+        _ => Expandable::Off,
+    }
+}
+
+impl Shim {
+    /// The program switched expandable segments at run time (`_set_allocator_settings`): the
+    /// private pools grow so from now on too (Note [Expandable private pools]).
+    pub(super) fn set_private_pools_expandable(&self, asked: Expandable) {
+        self.for_each_private_pool_of_any_kind(|pool| {
+            pool.alloc
+                .set_expandable(private_mode(asked, pool.fixed_only));
+        });
+    }
+
+    fn for_each_private_pool_of_any_kind(&self, mut f: impl FnMut(&PrivatePool)) {
+        if !self.private_pools.any.load(Ordering::Acquire) {
+            return;
+        }
+        let pools = self.private_pools.pools.read();
+        for pool in pools.unwrap_or_else(|p| p.into_inner()).iter() {
+            f(pool);
+        }
     }
 }

@@ -39,16 +39,16 @@ impl Shim {
         if let Some(fraction) = crate::backend::budget::of(device).fraction() {
             return fraction;
         }
-        let runtime = (self.runtime_allocator.lock()).unwrap_or_else(|p| p.into_inner());
-        match runtime.as_ref() {
-            Some(config) => config.per_process_memory_fraction,
-            None => {
-                crate::settings::get()
-                    .config
-                    .allocator
-                    .per_process_memory_fraction
-            }
-        }
+        self.allocator_config_now().per_process_memory_fraction
+    }
+
+    /// The settings a pool made now starts with: the configuration's, as the program changed
+    /// them at run time (`_set_allocator_settings`).
+    pub(super) fn allocator_config_now(&self) -> cachealloc_core::AllocatorConfig {
+        (self.runtime_allocator.lock())
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or_else(|| crate::settings::get().config.allocator.clone())
     }
 
     /// PyTorch's allocator settings changed at run time (`_set_allocator_settings`, a
@@ -61,7 +61,7 @@ impl Shim {
     /// `graph_capture_record_stream_reuse`, when given, switches reuse within captures (Note
     /// [Recorded streams]). PyTorch-only keys are PyTorch's. `expandable_segments`, when given, switches how the ordinary pools grow
     /// from now on (their segments of the other kind stay and serve what they hold, as with
-    /// PyTorch's); private pools keep fixed segments. The error names the key and its valid
+    /// PyTorch's), and the private pools' (Note [Expandable private pools]). The error names the key and its valid
     /// values.
     pub fn set_allocator_settings(&self, text: &str) -> Result<(), String> {
         let resolved = Config::from_sources(None, Some(text)).map_err(|e| e.to_string())?;
@@ -98,6 +98,9 @@ impl Shim {
                     );
                 }
             }
+        }
+        if let Some(asked) = expandable {
+            self.set_private_pools_expandable(asked);
         }
         if given("graph_capture_record_stream_reuse") {
             (self.recorded).set_reuse_in_capture(resolved.config.graph_capture_record_stream_reuse);

@@ -72,6 +72,13 @@ impl<F: Clone> Pools<F> {
         &mut self.idle[at]
     }
 
+    /// Forget `range`'s horizon (the range is gone); its pending fence, if any, is the
+    /// caller's to release.
+    pub(in crate::pools) fn forget_idle(&mut self, range: SegmentId) -> Option<F> {
+        let at = self.idle.iter().position(|r| r.range == range)?;
+        self.idle.swap_remove(at).pending.map(|(fence, _)| fence)
+    }
+
     /// Move `range`'s horizon to its pending fence's stamp if that fence has completed.
     pub(in crate::pools) fn refresh_idle<D: Device<Fence = F>>(
         &mut self,

@@ -3,6 +3,7 @@
 //! has unmapped them or refused to. See [Note [Expandable segments]](super#note-expandable-segments).
 
 use super::{MapPlan, Mapping, Pools, Unmapping};
+use crate::device::Device;
 use crate::pools::{Block, BlockId, BlockState, NIL, SegmentId};
 use crate::sizes::PoolKind;
 use crate::stats::StatAt;
@@ -17,6 +18,31 @@ impl<F: Clone> Pools<F> {
             .collect();
         let taken = self.take_free_mappings(&ranges, NIL, u64::MAX);
         self.with_aliases(taken)
+    }
+
+    /// Take the expandable segments with nothing mapped, and nothing being mapped, out of the
+    /// pools, for their address space to be freed ([`Device::free_range`]): a private pool
+    /// emptied for good (Note [Kept maps]). Returns their (address, size).
+    pub fn take_empty_ranges<D: Device<Fence = F>>(&mut self, device: &D) -> Vec<(u64, u64)> {
+        let mut empty = Vec::new();
+        let ranges = std::mem::take(&mut self.ranges);
+        for (stream, pool, segment) in ranges {
+            let first = self.segment(segment).first;
+            let b = &self.blocks[first as usize];
+            if b.next != NIL || b.state != BlockState::Unmapped || b.busy {
+                self.ranges.push((stream, pool, segment));
+                continue;
+            }
+            let seg = (self.segments[segment as usize].take()).expect("a live range");
+            self.spare_segments.push(segment);
+            self.spare_blocks.push(first);
+            self.segment_index.remove(&seg.address);
+            if let Some(fence) = self.forget_idle(segment) {
+                device.release_fence(fence);
+            }
+            empty.push((seg.address, seg.size));
+        }
+        empty
     }
 
     /// Take at least `budget` bytes (when there are) of mappings wholly inside free blocks of
