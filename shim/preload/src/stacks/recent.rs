@@ -10,7 +10,7 @@
 //! allocations (BENCHMARKS.md, "The trace on the CPU proxy, by symbol"). So each thread keeps a
 //! small table of the stacks it captured last, indexed by a 128-bit hash of the raw key computed
 //! in four independent lanes (a quarter of the dependent multiplies), from the walk's buffers
-//! (no key is built for a hit); a hit is one line read and no lock.
+//! (no key is built for a hit); a hit is one line read (a set of two entries) and no lock.
 //!
 //! An entry holds the number of the [`Stacks`](super::Stacks) that interned it and the code
 //! objects' epoch it was read in (Note [Code objects' deaths]): a hit is a stack of the same
@@ -22,8 +22,8 @@
 
 use super::python::RawFrame;
 
-/// Entries a thread keeps (a power of two): 256 of 32 bytes, 8 KiB.
-const ENTRIES: usize = 256;
+/// Sets a thread keeps (a power of two): 128 of two 32-byte entries, one cache line each, 8 KiB.
+const SETS: usize = 128;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Entry {
@@ -34,26 +34,41 @@ struct Entry {
     epoch: u64,
 }
 
+/// The two places a hash may be in, one cache line: the one put last first. Two ways, because
+/// with one a hash's place is a matter of chance (code objects' addresses move from run to
+/// run), and two stacks a loop alternates between that fall on one place would evict each other
+/// at every capture, for the rest of the process.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(64))]
+struct Set([Entry; 2]);
+
 /// A thread's recent stacks: raw key's hash → stack id.
 #[derive(Debug, Default)]
 pub(super) struct RecentStacks {
-    entries: Vec<Entry>,
+    sets: Vec<Set>,
 }
 
 impl RecentStacks {
     /// The stack of the raw key whose hash is `hash`, as interner `interner` (non-zero) gave
     /// it in code epoch `epoch`.
     pub(super) fn get(&self, hash: (u64, u64), interner: u32, epoch: u64) -> Option<u32> {
-        let e = self.entries.get(hash.0 as usize & (ENTRIES - 1))?;
-        (e.hash == hash && e.interner == interner && e.epoch == epoch).then_some(e.stack)
+        let set = self.sets.get(hash.0 as usize & (SETS - 1))?;
+        (set.0.iter())
+            .find(|e| e.hash == hash && e.interner == interner && e.epoch == epoch)
+            .map(|e| e.stack)
     }
 
-    /// Remember `stack` for the raw key whose hash is `hash` (replacing what had its place).
+    /// Remember `stack` for the raw key whose hash is `hash`: first in its set, the entry that
+    /// was first second (unless it was this hash's), the second one gone.
     pub(super) fn put(&mut self, hash: (u64, u64), interner: u32, epoch: u64, stack: u32) {
-        if self.entries.is_empty() {
-            self.entries = vec![Entry::default(); ENTRIES];
+        if self.sets.is_empty() {
+            self.sets = vec![Set::default(); SETS];
         }
-        self.entries[hash.0 as usize & (ENTRIES - 1)] = Entry {
+        let set = &mut self.sets[hash.0 as usize & (SETS - 1)].0;
+        if set[0].hash != hash {
+            set[1] = set[0];
+        }
+        set[0] = Entry {
             hash,
             interner,
             stack,
@@ -184,10 +199,29 @@ mod tests {
             None,
             "half the hash is not enough"
         );
-        let other = (h.0, h.1.wrapping_add(1));
-        recent.put(other, 1, 0, 8);
-        assert_eq!(recent.get(h, 1, 0), None, "its place was taken");
-        assert_eq!(recent.get(other, 1, 0), Some(8));
+        recent.put(h, 1, 1, 9);
+        assert_eq!(recent.get(h, 1, 1), Some(9), "read again after a death");
+        assert_eq!(recent.get(h, 1, 0), None, "and only so");
+    }
+
+    #[test]
+    fn two_stacks_on_one_place_both_stay_and_a_third_evicts_the_older() {
+        // Three hashes of one set (the low bits pick it).
+        let h = key_hash(&[1, 2, 3], &[], &[]);
+        let same_set = |k: u64| (h.0.wrapping_add(k * SETS as u64), h.1 ^ k);
+        let (a, b, c) = (same_set(0), same_set(1), same_set(2));
+        let mut recent = RecentStacks::default();
+        for round in 0..3 {
+            // A loop alternating between two stacks that share a place: both keep hitting.
+            recent.put(a, 1, 0, 10);
+            recent.put(b, 1, 0, 11);
+            assert_eq!(recent.get(a, 1, 0), Some(10), "round {round}");
+            assert_eq!(recent.get(b, 1, 0), Some(11), "round {round}");
+        }
+        recent.put(c, 1, 0, 12);
+        assert_eq!(recent.get(c, 1, 0), Some(12));
+        assert_eq!(recent.get(b, 1, 0), Some(11), "the one put last stays");
+        assert_eq!(recent.get(a, 1, 0), None, "the older one goes");
     }
 
     #[test]
