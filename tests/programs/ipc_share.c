@@ -16,7 +16,9 @@
  * EXACT_FDS=1 (fakecuda): with "desc", the descriptors the sender exports for an expandable
  * segment's block are closed once the receiver lets go (the count of open descriptors is back
  * to where it was; a GPU's driver may open descriptors of its own meanwhile). EXPECT_REFUSAL=1:
- * with "desc", sharing the block must fail (a device whose memory cannot be exported). */
+ * with "desc", sharing the block must fail (a device whose memory cannot be exported).
+ * MEMPOOL=1: the sender's blocks come from a MemPool (a private pool: cudaMallocAsync on a stream
+ * while the thread allocates to it), which keeps its maps (Note [Expandable private pools]). */
 #include <dirent.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -37,6 +39,30 @@ static void *api(const char *name) {
     void *f = dlsym(RTLD_DEFAULT, name);
     EXPECT(f != NULL, "the library does not export %s", name);
     return f;
+}
+
+/* MEMPOOL=1: the sender's allocations go to a MemPool, from a stream. */
+static cudaStream_t pool_stream;
+static int in_pool;
+
+static cudaError_t alloc(void **p, size_t size) {
+    return in_pool ? cudaMallocAsync(p, size, pool_stream) : cudaMalloc(p, size);
+}
+
+static cudaError_t release(void *p) {
+    if (!in_pool) return cudaFree(p);
+    cudaError_t e = cudaFreeAsync(p, pool_stream);
+    return e != cudaSuccess ? e : cudaStreamSynchronize(pool_stream);
+}
+
+static void enter_mem_pool(void) {
+    int (*retain)(int, uint64_t, unsigned, void *, void *) =
+        (int (*)(int, uint64_t, unsigned, void *, void *))api("cachealloc_mem_pool_retain");
+    int (*begin_thread)(int, uint64_t) = (int (*)(int, uint64_t))api("cachealloc_mem_pool_begin_thread");
+    CHECK(cudaStreamCreateWithFlags(&pool_stream, cudaStreamNonBlocking));
+    EXPECT(retain(0, 31, 0, NULL, NULL) == 1, "a new MemPool");
+    EXPECT(begin_thread(0, 31) == 0, "routing to the MemPool");
+    in_pool = 1;
 }
 
 static void hex(const unsigned char *h, size_t n, char *out) {
@@ -148,10 +174,11 @@ int main(int argc, char **argv) {
     int expandable = conf && strstr(conf, "expandable_segments:True");
     int exact_fds = getenv("EXACT_FDS") != NULL;
 
+    if (getenv("MEMPOOL")) enter_mem_pool();
     void *first, *block, *other;
-    CHECK(cudaMalloc(&first, 4096));
-    CHECK(cudaMalloc(&block, block_bytes)); /* inside the segment `first` opened, unless big */
-    CHECK(cudaMalloc(&other, block_bytes));
+    CHECK(alloc(&first, 4096));
+    CHECK(alloc(&block, block_bytes)); /* inside the segment `first` opened, unless big */
+    CHECK(alloc(&other, block_bytes));
     fill_pattern(block);
     CHECK(cudaDeviceSynchronize());
     unsigned char handle[DESC];
@@ -223,9 +250,9 @@ int main(int argc, char **argv) {
     EXPECT(read(up[0], &c, 1) == 1, "the receiver died before writing");
     EXPECT(first_wrong_byte(block, 0x7e, block_bytes) < 0, "the sender does not see the receiver's bytes");
 
-    CHECK(cudaFree(block)); /* the receiver still holds it */
+    CHECK(release(block)); /* the receiver still holds it */
     void *again;
-    CHECK(cudaMalloc(&again, block_bytes));
+    CHECK(alloc(&again, block_bytes));
     EXPECT(again != block, "a block another process holds was handed out again");
     int fds_held = open_fds(); /* the exported ones, two ends of pipes, and new memory's */
 
@@ -236,20 +263,20 @@ int main(int argc, char **argv) {
     close(up[0]);
     close(down[1]);
 
-    CHECK(cudaFree(other)); /* frees look at the blocks held for other processes */
+    CHECK(release(other)); /* frees look at the blocks held for other processes */
     EXPECT(!exact_fds || open_fds() == fds_held - 2 - exported,
            "the sender kept %d of %d exported descriptors open after the receiver let go",
            open_fds() - (fds_held - 2 - exported), exported);
     void *reused;
-    CHECK(cudaMalloc(&reused, block_bytes));
+    CHECK(alloc(&reused, block_bytes));
     EXPECT(reused == block || reused == other, "the block let go of was not freed (got %p, block %p)", reused, block);
     void *second;
-    CHECK(cudaMalloc(&second, block_bytes));
+    CHECK(alloc(&second, block_bytes));
     EXPECT(reused == block || second == block, "the block let go of was not reused");
-    CHECK(cudaFree(first));
-    CHECK(cudaFree(again));
-    CHECK(cudaFree(reused));
-    CHECK(cudaFree(second));
+    CHECK(release(first));
+    CHECK(release(again));
+    CHECK(release(reused));
+    CHECK(release(second));
     printf("OK ipc_share\n");
     return 0;
 }

@@ -15,7 +15,8 @@
  * enables peer access from device 1; every free must find its block (another thread's
  * allocation may have mapped the memory and not returned yet); afterwards every live block,
  * and every block the threads allocate next (some on memory parked before), must be device 1's
- * to use.
+ * to use. "mempool": device 0's blocks come from a MemPool (a private pool, mapped under
+ * expandable_segments:True): device 1 gets access to those mapped before peer access and after.
  * Needs 2 devices (fakecuda: FAKECUDA_DEVICES=2); prints "OK peer_access". */
 #include <cuda.h>
 #include <dlfcn.h>
@@ -129,6 +130,33 @@ int main(int argc, char **argv) {
 
     if (strcmp(mode, "race") == 0) {
         race(argc > 2 ? atoi(argv[2]) : 2);
+        return 0;
+    }
+    if (strcmp(mode, "mempool") == 0) {
+        int (*retain)(int, uint64_t, unsigned, void *, void *) =
+            (int (*)(int, uint64_t, unsigned, void *, void *))dlsym(RTLD_DEFAULT, "cachealloc_mem_pool_retain");
+        int (*begin_thread)(int, uint64_t) = (int (*)(int, uint64_t))dlsym(RTLD_DEFAULT, "cachealloc_mem_pool_begin_thread");
+        void (*end_thread)(int, uint64_t) = (void (*)(int, uint64_t))dlsym(RTLD_DEFAULT, "cachealloc_mem_pool_end_thread");
+        EXPECT(retain && begin_thread && end_thread, "the library lacks the MemPool functions");
+        CHECK(cudaSetDevice(0));
+        cudaStream_t s;
+        CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        EXPECT(retain(0, 41, 0, NULL, NULL) == 1 && begin_thread(0, 41) == 0, "a MemPool on device 0");
+        void *before, *after;
+        CHECK(cudaMallocAsync(&before, 30 << 20, s));
+        EXPECT(access_of(0, before) != -1, "the MemPool's memory is not mapped: run with expandable_segments:True");
+        EXPECT_ACCESS(1, before, CU_MEM_ACCESS_FLAGS_PROT_NONE, "MemPool block before peer access");
+        CHECK(cudaSetDevice(1));
+        CHECK(cudaDeviceEnablePeerAccess(0, 0));
+        EXPECT_ACCESS(1, before, CU_MEM_ACCESS_FLAGS_PROT_READWRITE, "MemPool block mapped before");
+        CHECK(cudaSetDevice(0));
+        CHECK(cudaMallocAsync(&after, 50 << 20, s));
+        EXPECT_ACCESS(1, after, CU_MEM_ACCESS_FLAGS_PROT_READWRITE, "MemPool block mapped after");
+        end_thread(0, 41);
+        CHECK(cudaFreeAsync(before, s));
+        CHECK(cudaFreeAsync(after, s));
+        CHECK(cudaStreamSynchronize(s));
+        printf("OK peer_access\n");
         return 0;
     }
     if (strcmp(mode, "pool-fixed") == 0) {

@@ -156,6 +156,13 @@ fn a_device_that_enables_peer_access_can_use_the_mapped_memory() {
         out.assert_ok("peer_access");
         assert!(!out.stdout.contains("skipped"), "{name}: {}", out.stdout);
     }
+    // A MemPool's mapped memory too (its pool maps on a device of its own).
+    let out = Run::c("peer_access", &["mempool"])
+        .env("CACHEALLOC_CONF", EXPANDABLE)
+        .env("FAKECUDA_DEVICES", "2")
+        .output();
+    out.assert_ok("peer_access");
+    assert!(!out.stdout.contains("skipped"), "mempool: {}", out.stdout);
 }
 
 /// PyTorch's `cudaMallocAsync` route gives peer access by `cudaMemPoolSetAccess` on the owner's
@@ -242,6 +249,37 @@ fn private_pools_map_their_memory_and_keep_it_while_in_use() {
             physical > 0 && device_allocations == foreign,
             "{name}: {device_allocations} device allocations, {physical} physical creates: {}",
             out.stderr
+        );
+    }
+}
+
+#[test]
+fn a_mem_pools_block_is_shared_with_another_process_until_the_receiver_lets_go() {
+    // The sender's blocks in a MemPool: a private pool's mapped memory is exported from its own
+    // device, and the block stays out of the pool until the receiver lets go. The control: a
+    // MemPool of fixed segments (the default), by the 64-byte handle and by the description.
+    for (conf, args) in [
+        (EXPANDABLE, &["desc"][..]),
+        (EXPANDABLE, &["desc", "big"][..]),
+        ("", &[][..]),
+        ("", &["desc"][..]),
+    ] {
+        let out = Run::c("ipc_share", args)
+            .env("CACHEALLOC_CONF", conf)
+            .env("MEMPOOL", "1")
+            .env("EXACT_FDS", "1")
+            .output();
+        // Every allocation goes to the MemPool, which the exit summary does not count.
+        out.assert_ok("ipc_share");
+        assert!(
+            !out.stderr.contains("cachealloc: error"),
+            "{args:?}: {}",
+            out.stderr
+        );
+        assert!(
+            out.stdout.contains("OK ipc_share receiver"),
+            "{args:?}: the receiving process did not finish: {}",
+            out.stdout
         );
     }
 }
