@@ -444,11 +444,10 @@ impl<D: Device, O: Observer> Allocator<D, O> {
 
         // 8. Out of memory.
         pools.stats.num_ooms += 1;
-        // With expandable segments, what the device could not give is the request's granules.
-        let segment_size = match pools.expandable() {
-            Some(geometry) if pools.grows_expandable_for(request.stream) => {
-                sizes::round_up(rounded, geometry.granularity)
-            }
+        // With expandable segments, what the device could not give is the request's granules
+        // (or pages: Note [Kept maps]).
+        let segment_size = match pools.map_size_for(rounded) {
+            Some(map) if pools.grows_expandable_for(request.stream) => map,
             _ => segment_size,
         };
         let request = Request {

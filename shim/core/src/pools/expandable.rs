@@ -278,6 +278,14 @@ impl<F: Clone> Pools<F> {
         self.keeps_maps
     }
 
+    /// The memory a request of `rounded` bytes maps at most, in whole units of its pool's
+    /// maps ([`Pools::map_step`]); `None` before expandable segments were on.
+    pub fn map_size_for(&self, rounded: u64) -> Option<u64> {
+        let g = self.expandable?.granularity;
+        let step = self.map_step(sizes::pool_for(rounded), g);
+        Some(rounded.div_ceil(step).max(1) * step)
+    }
+
     /// The unit a map of `pool` is made of: the granularity `g`, or PyTorch's pages when the
     /// pools keep their maps (Note [Kept maps]).
     fn map_step(&self, pool: PoolKind, g: u64) -> u64 {

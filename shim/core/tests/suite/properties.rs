@@ -153,9 +153,14 @@ fn overlaps(a: u64, a_size: u64, b: u64, b_size: u64) -> bool {
 }
 
 /// The least memory a request must map in the expandable segments of its stream and pool:
-/// the granules it needs beyond the free block before an unmapped one.
-fn least_to_map(c: &Checked, rounded: u64, pool: PoolKind, stream: u64) -> u64 {
-    let mut least = rounded.div_ceil(GRANULARITY).max(1) * GRANULARITY;
+/// the granules (pools that keep their maps: PyTorch's pages) it needs beyond the free block
+/// before an unmapped one.
+fn least_to_map(c: &Checked, rounded: u64, pool: PoolKind, stream: u64, kept: bool) -> u64 {
+    let step = match pool {
+        PoolKind::Large if kept => 20 * MIB,
+        _ => GRANULARITY,
+    };
+    let mut least = rounded.div_ceil(step).max(1) * step;
     for seg in c.alloc.snapshot() {
         if !seg.expandable || seg.pool != pool || seg.stream != stream {
             continue;
@@ -168,7 +173,7 @@ fn least_to_map(c: &Checked, rounded: u64, pool: PoolKind, stream: u64) -> u64 {
                 Some(prev) if prev.state == BlockState::Free => prev.size,
                 _ => 0,
             };
-            let need = rounded.saturating_sub(before).div_ceil(GRANULARITY).max(1) * GRANULARITY;
+            let need = rounded.saturating_sub(before).div_ceil(step).max(1) * step;
             if need <= b.size {
                 least = least.min(need);
             }
@@ -205,12 +210,23 @@ fn freed_model(
     }
 }
 
-fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
+/// `kept`: the pools keep their maps (a private pool's; Note [Kept maps]): nothing is unmapped
+/// or moved then but by `empty_cache`.
+fn run(
+    config: AllocatorConfig,
+    capacity: u64,
+    ops: Vec<Op>,
+    kept: bool,
+) -> Result<(), TestCaseError> {
     let fenced_from_start = config.reuse == ReusePolicy::Fenced;
     let auto = config.reuse == ReusePolicy::Auto;
     let immediate = config.reuse == ReusePolicy::Immediate;
     let config_mode = config.expandable_segments;
     let c = Checked::manual(capacity, config);
+    if kept {
+        c.alloc.keep_maps();
+    }
+    let mut given_back = (0, 0);
     // Whether growth maps into expandable segments now (the program may switch).
     let mut grows_expandable = c.alloc.expandable();
     // Whether the synchronous API's requests keep fixed segments meanwhile.
@@ -221,6 +237,7 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
     let mut unsafe_ranges: Vec<Unsafe> = Vec::new();
     let mut fencing = fenced_from_start;
     for op in ops {
+        let empties = matches!(op, Op::EmptyCache);
         match op {
             Op::Malloc(size, s) => match c.try_malloc_on(size, STREAMS[s % STREAMS.len()]) {
                 Ok(a) => {
@@ -267,7 +284,7 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
                     let stream = STREAMS[s % STREAMS.len()];
                     let needed = if grows_expandable && !(synchronous_fixed && stream == NO_STREAM)
                     {
-                        let needed = least_to_map(&c, report.rounded, report.pool, stream);
+                        let needed = least_to_map(&c, report.rounded, report.pool, stream, kept);
                         prop_assert!(needed <= report.segment_size);
                         needed
                     } else {
@@ -378,6 +395,16 @@ fn run(config: AllocatorConfig, capacity: u64, ops: Vec<Op>) -> Result<(), TestC
         );
         prop_assert_eq!(s.reserved_bytes.all.current as u64, c.device().used());
         prop_assert!(s.reserved_bytes.all.current as u64 <= c.alloc.limit());
+        // Kept maps: no unmap, and no move, but by empty_cache.
+        let counters = c.device().counters();
+        let gave_back = (counters.unmaps, counters.aliases);
+        prop_assert!(
+            !kept || empties || gave_back == given_back,
+            "kept maps were given back: unmaps and moves {:?} -> {:?}",
+            given_back,
+            gave_back
+        );
+        given_back = gave_back;
     }
     // Everything can be given back.
     for (b, _) in held {
@@ -407,7 +434,8 @@ proptest! {
         config in config_strategy(),
         capacity in prop_oneof![Just(64 * MIB), Just(256 * MIB), Just(4u64 << 30)],
         ops in prop::collection::vec(op_strategy(), 1..120),
+        kept in prop::bool::weighted(0.25),
     ) {
-        run(config, capacity, ops)?;
+        run(config, capacity, ops, kept)?;
     }
 }
