@@ -279,7 +279,8 @@ impl<F: Clone> Pools<F> {
     }
 
     /// The memory a request of `rounded` bytes maps at most, in whole units of its pool's
-    /// maps ([`Pools::map_step`]); `None` before expandable segments were on.
+    /// maps (granules, or PyTorch's pages: Note [Kept maps]); `None` before expandable segments
+    /// were on.
     pub fn map_size_for(&self, rounded: u64) -> Option<u64> {
         let g = self.expandable?.granularity;
         let step = self.map_step(sizes::pool_for(rounded), g);
