@@ -408,18 +408,7 @@ impl Shim {
         &self,
         mut f: impl FnMut(i32, &Allocator<CudaDevice, DeviceObserver>),
     ) {
-        if !self.private_pools.any.load(Ordering::Acquire) {
-            return;
-        }
-        for pool in self
-            .private_pools
-            .pools
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-        {
-            f(pool.device, &pool.alloc);
-        }
+        self.for_each_private_pool_of_any_kind(|pool| f(pool.device, &pool.alloc));
     }
 
     /// Run `f` on the allocator of each private pool of `device`.
@@ -507,6 +496,7 @@ impl Shim {
         });
     }
 
+    /// Run `f` on every private pool.
     fn for_each_private_pool_of_any_kind(&self, mut f: impl FnMut(&PrivatePool)) {
         if !self.private_pools.any.load(Ordering::Acquire) {
             return;

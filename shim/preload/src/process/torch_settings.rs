@@ -56,13 +56,12 @@ impl Shim {
     /// PyTorch, the string replaces the settings: `max_split_size_mb`,
     /// `roundup_power2_divisions` and `garbage_collection_threshold` take the string's values,
     /// or their defaults, for every device's ordinary pool from the next request on (and for
-    /// pools made later);
-    /// `per_process_memory_fraction`, when given, limits each device's pools;
+    /// pools made later); `per_process_memory_fraction`, when given, limits each device's pools;
     /// `graph_capture_record_stream_reuse`, when given, switches reuse within captures (Note
-    /// [Recorded streams]). PyTorch-only keys are PyTorch's. `expandable_segments`, when given, switches how the ordinary pools grow
-    /// from now on (their segments of the other kind stay and serve what they hold, as with
-    /// PyTorch's), and the private pools' (Note [Expandable private pools]). The error names the key and its valid
-    /// values.
+    /// [Recorded streams]). PyTorch-only keys are PyTorch's. `expandable_segments`, when given,
+    /// switches how the ordinary pools grow from now on (their segments of the other kind stay
+    /// and serve what they hold, as with PyTorch's), and the private pools' (Note [Expandable
+    /// private pools]). The error names the key and its valid values.
     pub fn set_allocator_settings(&self, text: &str) -> Result<(), String> {
         let resolved = Config::from_sources(None, Some(text)).map_err(|e| e.to_string())?;
         let policy = resolved.config.allocator;
