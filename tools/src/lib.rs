@@ -21,6 +21,7 @@
 //! | [`replayed_stats`] | PyTorch's `memory_stats()` recomputed from a trace, in `cachealloc_core`'s `Stats` and key names |
 //! | [`commands`] | one module per subcommand, each with its arguments (`cachealloc stats` is [`commands::stats`]; [`commands::replay`]: the only one that calls CUDA) |
 //! | [`format`](mod@format), [`progress`] | numbers for people, spinners on long passes |
+//! | [`pickle`] | Python pickles from serde values, with shared frame lists (the snapshot's writer) |
 //!
 //! A `TRACE` argument is a per-process trace directory (`<host>-<pid>[-rank<R>]`) or a directory
 //! holding several (`cachealloc-trace/`), which stands for all of them.
@@ -29,6 +30,7 @@ pub mod analysis;
 pub mod categories;
 pub mod commands;
 pub mod format;
+pub mod pickle;
 pub mod progress;
 pub mod replayed_stats;
 pub mod walk;

@@ -56,6 +56,18 @@ for trace in s["device_traces"]:
         check_frames(e["frames"])
         if "frees-have-frames" in sys.argv and e["action"] in ("free_requested", "free_completed"):
             assert e["frames"], "a free shows its block's allocation stack"
+# A stack is one list wherever it appears, as in PyTorch's snapshots (a list per distinct
+# traceback): the pickle stays small and loads fast however many events repeat a stack. In the
+# Python trace, equal frames are the same stack (native frames at different addresses may read
+# the same and are not).
+if "frees-have-frames" in sys.argv:
+    lists = [e["frames"] for t in s["device_traces"] for e in t if e["frames"]]
+    lists += [b["frames"] for seg in s["segments"] for b in seg["blocks"] if b["frames"]]
+    by_content = {}
+    for frames in lists:
+        key = tuple((f["filename"], f["line"], f["name"]) for f in frames)
+        assert by_content.setdefault(key, frames) is frames, "a stack is one list"
+    assert len(lists) > len(by_content), "the Python trace repeats stacks"
 print("OK", len(s["segments"]), sum(len(t) for t in s["device_traces"]))
 "#;
 

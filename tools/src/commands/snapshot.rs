@@ -17,7 +17,9 @@
 //!
 //! The snapshot is a tree of serde structs (pickled as dicts with these field names) that borrow
 //! each stack's frames, built once per stack: a window of 100 000 events with 20-frame stacks
-//! is written without 2 million frame dictionaries in memory.
+//! is written without 2 million frame dictionaries in memory. The pickle shares them too
+//! ([`crate::pickle::Shared`]): each stack's frame list is written once and loads as one
+//! Python list, as PyTorch's own snapshots share a traceback's frames.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
@@ -31,6 +33,7 @@ use super::{When, resolve_when};
 use crate::categories::pass::{Outcome, Plan};
 use crate::categories::{self, Category};
 use crate::format::bytes;
+use crate::pickle::Shared;
 use crate::progress::Progress;
 use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
@@ -117,7 +120,7 @@ struct Block<'a> {
     size: u64,
     requested_size: u64,
     state: &'static str,
-    frames: &'a [Frame],
+    frames: Shared<'a, Frame>,
     /// The block's category, as PyTorch's profile snapshots spell it (`activation`, …), for a
     /// trace with context records.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -136,7 +139,7 @@ struct Segment<'a> {
     segment_type: &'static str,
     segment_pool_id: (i64, i64),
     is_expandable: bool,
-    frames: &'a [Frame],
+    frames: Shared<'a, Frame>,
     blocks: Vec<Block<'a>>,
 }
 
@@ -150,7 +153,7 @@ struct Entry<'a> {
     device_free: Option<u64>,
     size: u64,
     stream: u64,
-    frames: &'a [Frame],
+    frames: Shared<'a, Frame>,
     time_us: u64,
     /// The program's memory metadata when the entry was recorded (`_set_memory_metadata`).
     user_metadata: &'a str,
@@ -184,7 +187,7 @@ struct Snapshot<'a> {
     allocator_settings: Settings,
 }
 
-const NO_FRAMES: &[Frame] = &[];
+const NO_FRAMES: Shared<'static, Frame> = Shared(&[]);
 
 /// The `device_traces` entries of one record (two for an immediate free).
 fn entries<'a>(
@@ -194,7 +197,7 @@ fn entries<'a>(
     frames: &'a HashMap<u32, Vec<Frame>>,
     wall_base_ns: u64,
 ) -> Vec<(u32, Entry<'a>)> {
-    let frames = frames.get(&stack).map_or(NO_FRAMES, Vec::as_slice);
+    let frames = frames.get(&stack).map_or(NO_FRAMES, |f| Shared(f));
     let entry = |action, addr, size, stream, t: u64| Entry {
         action,
         addr: Some(addr),
@@ -276,7 +279,7 @@ fn segments<'a>(
     categories: Option<&HashMap<(u32, u64), Category>>,
     expandable: bool,
 ) -> Vec<Segment<'a>> {
-    let frames_of = |stack: u32| frames.get(&stack).map_or(NO_FRAMES, Vec::as_slice);
+    let frames_of = |stack: u32| frames.get(&stack).map_or(NO_FRAMES, |f| Shared(f));
     let inactive = |device, address, size| Block {
         address,
         size,
@@ -467,7 +470,7 @@ pub fn write(
     let file = std::fs::File::create(output)
         .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
     let mut file = std::io::BufWriter::new(file);
-    serde_pickle::to_writer(&mut file, &snapshot, serde_pickle::SerOptions::new())
+    crate::pickle::to_writer(&mut file, &snapshot)
         .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
     file.flush()?;
     drop(snapshot);
