@@ -141,9 +141,10 @@ class NoTrace(RuntimeError):
     """There is no trace to build a snapshot from, or no `cachealloc` command to build it."""
 
 
-def snapshot_from_trace(flush):
-    """PyTorch's snapshot built by `cachealloc snapshot` from the trace, flushed first; raises
-    `NoTrace` when that cannot be (the caller then reads the pools: `cachealloc_memory`)."""
+def snapshot_from_trace(flush, include_traces=True):
+    """PyTorch's snapshot built by `cachealloc snapshot` from the trace, flushed first (its
+    `device_traces` empty unless `include_traces`); raises `NoTrace` when that cannot be (the
+    caller then reads the pools: `cachealloc_memory`)."""
     import pickle
     import subprocess
     import tempfile
@@ -154,7 +155,7 @@ def snapshot_from_trace(flush):
     tool = cachealloc_binary()
     if tool is None:
         raise NoTrace("the `cachealloc` command was not found beside the preloaded library")
-    events = min(History.max_entries, 10_000_000)
+    events = min(History.max_entries, 10_000_000) if include_traces else 0
     history = ",".join(":".join(str(part) for part in change) for change in History.changes)
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "snapshot.pickle")

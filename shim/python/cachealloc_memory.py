@@ -333,14 +333,23 @@ def adjust(memory):
 
     def memory_snapshot(which=None, *args, **kwargs):
         # memory_snapshot(mempool_id) passes (first, second, include_traces); (0, 0) is the
-        # whole allocator.
+        # whole allocator. Without traces, `device_traces` is left empty, as natively
+        # ("lightweight/fast snapshot"); blocks keep their frames.
         if pools is not None and isinstance(which, tuple) and len(which) >= 2 and tuple(which[:2]) != (0, 0):
             return _pool_snapshot(pools, which[:2])
+        include_traces = not (isinstance(which, tuple) and len(which) >= 3 and not which[2])
         try:
-            snapshot = snapshot_from_trace(flush)
+            snapshot = snapshot_from_trace(flush, include_traces)
         except NoTrace as e:
             return _snapshot_from_pools(e)
         return with_pytorch_frames(with_library_facts(snapshot))
+
+    def segments_snapshot(mempool_id=None, include_traces=True):
+        # PyTorch's `memory_snapshot`: the snapshot's segments alone, so no device traces are
+        # built for it (a snapshot's traces are what cost: graph trees call this at every
+        # check of their pools).
+        which = (0, 0) if mempool_id is None else tuple(mempool_id[:2])
+        return memory_snapshot((*which, False))["segments"]
 
     def history_enabled():
         # What the program asked for (the recorder keeps the history anyway).
@@ -418,6 +427,15 @@ def adjust(memory):
     if History.native_snapshot is None:
         History.native_snapshot = native._cuda_memorySnapshot
     native._cuda_memorySnapshot = memory_snapshot
+    original_segments = getattr(memory, "memory_snapshot", None)
+    if original_segments is not None:
+        segments_snapshot.__doc__ = original_segments.__doc__
+        memory.memory_snapshot = segments_snapshot
+        # (`torch.cuda` takes it by `from .memory import *` once this module is loaded; a
+        # `torch.cuda` loaded already has the old one.)
+        cuda = sys.modules.get("torch.cuda")
+        if getattr(cuda, "memory_snapshot", None) is original_segments:
+            cuda.memory_snapshot = segments_snapshot
     native._cuda_setMemoryMetadata = set_metadata
     native._cuda_getMemoryMetadata = get_metadata
     torch = sys.modules.get("torch")

@@ -244,6 +244,14 @@ def check_history(torch, glob, ptr):
     allocs = [e["addr"] for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
     if after.value not in allocs or ptr.value in allocs:
         fail(f"the history should hold the allocation after its start, not the one before: {allocs}")
+    # Without traces (memory_snapshot's segments, include_traces=False) the same segments, and
+    # no device traces built.
+    light = torch._C._cuda_memorySnapshot((0, 0, False))
+    if any(light["device_traces"]) or light["segments"] != snapshot["segments"]:
+        fail(f"include_traces=False: {light['device_traces']}, segments equal: "
+             f"{light['segments'] == snapshot['segments']}")
+    if torch.cuda.memory_snapshot() != snapshot["segments"]:
+        fail("torch.cuda.memory_snapshot() is not the snapshot's segments")
     glob.cudaFree(after)
     torch._C._cuda_record_memory_history(None, None, "all", 1000)
     if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
