@@ -87,7 +87,12 @@
 //!   request maps 20 MiB, whose 18 MiB rest serves the pool's next requests). Mapping only
 //!   the granules a request needs saves memory where maps can be given back and remade at a
 //!   new peak; in a pool that keeps every map, pages cost at most one page per range, and
-//!   PyTorch's user sees the layout PyTorch gives.
+//!   PyTorch's user sees the layout PyTorch gives;
+//! * each page is a mapping of its own ([`MapPlan::mappings`]), so that the pool's
+//!   `empty_cache` gives back every free page and keeps the pages live blocks are in, as
+//!   PyTorch's does (`test_graph_memory_stats_and_use_result_after_destroy_graph`: a graph's
+//!   result alive after the graph is deleted keeps its 20 MiB page). Mappings of at least
+//!   [`MIN_MAPPING`] would keep the 8 MiB around it and give back the rest of its page.
 //!
 //! A kept range is checkpointed by its runs of mapped memory ([Note [Pool
 //! checkpoints]](super::checkpoint#note-pool-checkpoints)), and once the pool is emptied its
@@ -152,6 +157,9 @@ pub struct MapPlan {
     pub moves: Vec<Move>,
     /// Where the new memory starts: after the moves.
     fresh_from: u64,
+    /// The page each mapping is, in pools that keep their maps (0 elsewhere): Note [Kept
+    /// maps].
+    page: u64,
 }
 
 /// How many mappings a map is made of (at most one more, for the rest): a mapping costs the
@@ -174,12 +182,18 @@ pub const MIN_MAPPING: u64 = 8 << 20;
 
 impl MapPlan {
     /// The new mappings that make the plan's memory after its moves, in address order:
-    /// sixteenths of it, in whole granules of `granularity`, none smaller than [`MIN_MAPPING`]
-    /// but the last (see [`MAPPINGS_PER_MAP`]).
+    /// sixty-fourths of it, in whole granules of `granularity`, none smaller than
+    /// [`MIN_MAPPING`] but the last (see [`MAPPINGS_PER_MAP`]) — or, in pools that keep their
+    /// maps, one mapping a page, so that what a live block keeps mapped is its pages, as in
+    /// PyTorch (Note [Kept maps]).
     pub fn mappings(&self, granularity: u64) -> impl Iterator<Item = (u64, u64)> + use<> {
         let (start, end) = (self.fresh_from, self.address + self.size);
-        let piece = ((end - start) / MAPPINGS_PER_MAP / granularity).max(1) * granularity;
-        let piece = piece.max(MIN_MAPPING.div_ceil(granularity) * granularity);
+        let piece = if self.page != 0 {
+            self.page
+        } else {
+            let piece = ((end - start) / MAPPINGS_PER_MAP / granularity).max(1) * granularity;
+            piece.max(MIN_MAPPING.div_ceil(granularity) * granularity)
+        };
         (start..end)
             .step_by(piece as usize)
             .map(move |address| (address, piece.min(end - address)))
@@ -433,6 +447,7 @@ impl<F: Clone> Pools<F> {
             block: id,
             moves: Vec::new(),
             fresh_from: b.address,
+            page: if self.keeps_maps { step } else { 0 },
         })
     }
 

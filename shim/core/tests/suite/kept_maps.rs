@@ -89,6 +89,33 @@ fn nothing_is_given_back_until_the_cache_is_emptied() {
     c.check();
 }
 
+/// PyTorch's `test_graph_memory_stats_and_use_result_after_destroy_graph` with expandable
+/// segments: a graph's result outlives the graph; once the pool's cache is emptied it keeps
+/// its whole 20 MiB page mapped, and every other page is given back.
+#[test]
+fn a_live_block_keeps_its_page_and_no_more() {
+    let c = kept(1 << 34);
+    // A chain of clones as a capture makes them: each result ~1 MiB, the previous freed.
+    let size = MIB + 512;
+    let mut b = c.malloc_on(size, S);
+    for _ in 0..5 {
+        let next = c.malloc_on(size, S);
+        c.free_on(b.address, S);
+        b = next;
+    }
+    // More than b's page has left: one more page, joined to the free end of b's.
+    let big = c.malloc_on(30 * MIB, S);
+    assert_eq!(reserved(&c), 40 * MIB);
+    c.free_on(big.address, S);
+    c.empty_cache();
+    assert_eq!(reserved(&c), 20 * MIB, "b's page, whole, and nothing else");
+    assert_eq!(c.device().mapped_bytes(), 20 * MIB);
+    c.free_on(b.address, S);
+    c.empty_cache();
+    assert_eq!(reserved(&c), 0);
+    c.check();
+}
+
 #[test]
 fn the_address_space_of_a_range_with_memory_is_kept() {
     let c = kept(1 << 34);
