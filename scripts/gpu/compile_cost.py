@@ -1,8 +1,9 @@
 """The time torch.compile takes to compile, a workload of compile time alone (issue 25): a
 `torch.compile(mode="reduce-overhead")` MultiheadAttention called with six input shapes, so that
-Dynamo, Inductor and CUDA graph trees record six graphs — PyTorch's
-`test_skip_if_dynamic_shape_limit_reached2`, where the shim's Python stacks were seen to cost
-40 % (BENCHMARKS.md, "Python stacks while torch.compile compiles"). Inductor's caches are the
+Dynamo, Inductor and CUDA graph trees record six graphs — the workload of PyTorch's
+`test_skip_if_dynamic_shape_limit_reached2` without its debugging asserts (whose slow memory
+snapshots under the shim were first taken for a cost of compilation: BENCHMARKS.md, "Memory
+snapshots, not Python stacks, in a compile-bound graph tree test"). Inductor's caches are the
 caller's to point at a fresh directory (`TORCHINDUCTOR_CACHE_DIR`), or compilation is skipped.
 Prints one line:
     workload=compile_mha label=L compile_s=X allocations=N
