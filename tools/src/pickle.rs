@@ -397,38 +397,27 @@ impl<'a, W: Write> ser::Serializer for &'a mut Pickler<W> {
     }
 }
 
-impl<W: Write> ser::SerializeSeq for Compound<'_, W> {
-    type Ok = ();
-    type Error = Error;
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
-        value.serialize(self.item()?)
-    }
-    fn end(self) -> Result<(), Error> {
-        self.finish()
-    }
+/// A list's, tuple's or tuple struct's items: each written after the container's `MARK`.
+macro_rules! items {
+    ($($trait:ident :: $method:ident),*) => {$(
+        impl<W: Write> ser::$trait for Compound<'_, W> {
+            type Ok = ();
+            type Error = Error;
+            fn $method<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
+                value.serialize(self.item()?)
+            }
+            fn end(self) -> Result<(), Error> {
+                self.finish()
+            }
+        }
+    )*};
 }
 
-impl<W: Write> ser::SerializeTuple for Compound<'_, W> {
-    type Ok = ();
-    type Error = Error;
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
-        value.serialize(self.item()?)
-    }
-    fn end(self) -> Result<(), Error> {
-        self.finish()
-    }
-}
-
-impl<W: Write> ser::SerializeTupleStruct for Compound<'_, W> {
-    type Ok = ();
-    type Error = Error;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
-        value.serialize(self.item()?)
-    }
-    fn end(self) -> Result<(), Error> {
-        self.finish()
-    }
-}
+items!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field
+);
 
 impl<W: Write> ser::SerializeMap for Compound<'_, W> {
     type Ok = ();

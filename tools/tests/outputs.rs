@@ -336,3 +336,128 @@ fn snapshot_marks_fixed_and_mapped_segments_apart() {
         format!("[({MAPPED}, False), ({FIXED}, False)]")
     );
 }
+
+/// The snapshot's pickle writer (`cachealloc_tools::pickle`), read back by Python's own
+/// unpickler: every kind of value it writes, at the edges of each opcode's range, and shared
+/// values loading as one object.
+#[test]
+fn the_pickle_writer_is_read_back_by_python_as_written() {
+    use cachealloc_tools::pickle::{Shared, to_writer};
+    use serde::Serialize;
+
+    #[derive(Serialize)]
+    struct Frame {
+        filename: String,
+        line: u64,
+    }
+    #[derive(Serialize)]
+    struct Entry<'a> {
+        action: &'static str,
+        frames: Shared<'a, Frame>,
+        skipped: Option<u32>,
+    }
+    #[derive(Serialize)]
+    struct Everything<'a> {
+        ints: Vec<i64>,
+        big: (u64, i128, i128),
+        floats: (f64, f64),
+        flags: (bool, bool, ()),
+        texts: (String, String, char),
+        bytes: serde_bytes_like::Bytes,
+        empty: (Vec<u8>, (), std::collections::BTreeMap<String, i32>),
+        entries: Vec<Entry<'a>>,
+    }
+    mod serde_bytes_like {
+        /// Bytes serialized as bytes (serde's `Vec<u8>` is a list of integers).
+        pub struct Bytes(pub Vec<u8>);
+        impl serde::Serialize for Bytes {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(&self.0)
+            }
+        }
+    }
+    let frames = vec![
+        Frame {
+            filename: "a.py".into(),
+            line: 3,
+        },
+        Frame {
+            filename: "b.py".into(),
+            line: 70_000,
+        },
+    ];
+    let value = Everything {
+        ints: vec![
+            0,
+            255,
+            256,
+            65_535,
+            65_536,
+            -1,
+            -129,
+            i32::MAX.into(),
+            i32::MIN.into(),
+        ],
+        big: (u64::MAX, -(1i128 << 100), 1i128 << 63),
+        floats: (1.5, -0.0),
+        flags: (true, false, ()),
+        texts: ("é".repeat(200), "x".repeat(300), 'ß'),
+        bytes: serde_bytes_like::Bytes(vec![0, 1, 2, 255]),
+        empty: (vec![], (), Default::default()),
+        entries: vec![
+            Entry {
+                action: "alloc",
+                frames: Shared(&frames),
+                skipped: None,
+            },
+            Entry {
+                action: "free",
+                frames: Shared(&frames),
+                skipped: Some(7),
+            },
+            Entry {
+                action: "oom",
+                frames: Shared(&frames[..1]),
+                skipped: None,
+            },
+        ],
+    };
+    let dir = scratch("pickle-writer");
+    let path = dir.join("v.pickle");
+    to_writer(std::fs::File::create(&path).unwrap(), &value).unwrap();
+    let script = r#"
+import pickle, sys
+v = pickle.load(open(sys.argv[1], "rb"))
+fr = [{"filename": "a.py", "line": 3}, {"filename": "b.py", "line": 70000}]
+expected = {
+    "ints": [0, 255, 256, 65535, 65536, -1, -129, 2**31 - 1, -2**31],
+    "big": (2**64 - 1, -2**100, 2**63),
+    "floats": (1.5, -0.0),
+    "flags": (True, False, None),
+    "texts": ("é" * 200, "x" * 300, "ß"),
+    "bytes": b"\x00\x01\x02\xff",
+    "empty": ([], None, {}),
+    "entries": [
+        {"action": "alloc", "frames": fr, "skipped": None},
+        {"action": "free", "frames": fr, "skipped": 7},
+        {"action": "oom", "frames": fr[:1], "skipped": None},
+    ],
+}
+assert v == expected, v
+e = v["entries"]
+assert e[0]["frames"] is e[1]["frames"], "one slice, one list"
+assert e[2]["frames"] is not e[0]["frames"], "a shorter slice of it is another"
+assert str(v["floats"][1]) == "-0.0"
+print("OK")
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, path.to_str().unwrap()])
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).starts_with("OK"),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

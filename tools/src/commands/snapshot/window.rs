@@ -2,10 +2,11 @@
 //! the stack its entry shows, and what each live block and segment was (its ordinal, its
 //! shown stack, a fixed segment or a mapped run).
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 
 use cachealloc_recorder::Record;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::history::{Cursor, EventKind};
 use crate::Error;
@@ -19,16 +20,16 @@ pub(super) struct Window {
     pub(super) has_context: bool,
     /// Each block live (allocated or pending) at the moment: its `Alloc` record's ordinal
     /// (`None`: from a checkpoint).
-    pub(super) ordinals: HashMap<(u32, u64), Option<u64>>,
+    pub(super) ordinals: FxHashMap<(u32, u64), Option<u64>>,
     /// The stack each live block and segment shows, where the program's history settings
     /// decide it.
-    pub(super) block_stacks: HashMap<(u32, u64), u32>,
+    pub(super) block_stacks: FxHashMap<(u32, u64), u32>,
     /// See `block_stacks`.
-    pub(super) segment_stacks: HashMap<(u32, u64), u32>,
+    pub(super) segment_stacks: FxHashMap<(u32, u64), u32>,
     /// The live segments allocated whole (`segment_alloc`: fixed segments, `cudaMalloc`'s), as
     /// against runs mapped into expandable segments: under the default
     /// (`expandable_segments:stream_ordered`) a process has both.
-    pub(super) fixed_segments: HashSet<(u32, u64)>,
+    pub(super) fixed_segments: FxHashSet<(u32, u64)>,
     /// Each address a block was freed at: when (the record's index) and the size its program
     /// had requested. A free block shows the request of the last block freed inside it, as
     /// PyTorch's merged free block keeps the freed block's (`requested_size` of an `inactive`
@@ -60,23 +61,23 @@ pub(super) fn walk_with_window(
     let mut window = Window {
         events: VecDeque::new(),
         has_context: false,
-        ordinals: HashMap::new(),
-        block_stacks: HashMap::new(),
-        segment_stacks: HashMap::new(),
-        fixed_segments: HashSet::new(),
+        ordinals: FxHashMap::default(),
+        block_stacks: FxHashMap::default(),
+        segment_stacks: FxHashMap::default(),
+        fixed_segments: FxHashSet::default(),
         last_frees: BTreeMap::new(),
         history_given: history.given(),
     };
     // The size requested of each live block, for `last_frees`.
-    let mut requested_of: HashMap<(u32, u64), u64> = HashMap::new();
+    let mut requested_of: FxHashMap<(u32, u64), u64> = FxHashMap::default();
     // Each live segment's allocation stack, for its release's entry.
-    let mut segment_allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
+    let mut segment_allocated_at: FxHashMap<(u32, u64), u32> = FxHashMap::default();
     // The stack of each free not yet completed, for its `free_completed` entry.
-    let mut freed_by: HashMap<(u32, u64), u32> = HashMap::new();
+    let mut freed_by: FxHashMap<(u32, u64), u32> = FxHashMap::default();
     let mut allocs = 0u64;
     // The allocation stack of each live block: a free without a stack of its own shows its
     // block's (as PyTorch does when it records no free context).
-    let mut allocated_at: HashMap<(u32, u64), u32> = HashMap::new();
+    let mut allocated_at: FxHashMap<(u32, u64), u32> = FxHashMap::default();
     while let Some(step) = walk.step() {
         let step = step?;
         if !step.in_checkpoint
@@ -163,6 +164,7 @@ pub(super) fn walk_with_window(
             _ => None,
         };
         if let Some(stack) = stack
+            && events > 0
             && !step.in_checkpoint
             && history.keeps_events()
         {
@@ -171,7 +173,7 @@ pub(super) fn walk_with_window(
                 .events
                 .push_back((step.record, stack, ordinal, skipped));
             // The last `events` events (a record makes one or two entries).
-            if window.events.len() > events.max(1) {
+            if window.events.len() > events {
                 window.events.pop_front();
             }
         }
