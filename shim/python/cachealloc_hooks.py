@@ -38,8 +38,8 @@ it has to adjust:
   `_cuda_memorySnapshot` (segments, blocks, frames and `device_traces` read from the trace the
   recorder keeps anyway, by the `cachealloc snapshot` command beside the library, showing what
   the history settings keep; no `device_traces` with `include_traces=False`), the Python
-  `memory_snapshot` (it returns the segments alone, so it asks for no traces), and `torch.accelerator`'s `_accelerator_getDeviceStats` and
-  `_accelerator_resetAccumulatedStats`; `_cuda_getMemoryFraction` answers the library's fraction
+  `memory_snapshot` (it returns the segments alone, so it asks for no traces), and
+  `torch.accelerator`'s `_accelerator_getDeviceStats` and `_accelerator_resetAccumulatedStats`; `_cuda_getMemoryFraction` answers the library's fraction
   (`cachealloc_memory_fraction`: set at run time or by `per_process_memory_fraction`), 1.0
   while none is set, not the backend's "unlimited" over the device's memory. So `memory_stats`,
   `memory_summary`, `_record_memory_history`, `_snapshot`, `memory_snapshot` and
