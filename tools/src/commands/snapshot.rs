@@ -26,7 +26,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use cachealloc_core::config::Config;
-use cachealloc_recorder::{LiveState, Record};
+use cachealloc_recorder::{LiveState, Record, TraceReader};
 use serde::Serialize;
 
 use super::{When, resolve_when};
@@ -39,7 +39,7 @@ use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
 use history::{Cursor, PYTHON_ONLY};
 use texts::{EntryTexts, NO_COMPILE_CONTEXT, TextOverTime};
-use window::{Window, walk_with_window};
+use window::{Window, WindowWalk, walk_with_window};
 
 mod history;
 mod texts;
@@ -391,18 +391,36 @@ pub fn write(
     history: Cursor,
     texts: &EntryTexts,
 ) -> Result<TraceWalk, Error> {
-    let (walk, window) = walk_with_window(dir, index, events, history)?;
     // Categories need each block's whole life: a pass over the whole trace, only for traces
-    // that say something about the program.
-    let categories = match categories {
-        Some(c) => c.has_context.then_some(c),
-        None if window.has_context => Some(categories::pass::run(
-            dir,
-            &every_allocation(),
-            &Progress::new("categories"),
-            |_, _| {},
-        )?),
-        None => None,
+    // that say something about the program. At the trace's end (what the Python integration
+    // asks for) the window rides on that pass's walk when the program's context shows from the
+    // start; else the window's walk comes first and the pass follows if the trace had context.
+    let (walk, window, categories) = match categories {
+        None if index == u64::MAX && context_comes_early(dir)? => {
+            let mut window = WindowWalk::new(events, history);
+            let (outcome, walk) = categories::pass::run_to_end(
+                dir,
+                &every_allocation(),
+                &Progress::new("categories"),
+                |_, step| window.visit(step),
+            )?;
+            let categories = outcome.has_context.then_some(outcome);
+            (walk, window.at_end(), categories)
+        }
+        given => {
+            let (walk, window) = walk_with_window(dir, index, events, history)?;
+            let categories = match given {
+                Some(c) => c.has_context.then_some(c),
+                None if window.has_context => Some(categories::pass::run(
+                    dir,
+                    &every_allocation(),
+                    &Progress::new("categories"),
+                    |_, _| {},
+                )?),
+                None => None,
+            };
+            (walk, window, categories)
+        }
     };
     let category_of = |ordinal: u64| {
         let c = categories.as_ref()?;
@@ -475,6 +493,25 @@ pub fn write(
     file.flush()?;
     drop(snapshot);
     Ok(walk)
+}
+
+/// Records read for a context record (a phase, scope or tag) before a snapshot at the trace's
+/// end chooses two walks: a PyTorch program says its first ones in its first training step.
+const CONTEXT_WITHIN: usize = 100_000;
+
+/// Whether a context record comes within the trace's first [`CONTEXT_WITHIN`] records (read,
+/// not walked: a few milliseconds).
+fn context_comes_early(dir: &Path) -> Result<bool, Error> {
+    let mut reader = TraceReader::open(dir).map_err(|e| Error::Message(e.to_string()))?;
+    for _ in 0..CONTEXT_WITHIN {
+        match reader.next_ref() {
+            Some(Ok((_, record))) if record.is_context() => return Ok(true),
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err(Error::Message(e.to_string())),
+            None => break,
+        }
+    }
+    Ok(false)
 }
 
 /// A categories pass that keeps every allocation's category, and each device's peak.

@@ -10,7 +10,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::history::{Cursor, EventKind};
 use crate::Error;
-use crate::walk::TraceWalk;
+use crate::walk::{Step, TraceWalk};
 
 /// What the walk to the snapshot's moment kept: the last events, each with the stack its entry
 /// shows, for an allocation its ordinal among `Alloc` records, and the actions skipped when it
@@ -50,36 +50,57 @@ impl Window {
     }
 }
 
-/// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
-pub(super) fn walk_with_window(
-    dir: &Path,
-    index: u64,
+/// What the window keeps while the trace is walked: the window itself, the program's history
+/// settings, and what it needs of each live block and segment to show their events' stacks.
+/// [`WindowWalk::visit`] takes the records in order, from the walk of its own
+/// ([`walk_with_window`]) or from another one (the categories pass's, when the snapshot is at
+/// the trace's end: one walk instead of two).
+pub(super) struct WindowWalk {
+    window: Window,
+    history: Cursor,
+    /// Entries kept (0: none, for a snapshot of the segments alone).
     events: usize,
-    mut history: Cursor,
-) -> Result<(TraceWalk, Window), Error> {
-    let mut walk = TraceWalk::open(dir)?;
-    let mut window = Window {
-        events: VecDeque::new(),
-        has_context: false,
-        ordinals: FxHashMap::default(),
-        block_stacks: FxHashMap::default(),
-        segment_stacks: FxHashMap::default(),
-        fixed_segments: FxHashSet::default(),
-        last_frees: BTreeMap::new(),
-        history_given: history.given(),
-    };
-    // The size requested of each live block, for `last_frees`.
-    let mut requested_of: FxHashMap<(u32, u64), u64> = FxHashMap::default();
-    // Each live segment's allocation stack, for its release's entry.
-    let mut segment_allocated_at: FxHashMap<(u32, u64), u32> = FxHashMap::default();
-    // The stack of each free not yet completed, for its `free_completed` entry.
-    let mut freed_by: FxHashMap<(u32, u64), u32> = FxHashMap::default();
-    let mut allocs = 0u64;
-    // The allocation stack of each live block: a free without a stack of its own shows its
-    // block's (as PyTorch does when it records no free context).
-    let mut allocated_at: FxHashMap<(u32, u64), u32> = FxHashMap::default();
-    while let Some(step) = walk.step() {
-        let step = step?;
+    /// The size requested of each live block, for `last_frees`.
+    requested_of: FxHashMap<(u32, u64), u64>,
+    /// Each live segment's allocation stack, for its release's entry.
+    segment_allocated_at: FxHashMap<(u32, u64), u32>,
+    /// The stack of each free not yet completed, for its `free_completed` entry.
+    freed_by: FxHashMap<(u32, u64), u32>,
+    /// `Alloc` records so far (the next one's ordinal).
+    allocs: u64,
+    /// The allocation stack of each live block: a free without a stack of its own shows its
+    /// block's (as PyTorch does when it records no free context).
+    allocated_at: FxHashMap<(u32, u64), u32>,
+}
+
+impl WindowWalk {
+    /// A window of the last `events` events that `history` keeps.
+    pub(super) fn new(events: usize, history: Cursor) -> WindowWalk {
+        WindowWalk {
+            window: Window {
+                events: VecDeque::new(),
+                has_context: false,
+                ordinals: FxHashMap::default(),
+                block_stacks: FxHashMap::default(),
+                segment_stacks: FxHashMap::default(),
+                fixed_segments: FxHashSet::default(),
+                last_frees: BTreeMap::new(),
+                history_given: history.given(),
+            },
+            history,
+            events,
+            requested_of: FxHashMap::default(),
+            segment_allocated_at: FxHashMap::default(),
+            freed_by: FxHashMap::default(),
+            allocs: 0,
+            allocated_at: FxHashMap::default(),
+        }
+    }
+
+    /// Take in the walk's next record.
+    pub(super) fn visit(&mut self, step: &Step) {
+        let history = &mut self.history;
+        let window = &mut self.window;
         if !step.in_checkpoint
             && let Some(t) = step.record.time()
             && history.advance(t)
@@ -93,10 +114,10 @@ pub(super) fn walk_with_window(
                 None
             }
             Record::Alloc(a) => {
-                ordinal = allocs;
-                allocs += 1;
-                allocated_at.insert((a.device, a.address), a.stack);
-                requested_of.insert((a.device, a.address), a.requested);
+                ordinal = self.allocs;
+                self.allocs += 1;
+                self.allocated_at.insert((a.device, a.address), a.stack);
+                self.requested_of.insert((a.device, a.address), a.requested);
                 window.ordinals.insert((a.device, a.address), Some(ordinal));
                 if history.given() {
                     let shown = history.block_stack(a.stack);
@@ -105,36 +126,40 @@ pub(super) fn walk_with_window(
                 Some(history.event_stack(EventKind::Alloc, a.stack, 0))
             }
             Record::CheckpointBlock(b) => {
-                allocated_at.insert((b.device, b.address), b.stack);
+                self.allocated_at.insert((b.device, b.address), b.stack);
                 window.ordinals.entry((b.device, b.address)).or_insert(None);
                 None
             }
             Record::FreeRequested(f) => {
-                let at = allocated_at.get(&(f.device, f.address)).copied();
-                freed_by.insert((f.device, f.address), f.stack);
+                let at = self.allocated_at.get(&(f.device, f.address)).copied();
+                self.freed_by.insert((f.device, f.address), f.stack);
                 Some(history.event_stack(EventKind::Free, f.stack, at.unwrap_or(0)))
             }
             Record::Free(f) => {
-                if let Some(requested) = requested_of.remove(&(f.device, f.address)) {
+                if let Some(requested) = self.requested_of.remove(&(f.device, f.address)) {
                     (window.last_frees).insert((f.device, f.address), (step.index, requested));
                 }
                 window.ordinals.remove(&(f.device, f.address));
                 window.block_stacks.remove(&(f.device, f.address));
-                let at = allocated_at.remove(&(f.device, f.address));
+                let at = self.allocated_at.remove(&(f.device, f.address));
                 Some(history.event_stack(EventKind::Free, f.stack, at.unwrap_or(0)))
             }
             Record::FreeCompleted(f) => {
-                if let Some(requested) = requested_of.remove(&(f.device, f.address)) {
+                if let Some(requested) = self.requested_of.remove(&(f.device, f.address)) {
                     (window.last_frees).insert((f.device, f.address), (step.index, requested));
                 }
                 window.ordinals.remove(&(f.device, f.address));
                 window.block_stacks.remove(&(f.device, f.address));
-                let at = allocated_at.remove(&(f.device, f.address)).unwrap_or(0);
-                let own = freed_by.remove(&(f.device, f.address)).unwrap_or(0);
+                let at = self
+                    .allocated_at
+                    .remove(&(f.device, f.address))
+                    .unwrap_or(0);
+                let own = self.freed_by.remove(&(f.device, f.address)).unwrap_or(0);
                 Some(history.event_stack(EventKind::Free, own, at))
             }
             Record::SegmentAlloc(s) => {
-                segment_allocated_at.insert((s.device, s.address), s.stack);
+                self.segment_allocated_at
+                    .insert((s.device, s.address), s.stack);
                 window.fixed_segments.insert((s.device, s.address));
                 if history.given() {
                     let shown = history.block_stack(s.stack);
@@ -143,7 +168,8 @@ pub(super) fn walk_with_window(
                 Some(history.event_stack(EventKind::Alloc, s.stack, 0))
             }
             Record::CheckpointSegment(s) => {
-                segment_allocated_at.insert((s.device, s.address), s.stack);
+                self.segment_allocated_at
+                    .insert((s.device, s.address), s.stack);
                 None
             }
             Record::SegmentMap(s) => {
@@ -156,7 +182,7 @@ pub(super) fn walk_with_window(
             Record::SegmentFree(s) => {
                 window.segment_stacks.remove(&(s.device, s.address));
                 window.fixed_segments.remove(&(s.device, s.address));
-                let at = segment_allocated_at.remove(&(s.device, s.address));
+                let at = self.segment_allocated_at.remove(&(s.device, s.address));
                 Some(history.event_stack(EventKind::Free, s.stack, at.unwrap_or(0)))
             }
             Record::SegmentUnmap(s) => Some(history.event_stack(EventKind::Free, s.stack, 0)),
@@ -164,27 +190,51 @@ pub(super) fn walk_with_window(
             _ => None,
         };
         if let Some(stack) = stack
-            && events > 0
+            && self.events > 0
             && !step.in_checkpoint
             && history.keeps_events()
         {
             let skipped = history.skipped_actions();
             window
                 .events
-                .push_back((step.record, stack, ordinal, skipped));
+                .push_back((step.record.clone(), stack, ordinal, skipped));
             // The last `events` events (a record makes one or two entries).
-            if window.events.len() > events {
+            if window.events.len() > self.events {
                 window.events.pop_front();
             }
         }
+    }
+
+    /// The window, after the whole trace was walked: the program's changes after its last
+    /// record (a history cleared just before the snapshot) apply too.
+    pub(super) fn at_end(mut self) -> Window {
+        if self.history.advance(u64::MAX) {
+            self.window.events.clear();
+        }
+        self.window
+    }
+
+    /// The window at a moment before the trace's end.
+    fn before_end(self) -> Window {
+        self.window
+    }
+}
+
+/// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
+pub(super) fn walk_with_window(
+    dir: &Path,
+    index: u64,
+    events: usize,
+    history: Cursor,
+) -> Result<(TraceWalk, Window), Error> {
+    let mut walk = TraceWalk::open(dir)?;
+    let mut window = WindowWalk::new(events, history);
+    while let Some(step) = walk.step() {
+        let step = step?;
+        window.visit(&step);
         if step.index >= index {
-            return Ok((walk, window));
+            return Ok((walk, window.before_end()));
         }
     }
-    // The whole trace was walked: the program's changes after its last record (a history
-    // cleared just before the snapshot) apply too.
-    if history.advance(u64::MAX) {
-        window.events.clear();
-    }
-    Ok((walk, window))
+    Ok((walk, window.at_end()))
 }
