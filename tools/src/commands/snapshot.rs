@@ -400,7 +400,7 @@ pub fn write(
             let mut window = WindowWalk::new(events, history);
             let (outcome, walk) = categories::pass::run_to_end(
                 dir,
-                &every_allocation(),
+                &every_category(),
                 &Progress::new("categories"),
                 |_, step| window.visit(step),
             )?;
@@ -413,7 +413,7 @@ pub fn write(
                 Some(c) => c.has_context.then_some(c),
                 None if window.has_context => Some(categories::pass::run(
                     dir,
-                    &every_allocation(),
+                    &every_category(),
                     &Progress::new("categories"),
                     |_, _| {},
                 )?),
@@ -514,12 +514,19 @@ fn context_comes_early(dir: &Path) -> Result<bool, Error> {
     Ok(false)
 }
 
-/// A categories pass that keeps every allocation's category, and each device's peak.
-fn every_allocation() -> Plan {
+/// A categories pass that keeps every allocation's category.
+fn every_category() -> Plan {
     Plan {
         every_allocation: true,
-        peaks: true,
         ..Plan::default()
+    }
+}
+
+/// [`every_category`] and each device's peak (`--at-peak`).
+fn every_allocation() -> Plan {
+    Plan {
+        peaks: true,
+        ..every_category()
     }
 }
 

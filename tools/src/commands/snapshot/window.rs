@@ -60,6 +60,9 @@ pub(super) struct WindowWalk {
     history: Cursor,
     /// Entries kept (0: none, for a snapshot of the segments alone).
     events: usize,
+    /// [`Window::last_frees`] while walking, hashed (a free's insert into the ordered map cost a
+    /// tenth of a snapshot's walk); ordered once at the end.
+    last_frees: FxHashMap<(u32, u64), (u64, u64)>,
     /// The size requested of each live block, for `last_frees`.
     requested_of: FxHashMap<(u32, u64), u64>,
     /// Each live segment's allocation stack, for its release's entry.
@@ -89,6 +92,7 @@ impl WindowWalk {
             },
             history,
             events,
+            last_frees: FxHashMap::default(),
             requested_of: FxHashMap::default(),
             segment_allocated_at: FxHashMap::default(),
             freed_by: FxHashMap::default(),
@@ -137,7 +141,7 @@ impl WindowWalk {
             }
             Record::Free(f) => {
                 if let Some(requested) = self.requested_of.remove(&(f.device, f.address)) {
-                    (window.last_frees).insert((f.device, f.address), (step.index, requested));
+                    (self.last_frees).insert((f.device, f.address), (step.index, requested));
                 }
                 window.ordinals.remove(&(f.device, f.address));
                 window.block_stacks.remove(&(f.device, f.address));
@@ -146,7 +150,7 @@ impl WindowWalk {
             }
             Record::FreeCompleted(f) => {
                 if let Some(requested) = self.requested_of.remove(&(f.device, f.address)) {
-                    (window.last_frees).insert((f.device, f.address), (step.index, requested));
+                    (self.last_frees).insert((f.device, f.address), (step.index, requested));
                 }
                 window.ordinals.remove(&(f.device, f.address));
                 window.block_stacks.remove(&(f.device, f.address));
@@ -211,11 +215,12 @@ impl WindowWalk {
         if self.history.advance(u64::MAX) {
             self.window.events.clear();
         }
-        self.window
+        self.before_end()
     }
 
     /// The window at a moment before the trace's end.
-    fn before_end(self) -> Window {
+    fn before_end(mut self) -> Window {
+        self.window.last_frees = self.last_frees.into_iter().collect();
         self.window
     }
 }
