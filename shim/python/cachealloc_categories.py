@@ -139,14 +139,25 @@ class _State:
         self.backward_slots = {}
 
     def is_compiling(self):
-        """Whether torch.compile is tracing. At the first call (torch is imported by then, not
-        when the hooks are installed) the instance's attributes take torch's functions."""
+        """Whether torch.compile is tracing. The instance's attributes take torch's functions
+        when `torch.compiler` is imported, late in torch's own import (`take_torch`); this
+        method stands in only for a torch without `torch.compiler`, at the first call."""
+        self.take_torch()
+        return self.is_compiling()
+
+    def take_torch(self):
+        """The instance's `is_compiling`, `is_grad_enabled` and `tensor` become torch's (they
+        do not exist yet when the hooks are installed, early in torch's import). Before any
+        module is called: Dynamo traces the wrapper of a module first called inside a compiled
+        function, and a first call that set these attributes there would change the state
+        Dynamo just guarded on, and recompile the function (PyTorch's
+        test_no_rerecord_with_mark_static_address, with error_on_recompile)."""
         torch = sys.modules["torch"]
-        compiler = getattr(torch, "compiler", None)
+        # (While `torch.compiler` is being imported, torch has no attribute for it yet.)
+        compiler = sys.modules.get("torch.compiler") or getattr(torch, "compiler", None)
         self.is_compiling = getattr(compiler, "is_compiling", None) or _never
         self.is_grad_enabled = torch.is_grad_enabled
         self.tensor = torch.Tensor
-        return self.is_compiling()
 
     def thread(self):
         """The calling thread's module stack and scope slot, made at its first use."""
@@ -501,6 +512,12 @@ def _ensure_state():
 
 _installers = {}
 _handles = []
+
+
+def torch_compiler_imported():
+    """`torch.compiler` is imported: the state takes torch's functions (`_State.take_torch`)."""
+    if _state is not None and "is_compiling" not in vars(_state):
+        _state.take_torch()
 
 
 def install_module_hooks(module_module):

@@ -365,6 +365,13 @@ def _module_hooks(module):
         say("nn.Module calls tell the trace each thread's module and the forward phase")
 
 
+@_adjusts("torch.compiler")
+def _compiler(compiler):
+    import cachealloc_categories as categories
+
+    categories.torch_compiler_imported()
+
+
 @_adjusts("torch.optim.optimizer")
 def _optimizer_hooks(optimizer):
     import cachealloc_categories as categories

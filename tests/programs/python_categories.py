@@ -77,9 +77,10 @@ class NodeObject:
 _grad = [True]
 def is_grad_enabled():
     return _grad[0]
-compiler = types.SimpleNamespace(is_compiling=lambda: False)
 from torch import nn, optim, autograd
+from torch import compiler  # late in torch's import, as PyTorch's
 ''',
+    "torch/compiler/__init__.py": "def is_compiling():\n    return False\n",
     "torch/nn/__init__.py": "from torch.nn.modules.module import Module\n",
     "torch/nn/modules/__init__.py": "",
     "torch/nn/modules/module.py": '''
@@ -230,6 +231,12 @@ class Net(nn.Module):
 
 net = Net()
 params = list(net.parameters())
+# The hooks' state took torch's functions when torch.compiler was imported, before any module is
+# called: a first call traced by torch.compile must not change what Dynamo guards on.
+if "categories:off" not in os.environ.get("CACHEALLOC_CONF", ""):
+    taken = vars(sys.modules["cachealloc_categories"]._state)
+    if taken.get("is_compiling") is not torch.compiler.is_compiling or taken.get("tensor") is not torch.Tensor:
+        fail("the hooks' state did not take torch's functions before the first module call")
 opt = torch.optim.Optimizer(params)
 outputs = []
 for step in range(2):
