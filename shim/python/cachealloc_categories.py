@@ -32,7 +32,10 @@ or module alive:
   state tensors (again when their number changes) and its parameters.
 * Inside `torch.compile`'s tracing the wrapper and hooks do nothing (nothing is traced into a
   graph); compiled regions are then one scope, their categories still right by tags and
-  lifetimes.
+  lifetimes. Dynamo traces the wrapper's first lines, so they read only what is fixed before
+  any module is called (torch's functions are taken when `torch.compiler` is imported): a
+  traced line that changed the hooks' state would break the guard Dynamo put on it and
+  recompile the function.
 
 What a hook cannot tell (temporaries, activations) the tools find from lifetimes: see
 design.md, Note [Categories by lifetime].
