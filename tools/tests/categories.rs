@@ -14,6 +14,7 @@ use cachealloc_tools::categories::Category::{self, *};
 use cachealloc_tools::categories::pass::{Outcome, Plan, run};
 use cachealloc_tools::progress::Progress;
 use common::program::{MIB, Program, training_step};
+use common::python::python_text;
 use common::{cachealloc, scratch};
 
 /// The categories pass over `dir` with `plan`.
@@ -275,11 +276,7 @@ for seg in s["segments"]:
 allocs = collections.Counter(e["category"] for t in s["device_traces"] for e in t if e["action"] == "alloc")
 print(sorted(by.items()), sorted(allocs.items()))
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, work.join("snap.pickle").to_str().unwrap()])
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&out.stdout);
+    let out = python_text(script, &[work.join("snap.pickle").to_str().unwrap()]);
     // At the peak (in the optimizer step): what `bytes_at_an_instant…` adds up, and before it
     // three temporaries and two activations were allocated.
     assert!(out.contains("('optimizer_state', 8388608)"), "{out}");
@@ -568,11 +565,7 @@ import pickle, sys
 s = pickle.load(open(sys.argv[1], "rb"))
 print(sorted((b["size"], b["category"]) for seg in s["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"))
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, work.join("end.pickle").to_str().unwrap()])
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&out.stdout);
+    let out = python_text(script, &[work.join("end.pickle").to_str().unwrap()]);
     // The parameter's and the first forward's allocations were rotated away: their categories
     // come from the checkpoints (a tag; a forward block alive past no backward: temporary).
     assert_eq!(

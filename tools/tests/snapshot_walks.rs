@@ -7,6 +7,7 @@ mod common;
 
 use cachealloc_recorder::schema::{PHASE_FORWARD, TAG_PARAMETER};
 use common::program::{MIB, Program, training_step};
+use common::python::python_text;
 use common::{cachealloc, scratch};
 
 /// The snapshot at the end and at a time after the last record (the same moment, reached by
@@ -78,11 +79,7 @@ blocks = sorted((b["size"], b["category"]) for seg in s["segments"] for b in seg
 entries = [(e["action"], e.get("category")) for e in s["device_traces"][0]]
 print(blocks, entries)
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, work.join("end.pickle").to_str().unwrap()])
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&out.stdout);
+    let out = python_text(script, &[work.join("end.pickle").to_str().unwrap()]);
     assert_eq!(
         out.trim(),
         "[(2097152, 'temporary'), (4194304, 'parameter')] [('free_requested', None), \

@@ -1,5 +1,5 @@
-//! Python's duckdb and pyarrow for the dataset's tests: whether they can be imported, and a
-//! script's JSON output.
+//! Python for the tests: whether the dataset's duckdb and pyarrow can be imported, and a
+//! script's output (as text, or JSON).
 
 use std::process::Command;
 
@@ -24,8 +24,8 @@ pub fn python_ready() -> bool {
     ok
 }
 
-/// Run a Python script with `args`; its stdout as JSON.
-pub fn python(script: &str, args: &[&str]) -> Value {
+/// Run a Python script with `args`; its stdout as text.
+pub fn python_text(script: &str, args: &[&str]) -> String {
     let out = Command::new("python3")
         .arg("-c")
         .arg(script)
@@ -37,5 +37,10 @@ pub fn python(script: &str, args: &[&str]) -> Value {
         "python failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("JSON from the script")
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Run a Python script with `args`; its stdout as JSON.
+pub fn python(script: &str, args: &[&str]) -> Value {
+    serde_json::from_str(&python_text(script, args)).expect("JSON from the script")
 }
