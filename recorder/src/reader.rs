@@ -60,8 +60,13 @@ pub struct Item {
 /// Streams the records of a trace directory. See the module docs.
 #[derive(Debug)]
 pub struct TraceReader {
+    dir: PathBuf,
     files: Vec<PathBuf>,
+    /// Each file's index in its name (`trace-NNNNNN.cat`), for [`TraceReader::refresh`].
+    indices: Vec<u32>,
     next_file: usize,
+    /// Whether the trace is still being written ([`TraceReader::follow`]).
+    follow: bool,
     /// The file being read, a chunk at a time.
     current: Option<Chunks<BufReader<File>>>,
     /// The current chunk's records (a buffer kept from chunk to chunk) …
@@ -166,6 +171,14 @@ impl<R: Read> Chunks<R> {
     }
 }
 
+impl Chunks<BufReader<File>> {
+    /// Go back to the start of the chunk not yet read (its bytes were not all written yet).
+    fn rewind(&mut self) -> io::Result<()> {
+        use std::io::{Seek, SeekFrom};
+        self.source.seek(SeekFrom::Start(self.at)).map(|_| ())
+    }
+}
+
 /// Fill `buf` as far as the source allows: the number of bytes read (short only at its end).
 fn read_up_to(source: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
     let mut filled = 0;
@@ -182,6 +195,11 @@ fn read_up_to(source: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 
 /// The trace files of a directory in order (finished and `.part` alike).
 pub fn trace_files(dir: &Path) -> Result<Vec<PathBuf>, ReadError> {
+    Ok(indexed_trace_files(dir)?.into_iter().map(|(_, p)| p).collect())
+}
+
+/// [`trace_files`] with each file's index.
+fn indexed_trace_files(dir: &Path) -> Result<Vec<(u32, PathBuf)>, ReadError> {
     let entries = fs::read_dir(dir).map_err(|source| ReadError::Io {
         path: dir.to_path_buf(),
         source,
@@ -203,21 +221,53 @@ pub fn trace_files(dir: &Path) -> Result<Vec<PathBuf>, ReadError> {
     if files.is_empty() {
         return Err(ReadError::Empty(dir.to_path_buf()));
     }
-    Ok(files.into_iter().map(|(_, p)| p).collect())
+    Ok(files)
 }
 
 impl TraceReader {
     /// Open a trace directory.
     pub fn open(dir: impl AsRef<Path>) -> Result<TraceReader, ReadError> {
-        let files = trace_files(dir.as_ref())?;
+        let (indices, files) = indexed_trace_files(dir.as_ref())?.into_iter().unzip();
         Ok(TraceReader {
+            dir: dir.as_ref().to_path_buf(),
             files,
+            indices,
             next_file: 0,
+            follow: false,
             current: None,
             buffer: Vec::new(),
             cursor: 0,
             tears: Vec::new(),
         })
+    }
+
+    /// Open a trace directory that a running program is still writing. At the end of its last
+    /// file the reader stops without closing it, and a chunk there not yet written whole is
+    /// not a tear: after [`TraceReader::refresh`] the reader goes on from there (the file
+    /// grew) or into the files the program has begun since.
+    pub fn follow(dir: impl AsRef<Path>) -> Result<TraceReader, ReadError> {
+        Ok(TraceReader {
+            follow: true,
+            ..TraceReader::open(dir)?
+        })
+    }
+
+    /// Look for files begun since the reader was opened (or last refreshed): the reader
+    /// reads them after the ones it knows.
+    pub fn refresh(&mut self) -> Result<(), ReadError> {
+        let last = self.indices.last().copied();
+        for (index, path) in indexed_trace_files(&self.dir)? {
+            if last.is_none_or(|last| index > last) {
+                self.indices.push(index);
+                self.files.push(path);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the file being read is the last one known, in a followed trace.
+    fn following_last_file(&self) -> bool {
+        self.follow && self.next_file >= self.files.len()
     }
 
     /// The files, in reading order.
@@ -267,10 +317,24 @@ impl TraceReader {
             // (The buffer's allocation is reused for the next chunk.)
             self.buffer.clear();
             self.cursor = 0;
+            let last = self.following_last_file();
             if let Some(chunks) = &mut self.current {
                 match chunks.next_chunk(&mut self.buffer) {
                     Ok(true) => continue,
+                    // The program may still write more there.
+                    Ok(false) if last => return None,
                     Ok(false) => self.current = None,
+                    // A chunk being written: read it whole later.
+                    Err(Tear {
+                        error: ChunkError::Truncated { .. },
+                        ..
+                    }) if last => {
+                        if let Err(source) = chunks.rewind() {
+                            let path = chunks.path.clone();
+                            return Some(Err(ReadError::Io { path, source }));
+                        }
+                        return None;
+                    }
                     Err(tear) => {
                         self.tears.push(tear);
                         self.current = None;
@@ -284,6 +348,11 @@ impl TraceReader {
             self.next_file += 1;
             if let Err(e) = self.open_file(index) {
                 return Some(Err(e));
+            }
+            if self.current.is_none() && self.following_last_file() {
+                // Its prefix is not written yet: open it again later.
+                self.next_file -= 1;
+                return None;
             }
         }
         Some(Ok(()))

@@ -1,0 +1,94 @@
+//! A trace read while its program still writes it ([`TraceReader::follow`]): each read after a
+//! flush returns every record flushed so far and nothing twice, across rotations; a chunk not
+//! yet written whole is read once it is, not reported as a tear.
+
+mod common;
+
+use std::io::Write;
+use std::sync::atomic::Ordering;
+
+use cachealloc_recorder::{Record, TraceReader, TraceWriter, WriterConfig};
+
+use common::*;
+
+/// Every record the reader has now.
+fn drain(reader: &mut TraceReader) -> Vec<Record> {
+    reader.refresh().unwrap();
+    reader.by_ref().map(|item| item.unwrap().record).collect()
+}
+
+#[test]
+fn a_followed_trace_gives_each_flushed_record_once_across_rotations() {
+    let dir = temp_dir("follow-rotation");
+    let clock = ManualClock::default();
+    let mut config = WriterConfig::new(&dir, 16 << 10, 1000, true);
+    config.flush_bytes = 2 << 10;
+    let mut w = TraceWriter::create(config, header(), clock.clone()).unwrap();
+    let records = workload(20_000);
+    let mut reader = TraceReader::follow(&dir).unwrap();
+    let mut followed = drain(&mut reader);
+    for batch in records.chunks(1_500) {
+        for r in batch {
+            clock.0.fetch_add(1000, Ordering::SeqCst);
+            w.write(r).unwrap();
+        }
+        w.flush().unwrap();
+        followed.extend(drain(&mut reader));
+        // What a reader opened now reads, the followed one has read.
+        let now: Vec<Record> = TraceReader::open(&dir)
+            .unwrap()
+            .map(|item| item.unwrap().record)
+            .collect();
+        assert_eq!(followed.len(), now.len(), "after {} records", followed.len());
+    }
+    let files = w.file_index();
+    w.finish().unwrap();
+    followed.extend(drain(&mut reader));
+    assert!(files >= 4, "the workload spans several files ({files})");
+    let whole: Vec<Record> = TraceReader::open(&dir)
+        .unwrap()
+        .map(|item| item.unwrap().record)
+        .collect();
+    assert!(followed == whole, "the followed records are the trace's");
+    assert!(reader.tears().is_empty());
+}
+
+#[test]
+fn a_chunk_written_in_part_is_read_when_whole() {
+    let source = temp_dir("follow-part-source");
+    let mut config = WriterConfig::new(&source, 1 << 30, 2, true);
+    config.flush_bytes = 1 << 10;
+    let mut w = TraceWriter::create(config, header(), ManualClock::default()).unwrap();
+    for r in workload(2_000) {
+        w.write(&r).unwrap();
+    }
+    w.finish().unwrap();
+    let file = &cachealloc_recorder::reader::trace_files(&source).unwrap()[0];
+    let bytes = std::fs::read(file).unwrap();
+    let whole = drain(&mut TraceReader::open(&source).unwrap());
+
+    // The same file, as a program that has written all but the last 100 bytes leaves it.
+    let dir = temp_dir("follow-part");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("trace-000000.cat.part");
+    let cut = bytes.len() - 100;
+    std::fs::write(&path, &bytes[..cut]).unwrap();
+    let mut reader = TraceReader::follow(&dir).unwrap();
+    let mut followed = drain(&mut reader);
+    assert!(!followed.is_empty() && followed.len() < whole.len());
+    assert!(reader.tears().is_empty(), "a chunk being written is no tear");
+    // The rest, in two writes: the header of the last chunk may itself have been cut.
+    let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+    f.write_all(&bytes[cut..cut + 50]).unwrap();
+    followed.extend(drain(&mut reader));
+    f.write_all(&bytes[cut + 50..]).unwrap();
+    followed.extend(drain(&mut reader));
+    assert!(followed == whole, "{} of {} records", followed.len(), whole.len());
+    assert!(reader.tears().is_empty());
+
+    // Opened (not followed), the cut file has a tear where the chunk was cut.
+    std::fs::write(&path, &bytes[..cut]).unwrap();
+    let mut once = TraceReader::open(&dir).unwrap();
+    drain(&mut once);
+    assert_eq!(once.tears().len(), 1);
+}
