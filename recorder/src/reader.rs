@@ -195,7 +195,10 @@ fn read_up_to(source: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 
 /// The trace files of a directory in order (finished and `.part` alike).
 pub fn trace_files(dir: &Path) -> Result<Vec<PathBuf>, ReadError> {
-    Ok(indexed_trace_files(dir)?.into_iter().map(|(_, p)| p).collect())
+    Ok(indexed_trace_files(dir)?
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect())
 }
 
 /// [`trace_files`] with each file's index.

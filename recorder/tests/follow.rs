@@ -39,7 +39,12 @@ fn a_followed_trace_gives_each_flushed_record_once_across_rotations() {
             .unwrap()
             .map(|item| item.unwrap().record)
             .collect();
-        assert_eq!(followed.len(), now.len(), "after {} records", followed.len());
+        assert_eq!(
+            followed.len(),
+            now.len(),
+            "after {} records",
+            followed.len()
+        );
     }
     let files = w.file_index();
     w.finish().unwrap();
@@ -76,14 +81,25 @@ fn a_chunk_written_in_part_is_read_when_whole() {
     let mut reader = TraceReader::follow(&dir).unwrap();
     let mut followed = drain(&mut reader);
     assert!(!followed.is_empty() && followed.len() < whole.len());
-    assert!(reader.tears().is_empty(), "a chunk being written is no tear");
+    assert!(
+        reader.tears().is_empty(),
+        "a chunk being written is no tear"
+    );
     // The rest, in two writes: the header of the last chunk may itself have been cut.
-    let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap();
     f.write_all(&bytes[cut..cut + 50]).unwrap();
     followed.extend(drain(&mut reader));
     f.write_all(&bytes[cut + 50..]).unwrap();
     followed.extend(drain(&mut reader));
-    assert!(followed == whole, "{} of {} records", followed.len(), whole.len());
+    assert!(
+        followed == whole,
+        "{} of {} records",
+        followed.len(),
+        whole.len()
+    );
     assert!(reader.tears().is_empty());
 
     // Opened (not followed), the cut file has a tear where the chunk was cut.

@@ -66,6 +66,20 @@ impl TraceWalk {
         })
     }
 
+    /// Open `dir` while its program still writes it ([`TraceReader::follow`]): the walk ends
+    /// where the program's flushed records end, and goes on after [`TraceWalk::refresh`].
+    pub fn follow(dir: &Path) -> Result<TraceWalk, String> {
+        Ok(TraceWalk {
+            reader: TraceReader::follow(dir).map_err(|e| e.to_string())?,
+            ..TraceWalk::open(dir)?
+        })
+    }
+
+    /// Take in the files a followed trace's program has begun since.
+    pub fn refresh(&mut self) -> Result<(), String> {
+        self.reader.refresh().map_err(|e| e.to_string())
+    }
+
     /// Number of trace files.
     pub fn file_count(&self) -> usize {
         self.reader.files().len()

@@ -1,11 +1,15 @@
 //! `cachealloc snapshot` at the trace's end (what the Python integration asks for each
 //! `torch.cuda.memory_snapshot()`) walks a trace with context once: its window rides on the
-//! categories pass. These tests hold that walk to the two walks a snapshot at a time takes, and
-//! check the trace whose context comes too late for one walk.
+//! categories pass. These tests hold that walk to the two walks a snapshot at a time takes,
+//! check the trace whose context comes too late for one walk, and hold `snapshot --serve`'s
+//! snapshots of a growing trace (each walking only what is new) to the command's.
 
 mod common;
 
-use cachealloc_recorder::schema::{PHASE_FORWARD, TAG_PARAMETER};
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+use cachealloc_recorder::schema::{PHASE_FORWARD, PHASE_NONE, TAG_PARAMETER};
 use common::program::{MIB, Program, training_step};
 use common::python::python_text;
 use common::{cachealloc, scratch};
@@ -85,5 +89,91 @@ print(blocks, entries)
         "[(2097152, 'temporary'), (4194304, 'parameter')] [('free_requested', None), \
          ('free_completed', None), ('alloc', 'parameter'), ('alloc', 'temporary')]",
         "{out}"
+    );
+}
+
+/// A `snapshot --serve` process beside the program writing `trace`.
+struct Server {
+    child: std::process::Child,
+    answers: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl Server {
+    fn start(work: &Path) -> Server {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cachealloc"))
+            .current_dir(work)
+            .args(["snapshot", "trace", "--serve"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let answers = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        Server { child, answers }
+    }
+
+    /// The answer to `request`.
+    fn ask(&mut self, request: &str) -> String {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{request}").unwrap();
+        stdin.flush().unwrap();
+        self.answers.next().unwrap().unwrap()
+    }
+}
+
+#[test]
+fn a_served_snapshot_is_the_snapshot_of_the_trace_so_far() {
+    let work = scratch("serve");
+    // A new file at every flush: the served walk follows the trace into each.
+    let mut p = Program::new(&work.join("trace"), true, 1000);
+    let mut server = Server::start(&work);
+    let mut live = vec![];
+    for round in 0..6u64 {
+        if round == 2 {
+            let param = p.alloc(4 * MIB);
+            p.tag(param, TAG_PARAMETER);
+        }
+        p.phase(PHASE_FORWARD);
+        for _ in 0..(round + 1) * 50 {
+            live.push(p.alloc(512));
+        }
+        for _ in 0..round * 40 {
+            let a = live.remove(0);
+            p.free(a, 512);
+        }
+        p.phase(PHASE_NONE);
+        p.rotate();
+        // As the Python integration asks: segments alone, then with the last events.
+        for events in ["0", "7", "100000"] {
+            let request = format!(r#"{{"output": "served.pickle", "events": {events}}}"#);
+            assert_eq!(server.ask(&request), "ok", "round {round}");
+            cachealloc(
+                &work,
+                &["snapshot", "trace", "--events", events, "-o", "once.pickle"],
+            );
+            let served = std::fs::read(work.join("served.pickle")).unwrap();
+            let once = std::fs::read(work.join("once.pickle")).unwrap();
+            assert!(served == once, "round {round}, events {events}");
+        }
+    }
+    // Bad requests are answered, and the server goes on.
+    assert!(
+        server
+            .ask("{}")
+            .starts_with("error: not a snapshot request")
+    );
+    assert!(
+        server
+            .ask(r#"{"output": "/nonexistent/x.pickle", "events": 0}"#)
+            .starts_with("error: /nonexistent/x.pickle")
+    );
+    assert_eq!(
+        server.ask(r#"{"output": "served.pickle", "events": 3}"#),
+        "ok"
+    );
+    p.finish();
+    drop(server.child.stdin.take());
+    assert!(
+        server.child.wait().unwrap().success(),
+        "it ends with its input"
     );
 }

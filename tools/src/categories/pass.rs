@@ -49,7 +49,7 @@ pub struct Composition {
 }
 
 /// What the pass found.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Outcome {
     /// Whether the trace has any context record (phase, scope, tag): without one, every block
     /// is UNKNOWN and commands show no categories.
@@ -148,6 +148,7 @@ struct Live {
 }
 
 /// The pass's state between records.
+#[derive(Clone)]
 struct Pass<'p> {
     plan: &'p Plan,
     clock: Clock,
@@ -370,16 +371,7 @@ pub fn run_to_end(
     mut visit: impl FnMut(&TraceWalk, &Step),
 ) -> Result<(Outcome, TraceWalk), String> {
     let mut walk = TraceWalk::open(dir)?;
-    let mut pass = Pass {
-        plan,
-        clock: Clock::default(),
-        live: FxHashMap::default(),
-        tracks: BTreeMap::new(),
-        peak_tracks: BTreeMap::new(),
-        out: Outcome::default(),
-        allocs: 0,
-        blocks_at_born: FxHashMap::default(),
-    };
+    let mut pass = Pass::new(plan);
     while let Some(step) = walk.step() {
         let step = step?;
         if step.index % 65536 == 0 {
@@ -388,44 +380,89 @@ pub fn run_to_end(
         pass.step(&walk, &step);
         visit(&walk, &step);
     }
-    for track in pass
-        .tracks
-        .values_mut()
-        .chain(pass.peak_tracks.values_mut())
-    {
-        track.end_of_events();
+    Ok((pass.finish(), walk))
+}
+
+/// The categories pass over a walk that goes on ([`TraceWalk::follow`]): records are taken in
+/// as the walk reaches them, and [`FollowedPass::outcome_now`] says what a pass ending there
+/// would find, as often as asked.
+#[derive(Clone)]
+pub struct FollowedPass(Pass<'static>);
+
+impl FollowedPass {
+    /// A pass computing what `plan` asks for.
+    pub fn new(plan: &'static Plan) -> FollowedPass {
+        FollowedPass(Pass::new(plan))
     }
-    let mut live: Vec<((u32, u64), Live)> = pass.live.drain().collect();
-    live.sort_by_key(|(key, _)| *key);
-    for (key, block) in live {
-        pass.classify(key.0, key.1, block, u64::MAX);
+
+    /// Take in the walk's next record (already applied to `walk`).
+    pub fn step(&mut self, walk: &TraceWalk, step: &Step) {
+        self.0.step(walk, step);
     }
-    pass.out.blocks_at = pass
-        .blocks_at_born
-        .drain()
-        .map(|(key, (_, category))| (key, category))
-        .collect();
-    let tracks = std::mem::take(&mut pass.tracks);
-    pass.out.slices = tracks.into_iter().map(|(d, t)| (d, t.finish())).collect();
-    for (device, track) in std::mem::take(&mut pass.peak_tracks) {
-        let Some(row) = track.finish().pop() else {
-            continue;
-        };
-        if !plan.instants.contains_key(&device) {
-            let by_stack = row.by_stack.clone();
-            pass.out.at_instant.insert(
-                device,
-                Composition {
-                    by_category: row.by_category,
-                    by_scope: row.by_scope.clone(),
-                    by_stack,
-                },
-            );
+
+    /// The outcome of a pass that ends after the last record taken in (the pass itself goes
+    /// on: this is a copy's end).
+    pub fn outcome_now(&self) -> Outcome {
+        self.0.clone().finish()
+    }
+}
+
+impl<'p> Pass<'p> {
+    fn new(plan: &'p Plan) -> Pass<'p> {
+        Pass {
+            plan,
+            clock: Clock::default(),
+            live: FxHashMap::default(),
+            tracks: BTreeMap::new(),
+            peak_tracks: BTreeMap::new(),
+            out: Outcome::default(),
+            allocs: 0,
+            blocks_at_born: FxHashMap::default(),
         }
-        pass.out.peaks.insert(device, row);
     }
-    if !pass.out.has_context {
-        pass.out.all_unknown();
+
+    /// The trace's end: blocks still live are classified, tracks closed.
+    fn finish(mut self) -> Outcome {
+        let plan = self.plan;
+        for track in self
+            .tracks
+            .values_mut()
+            .chain(self.peak_tracks.values_mut())
+        {
+            track.end_of_events();
+        }
+        let mut live: Vec<((u32, u64), Live)> = self.live.drain().collect();
+        live.sort_by_key(|(key, _)| *key);
+        for (key, block) in live {
+            self.classify(key.0, key.1, block, u64::MAX);
+        }
+        self.out.blocks_at = self
+            .blocks_at_born
+            .drain()
+            .map(|(key, (_, category))| (key, category))
+            .collect();
+        let tracks = std::mem::take(&mut self.tracks);
+        self.out.slices = tracks.into_iter().map(|(d, t)| (d, t.finish())).collect();
+        for (device, track) in std::mem::take(&mut self.peak_tracks) {
+            let Some(row) = track.finish().pop() else {
+                continue;
+            };
+            if !plan.instants.contains_key(&device) {
+                let by_stack = row.by_stack.clone();
+                self.out.at_instant.insert(
+                    device,
+                    Composition {
+                        by_category: row.by_category,
+                        by_scope: row.by_scope.clone(),
+                        by_stack,
+                    },
+                );
+            }
+            self.out.peaks.insert(device, row);
+        }
+        if !self.out.has_context {
+            self.out.all_unknown();
+        }
+        self.out
     }
-    Ok((pass.out, walk))
 }

@@ -189,7 +189,7 @@ pub struct Detail {
 }
 
 /// The slices of one device being built.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct SliceTrack {
     spec: SliceSpec,
     detail: Detail,

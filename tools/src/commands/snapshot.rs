@@ -26,7 +26,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use cachealloc_core::config::Config;
-use cachealloc_recorder::{LiveState, Record, TraceReader};
+use cachealloc_recorder::{LiveState, Record};
 use serde::Serialize;
 
 use super::{When, resolve_when};
@@ -39,9 +39,10 @@ use crate::walk::{TraceWalk, stack_frames};
 use crate::{Error, one_trace};
 use history::{Cursor, PYTHON_ONLY};
 use texts::{EntryTexts, NO_COMPILE_CONTEXT, TextOverTime};
-use window::{Window, WindowWalk, walk_with_window};
+use window::{Window, WindowWalk, context_comes_early, walk_with_window};
 
 mod history;
+mod serve;
 mod texts;
 mod window;
 
@@ -57,8 +58,13 @@ pub struct SnapshotArgs {
     #[arg(long, default_value_t = 100_000)]
     pub events: usize,
     /// Output file.
-    #[arg(short, required = true)]
-    pub output: PathBuf,
+    #[arg(short, required_unless_present = "serve")]
+    pub output: Option<PathBuf>,
+    /// Answer requests for snapshots of a trace its program is still writing, one JSON line
+    /// each on standard input, walking only what is new each time (`snapshot::serve`; the
+    /// Python integration's way).
+    #[arg(long, conflicts_with_all = ["output", "at", "at_peak"])]
+    pub serve: bool,
     /// The program's `_record_memory_history` settings over time, applied to what the snapshot
     /// shows (`T:ENABLED:CONTEXT:STACKS,…`; the Python integration passes them).
     #[arg(long)]
@@ -422,12 +428,36 @@ pub fn write(
             (walk, window, categories)
         }
     };
+    write_pickle(
+        output,
+        &walk,
+        &window,
+        categories.as_ref(),
+        index,
+        events,
+        texts,
+    )?;
+    Ok(walk)
+}
+
+/// Write the snapshot after record `index` of `walk` (walked through it), with `window`'s last
+/// `events` entries per device and `categories` (a pass with every allocation's category, for
+/// a trace with context), to `output`.
+fn write_pickle(
+    output: &Path,
+    walk: &TraceWalk,
+    window: &Window,
+    categories: Option<&Outcome>,
+    index: u64,
+    events: usize,
+    texts: &EntryTexts,
+) -> Result<(), Error> {
     let category_of = |ordinal: u64| {
-        let c = categories.as_ref()?;
+        let c = categories?;
         let category = c.every_allocation.get(usize::try_from(ordinal).ok()?)?;
         Some(category.snapshot_name())
     };
-    let block_categories: Option<HashMap<(u32, u64), Category>> = categories.as_ref().map(|c| {
+    let block_categories: Option<HashMap<(u32, u64), Category>> = categories.map(|c| {
         window
             .ordinals
             .iter()
@@ -477,7 +507,7 @@ pub fn write(
     let snapshot = Snapshot {
         segments: segments(
             state,
-            &window,
+            window,
             &frames,
             block_categories.as_ref(),
             allocator_settings.expandable_segments,
@@ -491,27 +521,7 @@ pub fn write(
     crate::pickle::to_writer(&mut file, &snapshot)
         .map_err(|e| Error::Message(format!("{}: {e}", output.display())))?;
     file.flush()?;
-    drop(snapshot);
-    Ok(walk)
-}
-
-/// Records read for a context record (a phase, scope or tag) before a snapshot at the trace's
-/// end chooses two walks: a PyTorch program says its first ones in its first training step.
-const CONTEXT_WITHIN: usize = 100_000;
-
-/// Whether a context record comes within the trace's first [`CONTEXT_WITHIN`] records (read,
-/// not walked: a few milliseconds).
-fn context_comes_early(dir: &Path) -> Result<bool, Error> {
-    let mut reader = TraceReader::open(dir).map_err(|e| Error::Message(e.to_string()))?;
-    for _ in 0..CONTEXT_WITHIN {
-        match reader.next_ref() {
-            Some(Ok((_, record))) if record.is_context() => return Ok(true),
-            Some(Ok(_)) => {}
-            Some(Err(e)) => return Err(Error::Message(e.to_string())),
-            None => break,
-        }
-    }
-    Ok(false)
+    Ok(())
 }
 
 /// A categories pass that keeps every allocation's category.
@@ -533,7 +543,14 @@ fn every_allocation() -> Plan {
 /// Run the command. At the peak, the categories pass finds it (one walk), then a second walk
 /// goes to it; at a time, a walk to it, and the categories pass only for a trace with context.
 pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
-    let (events, output) = (args.events, &args.output);
+    if args.serve {
+        return serve::serve(&one_trace(&args.trace)?, std::io::stdin().lock(), out);
+    }
+    let events = args.events;
+    let output = args
+        .output
+        .as_ref()
+        .expect("clap requires -o without --serve");
     let history = Cursor::new(match &args.history {
         Some(spec) => history::parse(spec)?,
         None => vec![],

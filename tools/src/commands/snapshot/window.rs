@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 
-use cachealloc_recorder::Record;
+use cachealloc_recorder::{Record, TraceReader};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::history::{Cursor, EventKind};
@@ -223,6 +223,17 @@ impl WindowWalk {
         self.window.last_frees = self.last_frees.into_iter().collect();
         self.window
     }
+
+    /// The window at the end of what a followed trace has so far, the walk going on after it
+    /// (`serve`): every history change the program has made applies now, as at a trace's end
+    /// (the changes a later request brings start the walk over).
+    pub(super) fn now(&mut self) -> &Window {
+        if self.history.advance(u64::MAX) {
+            self.window.events.clear();
+        }
+        self.window.last_frees = self.last_frees.iter().map(|(k, v)| (*k, *v)).collect();
+        &self.window
+    }
 }
 
 /// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
@@ -242,4 +253,23 @@ pub(super) fn walk_with_window(
         }
     }
     Ok((walk, window.at_end()))
+}
+
+/// Records read for a context record (a phase, scope or tag) before a snapshot at the trace's
+/// end chooses two walks: a PyTorch program says its first ones in its first training step.
+const CONTEXT_WITHIN: usize = 100_000;
+
+/// Whether a context record comes within the trace's first [`CONTEXT_WITHIN`] records (read,
+/// not walked: a few milliseconds).
+pub(super) fn context_comes_early(dir: &Path) -> Result<bool, Error> {
+    let mut reader = TraceReader::open(dir).map_err(|e| Error::Message(e.to_string()))?;
+    for _ in 0..CONTEXT_WITHIN {
+        match reader.next_ref() {
+            Some(Ok((_, record))) if record.is_context() => return Ok(true),
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err(Error::Message(e.to_string())),
+            None => break,
+        }
+    }
+    Ok(false)
 }
