@@ -1,6 +1,7 @@
 """cachealloc's Python integration for PyTorch's memory history (used by `cachealloc_memory`):
 `_record_memory_history`'s settings over time, `_set_memory_metadata`, and the snapshot built
-from the library's trace by the `cachealloc snapshot` command, with what the library knows of
+from the library's trace by the `cachealloc snapshot` command (a `--serve` process of it kept
+beside the program: `Server`), with what the library knows of
 each segment and, where the C++ allocator gathered them, PyTorch's own frames (Note
 [PyTorch's own contexts] in `cachealloc_torch_history.h`)."""
 import os
@@ -141,10 +142,63 @@ class NoTrace(RuntimeError):
     """There is no trace to build a snapshot from, or no `cachealloc` command to build it."""
 
 
+class Server:
+    """`cachealloc snapshot TRACE --serve`, kept beside the program from its first snapshot on:
+    each snapshot then walks only the records flushed since the last one (the tool's
+    `snapshot::serve`), where a command run for each would walk the whole trace every time. A
+    forked child starts its own. A server that dies or garbles its answer is started again,
+    once; failing twice, the command serves this snapshot and every later one. It ends when
+    the program does (its input closes)."""
+
+    enabled = True
+    process = None
+    pid = None
+    lock = None
+
+    @classmethod
+    def ask(cls, tool, trace, request):
+        """Have the server write the snapshot `request` asks for; False if no server could."""
+        import json
+        import subprocess
+        import threading
+
+        if cls.lock is None or cls.pid != os.getpid():
+            cls.lock, cls.process, cls.pid = threading.Lock(), None, os.getpid()
+        with cls.lock:
+            for _ in range(2):
+                if cls.process is None:
+                    try:
+                        cls.process = subprocess.Popen(
+                            [tool, "snapshot", trace, "--serve"],
+                            stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL,
+                            text=True,
+                        )
+                    except OSError:
+                        break
+                try:
+                    cls.process.stdin.write(json.dumps(request) + "\n")
+                    cls.process.stdin.flush()
+                    answer = cls.process.stdout.readline().strip()
+                except (OSError, ValueError):
+                    answer = ""
+                if answer == "ok":
+                    return True
+                if answer.startswith("error: "):
+                    raise RuntimeError(f"cachealloc snapshot failed: {answer[7:]}")
+                cls.process.kill()
+                cls.process.wait()
+                cls.process = None
+            cls.enabled = False
+            return False
+
+
 def snapshot_from_trace(flush, include_traces=True):
     """PyTorch's snapshot built by `cachealloc snapshot` from the trace, flushed first (its
-    `device_traces` empty unless `include_traces`); raises `NoTrace` when that cannot be (the
-    caller then reads the pools: `cachealloc_memory`)."""
+    `device_traces` empty unless `include_traces`), by the program's snapshot server (`Server`)
+    or else the command; raises `NoTrace` when that cannot be (the caller then reads the pools:
+    `cachealloc_memory`)."""
     import pickle
     import subprocess
     import tempfile
@@ -172,15 +226,18 @@ def snapshot_from_trace(flush, include_traces=True):
                 with open(path, "w") as f:
                     json.dump(changes, f)
                 texts += [flag, path]
-        done = subprocess.run(
-            [tool, "snapshot", trace, "--events", str(events), "-o", out]
-            + (["--history", history] if history else [])
-            + texts,
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"cachealloc snapshot failed: {done.stderr.strip()}")
+        request = {"output": out, "events": events, "history": history or None}
+        request.update((flag.strip("-").replace("-", "_"), path) for flag, path in zip(texts[::2], texts[1::2]))
+        if not (Server.enabled and Server.ask(tool, trace, request)):
+            done = subprocess.run(
+                [tool, "snapshot", trace, "--events", str(events), "-o", out]
+                + (["--history", history] if history else [])
+                + texts,
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"cachealloc snapshot failed: {done.stderr.strip()}")
         with open(out, "rb") as f:
             snapshot = pickle.load(f)
     return snapshot

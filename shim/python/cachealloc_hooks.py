@@ -36,7 +36,8 @@ it has to adjust:
   `_cuda_setMemoryMetadata`/`_cuda_getMemoryMetadata` (the metadata over time, with the
   trace's time from `cachealloc_trace_time`),
   `_cuda_memorySnapshot` (segments, blocks, frames and `device_traces` read from the trace the
-  recorder keeps anyway, by the `cachealloc snapshot` command beside the library, showing what
+  recorder keeps anyway, by a `cachealloc snapshot --serve` process of the command beside the
+  library, which walks only what is new at each snapshot after the first; showing what
   the history settings keep; no `device_traces` with `include_traces=False`), the Python
   `memory_snapshot` (it returns the segments alone, so it asks for no traces), and
   `torch.accelerator`'s `_accelerator_getDeviceStats` and `_accelerator_resetAccumulatedStats`; `_cuda_getMemoryFraction` answers the library's fraction

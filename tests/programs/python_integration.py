@@ -252,7 +252,23 @@ def check_history(torch, glob, ptr):
              f"{light['segments'] == snapshot['segments']}")
     if torch.cuda.memory_snapshot() != snapshot["segments"]:
         fail("torch.cuda.memory_snapshot() is not the snapshot's segments")
+    # The snapshots came from the program's snapshot server, which walks only what is new; the
+    # command, walking the whole trace, writes the same.
+    import cachealloc_history
+
+    server = cachealloc_history.Server
+    if not server.enabled or server.process is None or server.process.poll() is not None:
+        fail("the snapshots did not come from a snapshot server")
     glob.cudaFree(after)
+    after = ctypes.c_void_p()
+    if glob.cudaMalloc(ctypes.byref(after), 8192) != 0:
+        fail("cudaMalloc after the history began failed")
+    served = torch._C._cuda_memorySnapshot(None)
+    server.enabled = False
+    walked = torch._C._cuda_memorySnapshot(None)
+    server.enabled = True
+    if served != walked or not served["device_traces"][0]:
+        fail(f"the server's snapshot differs from the command's: {served} {walked}")
     torch._C._cuda_record_memory_history(None, None, "all", 1000)
     if any(torch._C._cuda_memorySnapshot(None)["device_traces"]):
         fail("history was shown after _record_memory_history(None)")
