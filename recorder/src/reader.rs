@@ -4,7 +4,9 @@
 //! size). At the first torn or corrupt chunk the reader stops reading
 //! that file, notes a [`Tear`] (file and byte offset, and why), and goes on with the next file,
 //! which begins with a checkpoint of its own, so nothing before a tear is lost and nothing after
-//! it is guessed. Unknown record kinds come through as [`Record::Unknown`] for callers to skip.
+//! it is guessed. A file deleted before the reader reached it (rotated away by a program still
+//! writing the trace) is passed over the same way. Unknown record kinds come through as
+//! [`Record::Unknown`] for callers to skip.
 
 use std::fs::{self, File};
 use std::io::{self, BufReader, Read};
@@ -349,8 +351,14 @@ impl TraceReader {
             }
             let index = self.next_file;
             self.next_file += 1;
-            if let Err(e) = self.open_file(index) {
-                return Some(Err(e));
+            match self.open_file(index) {
+                // Rotated away (the program keeps its last files) since the directory was
+                // listed: the next file's checkpoint says what was live.
+                Err(ReadError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+                    continue;
+                }
+                Err(e) => return Some(Err(e)),
+                Ok(()) => {}
             }
             if self.current.is_none() && self.following_last_file() {
                 // Its prefix is not written yet: open it again later.

@@ -108,3 +108,37 @@ fn a_chunk_written_in_part_is_read_when_whole() {
     drain(&mut once);
     assert_eq!(once.tears().len(), 1);
 }
+
+#[test]
+fn files_rotated_away_before_they_are_read_are_passed_over() {
+    let dir = temp_dir("follow-rotated-away");
+    let clock = ManualClock::default();
+    let mut config = WriterConfig::new(&dir, 16 << 10, 3, true);
+    config.flush_bytes = 2 << 10;
+    let mut w = TraceWriter::create(config, header(), clock.clone()).unwrap();
+    let mut reader = TraceReader::follow(&dir).unwrap();
+    drain(&mut reader);
+    let mut records = workload(40_000).into_iter();
+    let mut write_until = |w: &mut TraceWriter<ManualClock>, file: u32| {
+        while w.file_index() < file {
+            clock.0.fetch_add(1000, Ordering::SeqCst);
+            w.write(&records.next().expect("records enough")).unwrap();
+        }
+        w.flush().unwrap();
+    };
+    // The reader learns of files 1 and 2, then the program rotates them away before it reads.
+    write_until(&mut w, 2);
+    reader.refresh().unwrap();
+    write_until(&mut w, 6);
+    let mut followed: Vec<Record> = reader.by_ref().map(|item| item.unwrap().record).collect();
+    followed.extend(drain(&mut reader));
+    let kept: Vec<Record> = TraceReader::open(&dir)
+        .unwrap()
+        .map(|item| item.unwrap().record)
+        .collect();
+    assert!(followed.len() > kept.len());
+    assert!(
+        followed.ends_with(&kept),
+        "after the file it had begun, the files still there"
+    );
+}
