@@ -32,10 +32,8 @@ or module alive:
   state tensors (again when their number changes) and its parameters.
 * Inside `torch.compile`'s tracing the wrapper and hooks do nothing (nothing is traced into a
   graph); compiled regions are then one scope, their categories still right by tags and
-  lifetimes. Dynamo traces the wrapper's first lines, so they read only what is fixed before
-  any module is called (torch's functions are taken when `torch.compiler` is imported): a
-  traced line that changed the hooks' state would break the guard Dynamo put on it and
-  recompile the function.
+  lifetimes. The wrapper's first lines, which Dynamo traces, read only what is fixed before
+  any module is called (torch's functions, taken when `torch.compiler` is imported).
 
 What a hook cannot tell (temporaries, activations) the tools find from lifetimes: see
 design.md, Note [Categories by lifetime].
@@ -142,19 +140,15 @@ class _State:
         self.backward_slots = {}
 
     def is_compiling(self):
-        """Whether torch.compile is tracing. The instance's attributes take torch's functions
-        when `torch.compiler` is imported, late in torch's own import (`take_torch`); this
-        method stands in only for a torch without `torch.compiler`, at the first call."""
+        """Whether torch.compile is tracing: for a torch without `torch.compiler` only (else
+        `take_torch` has replaced it when `torch.compiler` was imported)."""
         self.take_torch()
         return self.is_compiling()
 
     def take_torch(self):
-        """The instance's `is_compiling`, `is_grad_enabled` and `tensor` become torch's (they
-        do not exist yet when the hooks are installed, early in torch's import). Before any
-        module is called: Dynamo traces the wrapper of a module first called inside a compiled
-        function, and a first call that set these attributes there would change the state
-        Dynamo just guarded on, and recompile the function (PyTorch's
-        test_no_rerecord_with_mark_static_address, with error_on_recompile)."""
+        """`is_compiling`, `is_grad_enabled` and `tensor` become torch's, before any module is
+        called: a first call traced by Dynamo that set them would change what Dynamo guarded on
+        and recompile the function (PyTorch's test_no_rerecord_with_mark_static_address)."""
         torch = sys.modules["torch"]
         # (While `torch.compiler` is being imported, torch has no attribute for it yet.)
         compiler = sys.modules.get("torch.compiler") or getattr(torch, "compiler", None)
@@ -546,7 +540,7 @@ def install_module_hooks(module_module):
         wrap(cls, inherited)
 
     def wrap(cls, inherited):
-        restore = _Restore(cls, "_call_impl", inherited)
+        restore = cachealloc_common.Restore(cls, "_call_impl", inherited)
         cls._call_impl = _make_call_impl(inherited)
         _handles.append(restore)
 
@@ -563,20 +557,6 @@ def install_module_hooks(module_module):
     module_module.register_module_module_registration_hook(on_child)
     _installers["module"] = install
     return True
-
-
-class _Restore:
-    """A handle that gives a class back the `_call_impl` it had (its own, or inherited)."""
-
-    def __init__(self, owner, name, original):
-        self.owner, self.name, self.original = owner, name, original
-        self.had_own = name in owner.__dict__
-
-    def remove(self):
-        if self.had_own:
-            setattr(self.owner, self.name, self.original)
-        else:
-            delattr(self.owner, self.name)
 
 
 def install_optimizer_hooks(optimizer_module):

@@ -128,3 +128,18 @@ def torch_traces_not_runs():
     except AttributeError:
         return False
     return any(get(k) is not None for k in (keys.FAKE, keys.FUNCTIONAL, keys.PROXY))
+
+
+class Restore:
+    """A handle that gives a class back the attribute it had (its own, or inherited) in place
+    of the one patched in (`cachealloc_categories`' `_call_impl`)."""
+
+    def __init__(self, owner, name, original):
+        self.owner, self.name, self.original = owner, name, original
+        self.had_own = name in owner.__dict__
+
+    def remove(self):
+        if self.had_own:
+            setattr(self.owner, self.name, self.original)
+        else:
+            delattr(self.owner, self.name)
