@@ -22,8 +22,9 @@
 # BATCH=N runs the selected tests in N pytest processes a side instead, as PyTorch's CI runs a
 # file (for test/inductor/test_cudagraph_trees.py, whose tests compile for a minute each in a
 # process of their own): round-robin over the GPUs, outcomes read from pytest's -v lines, a
-# test that dies names itself (abort, timeout) and the rest of its process's tests are not run;
-# each process's output stays in $OUT/batch_SIDE_K.log. The device returns few files: callers
+# test that dies names itself (abort, timeout); after an abort the rest of its shard runs in
+# another process (a timeout ends the shard: the deadline has come); each process's output stays
+# in $OUT/batch_SIDE_K.log (then batch_SIDE_K.1.log, …). The device returns few files: callers
 # should pack $OUT into one archive.
 set -uo pipefail
 TEST="$(realpath "$1")"
@@ -86,16 +87,31 @@ export LIB OUT GPUS=${GPUS:-1} GPU_LIST=${CUDA_VISIBLE_DEVICES:-}
 # batch SIDE SHARD: run the tests of $OUT/shard_SHARD.txt in one pytest process on one GPU, as
 # PyTorch's CI runs a file, and print "ID<TAB>SIDE<TAB>OUTCOME" for each test it reached, read
 # from pytest's -v lines as they were written: a test whose line has no outcome when the process
-# died aborted it (the tests after it in the shard are not run).
+# died aborted it, and the shard's tests after it run in another process (until DEADLINE).
 batch() {
-    local side=$1 shard=$2 log="$OUT/batch_$1_$2.log" list=(${GPU_LIST//,/ })
+    local side=$1 shard=$2 list=(${GPU_LIST//,/ }) tests="$OUT/shard_$2.txt" part=0 log rc left
     export CUDA_VISIBLE_DEVICES=${list[$(( shard % GPUS ))]:-$(( shard % GPUS ))}
-    if [ "$side" = shim ]; then
-        CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout "$3" python3 -m pytest -v -p no:cacheprovider $(cat "$OUT/shard_$shard.txt") > "$log" 2>&1
-    else
-        timeout "$3" python3 -m pytest -v -p no:cacheprovider $(cat "$OUT/shard_$shard.txt") > "$log" 2>&1
-    fi
-    local rc=$?
+    while [ -s "$tests" ]; do
+        log="$OUT/batch_${side}_${shard}.log"; [ $part -gt 0 ] && log="$OUT/batch_${side}_${shard}.$part.log"
+        left=$(( ${DEADLINE:-520} - (SECONDS - start) )); [ "$left" -gt 10 ] || break
+        if [ "$side" = shim ]; then
+            CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout "$left" python3 -m pytest -v -p no:cacheprovider $(cat "$tests") > "$log" 2>&1
+        else
+            timeout "$left" python3 -m pytest -v -p no:cacheprovider $(cat "$tests") > "$log" 2>&1
+        fi
+        rc=$?
+        batch_outcomes "$log" "$side" "$rc" > "$OUT/outcomes_${side}_${shard}.$part.tsv"
+        cat "$OUT/outcomes_${side}_${shard}.$part.tsv"
+        # A test that killed its process leaves the tests after it unrun: they go on in another.
+        grep -q "	abort$" "$OUT/outcomes_${side}_${shard}.$part.tsv" || break
+        cut -f1 "$OUT/outcomes_${side}_${shard}.$part.tsv" | grep -vxFf - "$tests" > "$OUT/rest_${side}_${shard}.$part.txt"
+        tests="$OUT/rest_${side}_${shard}.$part.txt"
+        part=$(( part + 1 ))
+    done
+}
+# batch_outcomes LOG SIDE RC: "ID<TAB>SIDE<TAB>OUTCOME" for each test a pytest -v log reached.
+batch_outcomes() {
+    local log=$1 side=$2 rc=$3
     python3 - "$log" "$side" "$rc" <<'PY'
 import re, sys
 log, side, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -119,14 +135,14 @@ for test, outcome in seen.items():
     print(f"{test}\t{side}\t{outcome}")
 PY
 }
-export -f batch
+export -f batch batch_outcomes
 if [ -n "${BATCH:-}" ]; then
     # BATCH=N: the selected tests in N pytest processes a side (every test compiles with
     # inductor, seconds each, so a process per test would not fit), round-robin over the GPUs.
     awk -v n="$BATCH" -v out="$OUT" '{ print > (out "/shard_" ((NR - 1) % n) ".txt") }' "$OUT/selected.txt"
     for side in ${SIDES:-native shim}; do
         for (( k = 0; k < BATCH && k < $(wc -l < "$OUT/selected.txt"); k++ )); do
-            batch "$side" "$k" "$(( ${DEADLINE:-520} - (SECONDS - start) ))" > "$OUT/raw_${side}_$k.tsv" &
+            batch "$side" "$k" > "$OUT/raw_${side}_$k.tsv" &
         done
     done
     wait
