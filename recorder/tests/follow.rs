@@ -11,6 +11,25 @@ use cachealloc_recorder::{Record, TraceReader, TraceWriter, WriterConfig};
 
 use common::*;
 
+/// A writer of 16 KiB files flushed every 2 KiB into `dir`, keeping `max_files`.
+fn small_files(
+    dir: &std::path::Path,
+    max_files: u32,
+    clock: &ManualClock,
+) -> TraceWriter<ManualClock> {
+    let mut config = WriterConfig::new(dir, 16 << 10, max_files, true);
+    config.flush_bytes = 2 << 10;
+    TraceWriter::create(config, header(), clock.clone()).unwrap()
+}
+
+/// Every record of `dir`, read by a reader opened now.
+fn all(dir: &std::path::Path) -> Vec<Record> {
+    TraceReader::open(dir)
+        .unwrap()
+        .map(|item| item.unwrap().record)
+        .collect()
+}
+
 /// Every record the reader has now.
 fn drain(reader: &mut TraceReader) -> Vec<Record> {
     reader.refresh().unwrap();
@@ -21,9 +40,7 @@ fn drain(reader: &mut TraceReader) -> Vec<Record> {
 fn a_followed_trace_gives_each_flushed_record_once_across_rotations() {
     let dir = temp_dir("follow-rotation");
     let clock = ManualClock::default();
-    let mut config = WriterConfig::new(&dir, 16 << 10, 1000, true);
-    config.flush_bytes = 2 << 10;
-    let mut w = TraceWriter::create(config, header(), clock.clone()).unwrap();
+    let mut w = small_files(&dir, 1000, &clock);
     let records = workload(20_000);
     let mut reader = TraceReader::follow(&dir).unwrap();
     let mut followed = drain(&mut reader);
@@ -50,11 +67,10 @@ fn a_followed_trace_gives_each_flushed_record_once_across_rotations() {
     w.finish().unwrap();
     followed.extend(drain(&mut reader));
     assert!(files >= 4, "the workload spans several files ({files})");
-    let whole: Vec<Record> = TraceReader::open(&dir)
-        .unwrap()
-        .map(|item| item.unwrap().record)
-        .collect();
-    assert!(followed == whole, "the followed records are the trace's");
+    assert!(
+        followed == all(&dir),
+        "the followed records are the trace's"
+    );
     assert!(reader.tears().is_empty());
 }
 
@@ -70,7 +86,7 @@ fn a_chunk_written_in_part_is_read_when_whole() {
     w.finish().unwrap();
     let file = &cachealloc_recorder::reader::trace_files(&source).unwrap()[0];
     let bytes = std::fs::read(file).unwrap();
-    let whole = drain(&mut TraceReader::open(&source).unwrap());
+    let whole = all(&source);
 
     // The same file, as a program that has written all but the last 100 bytes leaves it.
     let dir = temp_dir("follow-part");
@@ -113,9 +129,7 @@ fn a_chunk_written_in_part_is_read_when_whole() {
 fn files_rotated_away_before_they_are_read_are_passed_over() {
     let dir = temp_dir("follow-rotated-away");
     let clock = ManualClock::default();
-    let mut config = WriterConfig::new(&dir, 16 << 10, 3, true);
-    config.flush_bytes = 2 << 10;
-    let mut w = TraceWriter::create(config, header(), clock.clone()).unwrap();
+    let mut w = small_files(&dir, 3, &clock);
     let mut reader = TraceReader::follow(&dir).unwrap();
     drain(&mut reader);
     let mut records = workload(40_000).into_iter();
@@ -132,10 +146,7 @@ fn files_rotated_away_before_they_are_read_are_passed_over() {
     write_until(&mut w, 6);
     let mut followed: Vec<Record> = reader.by_ref().map(|item| item.unwrap().record).collect();
     followed.extend(drain(&mut reader));
-    let kept: Vec<Record> = TraceReader::open(&dir)
-        .unwrap()
-        .map(|item| item.unwrap().record)
-        .collect();
+    let kept = all(&dir);
     assert!(followed.len() > kept.len());
     assert!(
         followed.ends_with(&kept),

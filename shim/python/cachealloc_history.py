@@ -227,7 +227,8 @@ def snapshot_from_trace(flush, include_traces=True):
                     json.dump(changes, f)
                 texts += [flag, path]
         request = {"output": out, "events": events, "history": history or None}
-        request.update((flag.strip("-").replace("-", "_"), path) for flag, path in zip(texts[::2], texts[1::2]))
+        for flag, path in zip(texts[::2], texts[1::2]):  # --metadata, --compile-context
+            request[flag.strip("-").replace("-", "_")] = path
         if not (Server.enabled and Server.ask(tool, trace, request)):
             done = subprocess.run(
                 [tool, "snapshot", trace, "--events", str(events), "-o", out]
