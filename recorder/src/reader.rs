@@ -285,14 +285,29 @@ impl TraceReader {
         &self.tears
     }
 
-    /// Start reading file `index`.
+    /// Start reading file `index`. A file listed while the program was writing it
+    /// (`….cat.part`) may have been finished since: it is then read by its final name.
     fn open_file(&mut self, index: usize) -> Result<(), ReadError> {
+        let listed = &self.files[index];
+        let file = match File::open(listed) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let finished = listed.to_str().and_then(|p| p.strip_suffix(".part"));
+                match finished.map(|p| (File::open(p), PathBuf::from(p))) {
+                    Some((Ok(file), path)) => {
+                        self.files[index] = path;
+                        Ok(file)
+                    }
+                    _ => Err(e),
+                }
+            }
+            opened => opened,
+        };
         let path = &self.files[index];
         let io_error = |source| ReadError::Io {
             path: path.clone(),
             source,
         };
-        let file = File::open(path).map_err(io_error)?;
+        let file = file.map_err(io_error)?;
         let len = file.metadata().map_err(io_error)?.len();
         self.current = Chunks::start(path, BufReader::with_capacity(1 << 16, file), len)?;
         Ok(())

@@ -1,6 +1,7 @@
 //! A trace read while its program still writes it ([`TraceReader::follow`]): each read after a
 //! flush returns every record flushed so far and nothing twice, across rotations; a chunk not
-//! yet written whole is read once it is, not reported as a tear.
+//! yet written whole is read once it is, not reported as a tear; a file listed while it was
+//! being written and finished before the reader reached it is read by its final name.
 
 mod common;
 
@@ -152,4 +153,31 @@ fn files_rotated_away_before_they_are_read_are_passed_over() {
         followed.ends_with(&kept),
         "after the file it had begun, the files still there"
     );
+}
+
+#[test]
+fn a_file_finished_after_it_was_listed_is_read() {
+    let dir = temp_dir("follow-finished");
+    let clock = ManualClock::default();
+    let mut w = small_files(&dir, 1000, &clock);
+    let mut records = workload(40_000).into_iter();
+    let mut write_until = |w: &mut TraceWriter<ManualClock>, file: u32| {
+        while w.file_index() < file {
+            clock.0.fetch_add(1000, Ordering::SeqCst);
+            w.write(&records.next().expect("records enough")).unwrap();
+        }
+        w.flush().unwrap();
+    };
+    // The reader lists file 1 as it is being written (`.part`) while it is still in file 0;
+    // the program finishes file 1 (renamed) before the reader gets there.
+    write_until(&mut w, 1);
+    let mut reader = TraceReader::follow(&dir).unwrap();
+    assert!(reader.files()[1].to_str().unwrap().ends_with(".part"));
+    let mut followed: Vec<Record> = reader.by_ref().take(3).map(|i| i.unwrap().record).collect();
+    write_until(&mut w, 3);
+    followed.extend(drain(&mut reader));
+    w.finish().unwrap();
+    followed.extend(drain(&mut reader));
+    assert!(followed == all(&dir), "every record, file 1's too");
+    assert!(reader.tears().is_empty());
 }
