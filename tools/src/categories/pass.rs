@@ -3,7 +3,7 @@
 //! composition of memory at an instant of each device (its peak), per time slice, at the moment
 //! of a snapshot, or every allocation's category in order.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::Path;
 
 use cachealloc_recorder::Record;
@@ -67,7 +67,7 @@ pub struct Outcome {
     /// `(device, address)` (and of older blocks at addresses free then).
     pub blocks_at: HashMap<(u32, u64), Category>,
     /// With [`Plan::every_allocation`]: the category of each `Alloc` record, in order.
-    pub every_allocation: Vec<Category>,
+    pub every_allocation: AllocationCategories,
     /// With [`Plan::every_allocation`]: the blocks first seen in a checkpoint (no `Alloc`
     /// record), with their device, address and life.
     pub checkpoint_blocks: Vec<(u32, u64, Life)>,
@@ -85,9 +85,7 @@ impl Outcome {
         index: u64,
     ) -> Category {
         let found = match ordinal {
-            Some(o) => usize::try_from(o)
-                .ok()
-                .and_then(|o| self.every_allocation.get(o).copied()),
+            Some(o) => self.every_allocation.get(o),
             None => self
                 .checkpoint_blocks
                 .iter()
@@ -95,6 +93,82 @@ impl Outcome {
                 .map(|(_, _, life)| life.category),
         };
         found.unwrap_or(Category::Unknown)
+    }
+}
+
+/// The category of each `Alloc` record, by its ordinal ([`Plan::every_allocation`]). A pass
+/// over a whole trace keeps every one (a byte each); a followed pass
+/// ([`FollowedPass::forget_before`]) keeps those from an ordinal on and the few before it that
+/// it is told to keep.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AllocationCategories {
+    /// The ordinal of `recent[0]`.
+    first: u64,
+    /// The categories from `first` on.
+    recent: VecDeque<Category>,
+    /// Categories set before `first` (of blocks live when they were forgotten).
+    older: FxHashMap<u64, Category>,
+}
+
+impl AllocationCategories {
+    /// The category of the allocation with `ordinal`, if kept.
+    pub fn get(&self, ordinal: u64) -> Option<Category> {
+        match ordinal.checked_sub(self.first) {
+            Some(i) => self.recent.get(usize::try_from(i).ok()?).copied(),
+            None => self.older.get(&ordinal).copied(),
+        }
+    }
+
+    /// The ordinal the next allocation gets: how many were ever taken in.
+    pub fn len(&self) -> u64 {
+        self.first + self.recent.len() as u64
+    }
+
+    /// Whether no allocation was taken in.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The kept categories from the first ordinal kept on, in order (all of them unless a
+    /// followed pass forgot some).
+    pub fn to_vec(&self) -> Vec<Category> {
+        self.recent.iter().copied().collect()
+    }
+
+    fn push_unknown(&mut self) {
+        self.recent.push_back(Category::Unknown);
+    }
+
+    fn set(&mut self, ordinal: u64, category: Category) {
+        match ordinal.checked_sub(self.first) {
+            Some(i) => {
+                if let Some(c) = usize::try_from(i).ok().and_then(|i| self.recent.get_mut(i)) {
+                    *c = category;
+                }
+            }
+            None => {
+                self.older.insert(ordinal, category);
+            }
+        }
+    }
+
+    fn all_unknown(&mut self) {
+        self.recent.iter_mut().for_each(|c| *c = Category::Unknown);
+        self.older.values_mut().for_each(|c| *c = Category::Unknown);
+    }
+
+    /// Keep no category of an allocation before `ordinal`, but those `kept` says.
+    fn forget_before(&mut self, ordinal: u64, kept: impl Fn(u64) -> bool) {
+        let ordinal = ordinal.min(self.len());
+        while self.first < ordinal {
+            if let Some(category) = self.recent.pop_front()
+                && kept(self.first)
+            {
+                self.older.insert(self.first, category);
+            }
+            self.first += 1;
+        }
+        self.older.retain(|o, _| kept(*o));
     }
 }
 
@@ -119,7 +193,7 @@ impl Outcome {
         self.blocks_at
             .values_mut()
             .for_each(|c| *c = Category::Unknown);
-        self.every_allocation.fill(Category::Unknown);
+        self.every_allocation.all_unknown();
     }
 
     /// A scope's name (`(no module)` for 0, `scope N` for an undefined id).
@@ -201,7 +275,7 @@ impl Pass<'_> {
             if block.ordinal == u64::MAX {
                 self.out.checkpoint_blocks.push((device, address, life));
             } else {
-                self.out.every_allocation[block.ordinal as usize] = category;
+                self.out.every_allocation.set(block.ordinal, category);
             }
         }
         if let Some(track) = self.tracks.get_mut(&device) {
@@ -317,7 +391,7 @@ impl Pass<'_> {
                     .copied()
                     .unwrap_or(0);
                 if self.plan.every_allocation {
-                    self.out.every_allocation.push(Category::Unknown);
+                    self.out.every_allocation.push_unknown();
                 }
                 let block = Live {
                     born_index: step.index,
@@ -405,6 +479,14 @@ impl FollowedPass {
     pub fn outcome_now(&self) -> Outcome {
         self.0.clone().finish()
     }
+
+    /// Keep the categories of allocations from `ordinal` on and of those `kept` says (a
+    /// snapshot's window and its live and pending blocks: the categories it shows). A pass
+    /// that follows a long run otherwise keeps a byte for every allocation it ever saw, and
+    /// each snapshot copies them.
+    pub fn forget_before(&mut self, ordinal: u64, kept: impl Fn(u64) -> bool) {
+        self.0.out.every_allocation.forget_before(ordinal, kept);
+    }
 }
 
 impl<'p> Pass<'p> {
@@ -464,5 +546,29 @@ impl<'p> Pass<'p> {
             self.out.all_unknown();
         }
         self.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forgotten_categories_are_dropped_but_those_kept() {
+        let mut c = AllocationCategories::default();
+        for _ in 0..10 {
+            c.push_unknown();
+        }
+        c.set(2, Category::Input);
+        c.set(7, Category::Parameter);
+        c.forget_before(6, |o| o == 2);
+        assert_eq!(c.len(), 10, "ordinals go on");
+        assert_eq!(c.to_vec().len(), 4, "only ordinals 6..10 kept in order");
+        assert_eq!(c.get(2), Some(Category::Input), "kept: a block still shown");
+        assert_eq!((c.get(3), c.get(7)), (None, Some(Category::Parameter)));
+        c.set(3, Category::Activation);
+        assert_eq!(c.get(3), Some(Category::Activation), "a live block's end");
+        c.forget_before(8, |_| false);
+        assert_eq!((c.get(2), c.get(3), c.to_vec().len()), (None, None, 2));
     }
 }

@@ -454,7 +454,7 @@ fn write_pickle(
 ) -> Result<(), Error> {
     let category_of = |ordinal: u64| {
         let c = categories?;
-        let category = c.every_allocation.get(usize::try_from(ordinal).ok()?)?;
+        let category = c.every_allocation.get(ordinal)?;
         Some(category.snapshot_name())
     };
     let block_categories: Option<HashMap<(u32, u64), Category>> = categories.map(|c| {
