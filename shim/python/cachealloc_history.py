@@ -95,6 +95,39 @@ def record_history(enabled="all", context="all", stacks="all", max_entries=sys.m
     del History.changes[: -History.keep]
     if enabled is not None and isinstance(max_entries, int) and max_entries > 0:
         History.max_entries = max_entries
+    _follow_from_now()
+
+
+def _follow_from_now():
+    """Have the snapshot server follow the trace with the settings just changed, so that the
+    program's first snapshot, perhaps hours later, finds the walk done (a change the server
+    hears of only at the next snapshot would come after records it had walked, and start its
+    walk over). Quiet where there is no trace or command: the snapshot will say so."""
+    api = c_functions(flush="cachealloc_trace_flush")
+    tool = cachealloc_binary()
+    if api is None or tool is None:
+        return
+    import ctypes
+
+    api.flush.restype = ctypes.c_size_t
+    api.flush.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    trace = text(api.flush)
+    if trace and Server.enabled:
+        try:
+            Server.ask(tool, trace, _request(include_traces=True))
+        except RuntimeError as e:
+            warn(f"the snapshot server does not follow the trace: {e}")
+
+
+def _request(include_traces, output=None):
+    """A request to the snapshot server (the tool's `snapshot::serve`) for the program's
+    history settings so far: a snapshot to `output`, or, without one, following the trace."""
+    events = min(History.max_entries, 10_000_000) if include_traces else 0
+    history = ",".join(":".join(str(part) for part in change) for change in History.changes)
+    request = {"events": events, "history": history or None}
+    if output is not None:
+        request["output"] = output
+    return request
 
 
 class Metadata:
@@ -143,9 +176,10 @@ class NoTrace(RuntimeError):
 
 
 class Server:
-    """`cachealloc snapshot TRACE --serve`, kept beside the program from its first snapshot on:
-    each snapshot then walks only the records flushed since the last one (the tool's
-    `snapshot::serve`), where a command run for each would walk the whole trace every time. A
+    """`cachealloc snapshot TRACE --serve`, kept beside the program from its first snapshot, or
+    from its first `_record_memory_history` call, on: it follows the trace as the program
+    writes it, so a snapshot walks only the records written since the server last looked (the
+    tool's `snapshot::serve`), where a command run for each would walk the whole trace. A
     forked child starts its own. A server that dies or garbles its answer is started again,
     once; failing twice, the command serves this snapshot and every later one. It ends when
     the program does (its input closes)."""
@@ -209,8 +243,6 @@ def snapshot_from_trace(flush, include_traces=True):
     tool = cachealloc_binary()
     if tool is None:
         raise NoTrace("the `cachealloc` command was not found beside the preloaded library")
-    events = min(History.max_entries, 10_000_000) if include_traces else 0
-    history = ",".join(":".join(str(part) for part in change) for change in History.changes)
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "snapshot.pickle")
         texts = []
@@ -226,12 +258,13 @@ def snapshot_from_trace(flush, include_traces=True):
                 with open(path, "w") as f:
                     json.dump(changes, f)
                 texts += [flag, path]
-        request = {"output": out, "events": events, "history": history or None}
+        request = _request(include_traces, out)
         for flag, path in zip(texts[::2], texts[1::2]):  # --metadata, --compile-context
             request[flag.strip("-").replace("-", "_")] = path
         if not (Server.enabled and Server.ask(tool, trace, request)):
+            history = request["history"]
             done = subprocess.run(
-                [tool, "snapshot", trace, "--events", str(events), "-o", out]
+                [tool, "snapshot", trace, "--events", str(request["events"]), "-o", out]
                 + (["--history", history] if history else [])
                 + texts,
                 capture_output=True,

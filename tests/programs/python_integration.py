@@ -229,7 +229,18 @@ def check_segments_walk(glob, live):
 def check_history(torch, glob, ptr):
     """The history from the trace: it begins at the program's first call, as natively; then
     what its settings keep (python_history.py)."""
+    import cachealloc_history
+
+    server = cachealloc_history.Server
+    if server.process is not None:  # a snapshot taken before: start afresh
+        server.process.kill()
+        server.process.wait()
+        server.process = None
     torch._C._cuda_record_memory_history("all", "all", "all", 1000)
+    # The program's history call starts the snapshot server, which follows the trace from then
+    # on: its first snapshot finds the walk done.
+    if server.process is None or server.process.poll() is not None:
+        fail("_record_memory_history did not start a snapshot server")
     after = ctypes.c_void_p()
     if glob.cudaMalloc(ctypes.byref(after), 8192) != 0:
         fail("cudaMalloc after the history began failed")
@@ -254,9 +265,6 @@ def check_history(torch, glob, ptr):
         fail("torch.cuda.memory_snapshot() is not the snapshot's segments")
     # The snapshots came from the program's snapshot server, which walks only what is new; the
     # command, walking the whole trace, writes the same.
-    import cachealloc_history
-
-    server = cachealloc_history.Server
     if not server.enabled or server.process is None or server.process.poll() is not None:
         fail("the snapshots did not come from a snapshot server")
     glob.cudaFree(after)

@@ -2,7 +2,8 @@
 //! `torch.cuda.memory_snapshot()`) walks a trace with context once: its window rides on the
 //! categories pass. These tests hold that walk to the two walks a snapshot at a time takes,
 //! check the trace whose context comes too late for one walk, and hold `snapshot --serve`'s
-//! snapshots of a growing trace (each walking only what is new) to the command's.
+//! snapshots of a growing trace (each walking only what is new) to the command's, with the
+//! server's walk kept across the program's history changes and going on between requests.
 
 mod common;
 
@@ -118,6 +119,31 @@ impl Server {
         stdin.flush().unwrap();
         self.answers.next().unwrap().unwrap()
     }
+
+    /// Wait until the server has one of `files` open, or 60 s have passed. The walk reads a
+    /// trace's files in order, each once, so a server holding one has read every one before it.
+    fn wait_until_open(&self, files: &[std::path::PathBuf]) {
+        let fds = format!("/proc/{}/fd", self.child.id());
+        for _ in 0..600 {
+            let open = std::fs::read_dir(&fds).unwrap().any(|fd| {
+                let target = std::fs::read_link(fd.unwrap().path());
+                target.is_ok_and(|t| files.contains(&t))
+            });
+            if open {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+/// The trace's files, oldest first.
+fn trace_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = (std::fs::read_dir(dir).unwrap())
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    files
 }
 
 #[test]
@@ -176,4 +202,85 @@ fn a_served_snapshot_is_the_snapshot_of_the_trace_so_far() {
         server.child.wait().unwrap().success(),
         "it ends with its input"
     );
+}
+
+#[test]
+fn a_served_walk_goes_on_between_requests_and_across_history_changes() {
+    // The program's `trace` loses its files (as the recorder's rotation removes them) once
+    // the server has read them; the command's answers come from `mirror`, a copy of every
+    // file. Equal snapshots then say that the server read the files before they went, walking
+    // between requests, and kept its walk when the program's history settings grew.
+    let work = scratch("serve-follow");
+    let mirror = work.join("mirror");
+    std::fs::create_dir_all(&mirror).unwrap();
+    let mut p = Program::new(&work.join("trace"), true, 1000);
+    let mut server = Server::start(&work);
+    let mut history = format!("{}:all:all:all", p.now());
+    let follow = format!(r#"{{"events": 100000, "history": "{history}"}}"#);
+    assert_eq!(server.ask(&follow), "ok", "a request without output");
+    let param = p.alloc(4 * MIB);
+    p.tag(param, TAG_PARAMETER);
+    let pending = p.alloc(MIB);
+    for round in 0..3 {
+        if round == 1 {
+            // The program changes its settings and says so at once, as the integration does:
+            // the change comes after what the server has walked, and the walk takes it.
+            history += &format!(",{}:all:state:python", p.now() + 1);
+            let follow = format!(r#"{{"events": 100000, "history": "{history}"}}"#);
+            assert_eq!(server.ask(&follow), "ok");
+        }
+        p.phase(PHASE_FORWARD);
+        if round == 0 {
+            // Pending past the window's first event: its category kept all the same.
+            p.free_requested(pending, MIB);
+        }
+        for _ in 0..if round == 2 { 5_000 } else { 40_000 } {
+            let a = p.alloc(512);
+            p.free(a, 512);
+        }
+        if round == 2 {
+            p.free_completed(pending, MIB);
+        }
+        p.phase(PHASE_NONE);
+        p.rotate();
+        // The file being written is copied again when finished (`.part` dropped from the name).
+        for file in trace_files(&mirror) {
+            if file.extension().is_some_and(|e| e == "part") {
+                std::fs::remove_file(file).unwrap();
+            }
+        }
+        let files = trace_files(&work.join("trace"));
+        for file in &files {
+            std::fs::copy(file, mirror.join(file.file_name().unwrap())).unwrap();
+        }
+        // Once the server holds one of the last two files, the ones before them can go.
+        let canonical: Vec<_> = files.iter().map(|f| f.canonicalize().unwrap()).collect();
+        server.wait_until_open(&canonical[canonical.len().saturating_sub(2)..]);
+        for file in &files[..files.len() - 1] {
+            std::fs::remove_file(file).unwrap();
+        }
+        for events in ["0", "100000"] {
+            let request = format!(
+                r#"{{"output": "served.pickle", "events": {events}, "history": "{history}"}}"#
+            );
+            assert_eq!(server.ask(&request), "ok", "round {round}");
+            cachealloc(
+                &work,
+                &[
+                    "snapshot",
+                    "mirror",
+                    "--events",
+                    events,
+                    "--history",
+                    &history,
+                    "-o",
+                    "once.pickle",
+                ],
+            );
+            let served = std::fs::read(work.join("served.pickle")).unwrap();
+            let once = std::fs::read(work.join("once.pickle")).unwrap();
+            assert!(served == once, "round {round}, events {events}");
+        }
+    }
+    p.finish();
 }

@@ -544,7 +544,7 @@ fn every_allocation() -> Plan {
 /// goes to it; at a time, a walk to it, and the categories pass only for a trace with context.
 pub fn run(args: &SnapshotArgs, out: &mut dyn Write) -> Result<(), Error> {
     if args.serve {
-        return serve::serve(&one_trace(&args.trace)?, std::io::stdin().lock(), out);
+        return serve::serve(&one_trace(&args.trace)?, std::io::stdin(), out);
     }
     let events = args.events;
     let output = args

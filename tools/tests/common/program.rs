@@ -180,6 +180,32 @@ impl Program {
         }));
     }
 
+    /// Ask to free the block at `address` (of `size` bytes): it stays pending (another
+    /// stream's work may still use it) until [`Program::free_completed`].
+    pub fn free_requested(&mut self, address: u64, size: u64) {
+        let t = self.tick();
+        self.write(Record::FreeRequested(FreeRequested {
+            t,
+            device: 0,
+            stream: 0,
+            address,
+            size,
+            stack: 0,
+            thread: 1,
+        }));
+    }
+
+    /// The pending free of the block at `address` completes.
+    pub fn free_completed(&mut self, address: u64, size: u64) {
+        let t = self.tick();
+        self.write(Record::FreeCompleted(FreeCompleted {
+            t,
+            device: 0,
+            address,
+            size,
+        }));
+    }
+
     /// Tag the block holding `address` (here: inside it) with `category`.
     pub fn tag(&mut self, address: u64, category: u8) {
         let t = self.tick();

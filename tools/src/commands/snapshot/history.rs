@@ -203,6 +203,24 @@ impl Cursor {
         !self.changes.is_empty()
     }
 
+    /// Take `changes`, the program's changes so far, where they only add changes to the ones
+    /// this cursor has and none of those added is before `t`, the time a walk has reached
+    /// (else false: a walk must start over to apply them). A program that said nothing before
+    /// says something only by starting over, since before its first change nothing shows.
+    pub fn extend(&mut self, changes: &[Settings], t: u64) -> bool {
+        let Some(added) = changes.strip_prefix(self.changes.as_slice()) else {
+            return false;
+        };
+        if added.is_empty() {
+            return true;
+        }
+        if !self.given() || added.iter().any(|c| c.t < t) {
+            return false;
+        }
+        self.changes.extend_from_slice(added);
+        true
+    }
+
     /// Move to time `t`; returns whether the history was cleared on the way (a change to
     /// `enabled=None` or `"state"`).
     pub fn advance(&mut self, t: u64) -> bool {
@@ -322,6 +340,31 @@ mod tests {
         assert_eq!(c2.event_stack(EventKind::Alloc, 9, 0), 0);
         c.advance(1);
         assert!(c.keeps_events());
+    }
+
+    #[test]
+    fn a_cursor_takes_changes_after_where_its_walk_is() {
+        let first = parse("10:all:alloc:python").unwrap();
+        let both = parse("10:all:alloc:python,30:none:none:all").unwrap();
+        let mut c = Cursor::new(first.clone());
+        c.advance(20);
+        assert!(c.extend(&first, 25), "nothing new");
+        assert!(!c.extend(&both, 31), "a change before the walk's time");
+        assert!(
+            !c.extend(&parse("11:all:alloc:python").unwrap(), 0),
+            "not an extension"
+        );
+        assert!(
+            !Cursor::new(vec![]).extend(&first, 0),
+            "the first change starts over"
+        );
+        assert!(c.extend(&both, 25));
+        assert!(c.keeps_events());
+        assert!(
+            c.advance(30),
+            "the change added applies when the walk reaches it"
+        );
+        assert!(!c.keeps_events());
     }
 
     #[test]

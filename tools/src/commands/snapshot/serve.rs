@@ -9,13 +9,24 @@
 //! (the `--history` text), `"metadata"` and `"compile_context"` (the files of `--metadata` and
 //! `--compile-context`). The snapshot is the one `cachealloc snapshot TRACE --events N
 //! -o PATH …` would write of the trace as it is then; the answer is a line, `ok` or `error: …`.
-//! The walk keeps the live state, the categories pass (`FollowedPass`) and the window of the
-//! last events between requests; a request with other history settings, or for more events
-//! than the window keeps, starts the walk over. The process ends at the end of its input.
+//! A request without `output` asks for no snapshot: the server begins following the trace
+//! with those settings (the integration sends one when the program turns its memory history
+//! on), so that the program's first snapshot, perhaps hours later, finds the walk done.
+//!
+//! Between requests the server goes on walking what the program writes ([`FOLLOW_EVERY`]), a
+//! chunk of records at a time, so a request waits only for the records written since the last
+//! look, and files the recorder rotates away later have been read. The walk keeps the live
+//! state, the categories pass (`FollowedPass`) and the window of the last events; of the
+//! allocations' categories it keeps only those the window's events and the live blocks show.
+//! A request for more events than the window keeps, or whose history settings are not the
+//! ones it has plus changes after its walk's time (`Cursor::extend`), starts the walk over.
+//! The process ends at the end of its input.
 
-use std::io::{BufRead, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::LazyLock;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -31,13 +42,20 @@ use crate::walk::TraceWalk;
 /// told otherwise, and a window smaller than the next request's would start the walk over.
 const EVENTS_KEPT: usize = 100_000;
 
+/// How often a server with nothing to do looks for records the program has written.
+const FOLLOW_EVERY: Duration = Duration::from_millis(250);
+
+/// Records walked between two looks for a request, while the walk is behind.
+const CHUNK: usize = 65_536;
+
 static EVERY_CATEGORY: LazyLock<Plan> = LazyLock::new(every_category);
 
 /// One request (see the module docs).
 #[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
 struct Request {
-    output: PathBuf,
+    #[serde(default)]
+    output: Option<PathBuf>,
     events: usize,
     #[serde(default)]
     history: Option<String>,
@@ -54,8 +72,8 @@ struct Followed {
     window: WindowWalk,
     /// The events the window keeps.
     events: usize,
-    /// The history settings it applies.
-    history: Option<String>,
+    /// Whether the walk has reached what the trace had when last looked at.
+    at_end: bool,
 }
 
 impl Followed {
@@ -70,23 +88,45 @@ impl Followed {
             pass: FollowedPass::new(&EVERY_CATEGORY),
             window: WindowWalk::new(events, Cursor::new(changes)),
             events,
-            history: request.history.clone(),
+            at_end: false,
         })
     }
 
-    /// Whether it can answer `request` (else the walk starts over).
-    fn fits(&self, request: &Request) -> bool {
-        request.events <= self.events && request.history == self.history
+    /// Take `request`'s settings, if the walk can answer it with them (else it starts over).
+    fn takes(&mut self, request: &Request) -> Result<bool, Error> {
+        let changes = match &request.history {
+            Some(spec) => history::parse(spec)?,
+            None => vec![],
+        };
+        Ok(request.events <= self.events && self.window.extend_history(&changes))
     }
 
-    /// Walk the records flushed since the last request, then write the snapshot.
-    fn answer(&mut self, request: &Request) -> Result<(), Error> {
-        self.walk.refresh()?;
-        while let Some(step) = self.walk.step() {
+    /// Walk at most `most` records of what the trace has; true when none are left. At the end
+    /// the walk looks again (the program may have written more, or begun a file).
+    fn catch_up(&mut self, most: usize) -> Result<bool, Error> {
+        if self.at_end {
+            self.walk.refresh()?;
+            self.at_end = false;
+        }
+        for _ in 0..most {
+            let Some(step) = self.walk.step() else {
+                self.at_end = true;
+                break;
+            };
             let step = step?;
             self.pass.step(&self.walk, &step);
             self.window.visit(&step);
         }
+        let live = self.window.live_ordinals();
+        (self.pass).forget_before(self.window.first_ordinal(), |o| live.contains(&o));
+        Ok(self.at_end)
+    }
+
+    /// Walk the records flushed since the last look, then write the snapshot.
+    fn answer(&mut self, request: &Request, output: &Path) -> Result<(), Error> {
+        // What the program flushed before asking is the least the snapshot must have.
+        self.at_end = true;
+        while !self.catch_up(usize::MAX)? {}
         let mut texts = EntryTexts::default();
         if let Some(path) = &request.metadata {
             texts.metadata = TextOverTime::read(path, "")?;
@@ -98,7 +138,7 @@ impl Followed {
         let categories = outcome.has_context.then_some(&outcome);
         let window = self.window.now();
         write_pickle(
-            &request.output,
+            output,
             &self.walk,
             window,
             categories,
@@ -109,26 +149,73 @@ impl Followed {
     }
 }
 
-/// Answer the requests of `input` about the trace `dir` (see the module docs).
-pub(super) fn serve(dir: &Path, input: impl BufRead, out: &mut dyn Write) -> Result<(), Error> {
+/// Answer the requests of `input` about the trace `dir`, following it between them (see the
+/// module docs).
+pub(super) fn serve(
+    dir: &Path,
+    input: impl Read + Send + 'static,
+    out: &mut dyn Write,
+) -> Result<(), Error> {
+    let (lines, requests) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(input).lines() {
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
     let mut followed: Option<Followed> = None;
-    for line in input.lines() {
-        let line = line?;
+    loop {
+        // Behind: a chunk more, unless a request waits. Caught up: wait for one, looking at
+        // the trace again every `FOLLOW_EVERY`.
+        let wait = match &followed {
+            Some(f) if !f.at_end => Duration::ZERO,
+            _ => FOLLOW_EVERY,
+        };
+        let line = match requests.recv_timeout(wait) {
+            Ok(line) => line?,
+            Err(RecvTimeoutError::Timeout) => {
+                if let Some(f) = &mut followed
+                    && f.catch_up(CHUNK).is_err()
+                {
+                    // The request that comes next will say what is wrong.
+                    followed = None;
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => return Ok(()),
+        };
         if line.trim().is_empty() {
             continue;
         }
         let answered = match serde_json::from_str::<Request>(&line) {
             Ok(request) => {
                 let walk = match followed.take() {
-                    Some(f) if f.fits(&request) => Ok(f),
-                    _ => Followed::start(dir, &request),
+                    Some(mut f) => match f.takes(&request) {
+                        Ok(true) => Ok(f),
+                        Ok(false) => Followed::start(dir, &request),
+                        Err(e) => {
+                            followed = Some(f);
+                            Err(e)
+                        }
+                    },
+                    None => Followed::start(dir, &request),
                 };
-                let answered = walk.and_then(|walk| followed.insert(walk).answer(&request));
-                if answered.is_err() {
-                    // What the walk kept may be half-way through a record: start over.
-                    followed = None;
+                match walk {
+                    Ok(walk) => {
+                        let f = followed.insert(walk);
+                        let answered = match &request.output {
+                            Some(output) => f.answer(&request, output),
+                            None => Ok(()),
+                        };
+                        if answered.is_err() {
+                            // What the walk kept may be half-way through a record: start over.
+                            followed = None;
+                        }
+                        answered
+                    }
+                    Err(e) => Err(e),
                 }
-                answered
             }
             Err(e) => Err(Error::Message(format!(
                 "not a snapshot request ({e}): {line}"
@@ -141,5 +228,4 @@ pub(super) fn serve(dir: &Path, input: impl BufRead, out: &mut dyn Write) -> Res
         }
         out.flush()?;
     }
-    Ok(())
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use cachealloc_recorder::{Record, TraceReader};
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::history::{Cursor, EventKind};
+use super::history::{Cursor, EventKind, Settings};
 use crate::Error;
 use crate::walk::{Step, TraceWalk};
 
@@ -74,6 +74,8 @@ pub(super) struct WindowWalk {
     /// The allocation stack of each live block: a free without a stack of its own shows its
     /// block's (as PyTorch does when it records no free context).
     allocated_at: FxHashMap<(u32, u64), u32>,
+    /// The latest time of an event visited (0 before any).
+    last_t: u64,
 }
 
 impl WindowWalk {
@@ -98,6 +100,7 @@ impl WindowWalk {
             freed_by: FxHashMap::default(),
             allocs: 0,
             allocated_at: FxHashMap::default(),
+            last_t: 0,
         }
     }
 
@@ -193,6 +196,13 @@ impl WindowWalk {
             Record::Oom(o) => Some(history.event_stack(EventKind::Alloc, o.stack, 0)),
             _ => None,
         };
+        if stack.is_some()
+            && !step.in_checkpoint
+            && let Some(t) = step.record.time()
+        {
+            // The history settings decided what this event shows.
+            self.last_t = self.last_t.max(t);
+        }
         if let Some(stack) = stack
             && self.events > 0
             && !step.in_checkpoint
@@ -233,6 +243,29 @@ impl WindowWalk {
         }
         self.window.last_frees = self.last_frees.iter().map(|(k, v)| (*k, *v)).collect();
         &self.window
+    }
+}
+
+impl WindowWalk {
+    /// Take the program's history changes so far, where they add to the ones the walk has,
+    /// after the records it has visited (`Cursor::extend`); false if the walk must start over.
+    pub(super) fn extend_history(&mut self, changes: &[Settings]) -> bool {
+        self.history.extend(changes, self.last_t)
+    }
+
+    /// The ordinal of the first allocation the window still shows (the next allocation's when
+    /// it shows none): no later snapshot of this walk shows an earlier one's event.
+    pub(super) fn first_ordinal(&self) -> u64 {
+        (self.window.events.iter())
+            .map(|(_, _, ordinal, _)| *ordinal)
+            .find(|ordinal| *ordinal != u64::MAX)
+            .unwrap_or(self.allocs)
+    }
+
+    /// The ordinals of the blocks live or pending now, which a snapshot shows whenever they
+    /// were allocated.
+    pub(super) fn live_ordinals(&self) -> FxHashSet<u64> {
+        self.window.ordinals.values().flatten().copied().collect()
     }
 }
 
