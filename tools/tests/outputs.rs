@@ -461,3 +461,36 @@ print("OK")
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// An unmap of an expandable segment's memory that has no stack of its own (the recycling of
+/// a later allocation) shows the stack that mapped it, as PyTorch's `segment_unmap` entries
+/// show the context their segment was allocated in; a run unmapped whole is forgotten.
+#[test]
+fn an_unmap_without_a_stack_shows_the_stack_that_mapped_it() {
+    use common::program::{MIB, Program};
+
+    const RUN: u64 = 0x7e00_0000_0000;
+    let work = scratch("unmap-frames");
+    let mut p = Program::new(&work.join("trace"), false, 2);
+    p.map(RUN, 4 * MIB, true);
+    p.map(RUN + 2 * MIB, 2 * MIB, false);
+    p.map(RUN, 2 * MIB, false);
+    // Unmapped again: no part of the first map is left.
+    p.map(RUN, 2 * MIB, false);
+    p.map(RUN + 2 * MIB, MIB, false);
+    p.finish();
+    cachealloc(&work, &["snapshot", "trace", "-o", "snap.pickle"]);
+    let script = "import pickle, sys\n\
+        s = pickle.load(open(sys.argv[1], 'rb'))\n\
+        print([(e['action'], [f['name'] for f in e['frames']]) for e in s['device_traces'][0]\n\
+               if e['action'].startswith('segment_') and e['addr'] < 0x7f0000000000])";
+    let out = common::python::python_text(script, &[work.join("snap.pickle").to_str().unwrap()]);
+    let mapped = "['linear', 'forward', '_call_impl']";
+    assert_eq!(
+        out.trim(),
+        format!(
+            "[('segment_map', {mapped}), ('segment_unmap', {mapped}), ('segment_unmap', \
+             {mapped}), ('segment_unmap', []), ('segment_unmap', [])]"
+        )
+    );
+}

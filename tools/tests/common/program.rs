@@ -206,6 +206,25 @@ impl Program {
         }));
     }
 
+    /// Map `size` bytes at `address` of an expandable segment (stack 1), or unmap them (no
+    /// stack of its own: the recycling of a later allocation).
+    pub fn map(&mut self, address: u64, size: u64, map: bool) {
+        let t = self.tick();
+        let event = SegmentEvent {
+            t,
+            device: 0,
+            address,
+            size,
+            pool: POOL_LARGE,
+            stack: if map { 1 } else { 0 },
+        };
+        self.write(if map {
+            Record::SegmentMap(event)
+        } else {
+            Record::SegmentUnmap(event)
+        });
+    }
+
     /// Tag the block holding `address` (here: inside it) with `category`.
     pub fn tag(&mut self, address: u64, category: u8) {
         let t = self.tick();

@@ -67,6 +67,10 @@ pub(super) struct WindowWalk {
     requested_of: FxHashMap<(u32, u64), u64>,
     /// Each live segment's allocation stack, for its release's entry.
     segment_allocated_at: FxHashMap<(u32, u64), u32>,
+    /// Each run mapped into an expandable segment: its end and the stack that mapped it, for
+    /// the entries of unmaps inside it that have no stack of their own (as PyTorch's show the
+    /// context its segment was allocated in).
+    mapped_at: BTreeMap<(u32, u64), (u64, u32)>,
     /// The stack of each free not yet completed, for its `free_completed` entry.
     freed_by: FxHashMap<(u32, u64), u32>,
     /// `Alloc` records so far (the next one's ordinal).
@@ -97,6 +101,7 @@ impl WindowWalk {
             last_frees: FxHashMap::default(),
             requested_of: FxHashMap::default(),
             segment_allocated_at: FxHashMap::default(),
+            mapped_at: BTreeMap::new(),
             freed_by: FxHashMap::default(),
             allocs: 0,
             allocated_at: FxHashMap::default(),
@@ -180,6 +185,7 @@ impl WindowWalk {
                 None
             }
             Record::SegmentMap(s) => {
+                (self.mapped_at).insert((s.device, s.address), (s.address + s.size, s.stack));
                 if history.given() {
                     let shown = history.block_stack(s.stack);
                     window.segment_stacks.insert((s.device, s.address), shown);
@@ -192,7 +198,10 @@ impl WindowWalk {
                 let at = self.segment_allocated_at.remove(&(s.device, s.address));
                 Some(history.event_stack(EventKind::Free, s.stack, at.unwrap_or(0)))
             }
-            Record::SegmentUnmap(s) => Some(history.event_stack(EventKind::Free, s.stack, 0)),
+            Record::SegmentUnmap(s) => {
+                let mapped = unmap(&mut self.mapped_at, s.device, s.address, s.size);
+                Some(history.event_stack(EventKind::Free, s.stack, mapped))
+            }
             Record::Oom(o) => Some(history.event_stack(EventKind::Alloc, o.stack, 0)),
             _ => None,
         };
@@ -267,6 +276,36 @@ impl WindowWalk {
     pub(super) fn live_ordinals(&self) -> FxHashSet<u64> {
         self.window.ordinals.values().flatten().copied().collect()
     }
+}
+
+/// Take `[address, address + size)` of `device` out of the mapped runs `mapped_at` (start ->
+/// (end, stack)); returns the stack that mapped `address` (0 if none did).
+fn unmap(
+    mapped_at: &mut BTreeMap<(u32, u64), (u64, u32)>,
+    device: u32,
+    address: u64,
+    size: u64,
+) -> u32 {
+    let end = address + size;
+    let overlapping: Vec<_> = (mapped_at.range(..(device, end)).rev())
+        // Runs do not overlap: the first one back that ends before `address`, all before it do.
+        .take_while(|((d, _), (run_end, _))| *d == device && *run_end > address)
+        .map(|(&(_, start), &(run_end, stack))| (start, run_end, stack))
+        .collect();
+    let mut mapped = 0;
+    for (start, run_end, stack) in overlapping {
+        mapped_at.remove(&(device, start));
+        if start <= address {
+            mapped = stack;
+        }
+        if start < address {
+            mapped_at.insert((device, start), (address, stack));
+        }
+        if run_end > end {
+            mapped_at.insert((device, end), (run_end, stack));
+        }
+    }
+    mapped
 }
 
 /// Walk `dir` through record `index`, keeping the last `events` events that `history` keeps.
