@@ -23,6 +23,21 @@ fn small_files(
     TraceWriter::create(config, header(), clock.clone()).unwrap()
 }
 
+/// Write `records` (each a microsecond after the last) until the writer is in file `file`,
+/// then flush.
+fn write_until_file(
+    w: &mut TraceWriter<ManualClock>,
+    clock: &ManualClock,
+    records: &mut impl Iterator<Item = Record>,
+    file: u32,
+) {
+    while w.file_index() < file {
+        clock.0.fetch_add(1000, Ordering::SeqCst);
+        w.write(&records.next().expect("records enough")).unwrap();
+    }
+    w.flush().unwrap();
+}
+
 /// Every record of `dir`, read by a reader opened now.
 fn all(dir: &std::path::Path) -> Vec<Record> {
     TraceReader::open(dir)
@@ -135,11 +150,7 @@ fn files_rotated_away_before_they_are_read_are_passed_over() {
     drain(&mut reader);
     let mut records = workload(40_000).into_iter();
     let mut write_until = |w: &mut TraceWriter<ManualClock>, file: u32| {
-        while w.file_index() < file {
-            clock.0.fetch_add(1000, Ordering::SeqCst);
-            w.write(&records.next().expect("records enough")).unwrap();
-        }
-        w.flush().unwrap();
+        write_until_file(w, &clock, &mut records, file)
     };
     // The reader learns of files 1 and 2, then the program rotates them away before it reads.
     write_until(&mut w, 2);
@@ -162,11 +173,7 @@ fn a_file_finished_after_it_was_listed_is_read() {
     let mut w = small_files(&dir, 1000, &clock);
     let mut records = workload(40_000).into_iter();
     let mut write_until = |w: &mut TraceWriter<ManualClock>, file: u32| {
-        while w.file_index() < file {
-            clock.0.fetch_add(1000, Ordering::SeqCst);
-            w.write(&records.next().expect("records enough")).unwrap();
-        }
-        w.flush().unwrap();
+        write_until_file(w, &clock, &mut records, file)
     };
     // The reader lists file 1 as it is being written (`.part`) while it is still in file 0;
     // the program finishes file 1 (renamed) before the reader gets there.

@@ -168,31 +168,28 @@ impl Program {
 
     /// Free the block at `address` (of `size` bytes) at once.
     pub fn free(&mut self, address: u64, size: u64) {
-        let t = self.tick();
-        self.write(Record::Free(FreeRequested {
-            t,
-            device: 0,
-            stream: 0,
-            address,
-            size,
-            stack: 0,
-            thread: 1,
-        }));
+        let free = self.free_of(address, size);
+        self.write(Record::Free(free));
     }
 
     /// Ask to free the block at `address` (of `size` bytes): it stays pending (another
     /// stream's work may still use it) until [`Program::free_completed`].
     pub fn free_requested(&mut self, address: u64, size: u64) {
-        let t = self.tick();
-        self.write(Record::FreeRequested(FreeRequested {
-            t,
+        let free = self.free_of(address, size);
+        self.write(Record::FreeRequested(free));
+    }
+
+    /// Thread 1's free of the block at `address`, now, without a stack.
+    fn free_of(&mut self, address: u64, size: u64) -> FreeRequested {
+        FreeRequested {
+            t: self.tick(),
             device: 0,
             stream: 0,
             address,
             size,
             stack: 0,
             thread: 1,
-        }));
+        }
     }
 
     /// The pending free of the block at `address` completes.
