@@ -194,11 +194,17 @@ def _graphs(graphs):
     if getattr(begin, "_cachealloc_wrapped", False):
         return
     import functools
+    import itertools
+
+    # A capture without a pool gets one of its own, numbered as PyTorch numbers it: (n, 0) from
+    # a counter of such pools (its `graph_pool_handle(false)`), where pools a program asks for
+    # (`graph_pool_handle()`, MemPools) are (0, n).
+    anonymous = itertools.count(1)
 
     @functools.wraps(begin)
     def capture_begin(self, pool=None, *args, **kwargs):
         if pool is None:
-            pool = graphs.graph_pool_handle()
+            pool = (next(anonymous), 0)
         use(pool_key(pool))
         return begin(self, pool, *args, **kwargs)
 

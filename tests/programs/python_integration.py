@@ -124,7 +124,8 @@ import torch.cuda.graphs as graphs  # noqa: E402
 
 graph = graphs.CUDAGraph()
 graph.capture_begin(capture_error_mode="thread_local")
-named = (None, "thread_local") if expected else ((0, 1), "thread_local")
+# As natively, a pool of its own numbered (n, 0), apart from graph_pool_handle()'s (0, n).
+named = (None, "thread_local") if expected else ((1, 0), "thread_local")
 if graph.pool_used != named:
     fail(f"a capture without a pool began with {graph.pool_used}, expected {named}")
 graph.capture_begin((0, 7))
