@@ -118,6 +118,9 @@ log, side, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rank = {"pass": 0, "skip": 0, "fail": 1, "abort": 2, "timeout": 2}
 seen, last, done = {}, None, True
 for line in open(log, errors="replace"):
+    # The reports after the tests (failures, warnings by test, the summary) name tests too.
+    if re.match(r"^=+ (FAILURES|ERRORS|warnings summary|short test summary info|PASSES) =+$", line):
+        break
     # "-v" writes a test's id when it starts and its outcome, with the progress, when it ends
     # (output the test writes past pytest's capture can come between them).
     start = re.match(r"^(\S+\.py::\S+)", line)
