@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::history::{self, Cursor};
+use super::history::{self, Cursor, Settings};
 use super::texts::{EntryTexts, NO_COMPILE_CONTEXT, TextOverTime};
 use super::window::WindowWalk;
 use super::{every_category, write_pickle};
@@ -65,6 +65,13 @@ struct Request {
     compile_context: Option<PathBuf>,
 }
 
+impl Request {
+    /// The program's history changes the request gives (none: it said nothing).
+    fn history_changes(&self) -> Result<Vec<Settings>, Error> {
+        self.history.as_deref().map_or(Ok(vec![]), history::parse)
+    }
+}
+
 /// The walk kept between requests.
 struct Followed {
     walk: TraceWalk,
@@ -78,10 +85,7 @@ struct Followed {
 
 impl Followed {
     fn start(dir: &Path, request: &Request) -> Result<Followed, Error> {
-        let changes = match &request.history {
-            Some(spec) => history::parse(spec)?,
-            None => vec![],
-        };
+        let changes = request.history_changes()?;
         let events = request.events.max(EVENTS_KEPT);
         Ok(Followed {
             walk: TraceWalk::follow(dir)?,
@@ -94,10 +98,7 @@ impl Followed {
 
     /// Take `request`'s settings, if the walk can answer it with them (else it starts over).
     fn takes(&mut self, request: &Request) -> Result<bool, Error> {
-        let changes = match &request.history {
-            Some(spec) => history::parse(spec)?,
-            None => vec![],
-        };
+        let changes = request.history_changes()?;
         Ok(request.events <= self.events && self.window.extend_history(&changes))
     }
 
@@ -108,7 +109,8 @@ impl Followed {
             self.walk.refresh()?;
             self.at_end = false;
         }
-        for _ in 0..most {
+        let mut walked = 0;
+        while walked < most {
             let Some(step) = self.walk.step() else {
                 self.at_end = true;
                 break;
@@ -116,9 +118,12 @@ impl Followed {
             let step = step?;
             self.pass.step(&self.walk, &step);
             self.window.visit(&step);
+            walked += 1;
         }
-        let live = self.window.live_ordinals();
-        (self.pass).forget_before(self.window.first_ordinal(), |o| live.contains(&o));
+        if walked > 0 {
+            let live = self.window.live_ordinals();
+            (self.pass).forget_before(self.window.first_ordinal(), |o| live.contains(&o));
+        }
         Ok(self.at_end)
     }
 
