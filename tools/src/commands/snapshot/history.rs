@@ -205,10 +205,23 @@ impl Cursor {
 
     /// Take `changes`, the program's changes so far, where they only add changes to the ones
     /// this cursor has and none of those added is before `t`, the time a walk has reached
-    /// (else false: a walk must start over to apply them). A program that said nothing before
-    /// says something only by starting over, since before its first change nothing shows.
+    /// (else false: a walk must start over to apply them). The program passes only its last
+    /// changes (the integration keeps 4 096): changes it no longer passes may be missing from
+    /// the front, where the cursor has applied them. A program that said nothing before says
+    /// something only by starting over, since before its first change nothing shows.
     pub fn extend(&mut self, changes: &[Settings], t: u64) -> bool {
-        let Some(added) = changes.strip_prefix(self.changes.as_slice()) else {
+        let Some(first) = changes.first() else {
+            return self.changes.is_empty();
+        };
+        let dropped = if self.changes.is_empty() {
+            0
+        } else {
+            match self.changes.iter().position(|c| c == first) {
+                Some(dropped) if dropped <= self.next => dropped,
+                _ => return false,
+            }
+        };
+        let Some(added) = changes.strip_prefix(&self.changes[dropped..]) else {
             return false;
         };
         if added.is_empty() {
@@ -358,6 +371,10 @@ mod tests {
             !Cursor::new(vec![]).extend(&first, 0),
             "the first change starts over"
         );
+        assert!(
+            !c.extend(&[], 25),
+            "saying nothing after something starts over"
+        );
         assert!(c.extend(&both, 25));
         assert!(c.keeps_events());
         assert!(
@@ -365,6 +382,25 @@ mod tests {
             "the change added applies when the walk reaches it"
         );
         assert!(!c.keeps_events());
+    }
+
+    #[test]
+    fn a_cursor_takes_the_program_s_last_changes_without_its_oldest() {
+        let three = parse("10:all:all:all,20:all:alloc:all,30:all:all:all").unwrap();
+        let mut c = Cursor::new(three.clone());
+        c.advance(35);
+        let later = parse("20:all:alloc:all,30:all:all:all,40:none:none:all").unwrap();
+        assert!(c.extend(&later, 35), "the oldest change dropped, one added");
+        assert!(c.advance(45), "the added change applies");
+        let unknown = parse("50:all:all:all,60:all:all:all").unwrap();
+        assert!(!c.extend(&unknown, 45), "nothing in common: start over");
+        let mut behind = Cursor::new(three);
+        behind.advance(15);
+        let skipped = parse("30:all:all:all,40:all:all:all").unwrap();
+        assert!(
+            !behind.extend(&skipped, 15),
+            "a dropped change not yet applied"
+        );
     }
 
     #[test]
