@@ -298,11 +298,17 @@ class Allocator final : public CUDAAllocator {
   }
 
   // Captures tell the library their pool from Python (`CUDAGraph.capture_begin`), and
-  // `use_mem_pool` routes threads there too; graphs' pools live as long as the library's
-  // books say (Note [Private pools]).
-  void beginAllocateToPool(DeviceIndex, MempoolId_t, std::function<bool(cudaStream_t)>) override {}
+  // `use_mem_pool` routes threads there too (its entry points are the Python integration's).
+  // Only a `CUDAGraph` calls these: it holds its pool from `capture_begin` to `reset`, and the
+  // library follows those references, not the graph objects (Note [The program's graph
+  // references]: under `enable_debug_mode()` PyTorch never destroys a graph object).
+  void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)>) override {
+    library.graph_pool_retain(device, pool_key(id));
+  }
   void endAllocateToPool(DeviceIndex, MempoolId_t) override {}
-  void releasePool(DeviceIndex, MempoolId_t) override {}
+  void releasePool(DeviceIndex device, MempoolId_t id) override {
+    library.graph_pool_release(device, pool_key(id));
+  }
 
   int getPoolUseCount(DeviceIndex device, MempoolId_t id) override {
     return library.mem_pool_use_count(device, pool_key(id));

@@ -28,6 +28,8 @@ struct Library {
   int (*record_stream)(uint64_t, size_t) = nullptr;
   int (*mem_pool_retain)(int, uint64_t, unsigned, void*, void*) = nullptr;
   int (*mem_pool_use_count)(int, uint64_t) = nullptr;
+  int (*graph_pool_retain)(int, uint64_t) = nullptr;
+  int (*graph_pool_release)(int, uint64_t) = nullptr;
   using Fields = void (*)(void*, const uint64_t*);
   int (*segments_walk)(int, Fields, Fields, void*) = nullptr;
   // `cudaFreeAsync` of a block of the library's pools; `not_pooled` for other memory.
@@ -42,6 +44,8 @@ struct Library {
         find(record_stream, "cachealloc_record_stream") &&
         find(mem_pool_retain, "cachealloc_mem_pool_retain") &&
         find(mem_pool_use_count, "cachealloc_mem_pool_use_count") &&
+        find(graph_pool_retain, "cachealloc_graph_pool_retain") &&
+        find(graph_pool_release, "cachealloc_graph_pool_release") &&
         find(segments_walk, "cachealloc_segments_walk") &&
         find(free_async, "cachealloc_free_async");
   }

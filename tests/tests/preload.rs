@@ -359,6 +359,15 @@ fn a_graphs_memory_comes_from_a_private_pool_kept_until_empty_cache_after_the_gr
 }
 
 #[test]
+fn a_graph_pool_the_program_references_goes_when_it_lets_go_whatever_its_graph_objects() {
+    // Only captures allocate (the program fails without the shim's entry points): no
+    // allocation reaches the ordinary pool, and empty_cache still releases the graph pools.
+    let out = Run::c("graph_pool_refs", &[]).output();
+    out.assert_ok("graph_pool_refs");
+    assert_no_shim_failure(&out.stderr);
+}
+
+#[test]
 fn a_stream_that_joins_a_capture_allocates_from_its_pool_and_is_never_fenced() {
     let out = Run::c("capture_streams", &[]).output();
     out.assert_pooled("capture_streams");

@@ -189,6 +189,32 @@ pub extern "C" fn cachealloc_use_capture_pool(id: u64) {
     );
 }
 
+/// One more of the program's graphs holds the graph pool `id` of `device` (PyTorch's
+/// `CUDAGraph::capture_begin`, told by the C++ allocator for PyTorch's `beginAllocateToPool`):
+/// from now on the program's references, not its graph objects, say when the pool's graphs let
+/// go (Note [The program's graph references] in the shim's `process`). Returns the program's
+/// references to it.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_graph_pool_retain(device: c_int, id: u64) -> c_int {
+    guarded(
+        "cachealloc_graph_pool_retain",
+        || process::shim().map_or(0, |s| s.graph_pool_retain((id, device)) as c_int),
+        || 0,
+    )
+}
+
+/// One of the program's graphs let go of the graph pool `id` of `device` (PyTorch's
+/// `CUDAGraph::reset`, through `releasePool`). Returns the program's references left; at zero,
+/// with no capture or executable graph using it, the pool's memory goes.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_graph_pool_release(device: c_int, id: u64) -> c_int {
+    guarded(
+        "cachealloc_graph_pool_release",
+        || process::shim().map_or(0, |s| s.graph_pool_release((id, device)) as c_int),
+        || 0,
+    )
+}
+
 /// `MemPool(use_on_oom=True)`: see [`cachealloc_mem_pool_retain`].
 pub const MEM_POOL_USE_ON_OOM: c_uint = 1;
 /// `MemPool(no_split=True)`: see [`cachealloc_mem_pool_retain`].

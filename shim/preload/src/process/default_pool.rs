@@ -25,10 +25,11 @@ impl Shim {
         pools.iter().find(|(p, _)| *p == pool).map(|&(_, d)| d)
     }
 
-    /// The device whose default memory pool `pool` is, if it is one we pool for.
+    /// The device whose default memory pool `pool` is, if it is one we pool for (an ordinary
+    /// pool, or only private ones: a program that has allocated only in graph captures).
     pub fn default_pool_device(&self, pool: usize) -> Option<i32> {
         let device = self.default_pool_owner(pool)?;
-        self.allocator_of(device).map(|_| device)
+        (self.allocator_of(device).is_some() || self.has_private_pool_on(device)).then_some(device)
     }
 
     /// `device`'s stats (its ordinary pool's and its private pools'), if it has a pool of

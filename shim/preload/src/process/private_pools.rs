@@ -115,14 +115,24 @@ pub struct PoolSettings {
 /// Who uses a pool (see Note [Private pools]).
 #[derive(Debug, Default)]
 struct Users {
+    /// Captures under way into it.
     captures: usize,
+    /// Graphs (`cudaGraph_t`) its captures made, not yet destroyed.
     graphs: usize,
+    /// Executable graphs instantiated from them, not yet destroyed.
+    execs: usize,
+    /// References of `MemPool`s and of threads allocating to it.
     refs: usize,
+    /// The program's own count of the graphs holding it, where the program keeps one
+    /// (PyTorch's `CUDAGraph`): then that count, not the graph objects, says when the graphs
+    /// let go (Note [The program's graph references] in `private_pools::captures`).
+    program_graphs: Option<usize>,
 }
 
 impl Users {
     fn none(&self) -> bool {
-        self.captures == 0 && self.graphs == 0 && self.refs == 0
+        let graphs = self.program_graphs.unwrap_or(self.graphs);
+        self.captures == 0 && graphs == 0 && self.execs == 0 && self.refs == 0
     }
 }
 
@@ -144,8 +154,8 @@ struct Book {
     capture_ids: HashMap<u64, usize>,
     /// The streams that joined a capture, and the stream it began on.
     joined: HashMap<usize, usize>,
-    /// The pool of each graph and executable graph (by handle).
-    graphs: HashMap<usize, PoolKey>,
+    /// The pool of each graph and executable graph (by handle), and whether it is executable.
+    graphs: HashMap<usize, (PoolKey, bool)>,
     /// Each pool's users (a pool no longer in use has none here).
     users: HashMap<PoolKey, Users>,
     /// The next id of our own (counting down from the top).

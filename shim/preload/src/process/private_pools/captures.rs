@@ -41,6 +41,23 @@
 //!   Fences, too, ask before they record an event on a stream while a capture is under way: an
 //!   event recorded on a joined stream, or a query of it, would break the capture.
 //!
+//! # Note [The program's graph references]
+//!
+//! Graph objects are not always the program's word on when its graphs let go of a pool.
+//! PyTorch's `CUDAGraph` holds its pool by a reference of its own, taken at `capture_begin`
+//! and given back at `reset` (or its destructor), and under `enable_debug_mode()` — a switch
+//! of the whole process, which PyTorch never turns off — it keeps every later capture's
+//! `cudaGraph_t` and never destroys it, after instantiating it. Counted as a user, such a
+//! graph would hold its pool forever, where PyTorch's reference lets it go at `reset`
+//! (PyTorch's `test_allocate_in_thread_to_pool` found it after `test_graph_debugdump` in the
+//! same process: its pool kept its segments). So where the program keeps such references —
+//! the C++ allocator for PyTorch passes `beginAllocateToPool` and `releasePool` on
+//! ([`Shim::graph_pool_retain`], [`Shim::graph_pool_release`]) — a pool's graphs are its
+//! references, and the graph objects no longer count; executable graphs still do (a graph
+//! that can run keeps its memory, whatever the program's count says). Programs that keep no
+//! references (C and CUDA programs, PyTorch without the C++ allocator) keep the graph
+//! objects' count.
+//!
 //! Not covered: graphs made and destroyed only through the driver API. A block freed in a
 //! capture after `record_stream` on a joined stream waits for the capture's end, or, with
 //! `graph_capture_record_stream_reuse`, until the graph joins those streams back (Note
@@ -49,7 +66,7 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
-use super::{PoolSettings, PrivatePool, Shim};
+use super::{PoolKey, PoolSettings, PrivatePool, Shim};
 use crate::cuda::CudaError;
 use crate::gpu::captures::{self, CaptureState};
 use crate::streams::Stream;
@@ -138,7 +155,7 @@ impl Shim {
         users.captures = users.captures.saturating_sub(1);
         if let Some(graph) = graph.filter(|&g| g != 0) {
             users.graphs += 1;
-            book.graphs.insert(graph, pool.key());
+            book.graphs.insert(graph, (pool.key(), false));
         }
         self.release_if_unused(&mut book, &pool);
     }
@@ -154,11 +171,11 @@ impl Shim {
             return;
         }
         let mut book = self.private_book();
-        let Some(&key) = book.graphs.get(&graph) else {
+        let Some(&(key, _)) = book.graphs.get(&graph) else {
             return;
         };
-        book.graphs.insert(exec, key);
-        book.users(key).graphs += 1;
+        book.graphs.insert(exec, (key, true));
+        book.users(key).execs += 1;
     }
 
     /// The graph or executable graph `handle` was destroyed: it no longer holds its pool.
@@ -171,14 +188,51 @@ impl Shim {
             return;
         }
         let mut book = self.private_book();
-        let Some(key) = book.graphs.remove(&handle) else {
+        let Some((key, exec)) = book.graphs.remove(&handle) else {
             return;
         };
         let users = book.users(key);
-        users.graphs = users.graphs.saturating_sub(1);
+        let count = if exec {
+            &mut users.execs
+        } else {
+            &mut users.graphs
+        };
+        *count = count.saturating_sub(1);
         if let Some(pool) = self.find_private_pool(key) {
             self.release_if_unused(&mut book, &pool);
         }
+    }
+
+    /// The program holds the graph pool `key` for one more of its graphs (PyTorch's
+    /// `CUDAGraph::capture_begin`, through the C++ allocator's `beginAllocateToPool`): from now
+    /// on its references, not the graph objects, say when the pool's graphs let go (Note [The
+    /// program's graph references]). Returns the program's references.
+    pub fn graph_pool_retain(&self, key: PoolKey) -> usize {
+        let mut book = self.private_book();
+        let refs = book.users(key).program_graphs.get_or_insert(0);
+        *refs += 1;
+        *refs
+    }
+
+    /// One of the program's graphs let go of the pool `key` (PyTorch's `CUDAGraph::reset`,
+    /// through `releasePool`). Returns the program's references left.
+    pub fn graph_pool_release(&self, key: PoolKey) -> usize {
+        let mut book = self.private_book();
+        let Some(refs) = book
+            .users
+            .get_mut(&key)
+            .and_then(|u| u.program_graphs.as_mut())
+        else {
+            return 0;
+        };
+        *refs = refs.saturating_sub(1);
+        let left = *refs;
+        if left == 0
+            && let Some(pool) = self.find_private_pool(key)
+        {
+            self.release_if_unused(&mut book, &pool);
+        }
+        left
     }
 
     /// The stream whose capture `stream` takes part in (itself if it began it), if it
