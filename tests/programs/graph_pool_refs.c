@@ -8,7 +8,8 @@
  *    empty_cache (cudaMemPoolTrimTo) once it has released it;
  *  - `keep_graph=True`: a graph kept and not yet instantiated holds nothing but the program's
  *    reference, which keeps its memory through empty_cache; instantiated later it replays
- *    right; released and destroyed, its memory goes.
+ *    right; released and destroyed, its memory goes;
+ *  - a pool two graphs share stays until both have let go.
  * Usage: graph_pool_refs (under the shim only) */
 #include <dlfcn.h>
 #include <stdint.h>
@@ -94,6 +95,23 @@ int main(void) {
     EXPECT(reserved(pool) == before, "the released pool's memory did not go (reserved %llu, %llu before)",
            (unsigned long long)reserved(pool), (unsigned long long)before);
 
+    /* A pool two graphs share (make_graphed_callables, graph trees): it stays until both let go. */
+    EXPECT(retain(0, 9) == 1 && retain(0, 9) == 2, "two references to pool 9");
+    void *first_out, *second_out;
+    cudaGraph_t first = capture(s, use_pool, 9, 0x33, &first_out);
+    cudaGraph_t second = capture(s, use_pool, 9, 0x44, &second_out);
+    CHECK(cudaFreeAsync(first_out, s));
+    CHECK(cudaFreeAsync(second_out, s));
+    EXPECT(release(0, 9) == 1, "one of pool 9's graphs let go");
+    CHECK(cudaMemPoolTrimTo(pool, 0));
+    EXPECT(reserved(pool) > before, "a shared pool lost its memory while one of its graphs holds it");
+    EXPECT(release(0, 9) == 0, "both of pool 9's graphs let go");
+    CHECK(cudaMemPoolTrimTo(pool, 0));
+    EXPECT(reserved(pool) == before, "the shared pool's memory did not go (reserved %llu, %llu before)",
+           (unsigned long long)reserved(pool), (unsigned long long)before);
+
+    CHECK(cudaGraphDestroy(first));
+    CHECK(cudaGraphDestroy(second));
     CHECK(cudaGraphDestroy(kept));
     CHECK(cudaStreamDestroy(s));
     printf("OK graph_pool_refs\n");
