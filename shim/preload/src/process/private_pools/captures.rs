@@ -49,8 +49,8 @@
 //! of the whole process, which PyTorch never turns off — it keeps every later capture's
 //! `cudaGraph_t` and never destroys it, after instantiating it. Counted as a user, such a
 //! graph would hold its pool forever, where PyTorch's reference lets it go at `reset`
-//! (PyTorch's `test_allocate_in_thread_to_pool` found it after `test_graph_debugdump` in the
-//! same process: its pool kept its segments). So where the program keeps such references —
+//! (PyTorch's `test_allocate_in_thread_to_pool`, run after `test_graph_debugdump` in one
+//! process, saw its pool keep its segments: docs/pytorch-tests.md). So where the program keeps such references —
 //! the C++ allocator for PyTorch passes `beginAllocateToPool` and `releasePool` on
 //! ([`Shim::graph_pool_retain`], [`Shim::graph_pool_release`]) — a pool's graphs are its
 //! references, and the graph objects no longer count; executable graphs still do (a graph
