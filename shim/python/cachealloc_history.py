@@ -103,16 +103,20 @@ def _follow_from_now():
     program's first snapshot, perhaps hours later, finds the walk done (a change the server
     hears of only at the next snapshot would come after records it had walked, and start its
     walk over). Quiet where there is no trace or command: the snapshot will say so."""
-    api = c_functions(flush="cachealloc_trace_flush")
-    tool = cachealloc_binary()
-    if api is None or tool is None:
+    if not Server.enabled:
         return
-    import ctypes
+    trace = Server.following()
+    if trace is None:  # no server yet in this process: the trace's path, by a flush
+        api = c_functions(flush="cachealloc_trace_flush")
+        if api is None:
+            return
+        import ctypes
 
-    api.flush.restype = ctypes.c_size_t
-    api.flush.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    trace = text(api.flush)
-    if trace and Server.enabled:
+        api.flush.restype = ctypes.c_size_t
+        api.flush.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        trace = text(api.flush)
+    tool = cachealloc_binary()
+    if trace and tool is not None:
         try:
             Server.ask(tool, trace, _request(include_traces=True))
         except RuntimeError as e:
@@ -188,6 +192,14 @@ class Server:
     process = None
     pid = None
     lock = None
+    trace = None
+
+    @classmethod
+    def following(cls):
+        """The trace this process's server follows, if it has one running."""
+        if cls.pid == os.getpid() and cls.process is not None and cls.process.poll() is None:
+            return cls.trace
+        return None
 
     @classmethod
     def ask(cls, tool, trace, request):
@@ -201,6 +213,7 @@ class Server:
         with cls.lock:
             for _ in range(2):
                 if cls.process is None:
+                    cls.trace = trace
                     try:
                         cls.process = subprocess.Popen(
                             [tool, "snapshot", trace, "--serve"],
