@@ -45,7 +45,6 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 
 #include "cachealloc_torch_history.h"
 #include "cachealloc_torch_library.h"
@@ -76,12 +75,9 @@
 
 namespace cachealloc_torch {
 
-using namespace c10::cuda::CUDACachingAllocator;
 using c10::DataPtr;
 using c10::DeleterFnPtr;
 using c10::Device;
-using c10::DeviceIndex;
-using c10::MempoolId_t;
 using c10::cuda::CUDAGuard;
 
 // What the allocator knows of a pointer it handed out.
@@ -297,11 +293,9 @@ class Allocator final : public CUDAAllocator {
     return info;
   }
 
-  // Captures tell the library their pool from Python (`CUDAGraph.capture_begin`), and
-  // `use_mem_pool` routes threads there too (its entry points are the Python integration's).
-  // Only a `CUDAGraph` calls these: it holds its pool from `capture_begin` to `reset`, and the
-  // library follows those references, not the graph objects (Note [The program's graph
-  // references]: under `enable_debug_mode()` PyTorch never destroys a graph object).
+  // Only a `CUDAGraph` calls these (`use_mem_pool`'s entry points are the Python
+  // integration's): it holds its pool from `capture_begin` to `reset`, and the library follows
+  // those references (Note [The program's graph references]).
   void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)>) override {
     library.graph_pool_retain(device, pool_key(id));
   }
@@ -322,16 +316,7 @@ class Allocator final : public CUDAAllocator {
 
   bool checkPoolLiveAllocations(DeviceIndex device, MempoolId_t id,
                                 const std::unordered_set<void*>& expected) override {
-    struct Count {
-      const std::unordered_set<void*>* expected;
-      bool all_expected = true;
-    } count{&expected};
-    auto live = [](void* context, uint64_t address) {
-      auto* c = static_cast<Count*>(context);
-      c->all_expected &= c->expected->count(reinterpret_cast<void*>(address)) == 1;
-    };
-    int n = library.live_blocks(device, pool_key(id), live, &count);
-    return n >= 0 && count.all_expected && static_cast<size_t>(n) == expected.size();
+    return pool_lives_exactly(device, id, expected);
   }
 
   // Sharing is served in Python (`_share_cuda_`, `_new_shared_cuda`: Note [IPC of pooled memory]).

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <unordered_set>
 
 namespace cachealloc_torch {
 
@@ -126,6 +127,22 @@ inline void add_segments(DeviceIndex device, MempoolId_t pool,
     s.blocks.push_back(std::move(b));
   };
   library.segments_walk(static_cast<int>(device), segment, block, &walk);
+}
+
+// Whether the live blocks of `device`'s pool `id` are exactly the pointers `expected`
+// (PyTorch's `checkPoolLiveAllocations`).
+inline bool pool_lives_exactly(DeviceIndex device, MempoolId_t id,
+                               const std::unordered_set<void*>& expected) {
+  struct Count {
+    const std::unordered_set<void*>* expected;
+    bool all_expected = true;
+  } count{&expected};
+  auto live = [](void* context, uint64_t address) {
+    auto* c = static_cast<Count*>(context);
+    c->all_expected &= c->expected->count(reinterpret_cast<void*>(address)) == 1;
+  };
+  int n = library.live_blocks(device, pool_key(id), live, &count);
+  return n >= 0 && count.all_expected && static_cast<size_t>(n) == expected.size();
 }
 
 }  // namespace cachealloc_torch
