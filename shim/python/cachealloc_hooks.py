@@ -53,7 +53,8 @@ it has to adjust:
   `CUDAPluggableAllocator` given to it provides the pool's segments), and `use_mem_pool`'s
   entry points `_cuda_beginAllocateCurrentThreadToPool`, `_cuda_endAllocateToPool` and
   `_cuda_releasePool` route the calling thread's allocations to it
-  (`cachealloc_mem_pool_begin_thread`/`_end_thread`). `memory_snapshot(pool.id)` and
+  (`cachealloc_mem_pool_begin_thread`/`_end_thread`); so does `_cuda_beginAllocateToPool`,
+  which natively routes every thread's (no PyTorch code calls it). `memory_snapshot(pool.id)` and
   `pool.snapshot()` read the pool's segments from the library.
 * `torch.Tensor.record_stream` — PyTorch's backend would make a side stream wait for the
   recorded streams when the tensor is freed, which a CUDA graph capture cannot allow (the

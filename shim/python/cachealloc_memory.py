@@ -229,6 +229,11 @@ def _mem_pools(memory, native):
 
     for module in (native, memory):
         module._cuda_beginAllocateCurrentThreadToPool = begin_allocate_to_pool
+        # PyTorch's all-threads variant (no caller in PyTorch 2.11) routes the calling thread
+        # only: the library routes by thread. Its reference goes back through `_cuda_releasePool`
+        # as PyTorch's does, not to the graph pool references of the C++ allocator.
+        if hasattr(module, "_cuda_beginAllocateToPool"):
+            module._cuda_beginAllocateToPool = begin_allocate_to_pool
         module._cuda_endAllocateToPool = end_allocate_to_pool
         module._cuda_releasePool = release_pool
     pool_class = _mem_pool_class(api, native, getattr(memory, "MemPool", None))

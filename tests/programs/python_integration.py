@@ -61,6 +61,7 @@ with open(os.path.join(root, "torch", "_C.py"), "w") as f:
         "def _cuda_customAllocator(alloc, free):\n    return _cuda_CUDAAllocator()\n"
         "class _MemPool:\n    def __init__(self, *args):\n        raise RuntimeError('native')\n"
         "def _cuda_beginAllocateCurrentThreadToPool(device, pool):\n    raise RuntimeError('native')\n"
+        "def _cuda_beginAllocateToPool(device, pool):\n    raise RuntimeError('native')\n"
         "def _cuda_endAllocateToPool(device, pool):\n    raise RuntimeError('native')\n"
         "def _cuda_releasePool(device, pool):\n    raise RuntimeError('native')\n"
     )
@@ -550,6 +551,18 @@ else:
     if memory.MemPool().id[1] <= pool.id[1]:
         fail("MemPool ids do not follow graph_pool_handle's counter")
     check_segments_walk(glob, {inside.value: (tuple(pool.id), 1 << 20), ptr.value: ((0, 0), 3 << 20)})
+
+    # The all-threads entry point: a reference that `_cuda_releasePool` takes back, and the
+    # calling thread's allocations to the pool.
+    also = ctypes.c_void_p()
+    torch._C._cuda_beginAllocateToPool(0, pool.id)
+    if pool.use_count() != 2 or glob.cudaMallocAsync(ctypes.byref(also), 4096, None) != 0:
+        fail(f"_cuda_beginAllocateToPool: use count {pool.use_count()}")
+    torch._C._cuda_endAllocateToPool(0, pool.id)
+    torch._C._cuda_releasePool(0, pool.id)
+    if pool.use_count() != 1 or also.value not in blocks_of(pool.snapshot()):
+        fail(f"after _cuda_beginAllocateToPool: use count {pool.use_count()}, block not the pool's")
+    glob.cudaFreeAsync(also, None)
 
     # A pool of the program's own allocator: segments from its functions, whose own
     # cudaMalloc/cudaFree reach CUDA.
