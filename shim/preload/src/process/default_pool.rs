@@ -70,9 +70,12 @@ impl Shim {
     }
 
     /// Release `device`'s cached free segments (PyTorch's `empty_cache` through
-    /// `cudaMemPoolTrimTo`).
+    /// `cudaMemPoolTrimTo`), after waiting for the work of recorded streams, as PyTorch's
+    /// native `empty_cache` does (its frees held for that work then count as freed: PyTorch's
+    /// `test_memory_stats` reads `active_bytes` after `empty_cache`).
     /// Graph pools no longer in use give theirs back too (Note [Private pools]).
     pub fn empty_device_cache(&self, device: i32) -> Result<(), CudaError> {
+        self.free_recorded_when_done(true);
         self.with_free_stack(|| {
             self.release_unused_private_pools(true, Some(device));
             let Some(alloc) = self.allocator_of(device) else {
