@@ -199,11 +199,15 @@ int main(void) {
     /* set_per_process_memory_fraction limits every pool of the device together (PyTorch's
      * test_mempool_limited_memory_with_allocator): a limit 50 MiB above what is held now, well
      * below the device's 100 MB, so that only the limit can refuse. Requests of whole 20 MiB,
-     * so that fixed segments and mapped pages (Note [Kept maps]) hold the same. */
+     * so that fixed segments and mapped pages (Note [Kept maps]) hold the same. A library's
+     * own cudaMalloc (cuBLAS's workspace) is served by the pools but is not PyTorch's memory:
+     * PyTorch's limit neither counts it nor refuses it (Note [Whose memory a limit counts]). */
     int (*set_fraction)(int, double) = (int (*)(int, double))api("cachealloc_set_memory_fraction");
     cudaMemPool_t device_pool;
     CHECK(cudaDeviceGetDefaultMemPool(&device_pool, 0));
     CHECK(cudaMemPoolTrimTo(device_pool, 0));
+    void *library, *library_later;
+    CHECK(cudaMalloc(&library, 12 * MIB));
     uint64_t held = 0;
     CHECK(cudaMemPoolGetAttribute(device_pool, cudaMemPoolAttrReservedMemCurrent, &held));
     size_t free_bytes, total;
@@ -223,6 +227,9 @@ int main(void) {
     EXPECT(cudaMallocAsync(&refused, 30 * MIB, stream) == cudaErrorMemoryAllocation,
            "the ordinary pool went past the fraction that the MemPools' memory filled");
     (void)cudaGetLastError();
+    EXPECT(cudaMalloc(&library_later, 12 * MIB) == cudaSuccess,
+           "PyTorch's memory fraction refused a library's own cudaMalloc");
+    CHECK(cudaFree(library_later));
     CHECK(cudaFreeAsync(pa, stream));
     CHECK(cudaFreeAsync(pb, stream));
     CHECK(cudaStreamSynchronize(stream));
@@ -242,6 +249,7 @@ int main(void) {
     release_pool(0, USE2);
     release_pool(0, DONT2);
     EXPECT(set_fraction(0, 1.0) == 0, "lifting the fraction");
+    CHECK(cudaFree(library));
     printf("OK mem_pools\n");
     return 0;
 }

@@ -421,9 +421,14 @@ else:
     torch._C._cuda_setMemoryFraction(0.25, 0)
     if torch._C._cuda_getMemoryFraction(0) != 0.25:
         fail(f"the fraction set (0.25) reads back {torch._C._cuda_getMemoryFraction(0)}")
+    # PyTorch's allocations are stream-ordered; a library's own cudaMalloc (cuBLAS's) is not
+    # PyTorch's memory, which its fraction neither counts nor refuses.
     big = ctypes.c_void_p()
-    if glob.cudaMalloc(ctypes.byref(big), 512 << 20) == 0:
+    if glob.cudaMallocAsync(ctypes.byref(big), 512 << 20, None) == 0:
         fail("512 MiB were allocated under a fraction of 0.25 of 1 GiB")
+    if glob.cudaMalloc(ctypes.byref(big), 512 << 20) != 0:
+        fail("PyTorch's fraction refused a library's own cudaMalloc")
+    glob.cudaFree(big)
     torch._C._cuda_setMemoryFraction(1.0, 0)
     if torch._C._cuda_getMemoryFraction(0) != 1.0:
         fail(f"the fraction lifted (1.0) reads back {torch._C._cuda_getMemoryFraction(0)}")

@@ -46,8 +46,12 @@ pub struct MemInfo {
 pub struct SharedLimit {
     /// Bytes all the device's pools may hold together.
     pub limit: u64,
-    /// Bytes they hold now.
+    /// Bytes they hold now, as the limit counts them.
     pub held: u64,
+    /// Whether the limit counts the memory of synchronous requests too ([`crate::NO_STREAM`]);
+    /// else only that of stream-ordered ones (PyTorch's memory fraction: Note [PyTorch's view
+    /// of the statistics]).
+    pub counts_synchronous: bool,
 }
 
 /// A source of device memory and of reuse fences for one device.

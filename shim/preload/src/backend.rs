@@ -226,29 +226,33 @@ impl CudaDevice {
         }
     }
 
-    /// Run `make`, which makes `bytes` of new device memory, if the device's budget has room
-    /// for them (else out of memory); they count as held if it succeeds.
+    /// Run `make`, which maps the new device memory `mappings`, if the device's budget has
+    /// room for them (else out of memory); they count as held if it succeeds.
     fn within_budget(
         &self,
-        bytes: u64,
+        mappings: &[(u64, u64)],
         make: impl FnOnce() -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
         let budget = budget::of(self.ordinal);
-        if !budget.take(bytes) {
-            return Err(DeviceError::OutOfMemory);
+        let bytes = mappings.iter().map(|&(_, size)| size).sum();
+        let taken = budget.take(bytes).ok_or(DeviceError::OutOfMemory)?;
+        match make() {
+            Ok(()) => {
+                budget.made(taken, mappings.iter().map(|&(address, _)| address));
+                Ok(())
+            }
+            Err(e) => {
+                budget.not_made(taken);
+                Err(e)
+            }
         }
-        let result = make();
-        if result.is_err() {
-            budget.give_back(bytes);
-        }
-        result
     }
 
     /// Free a segment now, and give its bytes back to the device's budget.
     fn free_now(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let result = self.free_now_uncounted(address, size);
         if result.is_ok() {
-            budget::of(self.ordinal).give_back(size);
+            budget::of(self.ordinal).give_back(address, size);
         }
         result
     }
@@ -332,17 +336,17 @@ impl Device for CudaDevice {
         (limit != u64::MAX).then(|| SharedLimit {
             limit,
             held: budget.held(),
+            counts_synchronous: budget.scope() == budget::Scope::Everything,
         })
     }
 
     fn allocate_segment(&self, size: u64) -> Result<u64, DeviceError> {
         let budget = budget::of(self.ordinal);
-        if !budget.take(size) {
-            return Err(DeviceError::OutOfMemory);
-        }
+        let taken = budget.take(size).ok_or(DeviceError::OutOfMemory)?;
         let result = self.allocate_segment_now(size);
-        if result.is_err() {
-            budget.give_back(size);
+        match result {
+            Ok(address) => budget.made(taken, [address]),
+            Err(_) => budget.not_made(taken),
         }
         result
     }
@@ -418,15 +422,14 @@ impl Device for CudaDevice {
 
     fn map(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
-        self.within_budget(size, || {
+        self.within_budget(&[(address, size)], || {
             self.capture_safe(|| self.fences.on_own_context(|| vmm.map(address, size)))?
         })
     }
 
     fn map_run(&self, mappings: &[(u64, u64)]) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
-        let bytes = mappings.iter().map(|&(_, size)| size).sum();
-        self.within_budget(bytes, || {
+        self.within_budget(mappings, || {
             self.capture_safe(|| self.fences.on_own_context(|| vmm.map_run(mappings)))?
         })
     }
@@ -445,13 +448,16 @@ impl Device for CudaDevice {
         mappings: &[(u64, u64)],
     ) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
-        // Moved memory is memory held already; only the new mappings are more.
-        let bytes = mappings.iter().map(|&(_, size)| size).sum();
-        self.within_budget(bytes, || {
+        // Moved memory is memory held already (its new place is the old one's for the budget's
+        // counts); only the new mappings are more.
+        self.within_budget(mappings, || {
             self.capture_safe(|| {
                 (self.fences).on_own_context(|| vmm.map_with_moves(moves, mappings))
             })?
-        })
+        })?;
+        let moved = moves.iter().map(|&(from, to, _)| (from, to));
+        budget::of(self.ordinal).moved(moved);
+        Ok(())
     }
 
     fn unmap(&self, address: u64, size: u64) -> Result<(), DeviceError> {
@@ -464,7 +470,7 @@ impl Device for CudaDevice {
         }
         // The caller made sure nothing uses the memory (Device::unmap's contract).
         self.fences.on_own_context(|| vmm.unmap(address, size))??;
-        budget::of(self.ordinal).give_back(size);
+        budget::of(self.ordinal).give_back(address, size);
         Ok(())
     }
 

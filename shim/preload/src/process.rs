@@ -388,6 +388,7 @@ impl Shim {
                     device,
                     alloc.limit(),
                     alloc.config().per_process_memory_fraction,
+                    crate::backend::budget::Scope::Everything,
                 );
             }
             Pool::new(alloc)

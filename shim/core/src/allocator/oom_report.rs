@@ -15,7 +15,12 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         let reserved = pools.stats.reserved_bytes.all.current as u64;
         let (limit, held_elsewhere) = match self.device.shared_limit() {
             Some(shared) if shared.limit < self.limit => {
-                (shared.limit, shared.held.saturating_sub(reserved))
+                let counted = if shared.counts_synchronous {
+                    reserved
+                } else {
+                    pools.stats.reserved_bytes.stream_ordered()[0].current as u64
+                };
+                (shared.limit, shared.held.saturating_sub(counted))
             }
             _ => (self.limit, 0),
         };

@@ -10,17 +10,72 @@
 //! segments, then a `use_on_oom` pool's lending). The limit starts unlimited, is set from
 //! `per_process_memory_fraction` when a device's pool is made, and by the program at run time
 //! ([`set_limit`]).
+//!
+//! # Note [Whose memory a limit counts]
+//!
+//! The pools also serve what libraries allocate for themselves through the synchronous API
+//! (cuBLAS's 64 MiB a handle, cuDNN's, a `cudaMalloc` through ctypes: cachealloc-core's Note
+//! [PyTorch's view of the statistics]). PyTorch's own allocator never sees that memory, so its
+//! fraction never counts it: a program that ran a matmul before
+//! `set_per_process_memory_fraction((reserved + 40 MiB) / total)` may still allocate 40 MiB
+//! natively (PyTorch's `TestMemPool` limited-memory tests do exactly this). So a limit has a
+//! scope ([`Scope`]): the one PyTorch sets at run time counts the memory of stream-ordered
+//! requests only, and memory made for the synchronous API is never refused by it (the device
+//! itself still may); the one from cachealloc's configuration at start counts everything the
+//! pools hold, as a C program that only calls `cudaMalloc` needs. To tell them apart, the
+//! shim marks the requests of the synchronous API while it serves them
+//! ([`for_synchronous_request`]); the budget remembers the addresses of the segments and
+//! mappings made for them, and gives their bytes back to the right count when they go.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::cell::Cell;
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Devices with a budget; memory of a device beyond them is never limited here.
 const MAX_DEVICES: usize = 64;
+
+/// What a limit counts (Note [Whose memory a limit counts]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Everything the device's pools hold (cachealloc's `per_process_memory_fraction`).
+    Everything,
+    /// What PyTorch's allocator would hold: the memory of stream-ordered requests
+    /// (`set_per_process_memory_fraction`).
+    PyTorch,
+}
+
+thread_local! {
+    /// Whether the calling thread is serving a request of the synchronous API.
+    static SYNCHRONOUS_REQUEST: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Run `f`, serving a request of the synchronous API (`cudaMalloc`, `cuMemAlloc`): the memory
+/// it makes is the synchronous API's (Note [Whose memory a limit counts]).
+pub fn for_synchronous_request<R>(f: impl FnOnce() -> R) -> R {
+    let outer = SYNCHRONOUS_REQUEST
+        .try_with(|c| c.replace(true))
+        .unwrap_or(false);
+    let result = f();
+    let _ = SYNCHRONOUS_REQUEST.try_with(|c| c.set(outer));
+    result
+}
+
+fn serving_synchronous_request() -> bool {
+    SYNCHRONOUS_REQUEST.try_with(Cell::get).unwrap_or(false)
+}
 
 /// What a device's pools hold from the driver, and how much they may.
 #[derive(Debug)]
 pub struct DeviceBudget {
     limit: AtomicU64,
+    /// Whether the limit leaves the synchronous API's memory out ([`Scope::PyTorch`]).
+    pytorch_scope: AtomicBool,
     held: AtomicU64,
+    /// Of `held`, the memory made for the synchronous API.
+    held_synchronous: AtomicU64,
+    /// Where that memory is: the addresses of its segments and mappings.
+    synchronous: Mutex<BTreeSet<u64>>,
     /// The fraction of the device's memory the limit was set from, as `f64` bits
     /// ([`NO_FRACTION`]: never set).
     fraction: AtomicU64,
@@ -33,31 +88,107 @@ impl DeviceBudget {
     const fn new() -> Self {
         DeviceBudget {
             limit: AtomicU64::new(u64::MAX),
+            pytorch_scope: AtomicBool::new(false),
             held: AtomicU64::new(0),
+            held_synchronous: AtomicU64::new(0),
+            synchronous: Mutex::new(BTreeSet::new()),
             fraction: AtomicU64::new(NO_FRACTION),
         }
     }
 
-    /// Count `bytes` more as held, unless that would pass the limit.
-    pub fn take(&self, bytes: u64) -> bool {
-        let limit = self.limit.load(Ordering::Acquire);
-        self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(bytes).filter(|&after| after <= limit)
-            })
-            .is_ok()
+    /// Count `bytes` of new memory as held, unless the limit's count would pass it; the
+    /// memory is the synchronous API's while the calling thread serves one of its requests.
+    /// A refusal takes nothing; an acceptance is answered by [`DeviceBudget::made`] or
+    /// [`DeviceBudget::not_made`].
+    pub fn take(&self, bytes: u64) -> Option<Taken> {
+        let synchronous = serving_synchronous_request();
+        let pytorch = self.pytorch_scope.load(Ordering::Acquire);
+        if synchronous && pytorch {
+            self.held.fetch_add(bytes, Ordering::AcqRel);
+        } else {
+            let limit = self.limit.load(Ordering::Acquire);
+            let exempt = if pytorch {
+                self.held_synchronous.load(Ordering::Acquire)
+            } else {
+                0
+            };
+            (self.held)
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                    let after = held.checked_add(bytes)?;
+                    (after.saturating_sub(exempt) <= limit).then_some(after)
+                })
+                .ok()?;
+        }
+        if synchronous {
+            self.held_synchronous.fetch_add(bytes, Ordering::AcqRel);
+        }
+        Some(Taken { bytes, synchronous })
     }
 
-    /// `bytes` went back to the driver.
-    pub fn give_back(&self, bytes: u64) {
-        let _ = (self.held).fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-            Some(held.saturating_sub(bytes))
-        });
+    /// The memory `taken` counted was made at `addresses` (a segment's base, or each mapping's).
+    pub fn made(&self, taken: Taken, addresses: impl IntoIterator<Item = u64>) {
+        if taken.synchronous {
+            self.synchronous
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(addresses);
+        }
     }
 
-    /// The bytes held now.
+    /// Memory was mapped at a second place (`(from, to)`: a move): the new place's memory is
+    /// the old one's, of the same count.
+    pub fn moved(&self, moves: impl IntoIterator<Item = (u64, u64)>) {
+        let mut synchronous = self.synchronous.lock().unwrap_or_else(|p| p.into_inner());
+        if synchronous.is_empty() {
+            return;
+        }
+        for (from, to) in moves {
+            if synchronous.contains(&from) {
+                synchronous.insert(to);
+            }
+        }
+    }
+
+    /// The memory `taken` counted was not made after all.
+    pub fn not_made(&self, taken: Taken) {
+        self.release(taken.bytes, taken.synchronous);
+    }
+
+    /// The `bytes` of the segment or mapping at `address` went back to the driver.
+    pub fn give_back(&self, address: u64, bytes: u64) {
+        let synchronous = self
+            .synchronous
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&address);
+        self.release(bytes, synchronous);
+    }
+
+    fn release(&self, bytes: u64, synchronous: bool) {
+        let less = |held: u64| Some(held.saturating_sub(bytes));
+        let _ = (self.held).fetch_update(Ordering::AcqRel, Ordering::Acquire, less);
+        if synchronous {
+            let _ = (self.held_synchronous).fetch_update(Ordering::AcqRel, Ordering::Acquire, less);
+        }
+    }
+
+    /// The bytes held now, as the limit counts them.
     pub fn held(&self) -> u64 {
-        self.held.load(Ordering::Acquire)
+        let held = self.held.load(Ordering::Acquire);
+        if self.pytorch_scope.load(Ordering::Acquire) {
+            held.saturating_sub(self.held_synchronous.load(Ordering::Acquire))
+        } else {
+            held
+        }
+    }
+
+    /// What the limit counts.
+    pub fn scope(&self) -> Scope {
+        if self.pytorch_scope.load(Ordering::Acquire) {
+            Scope::PyTorch
+        } else {
+            Scope::Everything
+        }
     }
 
     /// The limit (`u64::MAX`: none).
@@ -75,6 +206,14 @@ impl DeviceBudget {
     }
 }
 
+/// Memory a [`DeviceBudget`] counted for a request, before it is made.
+#[must_use]
+#[derive(Clone, Copy, Debug)]
+pub struct Taken {
+    bytes: u64,
+    synchronous: bool,
+}
+
 static BUDGETS: [DeviceBudget; MAX_DEVICES] = [const { DeviceBudget::new() }; MAX_DEVICES];
 
 /// Device `ordinal`'s budget (one that never refuses for an ordinal of 64 or more).
@@ -86,11 +225,12 @@ pub fn of(ordinal: i32) -> &'static DeviceBudget {
         .unwrap_or(&UNLIMITED)
 }
 
-/// Limit what device `ordinal`'s pools hold to `bytes` in all, `fraction` of its memory (what
-/// is already held stays; new memory is refused until it fits).
-pub fn set_limit(ordinal: i32, bytes: u64, fraction: f64) {
+/// Limit what device `ordinal`'s pools hold to `bytes`, `fraction` of its memory, counting
+/// what `scope` says (what is already held stays; new memory is refused until it fits).
+pub fn set_limit(ordinal: i32, bytes: u64, fraction: f64, scope: Scope) {
     if let Some(budget) = usize::try_from(ordinal).ok().and_then(|i| BUDGETS.get(i)) {
         budget.limit.store(bytes, Ordering::Release);
+        (budget.pytorch_scope).store(scope == Scope::PyTorch, Ordering::Release);
         budget.fraction.store(fraction.to_bits(), Ordering::Release);
     }
 }
@@ -99,6 +239,8 @@ pub fn set_limit(ordinal: i32, bytes: u64, fraction: f64) {
 pub fn forget_held(ordinal: i32) {
     if let Some(budget) = usize::try_from(ordinal).ok().and_then(|i| BUDGETS.get(i)) {
         budget.held.store(0, Ordering::Release);
+        budget.held_synchronous.store(0, Ordering::Release);
+        (budget.synchronous.lock().unwrap_or_else(|p| p.into_inner())).clear();
     }
 }
 
@@ -106,28 +248,72 @@ pub fn forget_held(ordinal: i32) {
 mod tests {
     use super::*;
 
+    /// Take `bytes` made at `address`.
+    fn made_at(b: &DeviceBudget, bytes: u64, address: u64) -> bool {
+        b.take(bytes).map(|t| b.made(t, [address])).is_some()
+    }
+
     #[test]
     fn a_budget_refuses_what_would_pass_its_limit_and_takes_back_what_is_given() {
         let b = DeviceBudget::new();
-        assert!(b.take(u64::MAX - 1), "unlimited at first");
-        b.give_back(u64::MAX - 1);
+        let huge = b.take(u64::MAX - 1).expect("unlimited at first");
+        b.not_made(huge);
         b.limit.store(100, Ordering::Release);
-        assert!(b.take(60));
-        assert!(!b.take(41), "60 + 41 passes 100");
+        assert!(made_at(&b, 60, 1));
+        assert!(b.take(41).is_none(), "60 + 41 passes 100");
         assert_eq!(b.held(), 60, "a refusal takes nothing");
-        assert!(b.take(40));
-        b.give_back(70);
-        assert_eq!(b.held(), 30);
-        b.give_back(1000);
+        assert!(made_at(&b, 40, 2));
+        b.give_back(1, 60);
+        assert_eq!(b.held(), 40);
+        b.give_back(2, 1000);
         assert_eq!(b.held(), 0, "never below zero");
+    }
+
+    #[test]
+    fn pytorchs_limit_leaves_the_synchronous_apis_memory_out_and_cachealloc_s_counts_it() {
+        let b = DeviceBudget::new();
+        b.limit.store(100, Ordering::Release);
+        // A library's own cudaMalloc (cuBLAS's workspace), then PyTorch's tensors.
+        let library = for_synchronous_request(|| made_at(&b, 80, 1));
+        assert!(library, "within the limit");
+        assert!(
+            b.take(40).is_none(),
+            "cachealloc's limit counts everything: 80 + 40 passes 100"
+        );
+        b.pytorch_scope.store(true, Ordering::Release);
+        assert_eq!(
+            b.held(),
+            0,
+            "PyTorch's limit does not count the library's memory"
+        );
+        assert!(made_at(&b, 90, 2), "PyTorch's 90 fit its 100");
+        assert!(b.take(20).is_none(), "90 + 20 passes PyTorch's 100");
+        assert!(
+            for_synchronous_request(|| made_at(&b, 500, 3)),
+            "PyTorch's limit never refuses the synchronous API"
+        );
+        // The library's 80 moved (mapped again at 7): the new place is the library's too.
+        b.moved([(1, 7), (2, 8)]);
+        b.give_back(7, 80);
+        assert_eq!(b.held(), 90, "the moved memory was the library's");
+        b.give_back(3, 500);
+        assert_eq!(b.held(), 90);
+        b.pytorch_scope.store(false, Ordering::Release);
+        assert_eq!(
+            b.held(),
+            90,
+            "the library's memory went back to its own count"
+        );
+        assert!(b.take(20).is_none());
+        assert!(made_at(&b, 10, 4));
     }
 
     #[test]
     fn a_limit_keeps_the_fraction_it_was_set_from_exactly() {
         assert_eq!(of(63).fraction(), None, "never set");
-        set_limit(63, 0, 0.0);
+        set_limit(63, 0, 0.0, Scope::Everything);
         assert_eq!(of(63).fraction(), Some(0.0));
-        set_limit(63, 123, 0.1);
+        set_limit(63, 123, 0.1, Scope::PyTorch);
         assert_eq!(of(63).fraction(), Some(0.1));
         assert_eq!(of(63).limit(), 123);
         assert_eq!(

@@ -123,7 +123,15 @@ impl Shim {
     ) -> Result<u64, CudaError> {
         let mut changes = cachealloc_core::SegmentChanges::default();
         let stack = self.capture_stack();
-        let result = alloc.malloc_on_stream(size, stream, u64::from(stack), &mut changes);
+        let result = if stream == cachealloc_core::NO_STREAM {
+            // Memory the synchronous API makes is the libraries' own, which PyTorch's memory
+            // fraction leaves out (Note [Whose memory a limit counts]).
+            crate::backend::budget::for_synchronous_request(|| {
+                alloc.malloc_on_stream(size, stream, u64::from(stack), &mut changes)
+            })
+        } else {
+            alloc.malloc_on_stream(size, stream, u64::from(stack), &mut changes)
+        };
         for (segment, e) in &changes.release_errors {
             log::error!(
                 "device {device}: releasing segment {:#x}: {e}",

@@ -14,9 +14,9 @@ use crate::log;
 
 impl Shim {
     /// Limit the memory `device`'s pools hold in all — the ordinary pool's and every private
-    /// pool's — to `fraction` of the device's memory (PyTorch's
-    /// `set_per_process_memory_fraction`, at run time); memory beyond it is refused as on a
-    /// full device (`backend::budget`).
+    /// pool's, for PyTorch's stream-ordered requests — to `fraction` of the device's memory
+    /// (PyTorch's `set_per_process_memory_fraction`, at run time); memory beyond it is refused
+    /// as on a full device (`backend::budget`).
     pub fn set_memory_fraction(&self, device: i32, fraction: f64) -> Result<(), CudaError> {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(cuda::ERROR_INVALID_VALUE);
@@ -27,7 +27,10 @@ impl Shim {
         } else {
             (total as f64 * fraction) as u64
         };
-        crate::backend::budget::set_limit(device, bytes, fraction);
+        // PyTorch's fraction counts PyTorch's memory, not the libraries' own (Note [Whose
+        // memory a limit counts]).
+        let scope = crate::backend::budget::Scope::PyTorch;
+        crate::backend::budget::set_limit(device, bytes, fraction, scope);
         log::debug!("device {device}: its pools may hold {fraction} of {total} bytes");
         Ok(())
     }
