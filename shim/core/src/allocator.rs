@@ -136,7 +136,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     /// An allocator that reports its events to `observer`.
     pub fn with_observer(device: D, config: AllocatorConfig, observer: O) -> Self {
         let total = device.mem_info().total;
-        let limit = (total as f64 * config.per_process_memory_fraction) as u64;
+        let limit = crate::sizes::limit_for_fraction(total, config.per_process_memory_fraction);
         let mut pools = Pools::new(&config);
         if config.expandable_segments.any()
             && let Some(granularity) = device.map_granularity()

@@ -161,6 +161,15 @@ pub fn round_up(value: u64, granule: u64) -> u64 {
     }
 }
 
+/// The bytes a memory limit of `fraction` of a device of `total` bytes allows: the product
+/// rounded to the nearest byte. PyTorch truncates it, which loses a byte for about one value in
+/// ten when the fraction was computed as `bytes / total` (PyTorch's limited-memory tests set
+/// `(memory_reserved() + 40 MiB) / total` and then allocate 40 MiB exactly); rounding gives
+/// `bytes` back exactly, as the program meant.
+pub fn limit_for_fraction(total: u64, fraction: f64) -> u64 {
+    (total as f64 * fraction).round() as u64
+}
+
 /// The pool that serves a rounded request.
 pub fn pool_for(rounded: u64) -> PoolKind {
     if rounded <= SMALL_SIZE {
@@ -208,6 +217,29 @@ pub fn is_oversize(size: u64, max_split_size: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fraction_computed_from_bytes_allows_those_bytes_exactly() {
+        // 58 MiB of a 100 MiB device: the truncated product is one byte short.
+        let (total, bytes) = (100u64 << 20, 58u64 << 20);
+        let fraction = bytes as f64 / total as f64;
+        assert_eq!(
+            (total as f64 * fraction) as u64,
+            bytes - 1,
+            "the case truncation loses"
+        );
+        assert_eq!(limit_for_fraction(total, fraction), bytes);
+        // Every 2 MiB step of an H200-sized device.
+        let total = 150_110_011_392u64;
+        for bytes in (1..2000u64).map(|k| k << 21) {
+            assert_eq!(
+                limit_for_fraction(total, bytes as f64 / total as f64),
+                bytes
+            );
+        }
+        assert_eq!(limit_for_fraction(total, 1.0), total);
+        assert_eq!(limit_for_fraction(total, 0.0), 0);
+    }
 
     const MIB: u64 = 1 << 20;
 

@@ -25,7 +25,7 @@ impl Shim {
         let bytes = if fraction >= 1.0 {
             u64::MAX
         } else {
-            (total as f64 * fraction) as u64
+            cachealloc_core::sizes::limit_for_fraction(total, fraction)
         };
         // PyTorch's fraction counts PyTorch's memory, not the libraries' own (Note [Whose
         // memory a limit counts]).
