@@ -61,6 +61,9 @@ one() {
         local list=(${GPU_LIST//,/ })
         export CUDA_VISIBLE_DEVICES=${list[$(( SLOT % GPUS ))]:-$(( SLOT % GPUS ))}
     fi
+    # Tests that build a C++ extension (TestMemPool's `dummy_allocator`) build it where no
+    # process running at the same time does: one folder a side and slot (`batch`: a shard).
+    export TORCH_EXTENSIONS_DIR="$EXTENSIONS/${label}_${SLOT:-0}"
     if [ "$label" = shim ]; then
         CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
     else
@@ -83,7 +86,9 @@ one() {
     rm -f "$log"
 }
 export -f one
-export LIB OUT GPUS=${GPUS:-1} GPU_LIST=${CUDA_VISIBLE_DEVICES:-}
+# Where the tests' C++ extensions are built: outside $OUT, which callers pack and send back.
+EXTENSIONS=$(mktemp -d)
+export LIB OUT EXTENSIONS GPUS=${GPUS:-1} GPU_LIST=${CUDA_VISIBLE_DEVICES:-}
 # batch SIDE SHARD: run the tests of $OUT/shard_SHARD.txt in one pytest process on one GPU, as
 # PyTorch's CI runs a file, and print "ID<TAB>SIDE<TAB>OUTCOME" for each test it reached, read
 # from pytest's -v lines as they were written: a test whose line has no outcome when the process
@@ -91,6 +96,7 @@ export LIB OUT GPUS=${GPUS:-1} GPU_LIST=${CUDA_VISIBLE_DEVICES:-}
 batch() {
     local side=$1 shard=$2 list=(${GPU_LIST//,/ }) tests="$OUT/shard_$2.txt" part=0 log rc left
     export CUDA_VISIBLE_DEVICES=${list[$(( shard % GPUS ))]:-$(( shard % GPUS ))}
+    export TORCH_EXTENSIONS_DIR="$EXTENSIONS/${side}_${shard}"
     while [ -s "$tests" ]; do
         log="$OUT/batch_${side}_${shard}.log"; [ $part -gt 0 ] && log="$OUT/batch_${side}_${shard}.$part.log"
         left=$(( ${DEADLINE:-520} - (SECONDS - start) )); [ "$left" -gt 10 ] || break
