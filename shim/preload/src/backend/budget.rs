@@ -9,7 +9,10 @@
 //! allocator then climbs its out-of-memory ladder as on a full device (releasing cached
 //! segments, then a `use_on_oom` pool's lending). The limit starts unlimited, is set from
 //! `per_process_memory_fraction` when a device's pool is made, and by the program at run time
-//! ([`set_limit`]).
+//! ([`set_limit`]). Memory that recycling moved (mapped at a second place: cachealloc-core's
+//! Note [Moving memory instead of unmapping it]) is counted once, and goes back with its last
+//! place: an unmap of a parked place, or of a holder whose place is still mapped, frees
+//! nothing (before, each gave its bytes back, and the count fell below what was held).
 //!
 //! # Note [Whose memory a limit counts]
 //!
@@ -28,7 +31,7 @@
 //! mappings made for them, and gives their bytes back to the right count when they go.
 
 use std::cell::Cell;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -74,8 +77,8 @@ pub struct DeviceBudget {
     held: AtomicU64,
     /// Of `held`, the memory made for the synchronous API.
     held_synchronous: AtomicU64,
-    /// Where that memory is: the addresses of its segments and mappings.
-    synchronous: Mutex<BTreeSet<u64>>,
+    /// Where the memory is that needs telling apart when it goes.
+    places: Mutex<Places>,
     /// The fraction of the device's memory the limit was set from, as `f64` bits
     /// ([`NO_FRACTION`]: never set).
     fraction: AtomicU64,
@@ -91,7 +94,7 @@ impl DeviceBudget {
             pytorch_scope: AtomicBool::new(false),
             held: AtomicU64::new(0),
             held_synchronous: AtomicU64::new(0),
-            synchronous: Mutex::new(BTreeSet::new()),
+            places: Mutex::new(Places::new()),
             fraction: AtomicU64::new(NO_FRACTION),
         }
     }
@@ -128,23 +131,31 @@ impl DeviceBudget {
     /// The memory `taken` counted was made at `addresses` (a segment's base, or each mapping's).
     pub fn made(&self, taken: Taken, addresses: impl IntoIterator<Item = u64>) {
         if taken.synchronous {
-            self.synchronous
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend(addresses);
+            self.places().synchronous.extend(addresses);
         }
     }
 
-    /// Memory was mapped at a second place (`(from, to)`: a move): the new place's memory is
-    /// the old one's, of the same count.
+    /// Memory was mapped at a second place (`(from, to)`: a move; cachealloc-core's Note
+    /// [Moving memory instead of unmapping it]): it is the same memory, of the same count, and
+    /// it goes back to the device only with the last of its places.
     pub fn moved(&self, moves: impl IntoIterator<Item = (u64, u64)>) {
-        let mut synchronous = self.synchronous.lock().unwrap_or_else(|p| p.into_inner());
-        if synchronous.is_empty() {
-            return;
-        }
+        let mut places = self.places();
         for (from, to) in moves {
-            if synchronous.contains(&from) {
-                synchronous.insert(to);
+            let memory = match places.shared.get(&from) {
+                Some(&memory) => memory,
+                None => {
+                    places.memories += 1;
+                    let memory = places.memories;
+                    places.shared.insert(from, memory);
+                    places.places_of.insert(memory, 1);
+                    memory
+                }
+            };
+            if places.shared.insert(to, memory).is_none() {
+                *places.places_of.entry(memory).or_insert(0) += 1;
+            }
+            if places.synchronous.contains(&from) {
+                places.synchronous.insert(to);
             }
         }
     }
@@ -154,14 +165,21 @@ impl DeviceBudget {
         self.release(taken.bytes, taken.synchronous);
     }
 
-    /// The `bytes` of the segment or mapping at `address` went back to the driver.
+    /// The segment or mapping of `bytes` at `address` went: its memory goes back to the
+    /// device's count unless it is still mapped at another place.
     pub fn give_back(&self, address: u64, bytes: u64) {
-        let synchronous = self
-            .synchronous
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&address);
-        self.release(bytes, synchronous);
+        let (synchronous, last) = {
+            let mut places = self.places();
+            let synchronous = places.synchronous.remove(&address);
+            (synchronous, places.unmapped(address))
+        };
+        if last {
+            self.release(bytes, synchronous);
+        }
+    }
+
+    fn places(&self) -> std::sync::MutexGuard<'_, Places> {
+        self.places.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn release(&self, bytes: u64, synchronous: bool) {
@@ -214,6 +232,47 @@ pub struct Taken {
     synchronous: bool,
 }
 
+/// The places of a device's memory that its budget tells apart.
+#[derive(Debug)]
+struct Places {
+    /// The segments and mappings of the synchronous API's memory (moved memory's new places
+    /// too).
+    synchronous: BTreeSet<u64>,
+    /// Memory mapped at several places (moved): each place → its memory's number.
+    shared: BTreeMap<u64, u64>,
+    /// The number of places each such memory is mapped at.
+    places_of: BTreeMap<u64, u32>,
+    /// The last memory's number.
+    memories: u64,
+}
+
+impl Places {
+    const fn new() -> Places {
+        Places {
+            synchronous: BTreeSet::new(),
+            shared: BTreeMap::new(),
+            places_of: BTreeMap::new(),
+            memories: 0,
+        }
+    }
+
+    /// The place `address` is unmapped: whether it was its memory's last.
+    fn unmapped(&mut self, address: u64) -> bool {
+        let Some(memory) = self.shared.remove(&address) else {
+            return true;
+        };
+        let Some(count) = self.places_of.get_mut(&memory) else {
+            return true;
+        };
+        *count -= 1;
+        if *count > 0 {
+            return false;
+        }
+        self.places_of.remove(&memory);
+        true
+    }
+}
+
 static BUDGETS: [DeviceBudget; MAX_DEVICES] = [const { DeviceBudget::new() }; MAX_DEVICES];
 
 /// Device `ordinal`'s budget (one that never refuses for an ordinal of 64 or more).
@@ -240,7 +299,7 @@ pub fn forget_held(ordinal: i32) {
     if let Some(budget) = usize::try_from(ordinal).ok().and_then(|i| BUDGETS.get(i)) {
         budget.held.store(0, Ordering::Release);
         budget.held_synchronous.store(0, Ordering::Release);
-        (budget.synchronous.lock().unwrap_or_else(|p| p.into_inner())).clear();
+        *budget.places() = Places::new();
     }
 }
 
@@ -294,10 +353,11 @@ mod tests {
         );
         // The library's 80 moved (mapped again at 7): the new place is the library's too.
         b.moved([(1, 7), (2, 8)]);
-        b.give_back(7, 80);
+        b.give_back(1, 80);
         assert_eq!(b.held(), 90, "the moved memory was the library's");
         b.give_back(3, 500);
         assert_eq!(b.held(), 90);
+        b.give_back(7, 80);
         b.pytorch_scope.store(false, Ordering::Release);
         assert_eq!(
             b.held(),
@@ -306,6 +366,33 @@ mod tests {
         );
         assert!(b.take(20).is_none());
         assert!(made_at(&b, 10, 4));
+    }
+
+    #[test]
+    fn moved_memory_goes_back_with_its_last_place() {
+        let b = DeviceBudget::new();
+        assert!(made_at(&b, 20, 1));
+        assert!(made_at(&b, 20, 2));
+        // Memory 1 moved to 3 (1 parked), then 3's to 4 (flipped places are not calls).
+        b.moved([(1, 3)]);
+        b.moved([(3, 4)]);
+        b.give_back(3, 20);
+        b.give_back(1, 20);
+        assert_eq!(
+            b.held(),
+            40,
+            "a place was cleared; the memory is still mapped at 4"
+        );
+        b.give_back(4, 20);
+        assert_eq!(b.held(), 20, "its last place went");
+        // A new mapping at a freed place is memory of its own, even when it moves in turn.
+        assert!(made_at(&b, 20, 1));
+        b.moved([(1, 5)]);
+        b.give_back(5, 20);
+        assert_eq!(b.held(), 40);
+        b.give_back(1, 20);
+        b.give_back(2, 20);
+        assert_eq!(b.held(), 0);
     }
 
     #[test]
