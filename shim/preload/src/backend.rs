@@ -24,6 +24,7 @@ use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::LocalKey;
 
 use cachealloc_core::{Device, DeviceError, MemInfo, NO_STREAM, SharedLimit};
 
@@ -74,11 +75,14 @@ fn in_foreign_allocator_now() -> bool {
 
 /// Run `f` marked as inside a foreign allocator (see [`in_foreign_allocator`]).
 fn as_foreign<T>(f: impl FnOnce() -> T) -> T {
-    let outer = IN_FOREIGN_ALLOCATOR
-        .try_with(|c| c.replace(true))
-        .unwrap_or(false);
+    with_thread_flag(&IN_FOREIGN_ALLOCATOR, f)
+}
+
+/// Run `f` with the calling thread's `flag` set, then as it was.
+fn with_thread_flag<T>(flag: &'static LocalKey<Cell<bool>>, f: impl FnOnce() -> T) -> T {
+    let outer = flag.try_with(|c| c.replace(true)).unwrap_or(false);
     let result = f();
-    let _ = IN_FOREIGN_ALLOCATOR.try_with(|c| c.set(outer));
+    let _ = flag.try_with(|c| c.set(outer));
     result
 }
 

@@ -56,12 +56,7 @@ thread_local! {
 /// Run `f`, serving a request of the synchronous API (`cudaMalloc`, `cuMemAlloc`): the memory
 /// it makes is the synchronous API's (Note [Whose memory a limit counts]).
 pub fn for_synchronous_request<R>(f: impl FnOnce() -> R) -> R {
-    let outer = SYNCHRONOUS_REQUEST
-        .try_with(|c| c.replace(true))
-        .unwrap_or(false);
-    let result = f();
-    let _ = SYNCHRONOUS_REQUEST.try_with(|c| c.set(outer));
-    result
+    super::with_thread_flag(&SYNCHRONOUS_REQUEST, f)
 }
 
 fn serving_synchronous_request() -> bool {

@@ -1,0 +1,62 @@
+"""MemPools of PyTorch's other entry points under the shim, part of python_integration.py
+(which calls these with its stand-in torch and the runtime's library): the all-threads
+`_cuda_beginAllocateToPool`, and a `MemPool` of the program's own allocator."""
+import ctypes
+import sys
+
+
+def fail(why):
+    print(f"FAIL: {why}")
+    sys.exit(1)
+
+
+def check_all_threads_entry_point(torch, glob, pool, blocks_of):
+    """`_cuda_beginAllocateToPool`: a reference that `_cuda_releasePool` takes back, and the
+    calling thread's allocations to the pool."""
+    also = ctypes.c_void_p()
+    torch._C._cuda_beginAllocateToPool(0, pool.id)
+    if pool.use_count() != 2 or glob.cudaMallocAsync(ctypes.byref(also), 4096, None) != 0:
+        fail(f"_cuda_beginAllocateToPool: use count {pool.use_count()}")
+    torch._C._cuda_endAllocateToPool(0, pool.id)
+    torch._C._cuda_releasePool(0, pool.id)
+    if pool.use_count() != 1 or also.value not in blocks_of(pool.snapshot()):
+        fail(f"after _cuda_beginAllocateToPool: use count {pool.use_count()}, block not the pool's")
+    glob.cudaFreeAsync(also, None)
+
+
+def check_own_allocator_pool(torch, glob, memory, blocks_of):
+    """A pool of the program's own allocator: segments from its functions, whose own
+    cudaMalloc/cudaFree reach CUDA."""
+    calls = []
+    ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+    FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+    @ALLOC
+    def own_alloc(size, device, stream):
+        p = ctypes.c_void_p()
+        calls.append(("alloc", size))
+        return p.value if glob.cudaMalloc(ctypes.byref(p), size) == 0 else None
+
+    @FREE
+    def own_free(ptr, size, device, stream):
+        calls.append(("free", size))
+        glob.cudaFree.argtypes = [ctypes.c_void_p]
+        glob.cudaFree(ptr)
+
+    addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    allocator = torch._C._cuda_customAllocator(addr(own_alloc), addr(own_free))
+    own = memory.MemPool(allocator)
+    if own.allocator is not allocator:
+        fail("MemPool.allocator is not the allocator it was given")
+    mine = ctypes.c_void_p()
+    with memory.use_mem_pool(own):
+        glob.cudaMallocAsync(ctypes.byref(mine), 4096, None)
+    if [c[0] for c in calls] != ["alloc"] or blocks_of(own.snapshot()) != {mine.value}:
+        fail(f"the pool's segment did not come from its allocator: {calls}, {own.snapshot()}")
+    del own
+    if len(calls) != 1:
+        fail("a MemPool's segment with a live block was freed when the pool was deleted")
+    glob.cudaFree.argtypes = [ctypes.c_void_p]
+    glob.cudaFree(mine)
+    if [c[0] for c in calls] != ["alloc", "free"]:
+        fail(f"the last block's segment did not go back through the allocator: {calls}")
