@@ -234,7 +234,7 @@ impl<D: Device, O: Observer> Allocator<D, O> {
         if pools.grows_expandable_for(request.stream) {
             return self.map_and_serve(pools, request, changes, is_retry);
         }
-        let (grown, mut pools) = self.grow(pools, request.segment_size, is_retry);
+        let (grown, mut pools) = self.grow(pools, request, is_retry);
         let served =
             grown.map(|address| address.map(|a| self.new_segment(&mut pools, changes, a, request)));
         (served, pools)
@@ -475,13 +475,16 @@ impl<D: Device, O: Observer> Allocator<D, O> {
     fn grow<'a>(
         &'a self,
         mut pools: Locked<'a, D::Fence>,
-        segment_size: u64,
+        request: &Request,
         is_retry: bool,
     ) -> (Result<Option<u64>, DeviceError>, Locked<'a, D::Fence>) {
         if is_retry {
             pools.stats.num_alloc_retries += 1;
         }
-        if pools.reserved().saturating_add(segment_size) > self.limit {
+        let segment_size = request.segment_size;
+        if let Some(counted) = pools.limited_reserved(request.stream)
+            && counted.saturating_add(segment_size) > self.limit
+        {
             return (Ok(None), pools);
         }
         pools.begin_growth(segment_size);

@@ -133,6 +133,12 @@ pub struct AllocatorConfig {
     pub garbage_collection_threshold: f64,
     /// Fraction of device memory this process may reserve (`per_process_memory_fraction`).
     pub per_process_memory_fraction: f64,
+    /// Whether that fraction counts the memory of synchronous requests
+    /// ([`NO_STREAM`](crate::NO_STREAM)) too: cachealloc's own setting does; a fraction from
+    /// `PYTORCH_CUDA_ALLOC_CONF` limits what PyTorch's allocator would hold, the stream-ordered
+    /// memory, and never refuses the synchronous API's (the libraries' own: Note [PyTorch's
+    /// view of the statistics]).
+    pub fraction_counts_synchronous: bool,
     /// `expandable_segments`.
     pub expandable_segments: Expandable,
     /// `reuse`.
@@ -208,6 +214,7 @@ impl Default for AllocatorConfig {
             roundup: Roundup::None,
             garbage_collection_threshold: 0.0,
             per_process_memory_fraction: 1.0,
+            fraction_counts_synchronous: true,
             expandable_segments: Expandable::StreamOrdered,
             reuse: ReusePolicy::Auto,
         }
@@ -335,6 +342,20 @@ impl Config {
         }
         if let Some(text) = cachealloc {
             config.apply(text, "CACHEALLOC_CONF")?;
+        }
+        // PyTorch's fraction counts PyTorch's memory, unless cachealloc's own setting rules.
+        let names_fraction = |text: Option<&str>, source| {
+            text.and_then(|t| split_entries(t, source).ok())
+                .is_some_and(|entries| {
+                    entries
+                        .iter()
+                        .any(|(k, _)| *k == "per_process_memory_fraction")
+                })
+        };
+        if names_fraction(pytorch, "PYTORCH_CUDA_ALLOC_CONF")
+            && !names_fraction(cachealloc, "CACHEALLOC_CONF")
+        {
+            config.allocator.fraction_counts_synchronous = false;
         }
         Ok(Resolved { config, ignored })
     }

@@ -323,6 +323,9 @@ pub struct Pools<F> {
     allocations_handed_out: u64,
     /// Bytes of device allocations in progress outside the lock (counted against the limit).
     growing: u64,
+    /// Whether the memory limit counts synchronous requests' memory
+    /// ([`AllocatorConfig::fraction_counts_synchronous`]).
+    limit_counts_synchronous: bool,
     /// Once expandable segments were on: the mapping granularity and the size of each
     /// segment's address range; see [Note [Expandable segments]](expandable#note-expandable-segments).
     expandable: Option<expandable::Geometry>,
@@ -377,6 +380,7 @@ impl<F: Clone> Pools<F> {
             lookups: 0,
             allocations_handed_out: 0,
             growing: 0,
+            limit_counts_synchronous: config.fraction_counts_synchronous,
             expandable: None,
             grows_expandable: false,
             synchronous_fixed: false,

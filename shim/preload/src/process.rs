@@ -388,7 +388,11 @@ impl Shim {
                     device,
                     alloc.limit(),
                     alloc.config().per_process_memory_fraction,
-                    crate::backend::budget::Scope::Everything,
+                    if alloc.config().fraction_counts_synchronous {
+                        crate::backend::budget::Scope::Everything
+                    } else {
+                        crate::backend::budget::Scope::PyTorch
+                    },
                 );
             }
             Pool::new(alloc)

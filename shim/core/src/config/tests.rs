@@ -221,3 +221,35 @@ fn graph_capture_record_stream_reuse_is_read_from_pytorchs_variable_and_off_by_d
         "{err}"
     );
 }
+
+#[test]
+fn pytorchs_fraction_counts_its_memory_and_cachealloc_s_counts_everything() {
+    let counts = |cachealloc, pytorch| {
+        let r = Config::from_sources(cachealloc, pytorch).unwrap();
+        (
+            r.config.allocator.per_process_memory_fraction,
+            r.config.allocator.fraction_counts_synchronous,
+        )
+    };
+    assert_eq!(counts(None, None), (1.0, true));
+    assert_eq!(
+        counts(None, Some("per_process_memory_fraction:0.5")),
+        (0.5, false)
+    );
+    assert_eq!(
+        counts(Some("per_process_memory_fraction:0.25"), None),
+        (0.25, true)
+    );
+    assert_eq!(
+        counts(
+            Some("per_process_memory_fraction:0.25"),
+            Some("per_process_memory_fraction:0.5")
+        ),
+        (0.25, true),
+        "cachealloc's own setting rules"
+    );
+    assert_eq!(
+        counts(Some("log:quiet"), Some("max_split_size_mb:64")),
+        (1.0, true)
+    );
+}

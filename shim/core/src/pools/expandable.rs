@@ -371,7 +371,7 @@ impl<F: Clone> Pools<F> {
         let flippable = (!gated)
             .then(|| self.flippable_holders(stream, pool))
             .flatten();
-        let reserved = self.reserved();
+        let counted = self.limited_reserved(stream);
         let found = self
             .ranges
             .iter()
@@ -403,7 +403,7 @@ impl<F: Clone> Pools<F> {
                 let in_the_way = (self.parked.range(b.address + free..b.address + size))
                     .next()
                     .is_some();
-                let over_limit = reserved.saturating_add(size) > limit;
+                let over_limit = counted.is_some_and(|c| c.saturating_add(size) > limit);
                 Some((
                     segment,
                     id,

@@ -72,6 +72,25 @@ impl<F: Clone> Pools<F> {
         self.stats.reserved_bytes.all.current as u64 + self.growing
     }
 
+    /// The reserved bytes that the memory limit counts against a request on `stream`, or
+    /// `None` when the limit does not apply to it: a fraction from PyTorch's variable counts
+    /// stream-ordered memory only, and never refuses a synchronous request
+    /// ([`AllocatorConfig::fraction_counts_synchronous`](crate::AllocatorConfig::fraction_counts_synchronous)).
+    /// Allocations in progress count whatever they are.
+    pub fn limited_reserved(&self, stream: u64) -> Option<u64> {
+        (self.limit_counts_synchronous || stream != crate::NO_STREAM)
+            .then(|| self.counted_reserved())
+    }
+
+    /// The reserved bytes the memory limit counts (and the garbage collection threshold,
+    /// measured against the limit).
+    pub fn counted_reserved(&self) -> u64 {
+        if self.limit_counts_synchronous {
+            return self.reserved();
+        }
+        self.stats.reserved_bytes.stream_ordered()[0].current as u64 + self.growing
+    }
+
     /// Count `size` bytes as being allocated on the device outside the lock.
     pub fn begin_growth(&mut self, size: u64) {
         self.growing += size;

@@ -72,7 +72,7 @@ impl<F: Clone> Pools<F> {
     /// is reclaimed or nothing more can be.
     pub fn take_garbage(&mut self, threshold: f64, limit: u64) -> Vec<ReleasedSegment> {
         let gc_limit = (threshold * limit as f64) as u64;
-        let reserved = self.reserved();
+        let reserved = self.counted_reserved();
         if threshold <= 0.0 || reserved <= gc_limit {
             return Vec::new();
         }

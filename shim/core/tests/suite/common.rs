@@ -82,6 +82,8 @@ pub(crate) fn presets() -> Vec<(&'static str, AllocatorConfig)> {
                 roundup: Roundup::Uniform(2),
                 garbage_collection_threshold: 0.8,
                 per_process_memory_fraction: 0.75,
+                // PyTorch's fraction: the limit counts stream-ordered memory only.
+                fraction_counts_synchronous: false,
                 reuse: ReusePolicy::Fenced,
             },
         ),

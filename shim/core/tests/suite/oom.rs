@@ -1,7 +1,7 @@
 //! The out-of-memory ladder: a request fails only when it truly cannot fit after releasing the
 //! cache, and the report's figures are right.
 
-use cachealloc_core::{AllocError, AllocatorConfig, OomReport, PoolKind};
+use cachealloc_core::{AllocError, AllocatorConfig, Expandable, OomReport, PoolKind};
 
 use crate::common::{Checked, MIB, fixed};
 
@@ -164,4 +164,35 @@ fn a_request_larger_than_the_device_fails_cleanly() {
     let report = expect_oom(&c, u64::MAX - 1);
     assert!(report.rounded >= u64::MAX - 512);
     assert_eq!(c.stats().reserved_bytes.all.current, 0);
+}
+
+/// A fraction from `PYTORCH_CUDA_ALLOC_CONF` counts stream-ordered memory only, as PyTorch's
+/// counts its own, and never refuses a synchronous request (the libraries' own `cudaMalloc`);
+/// cachealloc's own fraction counts both. Fixed segments and expandable ones.
+#[test]
+fn pytorchs_fraction_counts_stream_ordered_memory_only() {
+    for expandable in [Expandable::Off, Expandable::On] {
+        let pytorchs = AllocatorConfig {
+            per_process_memory_fraction: 0.25,
+            fraction_counts_synchronous: false,
+            expandable_segments: expandable,
+            ..fixed()
+        };
+        let c = Checked::new(200 * MIB, pytorchs.clone());
+        c.malloc(60 * MIB); // a library's, past the 50 MiB limit
+        c.malloc_on(40 * MIB, 7);
+        match c.try_malloc_on(12 * MIB, 7) {
+            Err(AllocError::OutOfMemory(report)) => assert_eq!(report.limit, 50 * MIB),
+            other => panic!("{expandable:?}: 40 + 12 MiB of tensors passed 50 MiB: {other:?}"),
+        }
+        c.malloc_on(10 * MIB, 7);
+        c.malloc(30 * MIB);
+        let own = AllocatorConfig {
+            fraction_counts_synchronous: true,
+            ..pytorchs
+        };
+        let c = Checked::new(200 * MIB, own);
+        let report = expect_oom(&c, 60 * MIB);
+        assert_eq!(report.limit, 50 * MIB, "{expandable:?}");
+    }
 }

@@ -22,10 +22,13 @@
 //! fraction never counts it: a program that ran a matmul before
 //! `set_per_process_memory_fraction((reserved + 40 MiB) / total)` may still allocate 40 MiB
 //! natively (PyTorch's `TestMemPool` limited-memory tests do exactly this). So a limit has a
-//! scope ([`Scope`]): the one PyTorch sets at run time counts the memory of stream-ordered
-//! requests only, and memory made for the synchronous API is never refused by it (the device
-//! itself still may); the one from cachealloc's configuration at start counts everything the
-//! pools hold, as a C program that only calls `cudaMalloc` needs. To tell them apart, the
+//! scope ([`Scope`]): PyTorch's — set at run time, or given in `PYTORCH_CUDA_ALLOC_CONF` —
+//! counts the memory of stream-ordered requests only, and memory made for the synchronous API
+//! is never refused by it (the device itself still may); cachealloc's own, from
+//! `CACHEALLOC_CONF`, counts everything the pools hold, as a C program that only calls
+//! `cudaMalloc` needs. Each pool's own limit (cachealloc-core's, from the configuration at
+//! start) counts the same way (`AllocatorConfig::fraction_counts_synchronous`). A trace's
+//! recorded configuration does not say which: `cachealloc simulate` counts everything. To tell them apart, the
 //! shim marks the requests of the synchronous API while it serves them
 //! ([`for_synchronous_request`]); the budget remembers the addresses of the segments and
 //! mappings made for them, and gives their bytes back to the right count when they go.
