@@ -264,11 +264,12 @@ _FIXED_SEGMENT = 1
 
 class _ReceivedBlock:
     """Device memory received from another process, as `__cuda_array_interface__`: the
-    tensor made from it holds this object, whose end closes the mapping (`close()`) and
-    releases the sender's counter."""
+    tensor made from it holds this object, whose end waits for the device's current stream,
+    then closes the mapping (`close()`) and releases the sender's counter."""
 
-    def __init__(self, api, close, address, size, counter, slot):
-        self._api, self._close, self._counter, self._slot = api, close, counter, slot
+    def __init__(self, api, close, device, address, size, counter, slot):
+        self._api, self._close, self._device = api, close, device
+        self._counter, self._slot = counter, slot
         self.__cuda_array_interface__ = {
             "shape": (size,),
             "typestr": "|u1",
@@ -277,6 +278,15 @@ class _ReceivedBlock:
         }
 
     def __del__(self):
+        try:
+            # Work queued on the memory may not have run yet (`t.clone()`, then `del t`): once
+            # the counter is released the sender may hand the block to new work, so the
+            # receiver first waits for its current stream, as PyTorch's own deleter does.
+            import torch
+
+            torch.cuda.current_stream(self._device).synchronize()
+        except Exception:  # interpreter shutdown: nothing runs on the device any more
+            pass
         try:
             self._close()
             if self._counter:
@@ -340,7 +350,7 @@ def _storage(storage):
                 close = functools.partial(api.close_desc, handle, len(handle))
             if base == 0:
                 raise RuntimeError("cachealloc: could not map a CUDA tensor of another process")
-        block = _ReceivedBlock(api, close, address, size, counter, slot)
+        block = _ReceivedBlock(api, close, device, address, size, counter, slot)
         return torch.as_tensor(block, device=f"cuda:{device}").untyped_storage()
 
     def release_counter(cls, counter, slot, *rest, **kwargs):

@@ -4,7 +4,8 @@ torch.cuda the integration calls). A block allocated through the runtime is shar
 UntypedStorage._share_cuda_ (replaced by the integration) and received by this script run again
 in a child process with _new_shared_cuda, as torch.multiprocessing does: the child reads the
 parent's bytes and writes its own, which the parent sees; the parent frees the block while the
-child holds it, and it is not handed out again; once the child let go of the storage, it is.
+child holds it, and it is not handed out again; once the child let go of the storage (after
+waiting for its stream), it is.
 With CACHEALLOC_CONF=expandable_segments:True the block lies in an expandable segment and the
 share tuple carries its description instead of a 64-byte IPC handle.
 Usage: python_ipc.py [BYTES]. Prints "OK python_ipc"."""
@@ -42,10 +43,13 @@ def stand_in_torch():
         f.write(
             "import contextlib, ctypes\n"
             "def device(index):\n    return contextlib.nullcontext()\n"
+            "on_synchronize = None  # the test's probe, called at each stream wait\n"
             "class _Stream:\n"
             "    def synchronize(self):\n"
             "        assert ctypes.CDLL(None).cudaDeviceSynchronize() == 0\n"
-            "def current_stream():\n    return _Stream()\n"
+            "        if on_synchronize is not None:\n"
+            "            on_synchronize()\n"
+            "def current_stream(device=None):\n    return _Stream()\n"
         )
     with open(os.path.join(root, "torch", "storage.py"), "w") as f:
         f.write(
@@ -109,8 +113,21 @@ if len(sys.argv) > 1 and sys.argv[1] == "receive":
     fill(received.data_ptr(), 0x7E, size)
     print("wrote", flush=True)
     sys.stdin.readline()
+    # The storage's end must wait for the receiver's stream before it releases the sender's
+    # counter (after it, the sender may hand the block to new work): the wait sees the
+    # counter still held.
+    files = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    counter = os.open(os.path.join(files, shared[4].decode()), os.O_RDONLY)
+    waits = []
+
+    def held():
+        return int.from_bytes(os.pread(counter, 8, 8 * shared[5]), "little", signed=True)
+
+    torch.cuda.on_synchronize = lambda: waits.append(held())
     del received
     gc.collect()  # the storage's end closes the mapping and releases the sender's counter
+    if waits != [1] or held() != 0:
+        fail(f"the receiver's stream waits saw the counter at {waits}, then {held()}")
     print("OK python_ipc receiver", flush=True)
     sys.exit(0)
 
