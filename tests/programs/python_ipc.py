@@ -94,6 +94,8 @@ def fill(address, value, size):
         fail("cudaMemset failed")
 
 
+# Where the library keeps its IPC counter files.
+files = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 stand_in_torch()
 import torch  # noqa: E402
 import torch.storage  # noqa: E402
@@ -116,7 +118,6 @@ if len(sys.argv) > 1 and sys.argv[1] == "receive":
     # The storage's end must wait for the receiver's stream before it releases the sender's
     # counter (after it, the sender may hand the block to new work): the wait sees the
     # counter still held.
-    files = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     counter = os.open(os.path.join(files, shared[4].decode()), os.O_RDONLY)
     waits = []
 
@@ -135,7 +136,14 @@ size = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 expandable = "expandable_segments:True" in os.environ.get("CACHEALLOC_CONF", "")
 first, block, other = malloc(4096), malloc(size), malloc(size)
 fill(block, 0x3C, size)
+# A sharer killed before it could remove its counter file left one (no process holds its lock):
+# the first share of a process sweeps such files away.
+stale = os.path.join(files, f"cachealloc-ipc-{4000000000 + os.getpid()}-0")
+with open(stale, "wb") as f:
+    f.write(bytes(8))
 shared = list(storage(block, size)._share_cuda_())
+if os.path.exists(stale):
+    fail("a dead sharer's counter file was left in place")
 handle = shared[1]
 if expandable != (len(handle) != 64):
     fail(f"a share tuple with a handle of {len(handle)} bytes (expandable segments: {expandable})")

@@ -7,11 +7,21 @@
 //! process that receives the block decrements it when it lets go. The sharer reads its slots to
 //! know when a block it freed may really be reused. A file has [`SLOTS`] slots; a new file is
 //! made when one is full; the sharer removes its files at exit.
+//!
+//! A sharer that dies without exiting (killed, `os._exit`, a crash) cannot remove its files, and
+//! `/dev/shm` is memory: a job that starts and kills workers would fill it. So a sharer holds a
+//! shared `flock` on each of its files for as long as it lives (the kernel drops it however the
+//! process ends), and the first time a process makes a counter file it removes every counter
+//! file on which it can take an exclusive lock: their sharers are gone ([`remove_stale_files`]).
+//! A lock, not the pid in the name, says whether the sharer lives: a pid may be reused, or
+//! belong to another pid namespace that shares `/dev/shm`. A file is locked before it gets its
+//! name (it is made under a temporary one, then renamed), so no sweep sees it unlocked.
 
 use std::collections::HashMap;
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -46,23 +56,36 @@ unsafe impl Send for Mapped {}
 // SAFETY: as above: only atomic operations reach the memory.
 unsafe impl Sync for Mapped {}
 
+/// Open the file at `path`, made new (and not there before) when `create`.
+fn open_file(path: &Path, create: bool) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(create)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// `flock(2)` on `file` with `operation` (`LOCK_SH`, `LOCK_EX`, with `LOCK_NB` to not wait).
+fn flock(file: &File, operation: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: `flock` takes an open descriptor, which `file` owns, and a flag word; no memory.
+    if unsafe { libc::flock(file.as_raw_fd(), operation) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 impl Mapped {
-    /// Map the counter file `name` (created, sized and zeroed when `create`).
-    fn open(name: &str, create: bool) -> std::io::Result<Mapped> {
+    /// Map the counter file `file` (sized and zeroed first when `create`).
+    fn map(file: &File, create: bool) -> std::io::Result<Mapped> {
         let bytes = SLOTS * std::mem::size_of::<AtomicI64>();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(create)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(directory().join(name))?;
         if create {
             file.set_len(bytes as u64)?;
         } else if file.metadata()?.len() < bytes as u64 {
             return Err(std::io::Error::other("counter file too short"));
         }
-        use std::os::fd::AsRawFd;
         // SAFETY: a new shared mapping of `bytes` bytes of an open file at least that long; the
         // kernel picks the address. The file may be closed after mapping.
         let address = unsafe {
@@ -91,12 +114,22 @@ impl Mapped {
     }
 }
 
-/// The counter files this process shares blocks through: (name, mapping), the last one
-/// filling; and the next free slot of the last.
+/// One of this process's counter files: its name, its mapping, and the open file that holds
+/// the shared lock saying its sharer lives.
+struct SentFile {
+    name: String,
+    mapped: Mapped,
+    _lock: File,
+}
+
+/// The counter files this process shares blocks through, the last one filling; the next free
+/// slot of the last; and the process they belong to (a child forked after sharing starts its
+/// own files, never taking slots of its parent's).
 #[derive(Default)]
 struct Sent {
-    files: Vec<(String, Mapped)>,
+    files: Vec<SentFile>,
     next: usize,
+    owner: u32,
 }
 
 fn sent() -> &'static Mutex<Sent> {
@@ -110,19 +143,81 @@ pub type SlotId = (usize, usize);
 /// A new counter set to 1: its id, and the file's name and slot for the receiving process.
 pub fn new_counter() -> std::io::Result<(SlotId, String, u64)> {
     let mut sent = sent().lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if sent.owner != pid {
+        // This process's first counter (or a forked child's: its parent's files stay its
+        // parent's, locks and all). Dead sharers' files go first.
+        remove_stale_files(&directory());
+        *sent = Sent {
+            owner: pid,
+            ..Sent::default()
+        };
+    }
     if sent.files.is_empty() || sent.next == SLOTS {
-        let name = format!("cachealloc-ipc-{}-{}", std::process::id(), sent.files.len());
-        let _ = std::fs::remove_file(directory().join(&name)); // a dead process's, same pid
-        let mapped = Mapped::open(&name, true)?;
-        sent.files.push((name, mapped));
+        let file = new_file(&directory(), pid, sent.files.len())?;
+        sent.files.push(file);
         sent.next = 0;
     }
     let file = sent.files.len() - 1;
     let slot = sent.next;
     sent.next += 1;
-    let (name, mapped) = &sent.files[file];
+    let SentFile { name, mapped, .. } = &sent.files[file];
     mapped.slot(slot).store(1, Ordering::Release);
     Ok(((file, slot), name.clone(), slot as u64))
+}
+
+/// Make counter file `n` of process `pid` in `directory`: made and locked under a temporary
+/// name, then renamed, so that a sweep never finds it unlocked. The mapping is made through a
+/// second opening of the file: a mapping keeps its opening alive, and with it any lock taken
+/// through it, so the lock's opening must be one the mapping does not hold.
+fn new_file(directory: &Path, pid: u32, n: usize) -> std::io::Result<SentFile> {
+    let name = format!("cachealloc-ipc-{pid}-{n}");
+    let path = directory.join(&name);
+    let _ = std::fs::remove_file(&path); // a dead process's, same pid
+    let temporary = directory.join(format!("cachealloc-new-{pid}-{n}"));
+    let _ = std::fs::remove_file(&temporary);
+    let lock = open_file(&temporary, true)?;
+    let made = flock(&lock, libc::LOCK_SH)
+        .and_then(|()| open_file(&temporary, false))
+        .and_then(|file| Mapped::map(&file, true))
+        .and_then(|mapped| std::fs::rename(&temporary, &path).map(|()| mapped));
+    match made {
+        Ok(mapped) => Ok(SentFile {
+            name,
+            mapped,
+            _lock: lock,
+        }),
+        Err(e) => {
+            let _ = std::fs::remove_file(&temporary);
+            Err(e)
+        }
+    }
+}
+
+/// Remove the counter files in `directory` whose sharers are gone: those on which an
+/// exclusive lock can be taken at once. Returns how many were removed.
+fn remove_stale_files(directory: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(directory) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str().filter(|n| valid_name(n)) else {
+            continue;
+        };
+        let path = directory.join(name);
+        // A file that does not open (another user's: 0600) is left alone.
+        let Ok(file) = open_file(&path, false) else {
+            continue;
+        };
+        if flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok()
+            && std::fs::remove_file(&path).is_ok()
+        {
+            removed += 1;
+        }
+    }
+    removed
 }
 
 /// Whether the receiving process has let go of counter `id` (it reached zero).
@@ -130,23 +225,27 @@ pub fn released(id: SlotId) -> bool {
     let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
     sent.files
         .get(id.0)
-        .is_none_or(|(_, m)| m.slot(id.1).load(Ordering::Acquire) <= 0)
+        .is_none_or(|f| f.mapped.slot(id.1).load(Ordering::Acquire) <= 0)
 }
 
 /// Release counter `id` here: its share was never handed to another process.
 pub fn cancel(id: SlotId) {
     let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((_, m)) = sent.files.get(id.0) {
-        m.slot(id.1).store(0, Ordering::Release);
+    if let Some(f) = sent.files.get(id.0) {
+        f.mapped.slot(id.1).store(0, Ordering::Release);
     }
 }
 
 /// Remove this process's counter files (at exit: a receiver still holding a block then finds
-/// no file, and its release does nothing).
+/// no file, and its release does nothing). A forked child that exits removes none of its
+/// parent's.
 pub fn remove_files() {
     let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
-    for (name, _) in &sent.files {
-        let _ = std::fs::remove_file(directory().join(name));
+    if sent.owner != std::process::id() {
+        return;
+    }
+    for f in &sent.files {
+        let _ = std::fs::remove_file(directory().join(&f.name));
     }
 }
 
@@ -163,7 +262,7 @@ pub fn release(name: &str, slot: u64) -> Result<(), String> {
         .lock()
         .unwrap_or_else(|p| p.into_inner());
     if !opened.contains_key(name) {
-        match Mapped::open(name, false) {
+        match open_file(&directory().join(name), false).and_then(|f| Mapped::map(&f, false)) {
             Ok(m) => {
                 opened.insert(name.to_string(), m);
             }
@@ -193,5 +292,32 @@ mod tests {
         remove_files();
         // The sharer gone, a late release does nothing.
         release(&name, slot).unwrap();
+    }
+
+    #[test]
+    fn only_files_whose_sharers_are_gone_are_swept() {
+        let directory =
+            std::env::temp_dir().join(format!("cachealloc-sweep-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&directory);
+        std::fs::create_dir(&directory).unwrap();
+        let names = || {
+            let mut names: Vec<String> = std::fs::read_dir(&directory)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            names.sort();
+            names
+        };
+        // A live sharer's file (its lock held by `live`), a dead one's (no lock), another file.
+        let live = new_file(&directory, 7, 0).unwrap();
+        std::fs::write(directory.join("cachealloc-ipc-4000000000-0"), [0u8; 8]).unwrap();
+        std::fs::write(directory.join("unrelated"), b"x").unwrap();
+        assert_eq!(remove_stale_files(&directory), 1);
+        assert_eq!(names(), ["cachealloc-ipc-7-0", "unrelated"]);
+        // The sharer's lock goes with it, however it ends.
+        drop(live);
+        assert_eq!(remove_stale_files(&directory), 1);
+        assert_eq!(names(), ["unrelated"]);
+        std::fs::remove_dir_all(&directory).unwrap();
     }
 }
