@@ -10,8 +10,9 @@
 //!
 //! A sharer that dies without exiting (killed, `os._exit`, a crash) cannot remove its files, and
 //! `/dev/shm` is memory: a job that starts and kills workers would fill it. So a sharer holds a
-//! shared `flock` on each of its files for as long as it lives (the kernel drops it however the
-//! process ends), and the first time a process makes a counter file it removes every counter
+//! shared `flock` on each of its files for as long as it lives (through its mapping of the file:
+//! Note [A lock held by a mapping]; the kernel drops it however the process ends), and the first
+//! time a process makes a counter file it removes every counter
 //! file on which it can take an exclusive lock: their sharers are gone ([`remove_stale_files`]).
 //! A lock, not the pid in the name, says whether the sharer lives: a pid may be reused, or
 //! belong to another pid namespace that shares `/dev/shm`. A file is locked before it gets its
@@ -114,12 +115,31 @@ impl Mapped {
     }
 }
 
-/// One of this process's counter files: its name, its mapping, and the open file that holds
-/// the shared lock saying its sharer lives.
+/// One of this process's counter files: its name and its mapping. The mapping holds the
+/// file's opening, and with it the shared lock that says the sharer lives (Note [A lock held
+/// by a mapping]).
 struct SentFile {
     name: String,
     mapped: Mapped,
-    _lock: File,
+}
+
+// Note [A lock held by a mapping]
+// A `flock` belongs to an opening of a file (an open file description), and the kernel drops it
+// when the opening's last reference goes — a descriptor or a mapping: a mapping keeps the opening
+// it was made through. So a sharer takes its lock through the opening it maps and closes the
+// descriptor: the lock lasts as long as the mapping, which is the process's life, however the
+// process ends, and costs no descriptor (programs count theirs). A child forked after sharing
+// inherits the mapping, and with it keeps its parent's files from being swept while it lives;
+// it unmaps them only when it shares blocks itself (its own files replace them).
+
+impl Drop for SentFile {
+    fn drop(&mut self) {
+        let bytes = SLOTS * std::mem::size_of::<AtomicI64>();
+        // SAFETY: the mapping was made by `Mapped::map` with this length; a sent file is
+        // dropped under the `Sent` lock, through which alone its slots are reached, so no
+        // reference to them outlives it.
+        unsafe { libc::munmap(self.mapped.counters as *mut libc::c_void, bytes) };
+    }
 }
 
 /// The counter files this process shares blocks through, the last one filling; the next free
@@ -166,27 +186,24 @@ pub fn new_counter() -> std::io::Result<(SlotId, String, u64)> {
     Ok(((file, slot), name.clone(), slot as u64))
 }
 
-/// Make counter file `n` of process `pid` in `directory`: made and locked under a temporary
-/// name, then renamed, so that a sweep never finds it unlocked. The mapping is made through a
-/// second opening of the file: a mapping keeps its opening alive, and with it any lock taken
-/// through it, so the lock's opening must be one the mapping does not hold.
+/// Make counter file `n` of process `pid` in `directory`: made, locked and mapped under a
+/// temporary name, then renamed, so that a sweep never finds it unlocked (Note [A lock held by
+/// a mapping]).
 fn new_file(directory: &Path, pid: u32, n: usize) -> std::io::Result<SentFile> {
     let name = format!("cachealloc-ipc-{pid}-{n}");
     let path = directory.join(&name);
     let _ = std::fs::remove_file(&path); // a dead process's, same pid
     let temporary = directory.join(format!("cachealloc-new-{pid}-{n}"));
     let _ = std::fs::remove_file(&temporary);
-    let lock = open_file(&temporary, true)?;
-    let made = flock(&lock, libc::LOCK_SH)
-        .and_then(|()| open_file(&temporary, false))
-        .and_then(|file| Mapped::map(&file, true))
-        .and_then(|mapped| std::fs::rename(&temporary, &path).map(|()| mapped));
+    let file = open_file(&temporary, true)?;
+    let made = flock(&file, libc::LOCK_SH)
+        .and_then(|()| Mapped::map(&file, true))
+        .and_then(|mapped| {
+            let sent = SentFile { name, mapped };
+            std::fs::rename(&temporary, &path).map(|()| sent)
+        });
     match made {
-        Ok(mapped) => Ok(SentFile {
-            name,
-            mapped,
-            _lock: lock,
-        }),
+        Ok(sent) => Ok(sent),
         Err(e) => {
             let _ = std::fs::remove_file(&temporary);
             Err(e)
@@ -314,7 +331,7 @@ mod tests {
         std::fs::write(directory.join("unrelated"), b"x").unwrap();
         assert_eq!(remove_stale_files(&directory), 1);
         assert_eq!(names(), ["cachealloc-ipc-7-0", "unrelated"]);
-        // The sharer's lock goes with it, however it ends.
+        // The sharer's lock goes with its mapping, however it ends.
         drop(live);
         assert_eq!(remove_stale_files(&directory), 1);
         assert_eq!(names(), ["unrelated"]);
