@@ -22,7 +22,11 @@
 //! * **Receiving** ([`ipc_open`], [`ipc_open_shared`]): the segment is opened once per process
 //!   and handle, and closed when the last block received through it is let go ([`ipc_close`],
 //!   [`ipc_close_shared`], after the device has finished with it); then the receiver
-//!   decrements the counter ([`ipc_release`]).
+//!   decrements the counter ([`ipc_release`]). Work the receiver queued on the block may not
+//!   have run when it lets go (`out.put(t.clone())`, then `del t`), and once the counter is
+//!   released the sender may hand the block to new work: so, as PyTorch's own deleter does,
+//!   the Python integration waits for the receiver's current stream first (a C program calls
+//!   `cachealloc_ipc_release` once its work on the block is done).
 //! * **The sender's free.** A block freed while any of its counters is above zero is not
 //!   freed: it waits in *limbo*, still allocated (so its segment cannot be released, nor the
 //!   memory mapped over it unmapped), and is freed once every counter is zero. The limbo is

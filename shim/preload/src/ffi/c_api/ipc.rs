@@ -228,7 +228,8 @@ pub unsafe extern "C" fn cachealloc_ipc_close(handle: *const u8) -> CudaError {
 
 /// In the receiving process: release the sender's reference counter (`counter`, a file name
 /// from [`cachealloc_ipc_share`] or [`cachealloc_ipc_share_desc`], and `slot`), so that it may
-/// reuse the block.
+/// reuse the block. Call it once the work queued on the block has finished: the sender may
+/// hand the block to new work at once.
 ///
 /// # Safety
 /// `counter` must be null or a valid NUL-terminated string.
