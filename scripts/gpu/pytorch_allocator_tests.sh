@@ -10,7 +10,9 @@
 # mem_get_info, expandable), not host (pinned) memory; SELECT=EXPR replaces that pytest -k
 # expression; IDS=FILE (an absolute path) keeps only the selected tests FILE lists, one pytest
 # id (`test_cuda.py::Class::test`) a line. Writes $OUT/pytorch_tests.tsv (test, native,
-# shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (150 s). Tests PyTorch
+# shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (TEST_TIMEOUT seconds a
+# test's process, 150 by default; PyTorch's slow tests, run with PYTORCH_TEST_WITH_SLOW=1, take
+# longer on both sides: test_multiprocessing.py's test_cuda_send_many ~140 s). Tests PyTorch
 # marks serial (they read the whole device's memory) run one at a time after the rest. The
 # whole run stops after DEADLINE seconds (520), so that it fits one device command; the table
 # then has what finished. GPUS=N (1) spreads the tests over the machine's first N GPUs, each
@@ -30,6 +32,7 @@ set -uo pipefail
 TEST="$(realpath "$1")"
 LIB="$(realpath "$2")/libcachealloc.so"
 JOBS=${3:-6}
+export TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 [ -f "$LIB" ] || { echo "no $LIB"; exit 1; }
@@ -65,9 +68,9 @@ one() {
     # process running at the same time does: one folder a side and slot (`batch`: a shard).
     export TORCH_EXTENSIONS_DIR="$EXTENSIONS/${label}_${SLOT:-0}"
     if [ "$label" = shim ]; then
-        CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
+        CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout "$TEST_TIMEOUT" python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
     else
-        timeout 150 python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
+        timeout "$TEST_TIMEOUT" python3 -m pytest -q -x -p no:cacheprovider "$id" > "$log" 2>&1
     fi
     rc=$?
     if [ $rc -eq 124 ]; then outcome=timeout
@@ -86,6 +89,13 @@ one() {
     rm -f "$log"
 }
 export -f one
+# The shim's first PyTorch process on a machine builds the integration's C++ allocator for
+# PyTorch (once, cached; the processes starting meanwhile wait for it): build it now, so that a
+# test's own deadline (test_cuda_ipc_deadlock joins its workers after 10 s) does not count it.
+if [[ " ${SIDES:-native shim} " == *" shim "* ]]; then
+    CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 300 \
+        python3 -c 'import torch; torch.zeros(1, device="cuda")' > /dev/null 2>&1
+fi
 # Where the tests' C++ extensions are built: outside $OUT, which callers pack and send back.
 EXTENSIONS=$(mktemp -d)
 export LIB OUT EXTENSIONS GPUS=${GPUS:-1} GPU_LIST=${CUDA_VISIBLE_DEVICES:-}
