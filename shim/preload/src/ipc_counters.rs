@@ -18,7 +18,6 @@
 //! belong to another pid namespace that shares `/dev/shm`. A file is locked before it gets its
 //! name (it is made under a temporary one, then renamed), so no sweep sees it unlocked.
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -51,8 +50,8 @@ struct Mapped {
     counters: *const AtomicI64,
 }
 
-// SAFETY: the mapping is shared memory of SLOTS atomics, valid for the process's life (never
-// unmapped); atomics may be used from any thread.
+// SAFETY: the mapping is shared memory of SLOTS atomics, valid until the `Mapped` is dropped;
+// atomics may be used from any thread.
 unsafe impl Send for Mapped {}
 // SAFETY: as above: only atomic operations reach the memory.
 unsafe impl Sync for Mapped {}
@@ -115,9 +114,18 @@ impl Mapped {
     }
 }
 
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        let bytes = SLOTS * std::mem::size_of::<AtomicI64>();
+        // SAFETY: the mapping was made by `Mapped::map` with this length, and the slots are
+        // reached only through `&self`, so no reference to them outlives it.
+        unsafe { libc::munmap(self.counters as *mut libc::c_void, bytes) };
+    }
+}
+
 /// One of this process's counter files: its name and its mapping. The mapping holds the
 /// file's opening, and with it the shared lock that says the sharer lives (Note [A lock held
-/// by a mapping]).
+/// by a mapping]); dropping it unmaps the file.
 struct SentFile {
     name: String,
     mapped: Mapped,
@@ -131,16 +139,6 @@ struct SentFile {
 // process ends, and costs no descriptor (programs count theirs). A child forked after sharing
 // inherits the mapping, and with it keeps its parent's files from being swept while it lives;
 // it unmaps them only when it shares blocks itself (its own files replace them).
-
-impl Drop for SentFile {
-    fn drop(&mut self) {
-        let bytes = SLOTS * std::mem::size_of::<AtomicI64>();
-        // SAFETY: the mapping was made by `Mapped::map` with this length; a sent file is
-        // dropped under the `Sent` lock, through which alone its slots are reached, so no
-        // reference to them outlives it.
-        unsafe { libc::munmap(self.mapped.counters as *mut libc::c_void, bytes) };
-    }
-}
 
 /// The counter files this process shares blocks through, the last one filling; the next free
 /// slot of the last; and the process they belong to (a child forked after sharing starts its
@@ -266,6 +264,12 @@ pub fn remove_files() {
     }
 }
 
+/// How many senders' counter files a receiving process keeps mapped, the most recently
+/// released through first. A mapping keeps its file's memory even once the sender is gone and
+/// the file removed, so a receiver that outlives many senders (a trainer fed by workers that
+/// come and go) must not keep them all; a file used again after it was let go is mapped again.
+const RECEIVER_MAPPINGS: usize = 16;
+
 /// In the receiving process: let go of slot `slot` of the sharer's counter file `name`.
 pub fn release(name: &str, slot: u64) -> Result<(), String> {
     if !valid_name(name) || slot as usize >= SLOTS {
@@ -273,22 +277,26 @@ pub fn release(name: &str, slot: u64) -> Result<(), String> {
             "not a cachealloc IPC counter: {name:?} slot {slot}"
         ));
     }
-    static OPENED: OnceLock<Mutex<HashMap<String, Mapped>>> = OnceLock::new();
-    let mut opened = OPENED
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if !opened.contains_key(name) {
-        match open_file(&directory().join(name), false).and_then(|f| Mapped::map(&f, false)) {
-            Ok(m) => {
-                opened.insert(name.to_string(), m);
+    static OPENED: Mutex<Vec<(String, Mapped)>> = Mutex::new(Vec::new());
+    let mut opened = OPENED.lock().unwrap_or_else(|p| p.into_inner());
+    match opened.iter().position(|(n, _)| n == name) {
+        Some(0) => {}
+        Some(i) => {
+            let file = opened.remove(i);
+            opened.insert(0, file);
+        }
+        None => {
+            match open_file(&directory().join(name), false).and_then(|f| Mapped::map(&f, false)) {
+                Ok(m) => opened.insert(0, (name.to_string(), m)),
+                // The sharer has exited: nothing waits for this release.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(format!("opening the IPC counter {name}: {e}")),
             }
-            // The sharer has exited: nothing waits for this release.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(format!("opening the IPC counter {name}: {e}")),
+            opened.truncate(RECEIVER_MAPPINGS); // the least recent unmapped
         }
     }
-    opened[name]
+    opened[0]
+        .1
         .slot(slot as usize)
         .fetch_sub(1, Ordering::AcqRel);
     Ok(())
@@ -309,6 +317,55 @@ mod tests {
         remove_files();
         // The sharer gone, a late release does nothing.
         release(&name, slot).unwrap();
+    }
+
+    #[test]
+    fn a_receiver_keeps_the_most_recent_senders_files_mapped() {
+        let bytes = SLOTS * std::mem::size_of::<AtomicI64>();
+        let name = |k: usize| format!("cachealloc-ipc-3999999999-{}-{k}", std::process::id());
+        let mapped = || {
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            let prefix = name(0);
+            let prefix = &prefix[..prefix.len() - 1];
+            let mut files: Vec<usize> = (maps.lines())
+                .filter_map(|l| {
+                    l.split('/')
+                        .next_back()?
+                        .split(' ')
+                        .next()?
+                        .strip_prefix(prefix)
+                })
+                .map(|k| k.parse().unwrap())
+                .collect();
+            files.sort();
+            files
+        };
+        let files = RECEIVER_MAPPINGS + 1;
+        for k in 0..files {
+            let mut counters = vec![0u8; bytes];
+            counters[..8].copy_from_slice(&2i64.to_ne_bytes());
+            std::fs::write(directory().join(name(k)), counters).unwrap();
+        }
+        for k in 0..files {
+            release(&name(k), 0).unwrap();
+        }
+        // The least recent file is unmapped; each counter was released once.
+        assert_eq!(mapped(), (1..files).collect::<Vec<_>>());
+        for k in 0..files {
+            let counters = std::fs::read(directory().join(name(k))).unwrap();
+            assert_eq!(i64::from_ne_bytes(counters[..8].try_into().unwrap()), 1);
+        }
+        // Used again, it is mapped again, in place of the least recent one then.
+        release(&name(0), 0).unwrap();
+        assert_eq!(
+            mapped(),
+            [0].into_iter().chain(2..files).collect::<Vec<_>>()
+        );
+        let counters = std::fs::read(directory().join(name(0))).unwrap();
+        assert_eq!(i64::from_ne_bytes(counters[..8].try_into().unwrap()), 0);
+        for k in 0..files {
+            std::fs::remove_file(directory().join(name(k))).unwrap();
+        }
     }
 
     #[test]
