@@ -13,13 +13,13 @@
 //! shared `flock` on each of its files for as long as it lives (through its mapping of the file:
 //! Note [A lock held by a mapping]; the kernel drops it however the process ends), and the first
 //! time a process makes a counter file it removes every counter file on which it can take an
-//! exclusive lock: their sharers are gone ([`remove_stale_files`]). A lock, not the pid in the
+//! exclusive lock: their sharers are gone (`remove_stale_files`). A lock, not the pid in the
 //! name, says whether the sharer lives: a pid may be reused, or belong to another pid namespace
 //! that shares `/dev/shm`. A file is locked before it gets its name (it is made under a
 //! temporary one, then renamed), so no sweep sees it unlocked.
 //!
 //! A receiver maps the counter files of the senders it releases blocks to, the 16 most recent
-//! ([`RECEIVER_MAPPINGS`]).
+//! (`RECEIVER_MAPPINGS`).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
