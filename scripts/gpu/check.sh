@@ -119,6 +119,11 @@ run entry_point "$FIXED" --
 run load "$FIXED" -- 4 300 1
 run exit_paths "$FIXED" -- thread
 run exit_paths "$FIXED" -- signals
+# The C API's pieces of PyTorch's allocator: graph pools held by the program's references,
+# pool checkpoints (graph trees), frees held for record_stream's work.
+run graph_pool_refs "$FIXED" --
+run pool_checkpoints "$FIXED" --
+run held_free "$FIXED" --
 # The default: expandable segments for stream-ordered allocations, fixed segments for cudaMalloc
 # (whose pointers keep answering the driver as a cudaMalloc's: IPC handles, contexts).
 run basic X=1 --
