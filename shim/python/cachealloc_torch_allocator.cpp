@@ -1,13 +1,13 @@
 // cachealloc's CUDA allocator for PyTorch: the C++ side of the Python integration.
 //
-// Built by `cachealloc_torch_build.py` (called from `cachealloc_torch_allocator.py`) against the headers of the PyTorch it runs with (the
-// interface below changes between releases), loaded into the process, and installed in the
-// place of PyTorch's `cudaMallocAsync` backend before CUDA is first used. It serves what the
-// backend served — each allocation a `cudaMallocAsync` on the current stream, each free a
-// `cudaFreeAsync` on the allocation's stream, both answered by the preloaded library's pools
-// (the free through `cachealloc_free_async`, which needs no device guard) —
-// and what the backend refuses: the checkpoints of graph pools that PyTorch's CUDA graph trees
-// need.
+// Built by `cachealloc_torch_build.py` (from `cachealloc_torch_allocator.py`) against the
+// headers of the PyTorch it runs with (the interface below changes between releases), loaded
+// into the process, and installed in the place of PyTorch's `cudaMallocAsync` backend before
+// CUDA is first used. It serves what the backend served — each allocation a `cudaMallocAsync`
+// on the current stream, each free a `cudaFreeAsync` on the allocation's stream, both answered
+// by the preloaded library's pools (the free through `cachealloc_free_async`, which needs no
+// device guard) — and what the backend refuses: the graph pools' checkpoints that PyTorch's
+// CUDA graph trees need, and PyTorch's GPU trace of allocations and frees.
 //
 // Note [Graph trees under the shim]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -25,17 +25,17 @@
 // replaces, each pointer's stream and size, and turns the library's answers into PyTorch's
 // types.
 //
-// `name()` is "native" when the shim chose PyTorch's backend (the program chose none):
-// PyTorch and its tests ask `get_allocator_backend()` whether the native allocator's features
-// are there (graph pools shared through `pool=`, checkpoints, snapshots, statistics, MemPools,
-// IPC), and under the shim they are. A program that asked for `backend:cudaMallocAsync` itself
-// is answered "cudaMallocAsync", as it configured. (PyTorch checks, when it parses its settings
-// again, that the backend they name is the allocator's name: the integration takes the
-// shim's `backend:cudaMallocAsync` out of them.) The rest of those features are
-// served in Python (cachealloc_memory.py, cachealloc_history.py), which replaces the `torch._C`
-// entry points that would reach this allocator's statistics and IPC methods; the snapshot
-// the program gets comes from the library's trace, with the frames of PyTorch's own contexts
-// that this allocator keeps (cachealloc_torch_history.h, Note [PyTorch's own contexts]).
+// `name()` is "native" when the shim chose PyTorch's backend (the program chose none): PyTorch and
+// its tests ask `get_allocator_backend()` whether the native allocator's features are there (graph
+// pools shared through `pool=`, checkpoints, snapshots, statistics, MemPools, IPC), and under the
+// shim they are. A program that asked for `backend:cudaMallocAsync` itself is answered
+// "cudaMallocAsync", as it configured. (PyTorch checks, when it parses its settings again, that the
+// backend they name is the allocator's name: the integration takes the shim's
+// `backend:cudaMallocAsync` out of them.) The rest of those features are served in Python
+// (cachealloc_memory.py, cachealloc_history.py), which replaces the `torch._C` entry points that
+// would reach this allocator's statistics and IPC methods; the snapshot the program gets comes from
+// the library's trace, with the frames of PyTorch's own contexts that this allocator keeps
+// (cachealloc_torch_history.h, Note [PyTorch's own contexts]).
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -98,7 +98,6 @@ struct Usage {
 std::atomic<bool> history_call_from_integration{false};
 
 void raw_delete_fn(void* ptr);
-
 
 class Allocator final : public CUDAAllocator {
  public:
@@ -177,8 +176,7 @@ class Allocator final : public CUDAAllocator {
     return true;
   }
 
-  // What the backend did: the library releases its cached segments when the default pool is
-  // trimmed.
+  // What the backend did: the library releases its cached segments when the pool is trimmed.
   void emptyCache(MempoolId_t) override {
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t device = 0; device < devices_.size(); ++device) {
@@ -437,6 +435,7 @@ class Allocator final : public CUDAAllocator {
   // Free `ptr` on the stream it was allocated on (after the streams the library could not
   // take from `record_stream`).
   void release(void* ptr) {
+    trace_gpu_memory(ptr, false);  // before the pointer can be handed out again
     Usage usage;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -488,6 +487,7 @@ class Allocator final : public CUDAAllocator {
                        " is free. (cachealloc: see its out-of-memory report above)");
     }
     CACHEALLOC_CUDA_CHECK(err);
+    trace_gpu_memory(ptr, true);
     if (history_.enabled()) {
       history_.add(TraceEntry::ALLOC, device, ptr, size, stream, context);
     }

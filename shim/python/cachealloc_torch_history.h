@@ -1,5 +1,5 @@
 // What PyTorch's memory history needs of its allocator beyond the trace: the compiled regions
-// threads are in, and PyTorch's own contexts of events. Included by
+// threads are in, and PyTorch's own contexts of events; and PyTorch's GPU trace. Included by
 // cachealloc_torch_allocator.cpp, whose allocator keeps one `History` and answers PyTorch's
 // `recordHistory`, `pushCompileContext` and `snapshot` with these.
 //
@@ -30,6 +30,7 @@
 // PyTorch's frames over the trace's snapshot where it has them (`_with_pytorch_frames`).
 #pragma once
 
+#include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/ApproximateClock.h>
 #include <dlfcn.h>
@@ -46,6 +47,20 @@
 #include <vector>
 
 namespace cachealloc_torch {
+
+// PyTorch's GPU trace (`torch.cuda._gpu_trace`'s memory callbacks, by which CUDA Sanitizer
+// follows allocations): told of each allocation and each free, as PyTorch's own allocator
+// tells it (PyTorch's test_cuda_trace.py); one load when nothing listens.
+inline void trace_gpu_memory(void* ptr, bool allocated) {
+  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+  if (C10_UNLIKELY(interp)) {
+    if (allocated) {
+      (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
+    } else {
+      (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
+    }
+  }
+}
 
 using c10::CachingDeviceAllocator::TraceEntry;
 using c10::cuda::CUDACachingAllocator::CreateContextFn;
