@@ -435,7 +435,6 @@ class Allocator final : public CUDAAllocator {
   // Free `ptr` on the stream it was allocated on (after the streams the library could not
   // take from `record_stream`).
   void release(void* ptr) {
-    trace_gpu_memory(ptr, false);  // before the pointer can be handed out again
     Usage usage;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -444,6 +443,7 @@ class Allocator final : public CUDAAllocator {
       usage = std::move(it->second);
       usage_.erase(it);
     }
+    trace_gpu_memory(ptr, false);  // before the pointer can be handed out again
     // The library frees its own blocks whatever the current device (it finds their pool by
     // address); only memory CUDA frees, or a free that waits for other streams' events, needs
     // the block's device current.
