@@ -90,8 +90,8 @@ one() {
 }
 export -f one
 # The shim's first PyTorch process on a machine builds the integration's C++ allocator for
-# PyTorch (once, cached; the processes starting meanwhile wait for it): build it now, so that a
-# test's own deadline (test_cuda_ipc_deadlock joins its workers after 10 s) does not count it.
+# PyTorch (once, cached; the processes starting meanwhile wait for it): build it now, so that no
+# test's own time counts it.
 if [[ " ${SIDES:-native shim} " == *" shim "* ]]; then
     CACHEALLOC_CONF=log:quiet LD_PRELOAD="$LIB" timeout 300 \
         python3 -c 'import torch; torch.zeros(1, device="cuda")' > /dev/null 2>&1
