@@ -225,6 +225,8 @@ both snapshot_state.py snapshot_state
 both snapshot_state.py snapshot_state CACHEALLOC_CONF=trace:off
 both torch_settings.py torch_settings
 both profiler_memory.py profiler_memory
+# PyTorch's GPU trace hears allocations and frees; CUDA Sanitizer follows memory through it.
+both gpu_trace.py gpu_trace
 # Tensors in expandable segments (mapped memory, shared through POSIX file descriptors): natively
 # with PyTorch's expandable segments, under the shim with its own; each run first checks that its
 # tensor lies in mapped memory.

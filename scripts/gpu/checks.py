@@ -1,5 +1,5 @@
 """The line protocol of the GPU check scripts (mem_pools.py, memory_history.py,
-torch_settings.py) that check.sh's `both` runs natively and under the shim: one line per check,
+torch_settings.py, gpu_trace.py) that check.sh's `both` runs natively and under the shim: one line per check,
 `TAG label=L check=NAME ok=True|False detail=...`, and a last `TAG label=L passed=N/M`. LABEL
 (env) names the run."""
 import os
