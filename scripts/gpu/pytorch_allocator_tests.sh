@@ -10,10 +10,10 @@
 # mem_get_info, expandable), not host (pinned) memory; SELECT=EXPR replaces that pytest -k
 # expression; IDS=FILE (an absolute path) keeps only the selected tests FILE lists, one pytest
 # id (`test_cuda.py::Class::test`) a line. Writes $OUT/pytorch_tests.tsv (test, native,
-# shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a signal), timeout (TEST_TIMEOUT seconds a
-# test's process, 150 by default; PyTorch's slow tests, run with PYTORCH_TEST_WITH_SLOW=1, take
-# longer on both sides: test_multiprocessing.py's test_cuda_send_many ~140 s). Tests PyTorch
-# marks serial (they read the whole device's memory) run one at a time after the rest. The
+# shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a
+# signal), timeout (TEST_TIMEOUT seconds a test's process, 150 by default; PyTorch's slow tests,
+# run with PYTORCH_TEST_WITH_SLOW=1, take longer on both sides: test_multiprocessing.py's
+# test_cuda_send_many ~140 s). Tests PyTorch marks serial (they read the whole device's memory) run one at a time after the rest. The
 # whole run stops after DEADLINE seconds (520), so that it fits one device command; the table
 # then has what finished. GPUS=N (1) spreads the tests over the machine's first N GPUs, each
 # process seeing one of them (CUDA_VISIBLE_DEVICES by the job's slot): JOBS run at once in all,
