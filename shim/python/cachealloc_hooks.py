@@ -75,8 +75,11 @@ it has to adjust:
   `_release`): the block's segment's IPC handle and offset, or for a block of an expandable
   segment a description of the memory mapped over it (its file descriptors, which the receiver
   takes from the sender), and a reference counter in shared memory that keeps the block from
-  being reused until the receiving process lets go of it, as PyTorch does. Both processes run
-  under the shim (children of `torch.multiprocessing` inherit `LD_PRELOAD`).
+  being reused until the receiving process lets go of it, as PyTorch does. As PyTorch does too,
+  the sender records an IPC event on its current stream instead of waiting for it, the
+  receiver's stream waits on that event, and the sender keeps the event until the receiver has
+  let go (`cachealloc_ipc_sent_released`). Both processes run under the shim (children of
+  `torch.multiprocessing` inherit `LD_PRELOAD`).
 * `torch.autograd` — the backward pass runs on the autograd engine's threads, which have no
   Python frames; `backward()` and `grad()` are wrapped to tell the library which Python stack
   they were called from (`cachealloc_backward_begin`/`_end`), so that their allocations are
@@ -231,9 +234,12 @@ def _ipc_api():
         open_desc="cachealloc_ipc_open_desc",
         close_desc="cachealloc_ipc_close_desc",
         release="cachealloc_ipc_release",
+        sent_released="cachealloc_ipc_sent_released",
     )
     if api is None:
         return None
+    api.sent_released.restype = ctypes.c_int
+    api.sent_released.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
     api.share_desc.restype = ctypes.c_size_t
     api.share_desc.argtypes = [
         ctypes.c_uint64,
@@ -260,6 +266,30 @@ def _ipc_api():
 # segment's block (80 bytes: kind, 7 zero bytes, the offset in the segment, the segment's
 # 64-byte IPC handle), or an expandable segment's (never 64 bytes long).
 _FIXED_SEGMENT = 1
+
+
+class _SentEvents:
+    """The IPC events that shares' receivers wait on, each kept until its receiver has let go
+    of the block (its counter released), as PyTorch keeps its `CudaIPCSentData`'s: a receiver
+    may open the event long after the share (a queue's backlog), and an event its creator
+    destroyed cannot be opened. Each share looks at a few of the oldest."""
+
+    def __init__(self, api):
+        import collections
+
+        self._api = api
+        self._kept = collections.deque()  # (counter file's name, slot, event)
+
+    def keep(self, counter, slot, event):
+        kept = self._kept
+        kept.append((counter, slot, event))
+        for _ in range(min(len(kept), 4)):
+            name, number, _ = kept[0]
+            # 1: released; -1: not this process's counter (a forked child's copy): let go.
+            if self._api.sent_released(name, number) != 0:
+                kept.popleft()
+            else:
+                kept.rotate(-1)
 
 
 class _ReceivedBlock:
@@ -306,6 +336,8 @@ def _storage(storage):
     import ctypes
     import functools
 
+    sent_events = _SentEvents(api)
+
     def share_cuda(self, *args, **kwargs):
         import torch
 
@@ -316,31 +348,41 @@ def _storage(storage):
         slot = ctypes.c_uint64()
         size = 4096
         with torch.cuda.device(device):
-            # The receiver reads what this stream wrote (PyTorch records an event instead).
-            torch.cuda.current_stream().synchronize()
             while True:
                 desc = ctypes.create_string_buffer(size)
                 need = api.share_desc(self.data_ptr(), desc, size, counter, 128, ctypes.byref(slot))
                 if need <= size:
                     break
                 size = need  # too small: nothing was shared; again with the length it needs
-        if need == 0:
-            raise RuntimeError(
-                "cachealloc: this CUDA tensor cannot be shared with another process (the library "
-                "said why above)"
-            )
+            if need == 0:
+                raise RuntimeError(
+                    "cachealloc: this CUDA tensor cannot be shared with another process (the "
+                    "library said why above)"
+                )
+            # The receiver's stream waits on the device for what this stream queued so far
+            # (an IPC event, as PyTorch sends one): the sender does not wait.
+            event = torch.cuda.Event(interprocess=True)
+            event.record(torch.cuda.current_stream())
+            event_handle = event.ipc_handle()
+        sent_events.keep(counter.value, slot.value, event)
         desc = desc.raw[:need]
         if desc[0] == _FIXED_SEGMENT:
             # The segment's IPC handle and the offset in it, as PyTorch sends them.
             offset = int.from_bytes(desc[8:16], "little")
-            return (device, desc[16:80], self.nbytes(), offset, counter.value, slot.value, None, False)
+            return (device, desc[16:80], self.nbytes(), offset, counter.value, slot.value,
+                    event_handle, True)
         # An expandable segment's block: the description names the sender's memory.
-        return (device, desc, self.nbytes(), 0, counter.value, slot.value, None, False)
+        return (device, desc, self.nbytes(), 0, counter.value, slot.value, event_handle, True)
 
     def new_shared_cuda(cls, device, handle, size, offset, counter, slot, *rest, **kwargs):
         import torch
 
+        event_handle, event_sync_required = (list(rest) + [None, False])[:2]
         with torch.cuda.device(device):
+            if event_sync_required and event_handle:
+                # What the sender queued before the share runs before this stream's work.
+                event = torch.cuda.Event.from_ipc_handle(device, event_handle)
+                torch.cuda.current_stream().wait_event(event)
             if len(handle) == 64:  # a fixed segment's IPC handle
                 base = api.open(handle)
                 address = base + offset

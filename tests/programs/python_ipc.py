@@ -23,6 +23,46 @@ def fail(why):
     sys.exit(1)
 
 
+# The stand-in's torch.cuda: a stream whose waits the test watches, and IPC events in Python
+# (fakecuda runs every copy at once, so an event's order is not what is checked here, but that
+# the sender records one instead of waiting, the receiver's stream waits on it, and the sender
+# keeps it until the receiver has let go).
+STAND_IN_CUDA = """
+import contextlib, ctypes, os, weakref
+def device(index):
+    return contextlib.nullcontext()
+on_synchronize = None  # the test's probe, called at each stream synchronization
+waited = []  # the handles of the IPC events a stream waited on
+live_events = weakref.WeakSet()
+_made = [0]
+class Event:
+    def __init__(self, interprocess=False, handle=None):
+        assert interprocess or handle is not None, "an IPC event not made interprocess"
+        self.handle, self.recorded = handle, None
+        live_events.add(self)
+    def record(self, stream=None):
+        self.recorded = stream
+    def ipc_handle(self):
+        assert self.recorded is not None, "the IPC handle of an event never recorded"
+        if self.handle is None:
+            _made[0] += 1
+            self.handle = f"{os.getpid()}:{_made[0]}".encode().ljust(64, b"\\0")
+        return self.handle
+    @classmethod
+    def from_ipc_handle(cls, device, handle):
+        return cls(handle=bytes(handle))
+class _Stream:
+    def synchronize(self):
+        assert ctypes.CDLL(None).cudaDeviceSynchronize() == 0
+        if on_synchronize is not None:
+            on_synchronize()
+    def wait_event(self, event):
+        waited.append(event.handle)
+def current_stream(device=None):
+    return _Stream()
+"""
+
+
 def stand_in_torch():
     """A torch package with what the integration's IPC calls, first on sys.path."""
     root = tempfile.mkdtemp()
@@ -40,17 +80,7 @@ def stand_in_torch():
             "def as_tensor(obj, device=None):\n    return _Tensor(obj)\n"
         )
     with open(os.path.join(root, "torch", "cuda", "__init__.py"), "w") as f:
-        f.write(
-            "import contextlib, ctypes\n"
-            "def device(index):\n    return contextlib.nullcontext()\n"
-            "on_synchronize = None  # the test's probe, called at each stream wait\n"
-            "class _Stream:\n"
-            "    def synchronize(self):\n"
-            "        assert ctypes.CDLL(None).cudaDeviceSynchronize() == 0\n"
-            "        if on_synchronize is not None:\n"
-            "            on_synchronize()\n"
-            "def current_stream(device=None):\n    return _Stream()\n"
-        )
+        f.write(STAND_IN_CUDA)
     with open(os.path.join(root, "torch", "storage.py"), "w") as f:
         f.write(
             "class _Device:\n    index = 0\n"
@@ -108,8 +138,11 @@ if len(sys.argv) > 1 and sys.argv[1] == "receive":
     shared = json.loads(sys.argv[2])
     shared[1] = bytes.fromhex(shared[1])
     shared[4] = shared[4].encode()
+    shared[6] = bytes.fromhex(shared[6])
     size = shared[2]
     received = storage._new_shared_cuda(*shared)
+    if torch.cuda.waited != [shared[6]]:
+        fail(f"the receiver's stream waited on {torch.cuda.waited}, not the sender's event")
     if not holds(received.data_ptr(), 0x3C, size):
         fail("the receiver does not see the sender's bytes")
     fill(received.data_ptr(), 0x7E, size)
@@ -141,9 +174,25 @@ fill(block, 0x3C, size)
 stale = os.path.join(files, f"cachealloc-ipc-{4000000000 + os.getpid()}-0")
 with open(stale, "wb") as f:
     f.write(bytes(8))
+
+def sender_waits():
+    fail("the sender waited for its stream (PyTorch sends an event instead)")
+
+
+torch.cuda.on_synchronize = sender_waits
 shared = list(storage(block, size)._share_cuda_())
 if os.path.exists(stale):
     fail("a dead sharer's counter file was left in place")
+
+
+def live(event_handle):
+    gc.collect()
+    return any(e.handle == event_handle for e in torch.cuda.live_events)
+
+
+event_handle = shared[6]
+if shared[7] is not True or not isinstance(event_handle, bytes) or not live(event_handle):
+    fail(f"the share carries no event the sender keeps: {shared[6:]}")
 handle = shared[1]
 if expandable != (len(handle) != 64):
     fail(f"a share tuple with a handle of {len(handle)} bytes (expandable segments: {expandable})")
@@ -151,6 +200,7 @@ if not expandable and size == 4096 and shared[3] != block - first:
     fail(f"offset {shared[3]} of a block {block - first} bytes into its segment")
 shared[1] = handle.hex()
 shared[4] = shared[4].decode()
+shared[6] = event_handle.hex()
 child = subprocess.Popen(
     [sys.executable, __file__, "receive", json.dumps(shared)],
     stdin=subprocess.PIPE,
@@ -161,6 +211,8 @@ if child.stdout.readline().strip() != "wrote":
     fail("the receiver died before writing")
 if not holds(block, 0x7E, size):
     fail("the sender does not see the receiver's bytes")
+if not live(event_handle):
+    fail("the sender let go of the event its receiver may still open")
 if cuda.cudaFree(ctypes.c_void_p(block)) != 0:  # the receiver still holds it
     fail("cudaFree of a shared block failed")
 again = malloc(size)
@@ -175,4 +227,8 @@ cuda.cudaFree(ctypes.c_void_p(other))  # frees look at the blocks held for other
 reused, second = malloc(size), malloc(size)
 if block not in (reused, second):
     fail("the block let go of was not reused")
+# The receiver has let go: the next share drops the first one's event, and keeps its own.
+next_event = storage(malloc(size), size)._share_cuda_()[6]
+if live(event_handle) or not live(next_event):
+    fail("a released share's event was kept, or a held one's dropped")
 print("OK python_ipc", flush=True)

@@ -246,6 +246,18 @@ pub fn released(id: SlotId) -> bool {
         .is_none_or(|f| f.mapped.slot(id.1).load(Ordering::Acquire) <= 0)
 }
 
+/// In the sharing process: whether slot `slot` of this process's counter file `name` (as
+/// [`new_counter`] returned them) has been let go by its receiver; `None` when `name` is not
+/// one of this process's files (another process's, or removed at exit).
+pub fn sent_released(name: &str, slot: u64) -> Option<bool> {
+    let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
+    if sent.owner != std::process::id() || slot as usize >= SLOTS {
+        return None;
+    }
+    let file = sent.files.iter().find(|f| f.name == name)?;
+    Some(file.mapped.slot(slot as usize).load(Ordering::Acquire) <= 0)
+}
+
 /// Release counter `id` here: its share was never handed to another process.
 pub fn cancel(id: SlotId) {
     let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
@@ -313,8 +325,12 @@ mod tests {
     fn a_counter_is_released_by_its_receiver_and_names_are_checked() {
         let (id, name, slot) = new_counter().unwrap();
         assert!(!released(id));
+        assert_eq!(sent_released(&name, slot), Some(false));
         release(&name, slot).unwrap();
         assert!(released(id));
+        assert_eq!(sent_released(&name, slot), Some(true));
+        assert_eq!(sent_released("cachealloc-ipc-1-0", 0), None); // not this process's
+        assert_eq!(sent_released(&name, SLOTS as u64), None);
         assert!(release("../etc/passwd", 0).is_err());
         assert!(release(&name, SLOTS as u64).is_err());
         remove_files();

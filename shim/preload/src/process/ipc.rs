@@ -14,8 +14,12 @@
 //! * **Sending** ([`Shim::ipc_share`]): a block of a fixed segment as the segment's handle (a
 //!   fixed segment is one `cuMemAlloc_v2` allocation) and the block's offset; a block of an
 //!   expandable segment as the memory mapped over it (below); either with a new counter set to
-//!   1 ([`crate::ipc_counters`]). The sending stream is synchronized first by the integration,
-//!   so the receiver reads what was written. What is sent is a *description*, variable-length
+//!   1 ([`crate::ipc_counters`]). The receiver reads what the sender's stream wrote because
+//!   the integration records an IPC event on that stream and sends its handle, on which the
+//!   receiver's stream waits (PyTorch's protocol: the sender never waits for its device); the
+//!   sender keeps the event until its receiver has let go of the block, which it asks the
+//!   library (`cachealloc_ipc_sent_released`), since an event destroyed by its creator cannot
+//!   be opened. What is sent is a *description*, variable-length
 //!   bytes of either kind (`description`), opaque to PyTorch; the Python integration still
 //!   sends a fixed segment's block as PyTorch does (the 64-byte handle and the offset), and the
 //!   C API keeps its 64-byte functions for fixed segments beside the description's.
@@ -377,6 +381,12 @@ pub fn ipc_close_shared(shared: &Shared) -> CudaError {
 /// In the receiving process: tell the sender its block `slot` of `counter` is let go.
 pub fn ipc_release(counter: &str, slot: u64) -> Result<(), String> {
     ipc_counters::release(counter, slot)
+}
+
+/// In the sending process: whether the receiver has let go of slot `slot` of this process's
+/// counter `counter`; `None` when the counter is not this process's.
+pub fn ipc_sent_released(counter: &str, slot: u64) -> Option<bool> {
+    ipc_counters::sent_released(counter, slot)
 }
 
 /// `accessor` may now use `owner`'s memory (peer access): the blocks of expandable segments

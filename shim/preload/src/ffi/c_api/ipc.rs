@@ -255,3 +255,30 @@ pub unsafe extern "C" fn cachealloc_ipc_release(counter: *const c_char, slot: u6
         || cuda::ERROR_INITIALIZATION,
     )
 }
+
+/// In the sharing process: whether the receiver has let go of slot `slot` of this process's
+/// counter `counter` (from [`cachealloc_ipc_share_desc`]): 1 released, 0 still held, -1 when
+/// `counter` is not one of this process's counters. What the Python integration keeps alive
+/// for a share (the event the receiver waits on) may go once it is released.
+///
+/// # Safety
+/// `counter` must be null or a valid NUL-terminated string.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_ipc_sent_released(counter: *const c_char, slot: u64) -> i32 {
+    if counter.is_null() {
+        return -1;
+    }
+    // SAFETY: non-null and NUL-terminated per the caller's contract.
+    let Ok(name) = unsafe { CStr::from_ptr(counter) }.to_str() else {
+        return -1;
+    };
+    let name = name.to_owned();
+    guarded(
+        "cachealloc_ipc_sent_released",
+        || match process::ipc_sent_released(&name, slot) {
+            Some(released) => i32::from(released),
+            None => -1,
+        },
+        || -1,
+    )
+}
