@@ -268,11 +268,17 @@ def _ipc_api():
 _FIXED_SEGMENT = 1
 
 
+# At most this many IPC events alive for shares, as PyTorch's `CUDA_IPC_MAXIMUM_EVENTS_TO_USE`:
+# CUDA limits recorded interprocess events (unofficially, ~22 000 measured by PyTorch), so past
+# it a share synchronizes its stream instead, as PyTorch's does.
+_MAX_SENT_EVENTS = 1000
+
+
 class _SentEvents:
     """The IPC events that shares' receivers wait on, each kept until its receiver has let go
     of the block (its counter released), as PyTorch keeps its `CudaIPCSentData`'s: a receiver
     may open the event long after the share (a queue's backlog), and an event its creator
-    destroyed cannot be opened. Each share looks at a few of the oldest."""
+    destroyed cannot be opened."""
 
     def __init__(self, api):
         import collections
@@ -280,16 +286,22 @@ class _SentEvents:
         self._api = api
         self._kept = collections.deque()  # (counter file's name, slot, event)
 
-    def keep(self, counter, slot, event):
+    def room(self):
+        """Whether a share may have an event: let go of released ones first, a few of the
+        oldest at each share, all of them when the kept ones reach the limit."""
         kept = self._kept
-        kept.append((counter, slot, event))
-        for _ in range(min(len(kept), 4)):
+        look = min(len(kept), 4 if len(kept) < _MAX_SENT_EVENTS else len(kept))
+        for _ in range(look):
             name, number, _ = kept[0]
             # 1: released; -1: not this process's counter (a forked child's copy): let go.
             if self._api.sent_released(name, number) != 0:
                 kept.popleft()
             else:
                 kept.rotate(-1)
+        return len(kept) < _MAX_SENT_EVENTS
+
+    def keep(self, counter, slot, event):
+        self._kept.append((counter, slot, event))
 
 
 class _ReceivedBlock:
@@ -360,19 +372,25 @@ def _storage(storage):
                     "library said why above)"
                 )
             # The receiver's stream waits on the device for what this stream queued so far
-            # (an IPC event, as PyTorch sends one): the sender does not wait.
-            event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream())
-            event_handle = event.ipc_handle()
-        sent_events.keep(counter.value, slot.value, event)
+            # (an IPC event, as PyTorch sends one): the sender does not wait, unless the
+            # events kept for its shares have reached CUDA's limit.
+            event = event_handle = None
+            if sent_events.room():
+                event = torch.cuda.Event(interprocess=True)
+                event.record(torch.cuda.current_stream())
+                event_handle = event.ipc_handle()
+                sent_events.keep(counter.value, slot.value, event)
+            else:
+                torch.cuda.current_stream().synchronize()
+        sync = event is not None
         desc = desc.raw[:need]
         if desc[0] == _FIXED_SEGMENT:
             # The segment's IPC handle and the offset in it, as PyTorch sends them.
             offset = int.from_bytes(desc[8:16], "little")
             return (device, desc[16:80], self.nbytes(), offset, counter.value, slot.value,
-                    event_handle, True)
+                    event_handle, sync)
         # An expandable segment's block: the description names the sender's memory.
-        return (device, desc, self.nbytes(), 0, counter.value, slot.value, event_handle, True)
+        return (device, desc, self.nbytes(), 0, counter.value, slot.value, event_handle, sync)
 
     def new_shared_cuda(cls, device, handle, size, offset, counter, slot, *rest, **kwargs):
         import torch

@@ -5,7 +5,9 @@ UntypedStorage._share_cuda_ (replaced by the integration) and received by this s
 in a child process with _new_shared_cuda, as torch.multiprocessing does: the child reads the
 parent's bytes and writes its own, which the parent sees; the parent frees the block while the
 child holds it, and it is not handed out again; once the child let go of the storage (after
-waiting for its stream), it is.
+waiting for its stream), the next allocation takes it back. The sender records an IPC event
+instead of waiting for its stream, the receiver's stream waits on it, and the sender keeps it
+until the receiver has let go.
 With CACHEALLOC_CONF=expandable_segments:True the block lies in an expandable segment and the
 share tuple carries its description instead of a 64-byte IPC handle.
 Usage: python_ipc.py [BYTES]. Prints "OK python_ipc"."""
@@ -223,12 +225,21 @@ child.stdin.flush()
 said = child.stdout.read()
 if child.wait() != 0 or "OK python_ipc receiver" not in said:
     fail(f"the receiver failed: {said}")
-cuda.cudaFree(ctypes.c_void_p(other))  # frees look at the blocks held for other processes
-reused, second = malloc(size), malloc(size)
-if block not in (reused, second):
-    fail("the block let go of was not reused")
+# The receiver has let go: the next allocation, with no free before it, takes the block back
+# before any new memory is reserved (PyTorch collects its limbo before its allocator grows).
+if malloc(size) != block:
+    fail("the block let go of did not serve the next allocation")
 # The receiver has let go: the next share drops the first one's event, and keeps its own.
 next_event = storage(malloc(size), size)._share_cuda_()[6]
 if live(event_handle) or not live(next_event):
     fail("a released share's event was kept, or a held one's dropped")
+# CUDA limits interprocess events: with as many kept as PyTorch keeps at most, the next share
+# synchronizes its stream instead, as PyTorch's does.
+limit = sys.modules["cachealloc_hooks"]._MAX_SENT_EVENTS
+syncs = []
+torch.cuda.on_synchronize = lambda: syncs.append(1)
+for i in range(limit):
+    with_event = storage(malloc(4096), 4096)._share_cuda_()[7]
+    if with_event != (i < limit - 1) or len(syncs) != (i == limit - 1):
+        fail(f"share {i + 2} with {limit} events allowed: event {with_event}, waits {len(syncs)}")
 print("OK python_ipc", flush=True)

@@ -34,7 +34,7 @@ impl Shim {
         {
             return self.observed(device, size, stream, served);
         }
-        self.ipc_collect_now_and_then();
+        self.ipc_collect_if_pending();
         let pool = self.pool(device)?;
         let served = match self.serve(&pool.alloc, device, size, stream) {
             // Blocks other processes let go of since: free them, and try again.

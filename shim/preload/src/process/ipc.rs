@@ -34,9 +34,10 @@
 //! * **The sender's free.** A block freed while any of its counters is above zero is not
 //!   freed: it waits in *limbo*, still allocated (so its segment cannot be released, nor the
 //!   memory mapped over it unmapped), and is freed once every counter is zero. The limbo is
-//!   looked at on every free and every 64th allocation while it is not empty, at
-//!   `empty_cache`, and before an allocation gives up with out of memory (so a program that
-//!   only allocates after its receivers let go gets the memory back, as natively).
+//!   looked at on every free and every allocation while it is not empty (so a block let go of
+//!   serves the next request before new memory does, as PyTorch's limbo is collected before
+//!   its allocator grows), at `empty_cache`, and before an allocation gives up with out of
+//!   memory.
 //!
 //! **Expandable segments.** Mapped memory has no legacy IPC handle; as PyTorch does, it is
 //! shared through POSIX file descriptors. The device's memory is made exportable where it can
@@ -69,7 +70,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cachealloc_core::{AddressInfo, Allocator, BlockState};
@@ -104,10 +105,8 @@ pub struct IpcShare {
 /// The blocks this process has shared, and those freed while shared.
 #[derive(Debug, Default)]
 pub struct IpcBook {
-    /// Whether the limbo holds blocks (allocations look at it now and then).
+    /// Whether the limbo holds blocks (every allocation looks at it then).
     limbo_pending: AtomicBool,
-    /// Allocations since the limbo was last looked at by one.
-    ticks: AtomicU64,
     /// Whether file descriptors exported for shares are still open.
     exports_open: AtomicBool,
     inner: Mutex<Held>,
@@ -259,17 +258,14 @@ impl Shim {
         Some(cuda::SUCCESS)
     }
 
-    /// At an allocation: every 64th while blocks wait in limbo, free those let go of.
-    pub(super) fn ipc_collect_now_and_then(&self) {
+    /// At an allocation while blocks wait in limbo: free those let go of first, so that their
+    /// memory serves the request before new memory is reserved for it (PyTorch collects its
+    /// IPC limbo before its allocator grows: a free-memory callback). A look costs one load per
+    /// block in limbo; a producer that frees each tensor it sends keeps there only the tensors
+    /// its receivers still hold.
+    pub(super) fn ipc_collect_if_pending(&self) {
         // Note [Rare conditions in one word]: no block was ever shared.
-        if crate::rare::any(crate::rare::IPC)
-            && self.ipc.limbo_pending.load(Ordering::Relaxed)
-            && self
-                .ipc
-                .ticks
-                .fetch_add(1, Ordering::Relaxed)
-                .is_multiple_of(64)
-        {
+        if crate::rare::any(crate::rare::IPC) && self.ipc.limbo_pending.load(Ordering::Relaxed) {
             self.ipc_collect();
         }
     }
