@@ -7,8 +7,10 @@ puts on a queue, natively and under the shim, with the stream idle and with work
 Idle: SHARES (default 2 000) shares of distinct 1 MiB tensors, nothing queued; microseconds per
 share. Busy: 9 shares, each just after `torch.cuda._sleep` queued BUSY_MS (default 20) ms of
 work on the current stream; the median milliseconds of the share call. PyTorch records an IPC
-event on the stream for the receiver to wait on, so its sender never waits for the device; a
-sender that synchronized its stream instead would wait out the queued work in every busy share.
+event on the stream for the receiver to wait on, so its sender does not wait for the device
+while fewer than 1 000 of its events are alive (then it synchronizes, as the shim does: keep
+SHARES under that to compare the events); a sender that synchronized at every share would wait
+out the queued work in every busy share.
 Nothing is received: the shares' blocks stay held, as a sender's are until its receivers let
 go. Prints one line, `ipc_share label=… idle_us=… busy_ms=… busy_queued_ms=…`."""
 import os
