@@ -26,7 +26,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 /// Counters in one file.
 pub const SLOTS: usize = 4096;
@@ -238,12 +238,25 @@ fn remove_stale_files(directory: &Path) -> usize {
     removed
 }
 
+/// This process's counters, locked once for many looks: a look at the limbo asks about every
+/// block in it, and an allocation looks while blocks wait there.
+pub struct SentCounters(MutexGuard<'static, Sent>);
+
+impl SentCounters {
+    /// Whether the receiving process has let go of counter `id` (it reached zero).
+    pub fn released(&self, id: SlotId) -> bool {
+        (self.0.files.get(id.0)).is_none_or(|f| f.mapped.slot(id.1).load(Ordering::Acquire) <= 0)
+    }
+}
+
+/// Lock this process's counters for [`SentCounters::released`].
+pub fn sent_counters() -> SentCounters {
+    SentCounters(sent().lock().unwrap_or_else(|p| p.into_inner()))
+}
+
 /// Whether the receiving process has let go of counter `id` (it reached zero).
 pub fn released(id: SlotId) -> bool {
-    let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
-    sent.files
-        .get(id.0)
-        .is_none_or(|f| f.mapped.slot(id.1).load(Ordering::Acquire) <= 0)
+    sent_counters().released(id)
 }
 
 /// In the sharing process: whether slot `slot` of this process's counter file `name` (as

@@ -125,8 +125,8 @@ struct Held {
 
 impl Held {
     /// Close the file descriptors of the shares released since. Returns whether some stay.
-    fn close_released_exports(&mut self) -> bool {
-        self.exported.retain(|(id, _)| !ipc_counters::released(*id));
+    fn close_released_exports(&mut self, counters: &ipc_counters::SentCounters) -> bool {
+        self.exported.retain(|(id, _)| !counters.released(*id));
         !self.exported.is_empty()
     }
 }
@@ -278,7 +278,12 @@ impl Shim {
         }
         let ready: Vec<(u64, u64)> = {
             let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
-            if self.ipc.exports_open.load(Ordering::Acquire) && !held.close_released_exports() {
+            // One lock of the counters for every look below (held, then the counters: the
+            // order every path takes).
+            let counters = ipc_counters::sent_counters();
+            if self.ipc.exports_open.load(Ordering::Acquire)
+                && !held.close_released_exports(&counters)
+            {
                 self.ipc.exports_open.store(false, Ordering::Release);
             }
             if held.limbo.is_empty() {
@@ -289,7 +294,7 @@ impl Shim {
             limbo.retain(|&(address, stream)| {
                 let free = shared
                     .get(&address)
-                    .is_none_or(|ids| ids.iter().all(|&id| ipc_counters::released(id)));
+                    .is_none_or(|ids| ids.iter().all(|&id| counters.released(id)));
                 if free {
                     shared.remove(&address);
                     ready.push((address, stream));
