@@ -15,7 +15,8 @@
  * "big" shares a block of 48 MiB, which an expandable segment maps in several chunks.
  * EXACT_FDS=1 (fakecuda): with "desc", the descriptors the sender exports for an expandable
  * segment's block are closed once the receiver lets go (the count of open descriptors is back
- * to where it was; a GPU's driver may open descriptors of its own meanwhile). EXPECT_REFUSAL=1:
+ * to where it was; a GPU's driver may open descriptors of its own meanwhile), and a second share of
+ * the block sends the first's descriptors instead of exporting again. EXPECT_REFUSAL=1:
  * with "desc", sharing the block must fail (a device whose memory cannot be exported).
  * MEMPOOL=1: the sender's blocks come from a MemPool (a private pool: cudaMallocAsync on a stream
  * while the thread allocates to it), which keeps its maps (Note [Expandable private pools]). */
@@ -211,6 +212,24 @@ int main(int argc, char **argv) {
             EXPECT(open_fds() == fds_before + exported || !exact_fds, "%d descriptors exported for %u chunks",
                    open_fds() - fds_before, chunks);
             EXPECT(!big || chunks > 1, "a big block in %u chunk", chunks);
+            /* A second share of the block (a tensor put on two queues) sends the descriptors the
+             * first holds: nothing is exported again. Let go of at once (the sender releases its
+             * counter as a receiver would) and a look at the released shares made (a free), the
+             * descriptors stay open for the first share. */
+            unsigned char twice[DESC];
+            char counter2[128];
+            uint64_t slot2 = 0;
+            size_t len2 = share_desc((uint64_t)(uintptr_t)block, twice, sizeof twice, counter2, sizeof counter2, &slot2);
+            EXPECT(len2 == len && memcmp(twice, handle, len) == 0, "a second share exported the memory again");
+            EXPECT(open_fds() == fds_before + exported || !exact_fds, "a second share opened %d descriptors",
+                   open_fds() - fds_before - exported);
+            EXPECT(release_counter(counter2, slot2) == 0, "releasing the second share's counter");
+            void *scratch;
+            CHECK(alloc(&scratch, 4096));
+            CHECK(release(scratch));
+            EXPECT(open_fds() == fds_before + exported || !exact_fds,
+                   "the first share's descriptors were closed with the second's (%d open of %d)",
+                   open_fds() - fds_before, exported);
         } else {
             EXPECT(handle[0] == 1 && len == 80, "not a fixed segment's description (kind %d)", handle[0]);
             offset = u64_at(handle + 8);

@@ -42,11 +42,11 @@
 //! The caller runs every method with the device's primary context current, and makes sure no
 //! kernel still uses what it unmaps (unlike `cudaFree`, `cuMemUnmap` does not wait for them).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cachealloc_core::DeviceError;
 use cudarc::driver::sys;
@@ -108,6 +108,11 @@ pub struct Vmm {
     /// Every mapping the driver holds for us on this device, start → size: the places of new
     /// memory and of moved memory, parked ones included (for [`Vmm::grant`]).
     mappings: Mutex<BTreeMap<u64, u64>>,
+    /// The file descriptor of each mapping (by start) exported for shares some of which are
+    /// still held: a later share of memory under the same mapping sends the same descriptor
+    /// instead of exporting the memory again (Note [IPC of pooled memory]). Locked after
+    /// `mappings`; a mapping's entry goes when it is unmapped.
+    exports: Mutex<HashMap<u64, Weak<OwnedFd>>>,
     /// Whether new memory is made exportable as a POSIX file descriptor (for IPC).
     shareable: AtomicBool,
     /// Why it is not, once it is not.
@@ -123,8 +128,9 @@ pub struct Exported {
     /// Where the first mapping over the block starts.
     pub start: u64,
     /// Each mapping from `start` on, in address order, adjacent: its size and its memory's
-    /// file descriptor (closed when dropped).
-    pub chunks: Vec<(u64, OwnedFd)>,
+    /// file descriptor (shared by the shares held of memory under that mapping; closed with the
+    /// last of them).
+    pub chunks: Vec<(u64, Arc<OwnedFd>)>,
 }
 
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
@@ -181,6 +187,7 @@ impl Vmm {
             ordinal,
             granularity: granularity as u64,
             mappings: Mutex::new(BTreeMap::new()),
+            exports: Mutex::new(HashMap::new()),
             shareable: AtomicBool::new(shareable),
             unshareable,
         })
@@ -287,7 +294,9 @@ impl Vmm {
 
     /// Forget every mapping (the device was reset: the driver dropped them with its context).
     pub fn forget_mappings(&self) {
-        self.mappings
+        let mut mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
+        mapped.clear();
+        self.exports
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clear();
@@ -385,6 +394,8 @@ impl Vmm {
         // Off the list first, so that no grant touches it while it goes (see the Note).
         let mut mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
         mapped.remove(&address);
+        // The next memory mapped here is other memory: never sent under this one's descriptor.
+        (self.exports.lock().unwrap_or_else(|p| p.into_inner())).remove(&address);
         drop(mapped);
         // SAFETY: `[address, address + size)` is exactly one mapping `map_with_moves` made.
         let result = check(
@@ -405,9 +416,11 @@ impl Vmm {
     /// another process: each mapping that overlaps it, from the first on, as a POSIX file
     /// descriptor of its physical memory (see Note [IPC of pooled memory] in the shim's
     /// `process::ipc`). The block's memory stays mapped while it lives, so the mappings found
-    /// cannot go while they are exported.
+    /// cannot go while they are exported. A mapping whose descriptor a held share still has is
+    /// not exported again: the share gets that descriptor.
     pub fn export(&self, address: u64, size: u64) -> Result<Exported, String> {
         let mapped = self.mappings.lock().unwrap_or_else(|p| p.into_inner());
+        let mut exports = self.exports.lock().unwrap_or_else(|p| p.into_inner());
         let end = address.saturating_add(size.max(1));
         let start = match mapped.range(..=address).next_back() {
             Some((&start, &len)) if start + len > address => start,
@@ -421,7 +434,15 @@ impl Vmm {
                     "the memory under {address:#x} is not mapped at {at:#x}"
                 ));
             };
-            chunks.push((len, self.export_one(at)?));
+            let fd = match exports.get(&at).and_then(Weak::upgrade) {
+                Some(fd) => fd,
+                None => {
+                    let fd = Arc::new(self.export_one(at)?);
+                    exports.insert(at, Arc::downgrade(&fd));
+                    fd
+                }
+            };
+            chunks.push((len, fd));
             at += len;
         }
         Ok(Exported {

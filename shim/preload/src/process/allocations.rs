@@ -38,7 +38,7 @@ impl Shim {
         let pool = self.pool(device)?;
         let served = match self.serve(&pool.alloc, device, size, stream) {
             // Blocks other processes let go of since: free them, and try again.
-            Err(cuda::ERROR_MEMORY_ALLOCATION) if self.ipc_collect() > 0 => {
+            Err(cuda::ERROR_MEMORY_ALLOCATION) if self.ipc_collect_all() > 0 => {
                 self.serve(&pool.alloc, device, size, stream)
             }
             served => served,
@@ -314,7 +314,7 @@ impl Shim {
     /// Release every cached free segment on every device.
     /// Private pools still in use keep theirs (Note [Private pools]).
     pub fn empty_cache(&self) -> Result<(), CudaError> {
-        self.ipc_collect();
+        self.ipc_collect_all();
         // As PyTorch's native `empty_cache`, wait for the work of recorded streams first.
         self.free_recorded_when_done(true);
         self.with_free_stack(|| {

@@ -49,8 +49,15 @@
 //! or after it) and describes them with its pid, its device, where the range they cover starts
 //! and its size, each mapping's size and descriptor, and the block's offset in that range. It
 //! keeps the descriptors open until the share's counter is released (the receiver takes them
-//! from this process; they are closed by the next look at the limbo or the next share after
-//! the release). The receiver (`expandable`) takes each descriptor with `pidfd_open` +
+//! from this process; they are closed by a later look after the release: each free and each
+//! share checks a few shares, eight, the one checked longest ago first, so that a producer
+//! holding thousands of shares does not read all their counters at every free; `empty_cache`
+//! and an allocation out of memory check them all). A mapping is exported once while shares of memory under it are held: a later
+//! share sends the same descriptor (`backend::vmm`'s exports, counted by the descriptor
+//! server), which is closed with the last of those shares, and forgotten when the mapping is
+//! unmapped. Exporting is most of a share's cost on the sender (a driver call that opens a
+//! file), and a producer that sends many tensors of one segment (a model's parameters) holds
+//! their shares together. The receiver (`expandable`) takes each descriptor with `pidfd_open` +
 //! `pidfd_getfd`; where that is refused (ptrace restrictions: a child may not take its
 //! parent's, the usual direction of `torch.multiprocessing`) it asks the sender's descriptor
 //! server (`fd_server`: an abstract Unix socket that passes descriptors exported for shares
@@ -68,7 +75,7 @@
 //! processes of different users or network namespaces where ptrace restrictions also refuse
 //! `pidfd_getfd` and `/proc`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -119,14 +126,29 @@ struct Held {
     /// Blocks the program freed while shared: (address, stream of the free).
     limbo: Vec<(u64, u64)>,
     /// The file descriptors exported for each share of a block of an expandable segment, kept
-    /// open until the receiver releases the share's counter (it takes them from this process).
-    exported: Vec<(SlotId, fd_server::Exported)>,
+    /// open until the receiver releases the share's counter (it takes them from this process);
+    /// the share looked at longest ago first.
+    exported: VecDeque<(SlotId, fd_server::Exported)>,
 }
 
+/// How many shares' exported descriptors a look at the released shares checks (frees and
+/// shares look): a producer may hold thousands of shares for as long as it runs (a model's
+/// parameters sent to inference workers), and every free would otherwise read all their
+/// counters. A look at memory's end (`empty_cache`, out of memory) checks them all.
+const EXPORTS_CHECKED_PER_LOOK: usize = 8;
+
 impl Held {
-    /// Close the file descriptors of the shares released since. Returns whether some stay.
-    fn close_released_exports(&mut self, counters: &ipc_counters::SentCounters) -> bool {
-        self.exported.retain(|(id, _)| !counters.released(*id));
+    /// Close the file descriptors of the shares released since, looking at `limit` shares at
+    /// most, the one looked at longest ago first. Returns whether some stay.
+    fn close_released_exports(&mut self, limit: usize, released: impl Fn(SlotId) -> bool) -> bool {
+        for _ in 0..limit.min(self.exported.len()) {
+            let Some((id, exported)) = self.exported.pop_front() else {
+                break;
+            };
+            if !released(id) {
+                self.exported.push_back((id, exported));
+            }
+        }
         !self.exported.is_empty()
     }
 }
@@ -197,7 +219,7 @@ impl Shim {
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
         held.shared.entry(info.block_address).or_default().push(id);
         if !fds.is_empty() {
-            held.exported.push((id, fd_server::Exported::new(fds)));
+            held.exported.push_back((id, fd_server::Exported::new(fds)));
             self.ipc.exports_open.store(true, Ordering::Release);
         }
         // Whether any block was ever shared is the rare word's bit: frees skip the book until
@@ -271,8 +293,19 @@ impl Shim {
     }
 
     /// Free the blocks in limbo that no other process holds any more, and close the file
-    /// descriptors exported for shares released since. Returns how many blocks.
+    /// descriptors exported for shares released since (a few shares' a look:
+    /// [`EXPORTS_CHECKED_PER_LOOK`]). Returns how many blocks.
     pub(super) fn ipc_collect(&self) -> usize {
+        self.ipc_collect_checking(EXPORTS_CHECKED_PER_LOOK)
+    }
+
+    /// [`Shim::ipc_collect`], checking every share's exported descriptors (memory is short:
+    /// a descriptor left open keeps its memory from the device).
+    pub(super) fn ipc_collect_all(&self) -> usize {
+        self.ipc_collect_checking(usize::MAX)
+    }
+
+    fn ipc_collect_checking(&self, exports_checked: usize) -> usize {
         if !crate::rare::any(crate::rare::IPC) {
             return 0;
         }
@@ -282,7 +315,7 @@ impl Shim {
             // order every path takes).
             let counters = ipc_counters::sent_counters();
             if self.ipc.exports_open.load(Ordering::Acquire)
-                && !held.close_released_exports(&counters)
+                && !held.close_released_exports(exports_checked, |id| counters.released(id))
             {
                 self.ipc.exports_open.store(false, Ordering::Release);
             }
@@ -395,4 +428,48 @@ pub fn ipc_sent_released(counter: &str, slot: u64) -> Option<bool> {
 /// ranges could not be granted.
 pub(super) fn grant_received_to_peer(owner: i32, accessor: i32) -> usize {
     expandable::grant_peer(owner, accessor)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    #[test]
+    fn a_look_checks_a_few_shares_oldest_first_and_the_rest_in_later_looks() {
+        let mut held = Held::default();
+        for slot in 0..20 {
+            let id: SlotId = (0, slot);
+            held.exported
+                .push_back((id, fd_server::Exported::new(Vec::new())));
+        }
+        let released = |id: SlotId| id.1.is_multiple_of(2); // every other share let go of
+        let checked = Cell::new(Vec::new());
+        let look = |held: &mut Held| {
+            held.close_released_exports(EXPORTS_CHECKED_PER_LOOK, |id| {
+                let mut seen = checked.take();
+                seen.push(id.1);
+                checked.set(seen);
+                released(id)
+            })
+        };
+        assert!(look(&mut held));
+        assert_eq!(checked.take(), (0..8).collect::<Vec<_>>(), "the oldest 8");
+        assert_eq!(held.exported.len(), 16, "the 4 released of them closed");
+        assert!(look(&mut held));
+        assert_eq!(
+            checked.take(),
+            (8..16).collect::<Vec<_>>(),
+            "then the next 8"
+        );
+        // The shares not yet let go of come round again after the ones never looked at.
+        assert!(look(&mut held));
+        assert_eq!(checked.take(), vec![16, 17, 18, 19, 1, 3, 5, 7]);
+        assert_eq!(held.exported.len(), 10);
+        // Checking them all: only the held ones stay.
+        assert!(held.close_released_exports(usize::MAX, released));
+        assert!(held.exported.iter().all(|(id, _)| !released(*id)));
+        assert!(!held.close_released_exports(usize::MAX, |_| true));
+    }
 }

@@ -297,9 +297,11 @@ mod tests {
         let refused = |_: u32, _: i32| -> std::io::Result<OwnedFd> {
             Err(std::io::Error::from_raw_os_error(libc::EPERM))
         };
-        // The server answers only for descriptors exported for a share still held.
-        let exported =
-            super::super::fd_server::Exported::new(vec![OwnedFd::from(write.try_clone().unwrap())]);
+        // The server answers only for descriptors exported for a share still held. Two shares
+        // of memory under one mapping send one descriptor.
+        let fd = std::sync::Arc::new(OwnedFd::from(write.try_clone().unwrap()));
+        let exported = super::super::fd_server::Exported::new(vec![fd.clone()]);
+        let second = super::super::fd_server::Exported::new(vec![fd]);
         let served = {
             let fds: Vec<i32> = (0..1024)
                 .filter(|&n| n != write.as_raw_fd())
@@ -327,6 +329,12 @@ mod tests {
         // A descriptor not exported for a share is not served.
         let why = take_fd_with(me, write.as_raw_fd(), &[server]).unwrap_err();
         assert!(why.contains("does not hold"), "{why}");
+        // One share ended, the other held: still served, still open.
+        drop(second);
+        let mut taken = std::fs::File::from(
+            take_fd_with(me, served, &[server]).expect("served while a share holds it"),
+        );
+        taken.write_all(b"y").unwrap();
         drop(exported);
         assert!(
             super::super::fd_server::fetch(me, served).is_err(),

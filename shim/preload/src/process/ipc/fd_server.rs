@@ -8,34 +8,38 @@
 //! listening on the abstract Unix socket `cachealloc-ipc-<pid>` passes a descriptor
 //! (`SCM_RIGHTS`) to a peer of the same user that names it, and only descriptors this process
 //! exported for a share still held ([`Exported`]); anything else is answered with none.
+//! Several held shares may send one descriptor (memory under the same mapping: the mapping is
+//! exported once while shares of it are held), so the server counts the shares of each number.
 //! Descriptors are closed under the same lock the server checks them under, so a number it
 //! answers is never a newer file's.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::log;
 
-/// The descriptors exported for shares still held, by number.
-static SERVED: Mutex<Option<HashSet<RawFd>>> = Mutex::new(None);
+/// The descriptors exported for shares still held, by number: how many such shares send each.
+static SERVED: Mutex<Option<HashMap<RawFd, usize>>> = Mutex::new(None);
 
-/// Descriptors exported for one share: answerable by the server while alive, closed (and no
-/// longer answered) when dropped.
+/// Descriptors exported for one share: answerable by the server while alive; when dropped, no
+/// longer answered for this share, and closed if no other share holds them.
 #[derive(Debug)]
-pub struct Exported(Vec<OwnedFd>);
+pub struct Exported(Vec<Arc<OwnedFd>>);
 
 impl Exported {
     /// Keep `fds` open and answerable; starts the server at the first.
-    pub fn new(fds: Vec<OwnedFd>) -> Exported {
+    pub fn new(fds: Vec<Arc<OwnedFd>>) -> Exported {
         if !fds.is_empty() {
             start();
             let mut served = SERVED.lock().unwrap_or_else(|p| p.into_inner());
-            let set = served.get_or_insert_with(HashSet::new);
-            set.extend(fds.iter().map(AsRawFd::as_raw_fd));
+            let counts = served.get_or_insert_with(HashMap::new);
+            for fd in &fds {
+                *counts.entry(fd.as_raw_fd()).or_default() += 1;
+            }
         }
         Exported(fds)
     }
@@ -44,12 +48,19 @@ impl Exported {
 impl Drop for Exported {
     fn drop(&mut self) {
         let mut served = SERVED.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(set) = served.as_mut() {
+        if let Some(counts) = served.as_mut() {
             for fd in &self.0 {
-                set.remove(&fd.as_raw_fd());
+                let number = fd.as_raw_fd();
+                if let Some(count) = counts.get_mut(&number) {
+                    *count -= 1;
+                    if *count == 0 {
+                        counts.remove(&number);
+                    }
+                }
             }
         }
-        // Closed under the lock: the server never answers a number reused meanwhile.
+        // Closed (the last holder's) under the lock: the server never answers a number reused
+        // meanwhile.
         self.0.clear();
     }
 }
@@ -99,7 +110,7 @@ fn answer(mut stream: UnixStream) -> std::io::Result<()> {
     stream.read_exact(&mut number)?;
     let fd = RawFd::from_ne_bytes(number);
     let served = SERVED.lock().unwrap_or_else(|p| p.into_inner());
-    if served.as_ref().is_some_and(|s| s.contains(&fd)) {
+    if served.as_ref().is_some_and(|s| s.contains_key(&fd)) {
         send_fd(&stream, fd)
     } else {
         drop(served);
