@@ -11,6 +11,9 @@ torch.cuda.device(d)`), and under the shim `library` (`cachealloc_ipc_share_desc
 ctypes with its buffers: the library's part, the export of mapped memory or the segment's IPC
 handle and the counter), and `buffers` (the ctypes buffers alone). Prints one line,
 `ipc_parts label=… whole_us=… event_us=… guard_us=… [library_us=… buffers_us=…]`.
+PARTS=whole,library (names separated by commas) times only those: a profiler's run; with
+READY=PATH the script writes PATH once the tensors of its last part are made, then waits a
+second before timing it (a profiler attaches meanwhile: `perf record -p`).
 Every share is kept (nothing is received), as in `ipc_share_cost.py`."""
 import ctypes
 import os
@@ -23,6 +26,7 @@ label = os.environ.get("LABEL", "?")
 shares = int(sys.argv[1]) if len(sys.argv) > 1 else 400
 device = torch.device("cuda")
 kept = []
+wanted = set(os.environ.get("PARTS", "whole,event,guard,library,buffers").split(","))
 
 
 def fresh(n):
@@ -31,6 +35,10 @@ def fresh(n):
 
 def per_call_us(fn, items):
     torch.cuda.synchronize()
+    if os.environ.get("READY"):
+        with open(os.environ["READY"], "w") as ready:
+            ready.write(str(os.getpid()))
+        time.sleep(1)
     start = time.perf_counter()
     for item in items:
         kept.append(fn(item))
@@ -38,7 +46,9 @@ def per_call_us(fn, items):
 
 
 fresh(1)[0].untyped_storage()._share_cuda_()  # the first share's set-up, untimed
-parts = {"whole": per_call_us(lambda t: t.untyped_storage()._share_cuda_(), fresh(shares))}
+parts = {}
+if "whole" in wanted:
+    parts["whole"] = per_call_us(lambda t: t.untyped_storage()._share_cuda_(), fresh(shares))
 
 
 def event(_):
@@ -47,7 +57,8 @@ def event(_):
     return e, e.ipc_handle()
 
 
-parts["event"] = per_call_us(event, range(shares))
+if "event" in wanted:
+    parts["event"] = per_call_us(event, range(shares))
 
 
 def guard(_):
@@ -55,7 +66,8 @@ def guard(_):
         pass
 
 
-parts["guard"] = per_call_us(guard, range(shares))
+if "guard" in wanted:
+    parts["guard"] = per_call_us(guard, range(shares))
 
 hooks = sys.modules.get("cachealloc_hooks")
 api = hooks._ipc_api() if hooks is not None else None
@@ -75,8 +87,10 @@ if api is not None:
         desc = ctypes.create_string_buffer(4096)
         return counter, slot, desc
 
-    parts["library"] = per_call_us(library, fresh(shares))
-    parts["buffers"] = per_call_us(buffers, range(shares))
+    if "library" in wanted:
+        parts["library"] = per_call_us(library, fresh(shares))
+    if "buffers" in wanted:
+        parts["buffers"] = per_call_us(buffers, range(shares))
 
 print(
     f"ipc_parts label={label} shares={shares} "

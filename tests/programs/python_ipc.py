@@ -242,4 +242,21 @@ for i in range(limit):
     with_event = storage(malloc(4096), 4096)._share_cuda_()[7]
     if with_event != (i < limit - 1) or len(syncs) != (i == limit - 1):
         fail(f"share {i + 2} with {limit} events allowed: event {with_event}, waits {len(syncs)}")
+
+
+# A share looks at a few kept events, never at all of them: with the limit's worth held, a
+# look at each would cost every share a call into the library per event.
+class CountingApi:
+    looks = 0
+
+    def sent_released(self, name, slot):
+        CountingApi.looks += 1
+        return 0
+
+
+held = sys.modules["cachealloc_hooks"]._SentEvents(CountingApi())
+for i in range(limit):
+    held.keep(b"counter", i, None)
+if held.room() or not 0 < CountingApi.looks <= 8:
+    fail(f"a share with {limit} events held looked at {CountingApi.looks} of them")
 print("OK python_ipc", flush=True)
