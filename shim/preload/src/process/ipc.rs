@@ -39,37 +39,36 @@
 //!   its allocator grows), at `empty_cache`, and before an allocation gives up with out of
 //!   memory.
 //!
-//! **Expandable segments.** Mapped memory has no legacy IPC handle; as PyTorch does, it is
-//! shared through POSIX file descriptors. The device's memory is made exportable where it can
-//! be (`backend::vmm`: `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` requested when the device
-//! says it supports it; where a creation asking for it fails, later memory is made without,
-//! and a share of it fails saying why). The sender exports the physical memory of each
-//! mapping over the block (`cuMemRetainAllocationHandle` + `cuMemExportToShareableHandle`: one
-//! file descriptor per mapping, the first starting at or before the block, the last ending at
-//! or after it) and describes them with its pid, its device, where the range they cover starts
-//! and its size, each mapping's size and descriptor, and the block's offset in that range. It
-//! keeps the descriptors open until the share's counter is released (the receiver takes them
-//! from this process; they are closed by a later look after the release: each free and each
-//! share checks a few shares, eight, the one checked longest ago first, so that a producer
-//! holding thousands of shares does not read all their counters at every free; `empty_cache`
-//! and an allocation out of memory check them all). A mapping is exported once while shares of memory under it are held: a later
-//! share sends the same descriptor (`backend::vmm`'s exports, counted by the descriptor
-//! server), which is closed with the last of those shares, and forgotten when the mapping is
-//! unmapped. Exporting is most of a share's cost on the sender (a driver call that opens a
-//! file), and a producer that sends many tensors of one segment (a model's parameters) holds
-//! their shares together. The receiver (`expandable`) takes each descriptor with `pidfd_open` +
-//! `pidfd_getfd`; where that is refused (ptrace restrictions: a child may not take its
-//! parent's, the usual direction of `torch.multiprocessing`) it asks the sender's descriptor
-//! server (`fd_server`: an abstract Unix socket that passes descriptors exported for shares
-//! still held, to peers of the same user), else opens `/proc/PID/fd/N` (if all fail, the error
-//! names each cause); it imports each
-//! (`cuMemImportFromShareableHandle`), reserves a range of the total size, maps them in order,
-//! gives its current device read and write access, and returns the range's address plus the
-//! offset. A range is mapped once per (sender's pid, device, range start, size), and unmapped
-//! (after a device synchronization) with the last block received through it, its range freed
-//! and the descriptors closed. While any block received through a range is held, the sender
-//! cannot unmap the memory under it (that block is live or in limbo), so a later block with
-//! the same range identity lies in the same memory.
+//! **Expandable segments.** Mapped memory has no legacy IPC handle; as PyTorch does, it is shared
+//! through POSIX file descriptors. The device's memory is made exportable where it can be
+//! (`backend::vmm`: `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` requested when the device says it
+//! supports it; where a creation asking for it fails, later memory is made without, and a share of
+//! it fails saying why). The sender exports the physical memory of each mapping over the block
+//! (`cuMemRetainAllocationHandle` + `cuMemExportToShareableHandle`: one file descriptor per
+//! mapping, the first starting at or before the block, the last ending at or after it) and
+//! describes them with its pid, its device, where the range they cover starts and its size, each
+//! mapping's size and descriptor, and the block's offset in that range. It keeps the descriptors
+//! open until the share's counter is released (the receiver takes them from this process; they are
+//! closed by a later look after the release: each free and each share checks a few shares, eight,
+//! the one checked longest ago first, so that a producer holding thousands of shares does not read
+//! all their counters at every free; `empty_cache` and an allocation out of memory check them all).
+//! A mapping is exported once while shares of memory under it are held: a later share sends the
+//! same descriptor (`backend::vmm`'s exports, counted by the descriptor server), which is closed
+//! with the last of those shares, and forgotten when the mapping is unmapped. An export is a driver
+//! call that opens a file, and a producer that sends many tensors of one segment (a model's
+//! parameters) holds their shares together (BENCHMARKS.md, "Two GPUs again; what a share costs the
+//! sender"). The receiver (`expandable`) takes each descriptor with `pidfd_open` + `pidfd_getfd`;
+//! where that is refused (ptrace restrictions: a child may not take its parent's, the usual
+//! direction of `torch.multiprocessing`) it asks the sender's descriptor server (`fd_server`: an
+//! abstract Unix socket that passes descriptors exported for shares still held, to peers of the
+//! same user), else opens `/proc/PID/fd/N` (if all fail, the error names each cause); it imports
+//! each (`cuMemImportFromShareableHandle`), reserves a range of the total size, maps them in order,
+//! gives its current device read and write access, and returns the range's address plus the offset.
+//! A range is mapped once per (sender's pid, device, range start, size), and unmapped (after a
+//! device synchronization) with the last block received through it, its range freed and the
+//! descriptors closed. While any block received through a range is held, the sender cannot unmap
+//! the memory under it (that block is live or in limbo), so a later block with the same range
+//! identity lies in the same memory.
 //!
 //! Not covered: receiving in a process that does not run under the shim; sharing between
 //! processes of different users or network namespaces where ptrace restrictions also refuse
