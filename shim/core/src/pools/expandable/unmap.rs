@@ -64,23 +64,33 @@ impl<F: Clone> Pools<F> {
     ) -> Vec<Unmapping> {
         self.settle();
         // Per free block: its age, id, and the mappings wholly inside it (they are contiguous:
-        // a free block is mapped throughout).
+        // a free block is mapped throughout). The free blocks are found in the range's free
+        // list, not by walking the range: recycling looks at every map that passes the peak,
+        // and a range may hold tens of thousands of live blocks (a model's tensors as it
+        // loads: each allocation that grew the range walked all of them). In address order, as
+        // a walk would find them.
         let mut found: Vec<(u64, BlockId, Vec<Mapping>)> = Vec::new();
         for &segment in ranges {
-            let mut id = self.segment(segment).first;
-            while id != NIL {
+            let Some(&(stream, pool, _)) = self.ranges.iter().find(|r| r.2 == segment) else {
+                continue;
+            };
+            let mut free: Vec<BlockId> = (self.lists(stream).into_iter())
+                .flat_map(|lists| lists.list(pool).iter())
+                .map(|(_, _, id)| id)
+                .filter(|&id| id != except && self.blocks[id as usize].segment == segment)
+                .collect();
+            free.sort_unstable_by_key(|&id| self.blocks[id as usize].address);
+            for id in free {
                 let b = &self.blocks[id as usize];
-                if b.state == BlockState::Free && id != except {
-                    let end = b.address + b.size;
-                    let inside: Vec<(u64, u64)> = (self.mappings.range(b.address..end))
-                        .map(|(&address, &size)| (address, size))
-                        .take_while(|&(address, size)| address + size <= end)
-                        .collect();
-                    if !inside.is_empty() {
-                        found.push((b.free_since, id, inside));
-                    }
+                debug_assert_eq!(b.state, BlockState::Free);
+                let end = b.address + b.size;
+                let inside: Vec<(u64, u64)> = (self.mappings.range(b.address..end))
+                    .map(|(&address, &size)| (address, size))
+                    .take_while(|&(address, size)| address + size <= end)
+                    .collect();
+                if !inside.is_empty() {
+                    found.push((b.free_since, id, inside));
                 }
-                id = b.next;
             }
         }
         if budget != u64::MAX {
