@@ -55,6 +55,9 @@
 //!   would cost more than the memory is worth ([Note [Unmapping without a wait]](idle#note-unmapping-without-a-wait),
 //!   [Note [Recycling never waits]](idle#note-recycling-never-waits)). Below the peak nothing
 //!   is given up, so a run whose shapes have all been seen at their peak makes no device calls.
+//!   The memory to give up is looked for in the range's free list, never by walking the range:
+//!   while a range grows (a model's tensors as it loads) every map passes the peak, and a walk
+//!   made each such allocation cost time in proportion to the live blocks.
 //! * **Switching at run time.** The program may turn expandable segments on or off while it
 //!   runs (PyTorch's `_set_allocator_settings`): growth then maps into ranges, or takes fixed
 //!   segments, from the next request on, and segments of the other kind stay and serve what they
