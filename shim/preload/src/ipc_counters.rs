@@ -20,6 +20,11 @@
 //!
 //! A receiver maps the counter files of the senders it releases blocks to, the 16 most recent
 //! (`RECEIVER_MAPPINGS`).
+//!
+//! The last slot of each file is no counter: it counts the releases made through the file
+//! ([`RELEASES`]; a receiver adds one after each release). The sharer sums them ([`releases`])
+//! to know whether anything was let go since it last looked at the blocks it holds for other
+//! processes, without reading every counter (`process::ipc`'s limbo).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -28,8 +33,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-/// Counters in one file.
+/// Slots in one file: counters, and the releases' count.
 pub const SLOTS: usize = 4096;
+
+/// The slot of a file that counts the releases made through it (the last; never a counter).
+const RELEASES: usize = SLOTS - 1;
 
 /// Where counter files live: shared memory, else the temporary directory.
 fn directory() -> PathBuf {
@@ -174,7 +182,7 @@ pub fn new_counter() -> std::io::Result<(SlotId, String, u64)> {
             ..Sent::default()
         };
     }
-    if sent.files.is_empty() || sent.next == SLOTS {
+    if sent.files.is_empty() || sent.next == RELEASES {
         let file = new_file(&directory(), pid, sent.files.len())?;
         sent.files.push(file);
         sent.next = 0;
@@ -247,6 +255,17 @@ impl SentCounters {
     pub fn released(&self, id: SlotId) -> bool {
         (self.0.files.get(id.0)).is_none_or(|f| f.mapped.slot(id.1).load(Ordering::Acquire) <= 0)
     }
+
+    /// How many releases were made through this process's counter files so far: it changes
+    /// after every release (a receiver's, or a share taken back here).
+    pub fn releases(&self) -> u64 {
+        if self.0.owner != std::process::id() {
+            return 0; // a forked child's copy of its parent's: nothing of this process's
+        }
+        (self.0.files.iter())
+            .map(|f| f.mapped.slot(RELEASES).load(Ordering::Acquire) as u64)
+            .fold(0, u64::wrapping_add)
+    }
 }
 
 /// Lock this process's counters for [`SentCounters::released`].
@@ -264,7 +283,7 @@ pub fn released(id: SlotId) -> bool {
 /// one of this process's files (another process's, or removed at exit).
 pub fn sent_released(name: &str, slot: u64) -> Option<bool> {
     let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
-    if sent.owner != std::process::id() || slot as usize >= SLOTS {
+    if sent.owner != std::process::id() || slot as usize >= RELEASES {
         return None;
     }
     let file = sent.files.iter().find(|f| f.name == name)?;
@@ -276,6 +295,7 @@ pub fn cancel(id: SlotId) {
     let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
     if let Some(f) = sent.files.get(id.0) {
         f.mapped.slot(id.1).store(0, Ordering::Release);
+        f.mapped.slot(RELEASES).fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -300,7 +320,7 @@ const RECEIVER_MAPPINGS: usize = 16;
 
 /// In the receiving process: let go of slot `slot` of the sharer's counter file `name`.
 pub fn release(name: &str, slot: u64) -> Result<(), String> {
-    if !valid_name(name) || slot as usize >= SLOTS {
+    if !valid_name(name) || slot as usize >= RELEASES {
         return Err(format!(
             "not a cachealloc IPC counter: {name:?} slot {slot}"
         ));
@@ -323,10 +343,10 @@ pub fn release(name: &str, slot: u64) -> Result<(), String> {
             opened.truncate(RECEIVER_MAPPINGS); // the least recent unmapped
         }
     }
-    opened[0]
-        .1
-        .slot(slot as usize)
-        .fetch_sub(1, Ordering::AcqRel);
+    let mapped = &opened[0].1;
+    mapped.slot(slot as usize).fetch_sub(1, Ordering::AcqRel);
+    // Counted after the counter moved: a sharer that sees the new count sees the release.
+    mapped.slot(RELEASES).fetch_add(1, Ordering::AcqRel);
     Ok(())
 }
 
@@ -334,18 +354,35 @@ pub fn release(name: &str, slot: u64) -> Result<(), String> {
 mod tests {
     use super::*;
 
+    /// The receiver's mapped files and the sharer's files are the process's: tests that use
+    /// them take turns.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
     #[test]
     fn a_counter_is_released_by_its_receiver_and_names_are_checked() {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let (id, name, slot) = new_counter().unwrap();
         assert!(!released(id));
         assert_eq!(sent_released(&name, slot), Some(false));
+        let before = sent_counters().releases();
         release(&name, slot).unwrap();
         assert!(released(id));
         assert_eq!(sent_released(&name, slot), Some(true));
+        // The release is counted, for the sharer's look at what it holds.
+        assert_eq!(sent_counters().releases(), before + 1);
         assert_eq!(sent_released("cachealloc-ipc-1-0", 0), None); // not this process's
         assert_eq!(sent_released(&name, SLOTS as u64), None);
         assert!(release("../etc/passwd", 0).is_err());
         assert!(release(&name, SLOTS as u64).is_err());
+        // The count's slot is no counter: never handed out, never released.
+        assert_eq!(sent_released(&name, RELEASES as u64), None);
+        assert!(release(&name, RELEASES as u64).is_err());
+        let slots: Vec<u64> = (0..RELEASES).map(|_| new_counter().unwrap().2).collect();
+        assert!(
+            slots.iter().all(|&s| s < RELEASES as u64),
+            "the count's slot handed out"
+        );
+        assert!(slots.contains(&0), "a new file was started");
         remove_files();
         // The sharer gone, a late release does nothing.
         release(&name, slot).unwrap();
@@ -353,6 +390,7 @@ mod tests {
 
     #[test]
     fn a_receiver_keeps_the_most_recent_senders_files_mapped() {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let bytes = SLOTS * std::mem::size_of::<AtomicI64>();
         let name = |k: usize| format!("cachealloc-ipc-3999999999-{}-{k}", std::process::id());
         let mapped = || {

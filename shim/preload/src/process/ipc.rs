@@ -37,7 +37,11 @@
 //!   looked at on every free and every allocation while it is not empty (so a block let go of
 //!   serves the next request before new memory does, as PyTorch's limbo is collected before
 //!   its allocator grows), at `empty_cache`, and before an allocation gives up with out of
-//!   memory.
+//!   memory. A look reads the counters of the blocks in limbo only if a release was counted
+//!   since the last look (each counter file counts the releases made through it,
+//!   [`crate::ipc_counters`]; one look in 256 reads them all the same): a producer whose
+//!   receivers hold thousands of its freed blocks would otherwise read all their counters at
+//!   every allocation and free. Out of memory and `empty_cache` always read them.
 //!
 //! **Expandable segments.** Mapped memory has no legacy IPC handle; as PyTorch does, it is shared
 //! through POSIX file descriptors. The device's memory is made exportable where it can be
@@ -128,6 +132,20 @@ struct Held {
     /// open until the receiver releases the share's counter (it takes them from this process);
     /// the share looked at longest ago first.
     exported: VecDeque<(SlotId, fd_server::Exported)>,
+    /// The count of releases (`ipc_counters`) when the limbo was last looked at whole, and
+    /// how many looks it has saved since.
+    limbo_looked: Option<u64>,
+    limbo_looks_saved: u32,
+}
+
+/// A look at the limbo that no release since the last one could change is saved, but one in
+/// this many is made all the same (a receiver running an older library counts no releases).
+const LIMBO_LOOKS_SAVED_AT_MOST: u32 = 255;
+
+/// Whether a look at the limbo is to be made: always when memory is short,
+/// else when the count of releases moved since the last look, or when too many were saved.
+fn limbo_look_due(memory_short: bool, releases: u64, looked: Option<u64>, saved: u32) -> bool {
+    memory_short || looked != Some(releases) || saved >= LIMBO_LOOKS_SAVED_AT_MOST
 }
 
 /// How many shares' exported descriptors a look at the released shares checks (frees and
@@ -281,9 +299,8 @@ impl Shim {
 
     /// At an allocation while blocks wait in limbo: free those let go of first, so that their
     /// memory serves the request before new memory is reserved for it (PyTorch collects its
-    /// IPC limbo before its allocator grows: a free-memory callback). A look costs one load per
-    /// block in limbo; a producer that frees each tensor it sends keeps there only the tensors
-    /// its receivers still hold.
+    /// IPC limbo before its allocator grows: a free-memory callback). A look reads the
+    /// counters of the blocks in limbo only after a release (Note [IPC of pooled memory]).
     pub(super) fn ipc_collect_if_pending(&self) {
         // Note [Rare conditions in one word]: no block was ever shared.
         if crate::rare::any(crate::rare::IPC) && self.ipc.limbo_pending.load(Ordering::Relaxed) {
@@ -295,16 +312,16 @@ impl Shim {
     /// descriptors exported for shares released since (a few shares' a look:
     /// [`EXPORTS_CHECKED_PER_LOOK`]). Returns how many blocks.
     pub(super) fn ipc_collect(&self) -> usize {
-        self.ipc_collect_checking(EXPORTS_CHECKED_PER_LOOK)
+        self.ipc_collect_looking(false)
     }
 
-    /// [`Shim::ipc_collect`], checking every share's exported descriptors (memory is short:
-    /// a descriptor left open keeps its memory from the device).
+    /// [`Shim::ipc_collect`] for when memory is short: every share's exported descriptors
+    /// checked (one left open keeps its memory from the device), the whole limbo looked at.
     pub(super) fn ipc_collect_all(&self) -> usize {
-        self.ipc_collect_checking(usize::MAX)
+        self.ipc_collect_looking(true)
     }
 
-    fn ipc_collect_checking(&self, exports_checked: usize) -> usize {
+    fn ipc_collect_looking(&self, memory_short: bool) -> usize {
         if !crate::rare::any(crate::rare::IPC) {
             return 0;
         }
@@ -314,13 +331,34 @@ impl Shim {
             // order every path takes).
             let counters = ipc_counters::sent_counters();
             if self.ipc.exports_open.load(Ordering::Acquire)
-                && !held.close_released_exports(exports_checked, |id| counters.released(id))
+                && !held.close_released_exports(
+                    if memory_short {
+                        usize::MAX
+                    } else {
+                        EXPORTS_CHECKED_PER_LOOK
+                    },
+                    |id| counters.released(id),
+                )
             {
                 self.ipc.exports_open.store(false, Ordering::Release);
             }
             if held.limbo.is_empty() {
                 return 0;
             }
+            // Nothing was let go since the last look: the limbo holds what it held (a look
+            // reads a counter per block, and every allocation and free looks).
+            let releases = counters.releases();
+            if !limbo_look_due(
+                memory_short,
+                releases,
+                held.limbo_looked,
+                held.limbo_looks_saved,
+            ) {
+                held.limbo_looks_saved += 1;
+                return 0;
+            }
+            held.limbo_looked = Some(releases);
+            held.limbo_looks_saved = 0;
             let Held { shared, limbo, .. } = &mut *held;
             let mut ready = Vec::new();
             limbo.retain(|&(address, stream)| {
@@ -434,6 +472,24 @@ mod tests {
     use std::cell::Cell;
 
     use super::*;
+
+    #[test]
+    fn the_limbo_is_looked_at_after_a_release_or_now_and_then() {
+        assert!(limbo_look_due(false, 0, None, 0), "never looked at");
+        assert!(
+            !limbo_look_due(false, 7, Some(7), 0),
+            "nothing let go since"
+        );
+        assert!(limbo_look_due(false, 8, Some(7), 0), "a release since");
+        assert!(limbo_look_due(true, 7, Some(7), 0), "memory is short");
+        assert!(!limbo_look_due(
+            false,
+            7,
+            Some(7),
+            LIMBO_LOOKS_SAVED_AT_MOST - 1
+        ));
+        assert!(limbo_look_due(false, 7, Some(7), LIMBO_LOOKS_SAVED_AT_MOST));
+    }
 
     #[test]
     fn a_look_checks_a_few_shares_oldest_first_and_the_rest_in_later_looks() {
