@@ -21,9 +21,9 @@
 //! A receiver maps the counter files of the senders it releases blocks to, the 16 most recent
 //! (`RECEIVER_MAPPINGS`).
 //!
-//! The last slot of each file is no counter: it counts the releases made through the file
-//! ([`RELEASES`]; a receiver adds one after each release). The sharer sums them ([`releases`])
-//! to know whether anything was let go since it last looked at the blocks it holds for other
+//! The last slot of each file is no counter: it counts the releases made through the file (a
+//! receiver adds one after each release). The sharer sums them ([`SentCounters::releases`]) to
+//! know whether anything was let go since it last looked at the blocks it holds for other
 //! processes, without reading every counter (`process::ipc`'s limbo).
 
 use std::fs::{File, OpenOptions};
