@@ -6,7 +6,9 @@
 //! (`/dev/shm/cachealloc-ipc-<pid>-<n>`, created 0600, mapped shared) and sets it to 1; the
 //! process that receives the block decrements it when it lets go. The sharer reads its slots to
 //! know when a block it freed may really be reused. A file has [`SLOTS`] slots; a new file is
-//! made when one is full; the sharer removes its files at exit.
+//! made when one is full, and a full file whose every counter was released is removed then (a
+//! producer that shares at every step of a long run would otherwise fill `/dev/shm`); the
+//! sharer removes the rest at exit.
 //!
 //! A sharer that dies without exiting (killed, `os._exit`, a crash) cannot remove its files, and
 //! `/dev/shm` is memory: a job that starts and kills workers would fill it. So a sharer holds a
@@ -136,10 +138,11 @@ impl Drop for Mapped {
 
 /// One of this process's counter files: its name and its mapping. The mapping holds the
 /// file's opening, and with it the shared lock that says the sharer lives (Note [A lock held
-/// by a mapping]); dropping it unmaps the file.
+/// by a mapping]); dropping it unmaps the file. `None` once the file is retired: every one of
+/// its counters was handed out and released, and the file removed.
 struct SentFile {
     name: String,
-    mapped: Mapped,
+    mapped: Option<Mapped>,
 }
 
 // Note [A lock held by a mapping]
@@ -159,6 +162,29 @@ struct Sent {
     files: Vec<SentFile>,
     next: usize,
     owner: u32,
+    /// The releases counted by the files retired so far (the count goes on across them).
+    retired_releases: u64,
+}
+
+impl Sent {
+    /// Remove the full files whose every counter was released (a file's releases count has
+    /// reached its counters'): a producer that shares for as long as it runs (weights sent at
+    /// every step) would otherwise fill `/dev/shm` with files, and its address space with
+    /// their mappings, as PyTorch's own counter files are dropped once all their slots are
+    /// back. A counter is released once, so a full count means no receiver holds any.
+    fn retire_released_files(&mut self) {
+        let full = self.files.len().saturating_sub(1); // the last one is still filling
+        for file in &mut self.files[..full] {
+            let count = (file.mapped.as_ref()).map(|m| m.slot(RELEASES).load(Ordering::Acquire));
+            if let Some(count) = count
+                && count >= RELEASES as i64
+            {
+                let _ = std::fs::remove_file(directory().join(&file.name));
+                file.mapped = None;
+                self.retired_releases += count as u64;
+            }
+        }
+    }
 }
 
 fn sent() -> &'static Mutex<Sent> {
@@ -183,6 +209,7 @@ pub fn new_counter() -> std::io::Result<(SlotId, String, u64)> {
         };
     }
     if sent.files.is_empty() || sent.next == RELEASES {
+        sent.retire_released_files();
         let file = new_file(&directory(), pid, sent.files.len())?;
         sent.files.push(file);
         sent.next = 0;
@@ -190,7 +217,10 @@ pub fn new_counter() -> std::io::Result<(SlotId, String, u64)> {
     let file = sent.files.len() - 1;
     let slot = sent.next;
     sent.next += 1;
-    let SentFile { name, mapped, .. } = &sent.files[file];
+    let SentFile { name, mapped } = &sent.files[file];
+    let mapped = mapped
+        .as_ref()
+        .expect("the file being filled is not retired");
     mapped.slot(slot).store(1, Ordering::Release);
     Ok(((file, slot), name.clone(), slot as u64))
 }
@@ -208,7 +238,10 @@ fn new_file(directory: &Path, pid: u32, n: usize) -> std::io::Result<SentFile> {
     let made = flock(&file, libc::LOCK_SH)
         .and_then(|()| Mapped::map(&file, true))
         .and_then(|mapped| {
-            let sent = SentFile { name, mapped };
+            let sent = SentFile {
+                name,
+                mapped: Some(mapped),
+            };
             std::fs::rename(&temporary, &path).map(|()| sent)
         });
     match made {
@@ -253,7 +286,8 @@ pub struct SentCounters(MutexGuard<'static, Sent>);
 impl SentCounters {
     /// Whether the receiving process has let go of counter `id` (it reached zero).
     pub fn released(&self, id: SlotId) -> bool {
-        (self.0.files.get(id.0)).is_none_or(|f| f.mapped.slot(id.1).load(Ordering::Acquire) <= 0)
+        (self.0.files.get(id.0).and_then(|f| f.mapped.as_ref()))
+            .is_none_or(|m| m.slot(id.1).load(Ordering::Acquire) <= 0)
     }
 
     /// How many releases were made through this process's counter files so far: it changes
@@ -262,9 +296,9 @@ impl SentCounters {
         if self.0.owner != std::process::id() {
             return 0; // a forked child's copy of its parent's: nothing of this process's
         }
-        (self.0.files.iter())
-            .map(|f| f.mapped.slot(RELEASES).load(Ordering::Acquire) as u64)
-            .fold(0, u64::wrapping_add)
+        (self.0.files.iter().filter_map(|f| f.mapped.as_ref()))
+            .map(|m| m.slot(RELEASES).load(Ordering::Acquire) as u64)
+            .fold(self.0.retired_releases, u64::wrapping_add)
     }
 }
 
@@ -287,15 +321,15 @@ pub fn sent_released(name: &str, slot: u64) -> Option<bool> {
         return None;
     }
     let file = sent.files.iter().find(|f| f.name == name)?;
-    Some(file.mapped.slot(slot as usize).load(Ordering::Acquire) <= 0)
+    Some((file.mapped.as_ref()).is_none_or(|m| m.slot(slot as usize).load(Ordering::Acquire) <= 0))
 }
 
 /// Release counter `id` here: its share was never handed to another process.
 pub fn cancel(id: SlotId) {
     let sent = sent().lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(f) = sent.files.get(id.0) {
-        f.mapped.slot(id.1).store(0, Ordering::Release);
-        f.mapped.slot(RELEASES).fetch_add(1, Ordering::AcqRel);
+    if let Some(m) = sent.files.get(id.0).and_then(|f| f.mapped.as_ref()) {
+        m.slot(id.1).store(0, Ordering::Release);
+        m.slot(RELEASES).fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -307,7 +341,7 @@ pub fn remove_files() {
     if sent.owner != std::process::id() {
         return;
     }
-    for f in &sent.files {
+    for f in sent.files.iter().filter(|f| f.mapped.is_some()) {
         let _ = std::fs::remove_file(directory().join(&f.name));
     }
 }
@@ -386,6 +420,39 @@ mod tests {
         remove_files();
         // The sharer gone, a late release does nothing.
         release(&name, slot).unwrap();
+    }
+
+    #[test]
+    fn a_full_file_goes_once_every_counter_in_it_was_released() {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        // Fill the file being filled, then a whole file of our own.
+        while new_counter().unwrap().2 != RELEASES as u64 - 1 {}
+        let ours: Vec<(SlotId, String, u64)> =
+            (0..RELEASES).map(|_| new_counter().unwrap()).collect();
+        let name = ours[0].1.clone();
+        assert!(ours.iter().all(|c| c.1 == name), "one file");
+        let path = directory().join(&name);
+        let before = sent_counters().releases();
+        // All but one released: the file stays when later files start (the first after it
+        // starts while it is still the last; the second looks at it).
+        for (_, n, slot) in &ours[1..] {
+            release(n, *slot).unwrap();
+        }
+        new_counter().unwrap();
+        while new_counter().unwrap().2 != 0 {}
+        assert!(path.exists(), "a file with a counter held was removed");
+        assert!(!released(ours[0].0));
+        // The last one released: the file goes when the next file after it starts.
+        release(&name, ours[0].2).unwrap();
+        while new_counter().unwrap().2 != 0 {}
+        assert!(
+            !path.exists(),
+            "a file whose counters were all released stayed"
+        );
+        assert!(ours.iter().all(|c| released(c.0)));
+        assert_eq!(sent_released(&name, ours[0].2), Some(true));
+        // Its releases still count: the sum never goes back.
+        assert_eq!(sent_counters().releases(), before + RELEASES as u64);
     }
 
     #[test]

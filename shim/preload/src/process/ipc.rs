@@ -234,7 +234,14 @@ impl Shim {
         let (id, counter, slot) =
             ipc_counters::new_counter().map_err(|e| format!("an IPC counter: {e}"))?;
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
-        held.shared.entry(info.block_address).or_default().push(id);
+        let shares = held.shared.entry(info.block_address).or_default();
+        // A block shared again and again (a parameter sent at every step) keeps only the
+        // shares still held, not one entry for each share it ever had.
+        if !shares.is_empty() {
+            let counters = ipc_counters::sent_counters();
+            shares.retain(|&held| !counters.released(held));
+        }
+        shares.push(id);
         if !fds.is_empty() {
             held.exported.push_back((id, fd_server::Exported::new(fds)));
             self.ipc.exports_open.store(true, Ordering::Release);
