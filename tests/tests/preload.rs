@@ -400,6 +400,13 @@ fn pool_checkpoints_put_a_pool_back_to_its_layout() {
 }
 
 #[test]
+fn segment_trackers_hear_each_segment_made_and_given_back_but_none_made_inside_them() {
+    let out = Run::c("segment_trackers", &[]).output();
+    out.assert_pooled("segment_trackers");
+    assert_no_shim_failure(&out.stderr);
+}
+
+#[test]
 fn mem_pools_route_their_threads_allocations_keep_their_memory_and_lend_it_on_oom() {
     let out = Run::c("mem_pools", &[])
         .env("FAKECUDA_CAPACITY_MB", "100")

@@ -360,6 +360,53 @@ impl Config {
         Ok(Resolved { config, ignored })
     }
 
+    /// Keep PyTorch's memory in fixed segments when NCCL registers every segment of PyTorch's
+    /// allocator (`TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK`, `registers_all`): a
+    /// registration covers the memory a segment had when NCCL was told of it, and mapped memory
+    /// moves and goes under it, which is why PyTorch turns that registration off itself when its
+    /// own `expandable_segments` is on. With the shim's default (expandable segments PyTorch does
+    /// not know of) its segments become fixed ones, as PyTorch's default is; where
+    /// `CACHEALLOC_CONF` asks for expandable segments and PyTorch's settings do not, the two
+    /// cannot both be served, and the message says so. Returns what to log, if anything
+    /// (`cachealloc`, `pytorch`: the two sources, as for [`Config::from_sources`]).
+    pub fn for_nccl_registration(
+        &mut self,
+        registers_all: bool,
+        cachealloc: Option<&str>,
+        pytorch: Option<&str>,
+    ) -> Option<String> {
+        if !registers_all || self.allocator.expandable_segments == Expandable::Off {
+            return None;
+        }
+        let value = |text: Option<&str>, source| {
+            text.and_then(|t| split_entries(t, source).ok())
+                .and_then(|entries| {
+                    (entries.into_iter().rev())
+                        .find(|(k, _)| *k == "expandable_segments")
+                        .map(|(_, v)| v.to_string())
+                })
+        };
+        let pytorchs = value(pytorch, "PYTORCH_CUDA_ALLOC_CONF");
+        if pytorchs.is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+            return None; // PyTorch turns NCCL's registration of every segment off itself
+        }
+        if value(cachealloc, "CACHEALLOC_CONF").is_some() {
+            return Some(
+                "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK makes NCCL register every segment, \
+                 but CACHEALLOC_CONF asks for expandable segments, whose memory moves under a \
+                 registration: set expandable_segments:False, or set expandable_segments:True in \
+                 PYTORCH_CUDA_ALLOC_CONF so that PyTorch turns the registration off"
+                    .to_string(),
+            );
+        }
+        self.allocator.expandable_segments = Expandable::Off;
+        Some(
+            "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK: PyTorch's memory in fixed segments, \
+             which NCCL can register (expandable segments cannot be)"
+                .to_string(),
+        )
+    }
+
     /// Set one key. The error text names the key, the bad value and the valid choices.
     fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
         match key_named(key) {

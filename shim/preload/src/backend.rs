@@ -38,6 +38,7 @@ use crate::streams::Stream;
 use crate::streams::StreamRegistry;
 
 pub mod budget;
+pub mod trackers;
 mod vmm;
 
 pub use vmm::{Exported, HANDLE_TYPE_POSIX_FD, access_for, access_for_accessors, note_peer_access};
@@ -103,6 +104,9 @@ pub struct CudaDevice {
     holds_releases: bool,
     /// Where segments come from when not from the driver (a private pool's own allocator).
     foreign: Option<ForeignAllocator>,
+    /// The pool the segment trackers are told of: 0 for the device's own, else a private
+    /// pool's id (Note [Segment trackers]).
+    pool_id: u64,
     /// The addresses this device's memory has spanned: see [`CudaDevice::may_contain`].
     lowest: AtomicU64,
     highest: AtomicU64,
@@ -125,6 +129,7 @@ impl CudaDevice {
             deferred_releases: std::sync::Mutex::new(Vec::new()),
             holds_releases: false,
             foreign: None,
+            pool_id: 0,
             lowest: AtomicU64::new(u64::MAX),
             highest: AtomicU64::new(0),
         };
@@ -134,13 +139,14 @@ impl CudaDevice {
         device
     }
 
-    /// The device of a private pool (see Note [Private pools] in the shim's `process`): fixed
-    /// segments, from `foreign` when given, and a release is held until the pool is no longer
-    /// used ([`CudaDevice::release_deferred`]), since a graph may still write the memory; with
-    /// virtual memory if `expandable` (whose maps the pool keeps: Note [Expandable private
-    /// pools]).
+    /// The device of the private pool `pool_id` (see Note [Private pools] in the shim's
+    /// `process`): fixed segments, from `foreign` when given, and a release is held until the
+    /// pool is no longer used ([`CudaDevice::release_deferred`]), since a graph may still write
+    /// the memory; with virtual memory if `expandable` (whose maps the pool keeps: Note
+    /// [Expandable private pools]).
     pub fn for_private_pool(
         driver: LoadedDriver,
+        pool_id: u64,
         ordinal: i32,
         streams: Arc<StreamRegistry>,
         foreign: Option<ForeignAllocator>,
@@ -152,6 +158,7 @@ impl CudaDevice {
         CudaDevice {
             holds_releases: true,
             foreign,
+            pool_id,
             ..CudaDevice::new(driver, ordinal, streams, expandable)
         }
     }
@@ -170,6 +177,11 @@ impl CudaDevice {
         self.lowest.fetch_min(address, Ordering::AcqRel);
         self.highest
             .fetch_max(address.saturating_add(size), Ordering::AcqRel);
+    }
+
+    /// Tell the segment trackers of `action` on this device's memory (Note [Segment trackers]).
+    fn tell(&self, action: c_int, address: u64, size: u64) {
+        trackers::tell(action, self.ordinal, address, size, self.pool_id);
     }
 
     /// Run `f` in the relaxed capture mode while any capture is under way.
@@ -349,13 +361,17 @@ impl Device for CudaDevice {
         let taken = budget.take(size).ok_or(DeviceError::OutOfMemory)?;
         let result = self.allocate_segment_now(size);
         match result {
-            Ok(address) => budget.made(taken, [address]),
+            Ok(address) => {
+                budget.made(taken, [address]);
+                self.tell(trackers::SEGMENT_ALLOC, address, size);
+            }
             Err(_) => budget.not_made(taken),
         }
         result
     }
 
     fn free_segment(&self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.tell(trackers::SEGMENT_FREE, address, size);
         if self.holds_releases || self.streams.captures_active() {
             self.deferred_releases
                 .lock()
@@ -428,14 +444,20 @@ impl Device for CudaDevice {
         let vmm = self.vmm()?;
         self.within_budget(&[(address, size)], || {
             self.capture_safe(|| self.fences.on_own_context(|| vmm.map(address, size)))?
-        })
+        })?;
+        self.tell(trackers::SEGMENT_MAP, address, size);
+        Ok(())
     }
 
     fn map_run(&self, mappings: &[(u64, u64)]) -> Result<(), DeviceError> {
         let vmm = self.vmm()?;
         self.within_budget(mappings, || {
             self.capture_safe(|| self.fences.on_own_context(|| vmm.map_run(mappings)))?
-        })
+        })?;
+        for &(address, size) in mappings {
+            self.tell(trackers::SEGMENT_MAP, address, size);
+        }
+        Ok(())
     }
 
     fn can_alias(&self) -> bool {
@@ -461,6 +483,10 @@ impl Device for CudaDevice {
         })?;
         let moved = moves.iter().map(|&(from, to, _)| (from, to));
         budget::of(self.ordinal).moved(moved);
+        let made = moves.iter().map(|&(_, to, size)| (to, size));
+        for (address, size) in made.chain(mappings.iter().copied()) {
+            self.tell(trackers::SEGMENT_MAP, address, size);
+        }
         Ok(())
     }
 
@@ -475,6 +501,7 @@ impl Device for CudaDevice {
         // The caller made sure nothing uses the memory (Device::unmap's contract).
         self.fences.on_own_context(|| vmm.unmap(address, size))??;
         budget::of(self.ordinal).give_back(address, size);
+        self.tell(trackers::SEGMENT_UNMAP, address, size);
         Ok(())
     }
 

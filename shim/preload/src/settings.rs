@@ -5,6 +5,7 @@
 use std::sync::OnceLock;
 
 use cachealloc_core::Config;
+use cachealloc_core::config::Expandable;
 use cachealloc_core::config::TorchCaching;
 
 use crate::log;
@@ -35,8 +36,22 @@ fn read() -> Settings {
             for note in &resolved.ignored {
                 log::debug!("{note}");
             }
+            let mut config = resolved.config;
+            let registers_all = std::env::var("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK")
+                .is_ok_and(|v| ["1", "true", "yes", "y"].contains(&v.to_lowercase().as_str()));
+            if let Some(message) = config.for_nccl_registration(
+                registers_all,
+                cachealloc.as_deref(),
+                pytorch.as_deref(),
+            ) {
+                if config.allocator.expandable_segments == Expandable::Off {
+                    log::info!("{message}");
+                } else {
+                    log::error!("{message}");
+                }
+            }
             Settings {
-                config: resolved.config,
+                config,
                 problem: None,
             }
         }

@@ -169,6 +169,36 @@ fn trace_mode_is_an_octal_mode_of_read_and_write_bits_keeping_the_owners() {
 }
 
 #[test]
+fn nccl_registering_every_segment_keeps_pytorchs_memory_in_fixed_segments_unless_asked() {
+    let resolve = |registers: bool, ours: Option<&str>, pytorchs: Option<&str>| {
+        let mut c = Config::from_sources(ours, pytorchs).unwrap().config;
+        let said = c.for_nccl_registration(registers, ours, pytorchs);
+        (c.allocator.expandable_segments, said)
+    };
+    // Without the hook nothing changes.
+    assert_eq!(
+        resolve(false, None, None),
+        (Expandable::StreamOrdered, None)
+    );
+    // The default gives way: fixed segments, said once.
+    let (kind, said) = resolve(true, None, None);
+    assert_eq!(kind, Expandable::Off);
+    assert!(said.unwrap().contains("fixed segments"));
+    let (kind, _) = resolve(true, Some("trace:off"), Some("max_split_size_mb:64"));
+    assert_eq!(kind, Expandable::Off);
+    // PyTorch's own expandable segments: PyTorch turns the registration off, nothing to say.
+    let on = Some("expandable_segments:True");
+    assert_eq!(resolve(true, None, on), (Expandable::On, None));
+    // Asked for in CACHEALLOC_CONF only: kept, and the conflict named.
+    let (kind, said) = resolve(true, on, None);
+    assert_eq!(kind, Expandable::On);
+    assert!(said.unwrap().contains("PYTORCH_CUDA_ALLOC_CONF"));
+    // Already fixed: nothing to do.
+    let off = Some("expandable_segments:False");
+    assert_eq!(resolve(true, off, None), (Expandable::Off, None));
+}
+
+#[test]
 fn expandable_segments_for_stream_ordered_allocations_are_the_default_and_recorded() {
     assert_eq!(
         Config::default().allocator.expandable_segments,

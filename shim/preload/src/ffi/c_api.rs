@@ -421,6 +421,29 @@ pub extern "C" fn cachealloc_attach_oom_observer(observer: Option<OomObserver>) 
     )
 }
 
+/// Call `tracker` with every segment event of the pools from now on: `(action, device, address,
+/// size, pool)`, `action` 1 (a segment allocated), 2 (a segment leaving the pools, before it is
+/// freed), 3 (memory mapped into an expandable segment) or 4 (unmapped), `pool` 0 for the
+/// device's own pool, else the private pool's id (PyTorch's `attachAllocatorTraceTracker`,
+/// served through the C++ allocator for PyTorch; see Note [Segment trackers]). The tracker
+/// runs outside the pools' lock and may allocate device memory; it must not unwind.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub extern "C" fn cachealloc_attach_segment_tracker(
+    tracker: Option<crate::backend::trackers::SegmentTracker>,
+) -> CudaError {
+    let Some(tracker) = tracker else {
+        return cuda::ERROR_INVALID_VALUE;
+    };
+    guarded(
+        "cachealloc_attach_segment_tracker",
+        || {
+            crate::backend::trackers::attach(tracker);
+            cuda::SUCCESS
+        },
+        || cuda::ERROR_INITIALIZATION,
+    )
+}
+
 /// The `backward()` announced by [`cachealloc_backward_begin`] returned.
 #[cfg_attr(not(test), unsafe(no_mangle))]
 pub extern "C" fn cachealloc_backward_end(token: c_uint) {

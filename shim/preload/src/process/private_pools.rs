@@ -216,6 +216,7 @@ impl Shim {
         };
         let device_handle = CudaDevice::for_private_pool(
             driver,
+            id,
             device,
             self.streams.clone(),
             settings.foreign,
