@@ -125,7 +125,9 @@ pub fn tell(action: c_int, device: c_int, address: u64, size: u64, pool: u64) {
 mod tests {
     use super::*;
 
-    static HEARD: Mutex<Vec<(c_int, c_int, u64, u64, u64)>> = Mutex::new(Vec::new());
+    /// What a tracker was told: (action, device, address, size, pool).
+    type Told = (c_int, c_int, u64, u64, u64);
+    static HEARD: Mutex<Vec<Told>> = Mutex::new(Vec::new());
 
     /// Records what it hears; on the allocation at 0x1000 it reports a nested allocation and
     /// release at 0x9000, as a tracker whose own library allocates would cause.
