@@ -45,9 +45,9 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <cuda_runtime_api.h>
-
 #include "cachealloc_torch_history.h"
 #include "cachealloc_torch_library.h"
+#include "cachealloc_torch_trackers.h"
 
 #include <algorithm>
 #include <atomic>
@@ -364,9 +364,9 @@ class Allocator final : public CUDAAllocator {
     return n;
   }
 
-  // Observers attach in Python (`_cuda_attach_out_of_memory_observer`).
-  void attachOutOfMemoryObserver(OutOfMemoryObserver) override {}
-  void attachAllocatorTraceTracker(AllocatorTraceTracker) override {}
+  void attachOutOfMemoryObserver(OutOfMemoryObserver) override {}  // attached in Python
+  // Note [Trace trackers under the shim].
+  void attachAllocatorTraceTracker(AllocatorTraceTracker tracker) override { trackers.attach(std::move(tracker)); }
 
   // As the backend: memory of the default pool is made accessible to `dev` (the library gives
   // the device access to its pools).

@@ -25,7 +25,7 @@ from cachealloc_common import TORCH_ALLOC_VARS, conf, say, warn
 
 SOURCE = "cachealloc_torch_allocator.cpp"
 #: The headers it includes (beside it): part of what the build's cache key hashes.
-HEADERS = ("cachealloc_torch_history.h", "cachealloc_torch_library.h")
+HEADERS = ("cachealloc_torch_history.h", "cachealloc_torch_library.h", "cachealloc_torch_trackers.h")
 
 #: Whether the allocator was installed in this process.
 _installed = False

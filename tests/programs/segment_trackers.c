@@ -10,6 +10,7 @@
  * Usage: segment_trackers */
 #include <dlfcn.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "common.h"
 
@@ -28,6 +29,21 @@ static struct {
 } heard[1024];
 static int count;
 static void *made_inside;
+
+/* A MemPool's own allocator with a context (as the C++ allocator for PyTorch hands over the
+ * process group's NCCL allocator): counts its calls in its context. */
+struct counted { int allocs, frees; };
+static void *counted_alloc(void *context, ssize_t size, int device, cudaStream_t stream) {
+    (void)device, (void)stream;
+    void *p = NULL;
+    ((struct counted *)context)->allocs++;
+    return cudaMalloc(&p, (size_t)size) == cudaSuccess ? p : NULL;
+}
+static void counted_free(void *context, void *p, ssize_t size, int device, cudaStream_t stream) {
+    (void)size, (void)device, (void)stream;
+    ((struct counted *)context)->frees++;
+    CHECK(cudaFree(p));
+}
 typedef int (*address_range_fn)(uint64_t *, size_t *, uint64_t);
 static address_range_fn address_range; /* the driver's cuMemGetAddressRange_v2 */
 
@@ -73,12 +89,17 @@ int main(void) {
     int (*release)(int, uint64_t) = (int (*)(int, uint64_t))dlsym(RTLD_DEFAULT, "cachealloc_mem_pool_release");
     int (*begin)(int, uint64_t) = (int (*)(int, uint64_t))dlsym(RTLD_DEFAULT, "cachealloc_mem_pool_begin_thread");
     void (*end)(int, uint64_t) = (void (*)(int, uint64_t))dlsym(RTLD_DEFAULT, "cachealloc_mem_pool_end_thread");
+    typedef void *(*ctx_alloc_fn)(void *, ssize_t, int, cudaStream_t);
+    typedef void (*ctx_free_fn)(void *, void *, ssize_t, int, cudaStream_t);
+    int (*retain_with)(int, uint64_t, unsigned, ctx_alloc_fn, ctx_free_fn, void *) =
+        (int (*)(int, uint64_t, unsigned, ctx_alloc_fn, ctx_free_fn, void *))dlsym(
+            RTLD_DEFAULT, "cachealloc_mem_pool_retain_with_context");
     address_range = (address_range_fn)dlsym(RTLD_DEFAULT, "cuMemGetAddressRange_v2");
     if (!attach) {
         printf("OK segment_trackers (not under cachealloc: nothing to check)\n");
         return 0;
     }
-    EXPECT(address_range && empty_cache && retain && release && begin && end, "C API missing");
+    EXPECT(address_range && retain_with && empty_cache && retain && release && begin && end, "C API missing");
     EXPECT(attach(tracker) == 0, "attach refused");
     EXPECT(attach(NULL) != 0, "a null tracker was taken");
 
@@ -141,6 +162,28 @@ int main(void) {
     EXPECT(covering(before, FREE, c, &bytes) == 1, "release of c: %d events", count - before);
     EXPECT(heard[count - 1].pool == id, "released from pool %llx", (unsigned long long)heard[count - 1].pool);
     EXPECT(heard[count - 1].still_allocated, "the pool's segment was told after it was freed");
+
+    /* A pool over the program's own allocator, with a context: its segments come from it and go
+     * back to it, told with the pool's id. */
+    struct counted calls = {0, 0};
+    const uint64_t own = (9ull << 32) | 4;
+    EXPECT(retain_with(0, own, 0, NULL, counted_free, &calls) < 0, "a pool without alloc was taken");
+    EXPECT(retain_with(0, own, 0, counted_alloc, counted_free, &calls) >= 1, "retain_with");
+    EXPECT(begin(0, own) == 0, "begin");
+    void *d = NULL;
+    before = count;
+    CHECK(cudaMallocAsync(&d, 8 * MiB, s));
+    end(0, own);
+    EXPECT(calls.allocs == 1, "the pool's allocator made %d segments", calls.allocs);
+    EXPECT(covering(before, ALLOC, d, &bytes) == 1 && heard[count - 1].pool == own, "segment of d");
+    CHECK(cudaFreeAsync(d, s));
+    CHECK(cudaStreamSynchronize(s));
+    before = count;
+    release(0, own);
+    release(0, own);
+    EXPECT(empty_cache() == 0, "empty_cache");
+    EXPECT(calls.frees == 1, "the pool's allocator took back %d segments", calls.frees);
+    EXPECT(covering(before, FREE, d, &bytes) == 1 && heard[count - 1].still_allocated, "release of d");
     CHECK(cudaStreamDestroy(s));
     printf("OK segment_trackers (%d events)\n", count);
     return 0;

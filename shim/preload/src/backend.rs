@@ -21,7 +21,7 @@
 //! under way (the memory then stays cached and mapped; the allocator takes it back).
 
 use std::cell::Cell;
-use std::ffi::{c_int, c_void};
+use std::ffi::c_int;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::LocalKey;
@@ -38,46 +38,13 @@ use crate::streams::Stream;
 use crate::streams::StreamRegistry;
 
 pub mod budget;
+mod foreign;
 pub mod trackers;
 mod vmm;
 
+pub use foreign::{ForeignAllocator, in_foreign_allocator};
+
 pub use vmm::{Exported, HANDLE_TYPE_POSIX_FD, access_for, access_for_accessors, note_peer_access};
-
-/// A program's own allocator for a private pool's segments: PyTorch's `CUDAPluggableAllocator`
-/// pair given to `MemPool(allocator)` (say, `ncclMemAlloc` for NCCL's registered buffers). Its
-/// functions are called for whole segments; the pool splits and caches them as any other.
-#[derive(Clone, Copy, Debug)]
-pub struct ForeignAllocator {
-    /// `void* alloc(ssize_t size, int device, cudaStream_t stream)`: null when it cannot.
-    pub alloc: unsafe extern "C" fn(isize, c_int, *mut c_void) -> *mut c_void,
-    /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`.
-    pub free: unsafe extern "C" fn(*mut c_void, isize, c_int, *mut c_void),
-}
-
-thread_local! {
-    /// Whether the calling thread is inside a [`ForeignAllocator`]'s function.
-    static IN_FOREIGN_ALLOCATOR: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Whether the calling thread runs a program's own allocator for one of our pools: its CUDA
-/// calls (a `cudaMalloc` or `cudaFree` of the segment itself) go to CUDA, never to our pools.
-#[inline]
-pub fn in_foreign_allocator() -> bool {
-    // Until a private pool has a foreign allocator, its bit says no (Note [Rare conditions in
-    // one word]).
-    crate::rare::any(crate::rare::FOREIGN) && in_foreign_allocator_now()
-}
-
-/// [`in_foreign_allocator`]'s thread-local, never inlined (Note [Rare conditions in one word]).
-#[inline(never)]
-fn in_foreign_allocator_now() -> bool {
-    IN_FOREIGN_ALLOCATOR.try_with(Cell::get).unwrap_or(false)
-}
-
-/// Run `f` marked as inside a foreign allocator (see [`in_foreign_allocator`]).
-fn as_foreign<T>(f: impl FnOnce() -> T) -> T {
-    with_thread_flag(&IN_FOREIGN_ALLOCATOR, f)
-}
 
 /// Run `f` with the calling thread's `flag` set, then as it was.
 fn with_thread_flag<T>(flag: &'static LocalKey<Cell<bool>>, f: impl FnOnce() -> T) -> T {
@@ -211,11 +178,7 @@ impl CudaDevice {
     /// A new segment of `size` bytes: from the pool's own allocator, else from the driver.
     fn allocate_segment_now(&self, size: u64) -> Result<u64, DeviceError> {
         if let Some(foreign) = self.foreign {
-            let ptr = as_foreign(|| {
-                // SAFETY: the program's alloc function with PyTorch's pluggable signature
-                // (size, device, stream); it returns memory it owns until its free function.
-                unsafe { (foreign.alloc)(size as isize, self.ordinal, std::ptr::null_mut()) }
-            }) as u64;
+            let ptr = foreign.alloc(size, self.ordinal);
             if ptr == 0 {
                 return Err(DeviceError::OutOfMemory);
             }
@@ -280,19 +243,7 @@ impl CudaDevice {
                 // SAFETY: no arguments; this device's context is current.
                 unsafe { sync() };
             })?;
-            as_foreign(|| {
-                // SAFETY: the program's free function, given a segment its alloc function
-                // returned with this size and device, as PyTorch's pluggable allocator does
-                // (null stream: the segment is idle after the synchronization).
-                unsafe {
-                    (foreign.free)(
-                        address as *mut c_void,
-                        size as isize,
-                        self.ordinal,
-                        std::ptr::null_mut(),
-                    )
-                }
-            });
+            foreign.free(address, size, self.ordinal);
             return Ok(());
         }
         let free = real_driver::cuMemFree_v2().ok_or_else(|| missing("cuMemFree_v2"))?;

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use crate::log;
 
 /// The files of the integration: name and text.
-const FILES: [(&str, &str); 13] = [
+const FILES: [(&str, &str); 14] = [
     (
         "sitecustomize.py",
         include_str!("../../python/sitecustomize.py"),
@@ -74,6 +74,10 @@ const FILES: [(&str, &str); 13] = [
     (
         "cachealloc_torch_library.h",
         include_str!("../../python/cachealloc_torch_library.h"),
+    ),
+    (
+        "cachealloc_torch_trackers.h",
+        include_str!("../../python/cachealloc_torch_trackers.h"),
     ),
 ];
 

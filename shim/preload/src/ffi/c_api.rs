@@ -242,7 +242,7 @@ pub unsafe extern "C" fn cachealloc_mem_pool_retain(
     let foreign = (!alloc.is_null() && !free.is_null()).then(|| {
         // SAFETY: non-null, and the caller's contract gives them these signatures.
         unsafe {
-            crate::backend::ForeignAllocator {
+            crate::backend::ForeignAllocator::Pluggable {
                 alloc: std::mem::transmute::<
                     *const c_void,
                     unsafe extern "C" fn(isize, c_int, *mut c_void) -> *mut c_void,
@@ -254,6 +254,44 @@ pub unsafe extern "C" fn cachealloc_mem_pool_retain(
             }
         }
     });
+    mem_pool_retain(device, id, flags, foreign)
+}
+
+/// [`cachealloc_mem_pool_retain`] with the pool's segments from `alloc` and `free`, which take
+/// `context` first: `void* alloc(void* context, ssize_t size, int device, cudaStream_t stream)`,
+/// `void free(void* context, void* ptr, ssize_t size, int device, cudaStream_t stream)`. How the
+/// C++ allocator for PyTorch gives a pool any of PyTorch's allocator objects (a `MemPool` over
+/// the NCCL process group's `mem_allocator`).
+///
+/// # Safety
+/// `alloc` and `free` have those signatures and, with `context`, stay valid for the rest of the
+/// process.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+pub unsafe extern "C" fn cachealloc_mem_pool_retain_with_context(
+    device: c_int,
+    id: u64,
+    flags: c_uint,
+    alloc: Option<unsafe extern "C" fn(*mut c_void, isize, c_int, *mut c_void) -> *mut c_void>,
+    free: Option<unsafe extern "C" fn(*mut c_void, *mut c_void, isize, c_int, *mut c_void)>,
+    context: *mut c_void,
+) -> c_int {
+    let (Some(alloc), Some(free)) = (alloc, free) else {
+        return -1;
+    };
+    let foreign = crate::backend::ForeignAllocator::WithContext {
+        alloc,
+        free,
+        context: context as usize,
+    };
+    mem_pool_retain(device, id, flags, Some(foreign))
+}
+
+fn mem_pool_retain(
+    device: c_int,
+    id: u64,
+    flags: c_uint,
+    foreign: Option<crate::backend::ForeignAllocator>,
+) -> c_int {
     let settings = process::PoolSettings {
         use_on_oom: flags & MEM_POOL_USE_ON_OOM != 0,
         no_split: flags & MEM_POOL_NO_SPLIT != 0,
