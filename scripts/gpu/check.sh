@@ -124,6 +124,7 @@ run exit_paths "$FIXED" -- signals
 run graph_pool_refs "$FIXED" --
 run pool_checkpoints "$FIXED" --
 run held_free "$FIXED" --
+run segment_trackers X=1 --
 # The default: expandable segments for stream-ordered allocations, fixed segments for cudaMalloc
 # (whose pointers keep answering the driver as a cudaMalloc's: IPC handles, contexts).
 run basic X=1 --
@@ -227,6 +228,10 @@ both torch_settings.py torch_settings
 both profiler_memory.py profiler_memory
 # PyTorch's GPU trace hears allocations and frees; CUDA Sanitizer follows memory through it.
 both gpu_trace.py gpu_trace
+# PyTorch's trace trackers (NCCL's registration hooks) hear every segment made and given back;
+# with NCCL registering every segment, PyTorch's memory is in fixed segments under the shim.
+both trace_trackers.py trackers
+BOTH_ENV=TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 both trace_trackers.py trackers
 # Tensors in expandable segments (mapped memory, shared through POSIX file descriptors): natively
 # with PyTorch's expandable segments, under the shim with its own; each run first checks that its
 # tensor lies in mapped memory.
@@ -260,6 +265,10 @@ BOTH_ENV=CONSUMER_DEVICE=1 both ipc_torch.py ipc CACHEALLOC_CONF=expandable_segm
 BOTH_ENV=CONSUMER_DEVICE=1 NATIVE_ENV=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True both ipc_torch.py ipc CACHEALLOC_CONF=expandable_segments:True
 both multi_gpu_features.py multi_gpu_features
 both multi_gpu_features.py multi_gpu_features CACHEALLOC_CONF=expandable_segments:False
+# NCCL's registration of PyTorch's memory: a MemPool over ncclMemAlloc registered with the
+# process group, and every segment registered.
+both nccl_registration.py nccl
+BOTH_ENV=MODE=all both nccl_registration.py nccl
 fi
 
 if part categories; then

@@ -55,7 +55,10 @@ it has to adjust:
   `_cuda_releasePool` route the calling thread's allocations to it
   (`cachealloc_mem_pool_begin_thread`/`_end_thread`); so does `_cuda_beginAllocateToPool`,
   which natively routes every thread's (no PyTorch code calls it). `memory_snapshot(pool.id)` and
-  `pool.snapshot()` read the pool's segments from the library.
+  `pool.snapshot()` read the pool's segments from the library. Once the C++ allocator for
+  PyTorch is installed, PyTorch's own `MemPool` comes back (its pools are then the library's
+  through that allocator, and it is what PyTorch's C++ functions take: NCCL's
+  `register_mem_pool`), over any allocator object (`cachealloc_memory.use_pytorchs_mem_pools`).
 * `torch.Tensor.record_stream` — PyTorch's backend would make a side stream wait for the
   recorded streams when the tensor is freed, which a CUDA graph capture cannot allow (the
   process aborts). For memory of the library's pools it is given to the library instead

@@ -4,6 +4,7 @@ snapshots, MemPools, memory fraction and caching switch are not kept (its backen
 `adjust` replaces the entry points of `torch._C` that the memory API calls by ones served from
 the preloaded library. The list, and why: the docstring of `cachealloc_hooks` and design.md,
 "The Python integration"."""
+import ctypes
 import os
 import sys
 
@@ -110,27 +111,65 @@ def _oom_observers(native):
 _FOREIGN_ALLOCATORS = {}
 
 
+#: PyTorch's own `MemPool` classes, Python's and `torch._C`'s, before they were replaced.
+_PYTORCHS_MEM_POOL = {}
+
+
+def use_pytorchs_mem_pools(library):
+    """Give the program PyTorch's own `MemPool` again, now that the C++ allocator for PyTorch
+    (`library`) is installed: its pools are the library's all the same (the allocator's
+    `createOrIncrefPool` makes them, `releasePool` lets them go), and a `MemPool` is then what
+    PyTorch's C++ functions take — `ProcessGroupNCCL.register_mem_pool` for NCCL's registered
+    buffers — over any allocator object, the process group's `mem_allocator` among them (Note
+    [MemPools over PyTorch's allocator objects] in `cachealloc_torch_library.h`). Only the
+    flags take another way: PyTorch would set them through allocator methods the library has no
+    use for, so they go to the allocator just before the pool is made."""
+    python_class, native_class = _PYTORCHS_MEM_POOL.get("python"), _PYTORCHS_MEM_POOL.get("native")
+    if python_class is None or native_class is None:
+        return
+    set_flags = library.cachealloc_torch_next_pool_flags
+    set_flags.restype = None
+    set_flags.argtypes = [ctypes.c_uint]
+
+    class MemPool(python_class):
+        def __init__(self, allocator=None, use_on_oom=False, no_split=False):
+            set_flags((1 if use_on_oom else 0) | (2 if no_split else 0))
+            try:
+                super().__init__(allocator)
+            finally:
+                set_flags(0)
+
+    MemPool.__doc__ = python_class.__doc__
+    MemPool.__module__ = python_class.__module__
+    MemPool.__qualname__ = python_class.__qualname__
+    sys.modules["torch._C"]._MemPool = native_class
+    sys.modules["torch.cuda.memory"].MemPool = MemPool
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is not None and hasattr(cuda, "MemPool"):
+        cuda.MemPool = MemPool
+
+
 def _mem_pool_class(api, torch_c, original):
-    """`torch.cuda.MemPool` served by the library's private pools (Note [PyTorch MemPools])."""
+    """`torch.cuda.MemPool` served by the library's private pools (Note [PyTorch MemPools]),
+    while the C++ allocator for PyTorch is not installed (`use_pytorchs_mem_pools`)."""
 
     class MemPool:
         def __init__(self, allocator=None, use_on_oom=False, no_split=False):
             import torch
 
             self._allocator = allocator
+            self._device = torch.cuda.current_device()
+            flags = (1 if use_on_oom else 0) | (2 if no_split else 0)
+            known = _FOREIGN_ALLOCATORS.get(id(allocator)) if allocator is not None else None
+            if allocator is not None and (known is None or known[0] is not allocator):
+                raise RuntimeError(
+                    "cachealloc: MemPool(allocator) over this allocator (not a "
+                    "CUDAPluggableAllocator's) needs cachealloc's allocator for PyTorch "
+                    "(torch_allocator:on, a C++ compiler and CUDA's headers)"
+                )
             # PyTorch's own counter, shared with graph_pool_handle(): ids never collide.
             self._id = tuple(torch_c._graph_pool_handle())
-            self._device = torch.cuda.current_device()
-            alloc_fn = free_fn = None
-            if allocator is not None:
-                known = _FOREIGN_ALLOCATORS.get(id(allocator))
-                if known is None or known[0] is not allocator:
-                    raise RuntimeError(
-                        "cachealloc: MemPool(allocator) takes the allocator() of a "
-                        "torch.cuda.memory.CUDAPluggableAllocator"
-                    )
-                alloc_fn, free_fn = known[1], known[2]
-            flags = (1 if use_on_oom else 0) | (2 if no_split else 0)
+            alloc_fn, free_fn = (known[1], known[2]) if known is not None else (None, None)
             if api.retain(self._device, pool_key(self._id), flags, alloc_fn, free_fn) < 0:
                 raise RuntimeError("cachealloc: MemPool needs the library's pools (pool:on)")
 
@@ -236,11 +275,16 @@ def _mem_pools(memory, native):
             module._cuda_beginAllocateToPool = begin_allocate_to_pool
         module._cuda_endAllocateToPool = end_allocate_to_pool
         module._cuda_releasePool = release_pool
+    _PYTORCHS_MEM_POOL.update(python=getattr(memory, "MemPool", None), native=getattr(native, "_MemPool", None))
     pool_class = _mem_pool_class(api, native, getattr(memory, "MemPool", None))
     memory.MemPool = pool_class
     native._MemPool = pool_class
     if "torch.cuda" in sys.modules and hasattr(sys.modules["torch.cuda"], "MemPool"):
         sys.modules["torch.cuda"].MemPool = pool_class
+    import cachealloc_torch_allocator
+
+    if cachealloc_torch_allocator.installed():  # installed before this module was adjusted
+        use_pytorchs_mem_pools(cachealloc_torch_allocator._library)
     return api
 
 

@@ -3,11 +3,10 @@
 // Built by `cachealloc_torch_build.py` (from `cachealloc_torch_allocator.py`) against the
 // headers of the PyTorch it runs with (the interface below changes between releases), loaded
 // into the process, and installed in the place of PyTorch's `cudaMallocAsync` backend before
-// CUDA is first used. It serves what the backend served — each allocation a `cudaMallocAsync`
-// on the current stream, each free a `cudaFreeAsync` on the allocation's stream, both answered
-// by the preloaded library's pools (the free through `cachealloc_free_async`, which needs no
-// device guard) — and what the backend refuses: the graph pools' checkpoints that PyTorch's
-// CUDA graph trees need, and PyTorch's GPU trace of allocations and frees.
+// CUDA is first used. It serves what the backend served (each allocation a `cudaMallocAsync`
+// on the current stream, each free a `cudaFreeAsync` on its stream, answered by the library's
+// pools) and what the backend refuses: graph pools' checkpoints for CUDA graph trees, PyTorch's
+// GPU trace, `MemPool`s over any allocator object, and trace trackers.
 //
 // Note [Graph trees under the shim]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -43,11 +42,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <c10/util/flat_hash_map.h>
-
 #include <cuda_runtime_api.h>
 #include "cachealloc_torch_history.h"
+#include "cachealloc_torch_trackers.h"  // before the library's: its snapshot numbers segments
 #include "cachealloc_torch_library.h"
-#include "cachealloc_torch_trackers.h"
 
 #include <algorithm>
 #include <atomic>
@@ -59,12 +57,9 @@
 #include <string>
 #include <vector>
 
-// PyTorch's `C10_CUDA_CHECK` on a failure only. On success PyTorch's check still consults its
-// registry of device-side assertions (`c10_cuda_check_implementation`, `has_failed`,
-// `get_singleton_ref`), on this allocator's path twice a tensor, where PyTorch's own allocator
-// makes no CUDA call at all for a cached block. A failure is reported exactly as before. With
-// the device guards dropped below, the step of a host-bound model fell by 2-4 % (lockstep:
-// BENCHMARKS.md, thirteenth session).
+// PyTorch's `C10_CUDA_CHECK` on a failure only: on success it still consults its registry of
+// device-side assertions, twice a tensor here, where PyTorch's allocator makes no CUDA call for a
+// cached block. With the device guards dropped below, a host-bound step fell 2-4 % (BENCHMARKS.md).
 #define CACHEALLOC_CUDA_CHECK(EXPR)                  \
   do {                                               \
     const cudaError_t cachealloc_err_ = (EXPR);      \
@@ -113,9 +108,7 @@ class Allocator final : public CUDAAllocator {
     return {ptr, ptr, &raw_delete_fn, Device(c10::DeviceType::CUDA, device)};
   }
 
-  DeleterFnPtr raw_deleter() const override {
-    return &raw_delete_fn;
-  }
+  DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
@@ -172,14 +165,13 @@ class Allocator final : public CUDAAllocator {
   // `caching_allocator_enable` reaches the library through the Python integration.
   void enable(bool) override {}
 
-  bool isEnabled() const override {
-    return true;
-  }
+  bool isEnabled() const override { return true; }
 
-  // What the backend did: the library releases its cached segments when the pool is trimmed.
-  void emptyCache(MempoolId_t) override {
+  // As the backend: the library releases its cached segments when the pool is trimmed (a
+  // `MemPool`'s went with its last user).
+  void emptyCache(MempoolId_t id) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t device = 0; device < devices_.size(); ++device) {
+    for (size_t device = 0; device < devices_.size() && id == MempoolId_t{0, 0}; ++device) {
       if (devices_[device]) {
         CUDAGuard guard(static_cast<DeviceIndex>(device));
         cudaMemPool_t pool;
@@ -291,25 +283,30 @@ class Allocator final : public CUDAAllocator {
     return info;
   }
 
-  // Only a `CUDAGraph` calls these (`use_mem_pool`'s entry points are the Python
-  // integration's): it holds its pool from `capture_begin` to `reset`, and the library follows
-  // those references (Note [The program's graph references]).
+  // A `CUDAGraph` holds its pool from `capture_begin` to `reset` (`use_mem_pool`'s entry points
+  // are the Python integration's; Note [The program's graph references]), a `MemPool` from its
+  // making to its end (Note [Whose reference releasePool gives back]).
   void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)>) override {
-    library.graph_pool_retain(device, pool_key(id));
+    pool_references_.graph_retain(device, id);
   }
   void endAllocateToPool(DeviceIndex, MempoolId_t) override {}
+  // A `MemPool`'s `use_on_oom` reaches the library when the pool is made (the Python integration's
+  // flags); PyTorch's `MemPool` destructor clears it, which the pool's release makes moot.
+  void setUseOnOOM(DeviceIndex, MempoolId_t, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom, "cachealloc: use_on_oom is given when the MemPool is made (MemPool(use_on_oom=True))");
+  }
   void releasePool(DeviceIndex device, MempoolId_t id) override {
-    library.graph_pool_release(device, pool_key(id));
+    pool_references_.release(device, id);
   }
 
   int getPoolUseCount(DeviceIndex device, MempoolId_t id) override {
     return library.mem_pool_use_count(device, pool_key(id));
   }
 
+  // Note [MemPools over PyTorch's allocator objects].
   void createOrIncrefPool(DeviceIndex device, MempoolId_t id, std::shared_ptr<CUDAAllocator> allocator) override {
-    TORCH_CHECK(!allocator, "cachealloc: a MemPool with its own allocator is made in Python");
-    TORCH_CHECK(library.mem_pool_retain(device, pool_key(id), 0, nullptr, nullptr) >= 0,
-                "cachealloc: MemPool needs the library's pools (pool:on)");
+    TORCH_CHECK(pool_references_.mem_pool_retain(device, id, std::move(allocator)) >= 0,
+                "cachealloc: MemPool needs the library's pools");
   }
 
   bool checkPoolLiveAllocations(DeviceIndex device, MempoolId_t id,
@@ -537,6 +534,7 @@ class Allocator final : public CUDAAllocator {
 
   std::string name_ = "native";
   History history_;
+  PoolReferences pool_references_;
   std::mutex mutex_;
   // Open addressing, as PyTorch's own allocator keeps its blocks: no node allocated and freed
   // per tensor (std::unordered_map's insert was the route's largest single cost on mlp's step:

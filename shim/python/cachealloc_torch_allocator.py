@@ -204,6 +204,9 @@ def install():
     if code == 0:
         _installed = True
         _library = library
+        import cachealloc_memory
+
+        cachealloc_memory.use_pytorchs_mem_pools(library)
         if chosen_by_shim:
             _take_backend_out_of_settings()
         say("installed its allocator for PyTorch (CUDA graph trees served)")

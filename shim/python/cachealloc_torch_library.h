@@ -1,14 +1,20 @@
 // The preloaded library as cachealloc's allocator for PyTorch sees it: the functions of its C
 // API it calls (cachealloc's `ffi/c_api`), found when the allocator is installed, and what it
 // builds from their answers (pool checkpoints, the segments of a snapshot). Included by
-// cachealloc_torch_allocator.cpp.
+// cachealloc_torch_allocator.cpp, after cachealloc_torch_trackers.h.
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <dlfcn.h>
+#include <sys/types.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <unordered_set>
 
@@ -28,7 +34,11 @@ struct Library {
   int (*live_blocks)(int, uint64_t, Address, void*) = nullptr;
   int (*record_stream)(uint64_t, size_t) = nullptr;
   int (*mem_pool_retain)(int, uint64_t, unsigned, void*, void*) = nullptr;
+  using ContextAlloc = void* (*)(void*, ssize_t, int, cudaStream_t);
+  using ContextFree = void (*)(void*, void*, ssize_t, int, cudaStream_t);
+  int (*mem_pool_retain_with)(int, uint64_t, unsigned, ContextAlloc, ContextFree, void*) = nullptr;
   int (*mem_pool_use_count)(int, uint64_t) = nullptr;
+  int (*mem_pool_release)(int, uint64_t) = nullptr;
   int (*graph_pool_retain)(int, uint64_t) = nullptr;
   int (*graph_pool_release)(int, uint64_t) = nullptr;
   using Fields = void (*)(void*, const uint64_t*);
@@ -44,7 +54,9 @@ struct Library {
         find(live_blocks, "cachealloc_pool_live_blocks") &&
         find(record_stream, "cachealloc_record_stream") &&
         find(mem_pool_retain, "cachealloc_mem_pool_retain") &&
+        find(mem_pool_retain_with, "cachealloc_mem_pool_retain_with_context") &&
         find(mem_pool_use_count, "cachealloc_mem_pool_use_count") &&
+        find(mem_pool_release, "cachealloc_mem_pool_release") &&
         find(graph_pool_retain, "cachealloc_graph_pool_retain") &&
         find(graph_pool_release, "cachealloc_graph_pool_release") &&
         find(segments_walk, "cachealloc_segments_walk") &&
@@ -65,6 +77,120 @@ inline Library library;
 inline uint64_t pool_key(MempoolId_t id) {
   return ((id.first & 0xFFFFFFFFull) << 32) | (id.second & 0xFFFFFFFFull);
 }
+
+// Note [MemPools over PyTorch's allocator objects]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A `MemPool(allocator)` takes its segments from `allocator`. The Python integration reads a
+// `CUDAPluggableAllocator`'s two functions itself; any other allocator object (the NCCL process
+// group's `backend.mem_allocator`, made in C++ over `ncclMemAlloc`) reaches this allocator only
+// through PyTorch's own `_MemPool`, whose constructor calls `createOrIncrefPool` with it. The
+// pool is then the library's, its segments taken from and given back to the object through
+// the two functions below, the object kept for the rest of the process (the library may give a
+// segment back until the pool's last one goes, long after the program let go of its pool).
+// The pool's flags (`use_on_oom`, `no_split`) come from the integration just before
+// (`cachealloc_torch_next_pool_flags`): PyTorch's constructor has no way to pass them here.
+struct ForeignPool {
+  std::shared_ptr<CUDAAllocator> allocator;
+};
+
+inline void* foreign_alloc(void* context, ssize_t size, int device, cudaStream_t stream) {
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
+    return static_cast<ForeignPool*>(context)->allocator->raw_alloc_with_stream(static_cast<size_t>(size), stream);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cachealloc: a MemPool's allocator failed to allocate %zd bytes: %s\n", size, e.what());
+    return nullptr;
+  }
+}
+
+inline void foreign_free(void* context, void* ptr, ssize_t, int device, cudaStream_t) {
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
+    static_cast<ForeignPool*>(context)->allocator->raw_delete(ptr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cachealloc: a MemPool's allocator failed to free %p: %s\n", ptr, e.what());
+  }
+}
+
+// The flags of the next pool this thread makes (see the Note).
+inline thread_local unsigned next_pool_flags = 0;
+
+}  // namespace cachealloc_torch
+
+// The flags of the next MemPool the calling thread makes (see the Note). Defined here, not inline:
+// this header is part of one translation unit, and the function must be in the library.
+extern "C" __attribute__((visibility("default"))) void cachealloc_torch_next_pool_flags(unsigned flags) {
+  cachealloc_torch::next_pool_flags = flags;
+}
+
+namespace cachealloc_torch {
+
+// A reference to the library's private pool `id` of `device`, made if needed: over `allocator`
+// when there is one (see the Note). Returns the use count, or < 0.
+inline int retain_pool(DeviceIndex device, MempoolId_t id, std::shared_ptr<CUDAAllocator> allocator) {
+  unsigned flags = next_pool_flags;
+  next_pool_flags = 0;
+  if (!allocator) {
+    return library.mem_pool_retain(device, pool_key(id), flags, nullptr, nullptr);
+  }
+  auto* kept = new ForeignPool{std::move(allocator)};  // for the rest of the process
+  return library.mem_pool_retain_with(device, pool_key(id), flags, &foreign_alloc, &foreign_free, kept);
+}
+
+// Note [Whose reference releasePool gives back]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// PyTorch calls `releasePool` for two holders of a private pool: a `CUDAGraph` at its reset (it
+// took its reference with `beginAllocateToPool`) and a `MemPool` in its destructor (it took its
+// reference with `createOrIncrefPool`). The library counts the two kinds apart (Note [Private
+// pools] in its `process`), so each release goes back as the kind this pool still holds: a
+// graph's while a graph holds the pool, else its `MemPool`'s. A `MemPool` deleted while a graph
+// captured into it lives swaps the two for a while; the pool's users count the same.
+class PoolReferences {
+ public:
+  void graph_retain(DeviceIndex device, MempoolId_t id) {
+    library.graph_pool_retain(device, pool_key(id));
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++graphs_[key(device, id)];
+  }
+
+  int mem_pool_retain(DeviceIndex device, MempoolId_t id, std::shared_ptr<CUDAAllocator> allocator) {
+    int count = retain_pool(device, id, std::move(allocator));
+    if (count >= 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++mem_pools_[key(device, id)];
+    }
+    return count;
+  }
+
+  void release(DeviceIndex device, MempoolId_t id) {
+    bool mem_pools = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto k = key(device, id);
+      auto graph = graphs_.find(k);
+      auto mem_pool = mem_pools_.find(k);
+      if (graph != graphs_.end() && graph->second > 0) {
+        --graph->second;
+      } else if (mem_pool != mem_pools_.end() && mem_pool->second > 0) {
+        --mem_pool->second;
+        mem_pools = true;
+      }
+    }
+    if (mem_pools) {
+      library.mem_pool_release(device, pool_key(id));
+    } else {
+      library.graph_pool_release(device, pool_key(id));
+    }
+  }
+
+ private:
+  static std::pair<int, uint64_t> key(DeviceIndex device, MempoolId_t id) {
+    return {static_cast<int>(device), pool_key(id)};
+  }
+  std::mutex mutex_;
+  std::map<std::pair<int, uint64_t>, int> graphs_;
+  std::map<std::pair<int, uint64_t>, int> mem_pools_;
+};
 
 // A pool's checkpoint: the library's, released with this.
 struct PoolState : AllocatorState {
@@ -106,6 +232,7 @@ inline void add_segments(DeviceIndex device, MempoolId_t pool,
     s.is_large = f[5] != 0;
     s.stream = reinterpret_cast<void*>(f[6]);
     s.requested_size = f[7];
+    s.registration_counter = trackers.registration_counter(static_cast<int>(w->device), f[0]);
     w->info->segments.push_back(std::move(s));
   };
   auto block = [](void* context, const uint64_t* f) {

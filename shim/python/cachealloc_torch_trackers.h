@@ -33,24 +33,39 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace cachealloc_torch {
 
+// Segments are also numbered in the order they were made, for the snapshot's
+// `registration_counter`: `register_mem_pool` registers a pool's segments in that order, the same
+// on every rank (a symmetric window's registration is collective), and refuses a snapshot
+// without it. So the function is attached when this library is loaded, before any tracker.
 class Trackers {
  public:
+  Trackers() {
+    using Attach = int (*)(void (*)(int, int, uint64_t, uint64_t, uint64_t));
+    auto attach = reinterpret_cast<Attach>(dlsym(RTLD_DEFAULT, "cachealloc_attach_segment_tracker"));
+    attached_ = attach != nullptr && attach(&Trackers::told) == 0;
+  }
+
   // PyTorch's `attachAllocatorTraceTracker`.
   void attach(c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) {
+    TORCH_CHECK(attached_, "cachealloc: the preloaded library takes no segment trackers");
     std::lock_guard<std::mutex> lock(mutex_);
     trackers_.push_back(std::move(tracker));
-    if (!attached_) {
-      using Attach = int (*)(void (*)(int, int, uint64_t, uint64_t, uint64_t));
-      auto attach = reinterpret_cast<Attach>(dlsym(RTLD_DEFAULT, "cachealloc_attach_segment_tracker"));
-      TORCH_CHECK(attach != nullptr && attach(&Trackers::told) == 0,
-                  "cachealloc: the preloaded library takes no segment trackers");
-      attached_ = true;
-    }
+  }
+
+  // The place of the segment at `address` in the order segments were made (one seen first here
+  // takes the next place).
+  int64_t registration_counter(int device, uint64_t address) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [at, made] = order_.try_emplace({device, address}, next_);
+    next_ += made;
+    return at->second;
   }
 
   // The library's call: `action` 1-4 (segment allocated, freed, mapped, unmapped), `pool` packed
@@ -60,6 +75,8 @@ class Trackers {
  private:
   std::mutex mutex_;
   std::vector<c10::cuda::CUDACachingAllocator::AllocatorTraceTracker> trackers_;
+  std::map<std::pair<int, uint64_t>, int64_t> order_;
+  int64_t next_ = 0;
   bool attached_ = false;
 };
 
@@ -75,6 +92,11 @@ inline void Trackers::told(int action, int device, uint64_t address, uint64_t si
   std::vector<c10::cuda::CUDACachingAllocator::AllocatorTraceTracker> all;
   {
     std::lock_guard<std::mutex> lock(trackers.mutex_);
+    if (action == 1 || action == 3) {
+      trackers.order_[{device, address}] = trackers.next_++;
+    } else {
+      trackers.order_.erase({device, address});
+    }
     all = trackers.trackers_;
   }
   c10::MempoolId_t id{static_cast<c10::CaptureId_t>(pool >> 32), static_cast<c10::CaptureId_t>(pool & 0xFFFFFFFFull)};
