@@ -134,7 +134,11 @@ if graph.pool_used != ((0, 7), "global"):
     fail(f"a capture given a pool began with {graph.pool_used}")
 
 from python_history import check_history_settings, check_pool_snapshot  # noqa: E402
-from python_mem_pools import check_all_threads_entry_point, check_own_allocator_pool  # noqa: E402
+from python_mem_pools import (  # noqa: E402
+    check_all_threads_entry_point,
+    check_own_allocator_pool,
+    check_pytorchs_mem_pool_comes_back,
+)
 
 
 def check_profiler(torch, glob):
@@ -560,4 +564,5 @@ else:
 
     check_all_threads_entry_point(torch, glob, pool, blocks_of)
     check_own_allocator_pool(torch, glob, memory, blocks_of)
+    check_pytorchs_mem_pool_comes_back()
 print("OK python_integration")

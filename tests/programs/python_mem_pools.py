@@ -60,3 +60,46 @@ def check_own_allocator_pool(torch, glob, memory, blocks_of):
     glob.cudaFree(mine)
     if [c[0] for c in calls] != ["alloc", "free"]:
         fail(f"the last block's segment did not go back through the allocator: {calls}")
+
+
+def check_pytorchs_mem_pool_comes_back():
+    """Once the C++ allocator for PyTorch is installed, `torch.cuda.MemPool` is PyTorch's own
+    class again (what `register_mem_pool` takes), subclassed only to hand its flags to the
+    allocator just before PyTorch's constructor runs, and never to PyTorch's own flag setters
+    (`cachealloc_memory.use_pytorchs_mem_pools`); stand-ins for both classes and the allocator's
+    library, the integration's state put back afterwards."""
+    import types
+
+    import cachealloc_memory
+
+    events = []
+
+    class NativePool:  # torch._C._MemPool
+        def __init__(self, allocator, is_user_created, use_on_oom, no_split):
+            events.append(("native", allocator, is_user_created, use_on_oom, no_split))
+
+    class PyTorchsPool(NativePool):  # torch.cuda.memory.MemPool
+        def __init__(self, allocator=None, use_on_oom=False, no_split=False):
+            super().__init__(allocator, True, use_on_oom, no_split)
+
+    def next_pool_flags(flags):
+        events.append(("flags", flags))
+
+    saved = dict(cachealloc_memory._PYTORCHS_MEM_POOL)
+    memory, c = sys.modules["torch.cuda.memory"], sys.modules["torch._C"]
+    before = (memory.MemPool, c._MemPool)
+    try:
+        cachealloc_memory._PYTORCHS_MEM_POOL.update(python=PyTorchsPool, native=NativePool)
+        library = types.SimpleNamespace(cachealloc_torch_next_pool_flags=next_pool_flags)
+        cachealloc_memory.use_pytorchs_mem_pools(library)
+        pool_class = memory.MemPool
+        if not issubclass(pool_class, PyTorchsPool) or c._MemPool is not NativePool:
+            fail(f"PyTorch's MemPool did not come back: {pool_class.__mro__}, {c._MemPool}")
+        pool_class("allocator", use_on_oom=True, no_split=True)
+        want = [("flags", 3), ("native", "allocator", True, False, False), ("flags", 0)]
+        if events != want:
+            fail(f"a MemPool's flags did not reach the allocator before PyTorch's constructor: {events}")
+    finally:
+        cachealloc_memory._PYTORCHS_MEM_POOL.clear()
+        cachealloc_memory._PYTORCHS_MEM_POOL.update(saved)
+        memory.MemPool, c._MemPool = before
