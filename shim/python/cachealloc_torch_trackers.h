@@ -9,8 +9,8 @@
 // deregisters it before it is freed (`register_mem_pool`, the NCCL user buffers and symmetric
 // memory of Megatron and others; every segment with
 // `TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1`), torchcomms its RDMA registrations. The
-// segments are the library's, so the first tracker attached here attaches one function to the
-// library (`cachealloc_attach_segment_tracker`), which the library calls with each segment
+// segments are the library's, so this allocator attaches one function to the library when it is
+// loaded (`cachealloc_attach_segment_tracker`), which the library calls with each segment
 // allocated, each one leaving the pools before it is freed, and each mapping of an expandable
 // segment made and unmapped, with the pool's id (the library's Note [Segment trackers]); it turns
 // each into PyTorch's `TraceEntry` and calls every tracker with it. The block-level entries
