@@ -45,6 +45,68 @@ def torch_backend():
     return "native"
 
 
+#: What the integration put in the place of PyTorch's functions and classes, in order: (owner,
+#: name, PyTorch's own, or `_MISSING` where the owner had none of its own), each name once.
+_replaced = []
+#: (id() of a value put in, the name it was put in as) -> (the value, PyTorch's own that it
+#: stands for there). The name is part of the key: one value may stand in for two of PyTorch's
+#: (`MemPool` and `torch._C._MemPool`), and an import copies it under its name.
+_installed = {}
+_MISSING = object()
+#: Whether the program installed an allocator of its own (`change_current_allocator`): the
+#: integration has then stepped back (`step_back`) and replaces nothing more.
+program_allocator = False
+
+
+def replace(owner, name, value):
+    """Put `value` in the place of `owner.name` (a module's or a class's own attribute),
+    remembering PyTorch's for `step_back`: where the place holds a value put in elsewhere (an
+    import copied it, `from .memory import *` in `torch.cuda`), PyTorch's own is the one that
+    value stands for. Nothing once the program runs its own allocator; returns whether it
+    replaced."""
+    if program_allocator:
+        return False
+    known = [own for o, n, own in _replaced if o is owner and n == name]
+    if known:
+        own = known[0]
+    else:
+        own = vars(owner).get(name, _MISSING)
+        entry = _installed.get((id(own), name))
+        if entry is not None and entry[0] is own:
+            own = entry[1]
+        _replaced.append((owner, name, own))
+    _installed[(id(value), name)] = (value, own)
+    setattr(owner, name, value)
+    return True
+
+
+def _put_back(owner, name, own):
+    if own is not _MISSING:
+        setattr(owner, name, own)
+    elif name in vars(owner):
+        delattr(owner, name)
+
+
+def step_back():
+    """Give PyTorch back every function and class `replace` took the place of: the program
+    installed an allocator of its own (`torch.cuda.memory.change_current_allocator`, before
+    CUDA was used), so PyTorch's tensors come from it, and `torch.cuda`'s memory functions,
+    `MemPool`, `record_stream` and graph captures must be PyTorch's and reach it, as natively
+    (design.md, "A program's own allocator"). Copies an import made of a value put in go too.
+    The library still serves and records what that allocator asks of CUDA."""
+    global program_allocator
+    program_allocator = True
+    for owner, name, own in reversed(_replaced):
+        _put_back(owner, name, own)
+    for module in (sys.modules.get("torch.cuda"), sys.modules.get("torch.cuda.memory")):
+        for name, value in list(vars(module).items()) if module is not None else ():
+            entry = _installed.get((id(value), name))
+            if entry is not None and entry[0] is value:
+                _put_back(module, name, entry[1])
+    _replaced.clear()
+    _installed.clear()
+
+
 def c_functions(**names):
     """The preloaded library's functions `names` (short name -> `cachealloc_…` symbol) as a
     namespace of ctypes functions, or None when the library is not there."""

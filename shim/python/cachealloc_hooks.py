@@ -91,6 +91,10 @@ it has to adjust:
   category and module, global module and optimizer hooks tell the trace each thread's module,
   the step's phase and what blocks hold (`cachealloc_categories`; `categories:off` turns them
   off).
+* `torch._C._cuda_changeCurrentAllocator` — a program that installs its own allocator
+  (`change_current_allocator`, before CUDA's first use) gets every function and class above
+  back as PyTorch's, since PyTorch's tensors then come from that allocator
+  (`cachealloc_common.step_back`; the replacements go through `cachealloc_common.replace`).
 
 `CACHEALLOC_CONF=python:off` switches the integration off (the library then leaves
 `PYTHONPATH` alone).
@@ -99,7 +103,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from cachealloc_common import c_functions, conf, pool_key, say, torch_backend, warn
+from cachealloc_common import c_functions, conf, pool_key, replace, say, torch_backend, warn
 
 #: Modules to adjust after they load: name -> function of the loaded module.
 ADJUSTMENTS = {}
@@ -216,7 +220,7 @@ def _graphs(graphs):
         return begin(self, pool, *args, **kwargs)
 
     capture_begin._cachealloc_wrapped = True
-    graph_class.capture_begin = capture_begin
+    replace(graph_class, "capture_begin", capture_begin)
 
 
 @_adjusts("torch.cuda.memory")

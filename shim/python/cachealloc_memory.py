@@ -8,7 +8,7 @@ import ctypes
 import os
 import sys
 
-from cachealloc_common import c_functions, pool_key, say, text, torch_backend, warn
+from cachealloc_common import c_functions, pool_key, replace, say, step_back, text, torch_backend, warn
 from cachealloc_history import (
     History,
     NoTrace,
@@ -103,7 +103,7 @@ def _oom_observers(native):
         _OOM_CALLBACKS.append(callback)
         attach(callback)
 
-    native._cuda_attach_out_of_memory_observer = attach_out_of_memory_observer
+    replace(native, "_cuda_attach_out_of_memory_observer", attach_out_of_memory_observer)
 
 
 #: id() of each `_cuda_CUDAAllocator` made by `CUDAPluggableAllocator` -> (allocator, its
@@ -142,11 +142,11 @@ def use_pytorchs_mem_pools(library):
     MemPool.__doc__ = python_class.__doc__
     MemPool.__module__ = python_class.__module__
     MemPool.__qualname__ = python_class.__qualname__
-    sys.modules["torch._C"]._MemPool = native_class
-    sys.modules["torch.cuda.memory"].MemPool = MemPool
+    replace(sys.modules["torch._C"], "_MemPool", native_class)
+    replace(sys.modules["torch.cuda.memory"], "MemPool", MemPool)
     cuda = sys.modules.get("torch.cuda")
     if cuda is not None and hasattr(cuda, "MemPool"):
-        cuda.MemPool = MemPool
+        replace(cuda, "MemPool", MemPool)
 
 
 def _mem_pool_class(api, torch_c, original):
@@ -253,7 +253,7 @@ def _mem_pools(memory, native):
             return allocator
 
         custom_allocator._cachealloc_wrapped = True
-        native._cuda_customAllocator = custom_allocator
+        replace(native, "_cuda_customAllocator", custom_allocator)
 
     def begin_allocate_to_pool(device, pool_id):
         code = api.begin(int(device), pool_key(pool_id))
@@ -267,20 +267,20 @@ def _mem_pools(memory, native):
         api.release(int(device), pool_key(pool_id))
 
     for module in (native, memory):
-        module._cuda_beginAllocateCurrentThreadToPool = begin_allocate_to_pool
+        replace(module, "_cuda_beginAllocateCurrentThreadToPool", begin_allocate_to_pool)
         # PyTorch's all-threads variant (no caller in PyTorch 2.11) routes the calling thread
         # only: the library routes by thread. Its reference goes back through `_cuda_releasePool`
         # as PyTorch's does, not to the graph pool references of the C++ allocator.
         if hasattr(module, "_cuda_beginAllocateToPool"):
-            module._cuda_beginAllocateToPool = begin_allocate_to_pool
-        module._cuda_endAllocateToPool = end_allocate_to_pool
-        module._cuda_releasePool = release_pool
+            replace(module, "_cuda_beginAllocateToPool", begin_allocate_to_pool)
+        replace(module, "_cuda_endAllocateToPool", end_allocate_to_pool)
+        replace(module, "_cuda_releasePool", release_pool)
     _PYTORCHS_MEM_POOL.update(python=getattr(memory, "MemPool", None), native=getattr(native, "_MemPool", None))
     pool_class = _mem_pool_class(api, native, getattr(memory, "MemPool", None))
-    memory.MemPool = pool_class
-    native._MemPool = pool_class
+    replace(memory, "MemPool", pool_class)
+    replace(native, "_MemPool", pool_class)
     if "torch.cuda" in sys.modules and hasattr(sys.modules["torch.cuda"], "MemPool"):
-        sys.modules["torch.cuda"].MemPool = pool_class
+        replace(sys.modules["torch.cuda"], "MemPool", pool_class)
     import cachealloc_torch_allocator
 
     if cachealloc_torch_allocator.installed():  # installed before this module was adjusted
@@ -316,7 +316,7 @@ def _record_stream(tensor_class):
 
     record_stream._cachealloc_wrapped = True
     record_stream.__doc__ = original.__doc__
-    tensor_class.record_stream = record_stream
+    replace(tensor_class, "record_stream", record_stream)
 
 
 def _settings_setter(original, apply):
@@ -404,9 +404,9 @@ def adjust(memory):
         # What the program asked for (the recorder keeps the history anyway).
         return bool(History.changes) and History.changes[-1][1] != "none"
 
-    native._cuda_memoryStats = memory_stats
-    native._cuda_resetAccumulatedMemoryStats = reset_accumulated
-    native._cuda_isHistoryEnabled = history_enabled
+    replace(native, "_cuda_memoryStats", memory_stats)
+    replace(native, "_cuda_resetAccumulatedMemoryStats", reset_accumulated)
+    replace(native, "_cuda_isHistoryEnabled", history_enabled)
     # The backend answers the memory fraction as its limit over the device's memory, and its
     # limit is "unlimited" (2**64 - 1) until one is set: a "fraction" of millions, which
     # set_per_process_memory_fraction then refuses to take back. Unset is 1.0, as natively.
@@ -428,12 +428,12 @@ def adjust(memory):
                     return fraction
             return min(get_fraction(device), 1.0)
 
-        native._cuda_getMemoryFraction = memory_fraction
+        replace(native, "_cuda_getMemoryFraction", memory_fraction)
     # torch.accelerator's memory functions read the same statistics through these.
     if hasattr(native, "_accelerator_getDeviceStats"):
-        native._accelerator_getDeviceStats = memory_stats
+        replace(native, "_accelerator_getDeviceStats", memory_stats)
     if hasattr(native, "_accelerator_resetAccumulatedStats"):
-        native._accelerator_resetAccumulatedStats = reset_accumulated
+        replace(native, "_accelerator_resetAccumulatedStats", reset_accumulated)
     # The fraction limits all of a device's pools together, private pools too, as natively;
     # PyTorch's backend counts only its own allocations.
     set_fraction = getattr(native, "_cuda_setMemoryFraction", None)
@@ -448,7 +448,7 @@ def adjust(memory):
             set_fraction(fraction, device)
             limits.set(int(device), float(fraction))
 
-        native._cuda_setMemoryFraction = set_memory_fraction
+        replace(native, "_cuda_setMemoryFraction", set_memory_fraction)
     # _set_allocator_settings: PyTorch's parser first (its checks and errors, its own keys),
     # then the library's pools.
     settings = c_functions(apply="cachealloc_set_allocator_settings")
@@ -460,36 +460,47 @@ def adjust(memory):
         for name in ("_cuda_cudaCachingAllocator_set_allocator_settings", "_accelerator_setAllocatorSettings"):
             original = getattr(native, name, None)
             if original is not None:
-                setattr(native, name, _settings_setter(original, settings.apply))
+                replace(native, name, _settings_setter(original, settings.apply))
     caching = c_functions(enable="cachealloc_caching_enable")
     if caching is not None and hasattr(native, "_cuda_cudaCachingAllocator_enable"):
         import ctypes
 
         caching.enable.restype = ctypes.c_int
         caching.enable.argtypes = [ctypes.c_int]
-        native._cuda_cudaCachingAllocator_enable = lambda value: caching.enable(1 if value else 0) and None
+        replace(native, "_cuda_cudaCachingAllocator_enable", lambda value: caching.enable(1 if value else 0) and None)
     if native._cuda_record_memory_history is not record_history:
         History.native = native._cuda_record_memory_history
-    native._cuda_record_memory_history = record_history
+    replace(native, "_cuda_record_memory_history", record_history)
     if hasattr(native, "_cuda_record_memory_history_legacy"):
-        native._cuda_record_memory_history_legacy = record_history_legacy
+        replace(native, "_cuda_record_memory_history_legacy", record_history_legacy)
     if History.native_snapshot is None:
         History.native_snapshot = native._cuda_memorySnapshot
-    native._cuda_memorySnapshot = memory_snapshot
+    replace(native, "_cuda_memorySnapshot", memory_snapshot)
     original_segments = getattr(memory, "memory_snapshot", None)
     if original_segments is not None:
         segments_snapshot.__doc__ = original_segments.__doc__
-        memory.memory_snapshot = segments_snapshot
+        replace(memory, "memory_snapshot", segments_snapshot)
         # (`torch.cuda` takes it by `from .memory import *` once this module is loaded; a
         # `torch.cuda` loaded already has the old one.)
         cuda = sys.modules.get("torch.cuda")
         if getattr(cuda, "memory_snapshot", None) is original_segments:
-            cuda.memory_snapshot = segments_snapshot
-    native._cuda_setMemoryMetadata = set_metadata
-    native._cuda_getMemoryMetadata = get_metadata
+            replace(cuda, "memory_snapshot", segments_snapshot)
+    replace(native, "_cuda_setMemoryMetadata", set_metadata)
+    replace(native, "_cuda_getMemoryMetadata", get_metadata)
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "Tensor"):
         _record_stream(torch.Tensor)
     if torch is not None:
         _profiler_reports(torch)
+    change = getattr(native, "_cuda_changeCurrentAllocator", None)
+    if change is not None:
+
+        def change_current_allocator(allocator):
+            change(allocator)  # PyTorch refuses once its allocator is in use: nothing changes then
+            step_back()
+            say("the program installed its own allocator: PyTorch's tensors come from it, and "
+                "torch.cuda's memory functions are PyTorch's again (cachealloc still serves and "
+                "records what it asks of CUDA)")
+
+        replace(native, "_cuda_changeCurrentAllocator", change_current_allocator)
     say("torch.cuda's memory statistics, history and snapshots are served by cachealloc")

@@ -64,6 +64,11 @@ with open(os.path.join(root, "torch", "_C.py"), "w") as f:
         "def _cuda_beginAllocateToPool(device, pool):\n    raise RuntimeError('native')\n"
         "def _cuda_endAllocateToPool(device, pool):\n    raise RuntimeError('native')\n"
         "def _cuda_releasePool(device, pool):\n    raise RuntimeError('native')\n"
+        "allocators_installed = []\n"
+        "def _cuda_changeCurrentAllocator(allocator):\n"
+        "    if allocator == 'too late':\n"
+        "        raise RuntimeError(\"Can't swap an already initialized allocator\")\n"
+        "    allocators_installed.append(allocator)\n"
     )
 os.makedirs(os.path.join(root, "torch", "cuda"))
 with open(os.path.join(root, "torch", "cuda", "__init__.py"), "w") as f:
@@ -137,6 +142,7 @@ from python_history import check_history_settings, check_pool_snapshot  # noqa: 
 from python_mem_pools import (  # noqa: E402
     check_all_threads_entry_point,
     check_own_allocator_pool,
+    check_program_allocator_steps_back,
     check_pytorchs_mem_pool_comes_back,
 )
 
@@ -565,4 +571,6 @@ else:
     check_all_threads_entry_point(torch, glob, pool, blocks_of)
     check_own_allocator_pool(torch, glob, memory, blocks_of)
     check_pytorchs_mem_pool_comes_back()
+    # Last: it gives PyTorch its own functions back.
+    check_program_allocator_steps_back(torch, glob, graphs)
 print("OK python_integration")

@@ -103,3 +103,84 @@ def check_pytorchs_mem_pool_comes_back():
         cachealloc_memory._PYTORCHS_MEM_POOL.clear()
         cachealloc_memory._PYTORCHS_MEM_POOL.update(saved)
         memory.MemPool, c._MemPool = before
+
+
+def check_program_allocator_steps_back(torch, glob, graphs):
+    """A program that installs its own allocator (`change_current_allocator`, as RMM's and
+    unified-memory recipes do) gets PyTorch's own functions and classes back, since PyTorch's
+    tensors now come from that allocator: statistics, snapshots, history, fractions, settings,
+    MemPool and its entry points, `record_stream`, graph captures answer as natively (the
+    stand-in's). A swap PyTorch refuses (its allocator in use) changes nothing; the library
+    still serves the allocator's CUDA calls, and the integration replaces nothing more."""
+    import types
+
+    import cachealloc_memory
+
+    c, memory = torch._C, sys.modules["torch.cuda.memory"]
+    try:
+        c._cuda_changeCurrentAllocator("too late")
+        fail("a swap PyTorch refuses did not raise")
+    except RuntimeError:
+        pass
+    if not isinstance(c._cuda_memoryStats(0), dict):
+        fail("a refused swap gave PyTorch's statistics back")
+    # What `from .memory import *` in `torch.cuda` copies of the integration's.
+    cuda = sys.modules["torch.cuda"]
+    cuda.MemPool, cuda.memory_snapshot = memory.MemPool, memory.memory_snapshot
+    mine = object()
+    c._cuda_changeCurrentAllocator(mine)
+    if c.allocators_installed != [mine]:
+        fail(f"the program's allocator did not reach PyTorch: {c.allocators_installed}")
+    native = {
+        "memory_stats": c._cuda_memoryStats(0),
+        "accelerator_stats": c._accelerator_getDeviceStats(0),
+        "reset": c._cuda_resetAccumulatedMemoryStats(0),
+        "fraction": c._cuda_getMemoryFraction(0),
+    }
+    want = {"memory_stats": "native", "accelerator_stats": "native", "reset": "native", "fraction": 216975863.59}
+    if native != want:
+        fail(f"after the program's own allocator: {native}")
+    for name in ("_cuda_memorySnapshot", "_cuda_record_memory_history", "_cuda_beginAllocateCurrentThreadToPool",
+                 "_cuda_beginAllocateToPool", "_cuda_endAllocateToPool", "_cuda_releasePool", "_MemPool"):
+        try:
+            getattr(c, name)(0, (0, 1))
+            fail(f"torch._C.{name} is not PyTorch's after the program's own allocator")
+        except RuntimeError as e:
+            if str(e) != "native":
+                fail(f"torch._C.{name} raised {e!r}, not PyTorch's")
+        except TypeError:
+            fail(f"torch._C.{name} is not PyTorch's after the program's own allocator")
+    if memory.MemPool.__module__ != "torch.cuda.memory" or memory.MemPool.__bases__ != (c._MemPool,):
+        fail(f"torch.cuda.memory.MemPool is {memory.MemPool.__mro__}, not PyTorch's")
+    if memory.memory_snapshot.__module__ != "torch.cuda.memory":
+        fail("torch.cuda.memory.memory_snapshot is not PyTorch's")
+    if cuda.MemPool is not memory.MemPool or cuda.memory_snapshot is not memory.memory_snapshot:
+        fail(f"torch.cuda's copies of the integration's MemPool or memory_snapshot stayed: {cuda.MemPool}")
+    for name in ("_cuda_attach_out_of_memory_observer", "_cuda_setMemoryMetadata", "_cuda_changeCurrentAllocator"):
+        if getattr(getattr(c, name, None), "__module__", "torch._C") != "torch._C":
+            fail(f"torch._C.{name} is the integration's after the program's own allocator")
+    if c._cuda_cudaCachingAllocator_set_allocator_settings.__module__ != "torch._C":
+        fail("torch._C's allocator settings setter is the integration's")
+    graph = graphs.CUDAGraph()
+    graph.capture_begin()
+    if graph.pool_used != (None, "global"):
+        fail(f"a capture is still given a pool of the library's: {graph.pool_used}")
+    p = ctypes.c_void_p()
+    if glob.cudaMallocAsync(ctypes.byref(p), 4096, None) != 0:
+        fail("the library stopped serving CUDA's calls")
+
+    class Tensor(torch.Tensor):
+        is_cuda, is_sparse = True, False
+
+        def untyped_storage(self):
+            return types.SimpleNamespace(data_ptr=lambda: p.value)
+
+    stream = types.SimpleNamespace(cuda_stream=1)
+    torch.Tensor.recorded_by_pytorch.clear()
+    Tensor().record_stream(stream)
+    if torch.Tensor.recorded_by_pytorch != [stream]:
+        fail("record_stream of the library's block did not reach PyTorch's, as natively")
+    glob.cudaFreeAsync(p, None)
+    cachealloc_memory.adjust(memory)
+    if c._cuda_memoryStats(0) != "native":
+        fail("the integration replaced PyTorch's statistics again after the program's allocator")
