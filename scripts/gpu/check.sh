@@ -232,6 +232,8 @@ both gpu_trace.py gpu_trace
 # with NCCL registering every segment, PyTorch's memory is in fixed segments under the shim.
 both trace_trackers.py trackers
 BOTH_ENV=TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 both trace_trackers.py trackers
+BOTH_ENV=ALLOC=plain both change_allocator.py allocator
+BOTH_ENV=ALLOC=managed both change_allocator.py allocator
 # Tensors in expandable segments (mapped memory, shared through POSIX file descriptors): natively
 # with PyTorch's expandable segments, under the shim with its own; each run first checks that its
 # tensor lies in mapped memory.
@@ -269,6 +271,7 @@ both multi_gpu_features.py multi_gpu_features CACHEALLOC_CONF=expandable_segment
 # process group, and every segment registered.
 both nccl_registration.py nccl
 BOTH_ENV=MODE=all both nccl_registration.py nccl
+both symmetric_memory.py symm
 fi
 
 if part categories; then
