@@ -146,11 +146,11 @@ fn log_quiet_silences_the_summary() {
 }
 
 #[test]
-fn ipc_handles_are_refused_inside_segments_only() {
+fn ipc_handles_name_the_right_bytes_and_none_is_given_for_a_freed_block() {
     let out = Run::c("ipc", &[]).output();
     out.assert_pooled("ipc");
     assert!(
-        out.stderr.contains("cudaIpcGetMemHandle") && out.stderr.contains("refused"),
+        out.stderr.contains("cudaIpcGetMemHandle") && out.stderr.contains("not allocated"),
         "{}",
         out.stderr
     );

@@ -151,6 +151,7 @@ fn register_exit_summary() {
         // No panic may cross this C callback.
         let _ = catch_unwind(crate::report::exit_summary);
         let _ = catch_unwind(crate::ipc_counters::remove_files);
+        let _ = catch_unwind(crate::process::remove_handle_files);
     }
     // SAFETY: registers a plain `extern "C" fn()` that never unwinds.
     unsafe { libc::atexit(at_exit) };

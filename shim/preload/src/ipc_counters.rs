@@ -42,7 +42,7 @@ pub const SLOTS: usize = 4096;
 const RELEASES: usize = SLOTS - 1;
 
 /// Where counter files live: shared memory, else the temporary directory.
-fn directory() -> PathBuf {
+pub(crate) fn directory() -> PathBuf {
     let shm = PathBuf::from("/dev/shm");
     if shm.is_dir() {
         shm

@@ -72,8 +72,8 @@ pub use exit::ExitFacts;
 
 pub use allocations::OOM_OBSERVERS;
 pub use ipc::{
-    IpcShare, Shared, ipc_close, ipc_close_shared, ipc_open, ipc_open_shared, ipc_release,
-    ipc_sent_released,
+    IpcShare, Shared, handle_close, handle_open, ipc_close, ipc_close_shared, ipc_open,
+    ipc_open_shared, ipc_release, ipc_sent_released, remove_handle_files,
 };
 pub use pointers::PooledBlock;
 pub use private_pools::checkpoints::PoolCheckpoint;

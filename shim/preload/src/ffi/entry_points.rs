@@ -252,6 +252,8 @@ fn interposed() -> Vec<Interposed> {
         same!(cuPointerGetAttribute),
         same!(cuPointerGetAttributes),
         same!(cuIpcGetMemHandle),
+        same!(cuIpcOpenMemHandle_v2),
+        same!(cuIpcCloseMemHandle),
         same!(cuStreamCreate),
         same!(cuStreamCreateWithPriority),
         same!(cuStreamDestroy_v2),

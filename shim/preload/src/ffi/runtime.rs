@@ -470,7 +470,8 @@ pub unsafe extern "C" fn cudaMemPoolTrimTo(
     )
 }
 
-/// `cudaIpcGetMemHandle`: refused (with a message) for pointers inside pooled segments.
+/// `cudaIpcGetMemHandle`: a handle of the shim's for a pooled block the driver cannot name (Note
+/// [CUDA's IPC handles for pooled blocks]); refused, with a message, for a freed block.
 ///
 /// # Safety
 /// `handle` must be valid for a write.

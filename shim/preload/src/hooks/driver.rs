@@ -133,19 +133,45 @@ pub fn pooled_block(address: u64) -> Option<Result<PooledBlock, CuResult>> {
         .map(|r| r.map_err(|()| codes::ERROR_INVALID_VALUE))
 }
 
-/// `cuIpcGetMemHandle`: refused inside a pooled segment, as `cudaIpcGetMemHandle` is.
-pub fn ipc_get_mem_handle(address: u64, real: impl FnOnce() -> CuResult) -> CuResult {
-    if !symbols::bypass_driver_hooks()
-        && let Some(shim) = process::shim()
-        && let Err(why) = shim.ipc_check(address)
-    {
-        log::error!(
-            "{}",
-            why.replace("cudaIpcGetMemHandle", "cuIpcGetMemHandle")
-        );
-        return codes::ERROR_INVALID_VALUE;
+/// `cuIpcGetMemHandle`: for a pooled block the driver cannot name, a handle of ours (Note
+/// [CUDA's IPC handles for pooled blocks]), or why not; `None`: the driver's to give.
+pub fn ipc_get_mem_handle(address: u64) -> Option<Result<[u8; 64], CuResult>> {
+    if symbols::bypass_driver_hooks() {
+        return None;
     }
-    real()
+    match process::shim()?.ipc_handle(address) {
+        Ok(ours) => ours.map(Ok),
+        Err(why) => {
+            log::error!(
+                "{}",
+                why.replace("cudaIpcGetMemHandle", "cuIpcGetMemHandle")
+            );
+            Some(Err(codes::ERROR_INVALID_VALUE))
+        }
+    }
+}
+
+/// `cuIpcOpenMemHandle`: a handle of ours opened by the shim (`None`: the driver's to open).
+pub fn ipc_open_mem_handle(handle: &[u8; 64]) -> Option<Result<u64, CuResult>> {
+    if symbols::bypass_driver_hooks() {
+        return None;
+    }
+    crate::process::handle_open(handle).map(|r| r.map_err(|_| codes::ERROR_INVALID_VALUE))
+}
+
+/// `cuIpcCloseMemHandle`: a block opened through a handle of ours unmapped (`None`: the
+/// driver's to close).
+pub fn ipc_close_mem_handle(address: u64) -> Option<CuResult> {
+    if symbols::bypass_driver_hooks() {
+        return None;
+    }
+    crate::process::handle_close(address).map(|code| {
+        if code == cuda::SUCCESS {
+            codes::SUCCESS
+        } else {
+            codes::ERROR_INVALID_VALUE
+        }
+    })
 }
 
 /// `cuStreamCreate*`: a stream of a primary context becomes visible to the fences.

@@ -276,14 +276,19 @@ pub fn mem_pool_trim_to(pool: usize, min_bytes_to_keep: usize) -> CudaError {
     real::mem_pool_trim_to(pool, min_bytes_to_keep)
 }
 
-/// `cudaIpcGetMemHandle`: allowed for a pooled pointer only where the handle maps exactly it
-/// (the pointer is its segment's base); refused, with an explanation, inside a segment.
+/// `cudaIpcGetMemHandle`: the driver's handle where it maps the pooled block from its base (a
+/// fixed segment's first block) or the memory is not pooled; else a handle of the shim's (Note
+/// [CUDA's IPC handles for pooled blocks]); refused, with a message, for a freed block.
 pub fn ipc_get_mem_handle(address: u64) -> Result<[u8; 64], CudaError> {
-    if let Some(shim) = process::shim()
-        && let Err(why) = shim.ipc_check(address)
-    {
-        log::error!("{why}");
-        return Err(cuda::ERROR_INVALID_VALUE);
+    if let Some(shim) = process::shim() {
+        match shim.ipc_handle(address) {
+            Ok(Some(ours)) => return Ok(ours),
+            Ok(None) => {}
+            Err(why) => {
+                log::error!("{why}");
+                return Err(cuda::ERROR_INVALID_VALUE);
+            }
+        }
     }
     real::ipc_get_mem_handle(address)
 }

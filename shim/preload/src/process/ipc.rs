@@ -74,6 +74,9 @@
 //! the memory under it (that block is live or in limbo), so a later block with the same range
 //! identity lies in the same memory.
 //!
+//! A program's own `cudaIpcGetMemHandle` of a pooled block goes through the same shares
+//! (`handles`, Note [CUDA's IPC handles for pooled blocks]).
+//!
 //! Not covered: receiving in a process that does not run under the shim; sharing between
 //! processes of different users or network namespaces where ptrace restrictions also refuse
 //! `pidfd_getfd` and `/proc`.
@@ -95,8 +98,12 @@ use crate::trace::DeviceObserver;
 mod description;
 mod expandable;
 mod fd_server;
+mod handles;
 
 pub use description::{MappedShare, Shared};
+pub use handles::{
+    close as handle_close, open as handle_open, remove_files as remove_handle_files,
+};
 
 /// A block shared with another process: what it needs to map it, and the counter it releases.
 #[derive(Clone, Debug)]
@@ -132,6 +139,9 @@ struct Held {
     /// open until the receiver releases the share's counter (it takes them from this process);
     /// the share looked at longest ago first.
     exported: VecDeque<(SlotId, fd_server::Exported)>,
+    /// Blocks shared through handles of ours (CUDA's own IPC calls), by address: taken back at
+    /// the block's free (Note [CUDA's IPC handles for pooled blocks]).
+    handles: HashMap<u64, handles::HandleShare>,
     /// The count of releases (`ipc_counters`) when the limbo was last looked at whole, and
     /// how many looks it has saved since.
     limbo_looked: Option<u64>,
@@ -155,6 +165,18 @@ fn limbo_look_due(memory_short: bool, releases: u64, looked: Option<u64>, saved:
 const EXPORTS_CHECKED_PER_LOOK: usize = 8;
 
 impl Held {
+    /// Forget `share` of the block `block`: its counter released, its descriptors closed.
+    fn take_back(&mut self, block: u64, share: SlotId) {
+        ipc_counters::cancel(share);
+        if let Some(ids) = self.shared.get_mut(&block) {
+            ids.retain(|&id| id != share);
+            if ids.is_empty() {
+                self.shared.remove(&block);
+            }
+        }
+        self.exported.retain(|(id, _)| *id != share);
+    }
+
     /// Close the file descriptors of the shares released since, looking at `limit` shares at
     /// most, the one looked at longest ago first. Returns whether some stay.
     fn close_released_exports(&mut self, limit: usize, released: impl Fn(SlotId) -> bool) -> bool {
@@ -263,15 +285,54 @@ impl Shim {
     /// Take back a share no other process has seen (its description could not be handed
     /// over): its counter released, its file descriptors closed.
     pub fn ipc_unshare(&self, share: &IpcShare) {
-        ipc_counters::cancel(share.id);
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ids) = held.shared.get_mut(&share.block) {
-            ids.retain(|&id| id != share.id);
-            if ids.is_empty() {
-                held.shared.remove(&share.block);
-            }
+        held.take_back(share.block, share.id);
+    }
+
+    /// `cudaIpcGetMemHandle(address)` (Note [CUDA's IPC handles for pooled blocks]): `None` where
+    /// the driver's handle is the right one (not pooled memory, or a fixed segment's first
+    /// block, which the handle maps from its base), else a handle of ours for the block, the
+    /// same one each time while the program holds the block.
+    pub fn ipc_handle(&self, address: u64) -> Result<Option<[u8; 64]>, String> {
+        let Some(info) = self.block_at(address) else {
+            return Ok(None);
+        };
+        if info.state != BlockState::Active {
+            return Err(format!(
+                "cudaIpcGetMemHandle({address:#x}) refused: the pointer lies in a pooled block \
+                 that is not allocated"
+            ));
         }
-        held.exported.retain(|(id, _)| *id != share.id);
+        if !info.expandable && info.block_address == info.segment_address {
+            return Ok(None);
+        }
+        let offset = address - info.block_address;
+        let known = |held: &Held| {
+            held.handles
+                .get(&info.block_address)
+                .map(|h| h.handle(offset))
+        };
+        if let Some(handle) = known(&self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner())) {
+            return Ok(Some(handle));
+        }
+        let share = self.ipc_share(info.block_address, true)?;
+        let published = match handles::HandleShare::publish(share.clone()) {
+            Ok(published) => published,
+            Err(why) => {
+                self.ipc_unshare(&share);
+                return Err(why);
+            }
+        };
+        let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(handle) = known(&held) {
+            // Another thread gave the block a handle meanwhile: that one stays.
+            published.withdraw();
+            held.take_back(share.block, share.id);
+            return Ok(Some(handle));
+        }
+        let handle = published.handle(offset);
+        held.handles.insert(info.block_address, published);
+        Ok(Some(handle))
     }
 
     /// Whether the block at `address` was shared with another process (its free may wait for
@@ -294,6 +355,12 @@ impl Shim {
             return None;
         }
         let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
+        // A handle of ours lasts as long as the program holds the block (as a driver's handle
+        // lasts as long as its allocation): the free takes it back.
+        if let Some(h) = held.handles.remove(&address) {
+            h.withdraw();
+            held.take_back(address, h.share.id);
+        }
         let counters = held.shared.get(&address)?;
         if counters.iter().all(|&id| ipc_counters::released(id)) {
             held.shared.remove(&address);

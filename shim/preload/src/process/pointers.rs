@@ -2,8 +2,6 @@
 //! the driver's pointer queries; the live block a pointer is the base of, in any pool) and
 //! whether it may be given an IPC handle.
 
-use cachealloc_core::format_bytes;
-
 use super::Shim;
 
 /// A live pooled allocation, as the driver's pointer queries describe an allocation.
@@ -67,40 +65,5 @@ impl Shim {
             });
             found
         })
-    }
-
-    /// Whether `address` may be given an IPC handle: `Ok(true)` if it is a pooled segment's
-    /// base (the handle maps exactly it), `Ok(false)` if not ours, `Err(why)` if it lies inside
-    /// a pooled segment (the handle would map the segment's base: wrong bytes) or in an
-    /// expandable segment (mapped memory has no legacy IPC handle).
-    pub fn ipc_check(&self, address: u64) -> Result<bool, String> {
-        for alloc in self.allocators() {
-            if let Some(info) = alloc.lookup(address) {
-                if info.expandable {
-                    return Err(format!(
-                        "cudaIpcGetMemHandle({address:#x}) refused: the pointer lies in an expandable \
-                         segment (memory mapped through CUDA's virtual memory API), which CUDA's IPC \
-                         handles cannot share. Run processes that share memory by IPC with \
-                         CACHEALLOC_CONF=expandable_segments:False (or pool:off)"
-                    ));
-                }
-                if info.block_address == address
-                    && info.segment_address == address
-                    && info.state == cachealloc_core::BlockState::Active
-                {
-                    return Ok(true);
-                }
-                return Err(format!(
-                    "cudaIpcGetMemHandle({address:#x}) refused: the pointer lies {} bytes into a pooled \
-                     segment of {} at {:#x}, and an IPC handle always maps a whole segment from its base, \
-                     so the other process would see the wrong bytes. Run processes that share memory by \
-                     IPC with CACHEALLOC_CONF=pool:off",
-                    address - info.segment_address,
-                    format_bytes(info.segment_size),
-                    info.segment_address
-                ));
-            }
-        }
-        Ok(false)
     }
 }

@@ -49,6 +49,8 @@ real_driver_functions! {
     cuPointerGetAttribute: fn(*mut c_void, c_int, DevicePtr);
     cuPointerGetAttributes: fn(c_uint, *mut c_int, *mut *mut c_void, DevicePtr);
     cuIpcGetMemHandle: fn(*mut c_void, DevicePtr);
+    cuIpcOpenMemHandle_v2: fn(*mut DevicePtr, crate::cuda::IpcMemHandle, c_uint);
+    cuIpcCloseMemHandle: fn(DevicePtr);
     cuStreamCreate: fn(*mut Handle, c_uint);
     cuStreamCreateWithPriority: fn(*mut Handle, c_uint, c_int);
     cuStreamDestroy_v2: fn(Handle);

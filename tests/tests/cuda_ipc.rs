@@ -1,0 +1,28 @@
+//! CUDA's own IPC calls on pooled memory (`programs/cuda_ipc_handles.c`): a program that shares
+//! its blocks by `cudaIpcGetMemHandle` of the base `cuPointerGetAttribute(RANGE_START_ADDR)`
+//! names, as vLLM's and SGLang's custom all-reduce do with PyTorch's tensors, and a receiving
+//! process that opens the handles with `cudaIpcOpenMemHandle`; both under the shim, over
+//! fakecuda (Note [CUDA's IPC handles for pooled blocks] in the shim's `process::ipc::handles`).
+
+use cachealloc_tests::Run;
+
+#[test]
+fn cuda_ipc_handles_of_pooled_blocks_open_in_another_process_and_go_with_the_blocks_free() {
+    for conf in ["", "expandable_segments:True", "expandable_segments:False"] {
+        let out = Run::c("cuda_ipc_handles", &[])
+            .env("CACHEALLOC_CONF", conf)
+            .output();
+        out.assert_pooled("cuda_ipc_handles");
+        assert!(
+            out.stdout.contains("OK cuda_ipc_handles receiver"),
+            "CACHEALLOC_CONF={conf}: the receiver did not finish\n{}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        assert!(
+            !out.stderr.contains("internal failure") && !out.stderr.contains("refused"),
+            "CACHEALLOC_CONF={conf}: {}",
+            out.stderr
+        );
+    }
+}
