@@ -234,6 +234,8 @@ both trace_trackers.py trackers
 BOTH_ENV=TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 both trace_trackers.py trackers
 BOTH_ENV=ALLOC=plain both change_allocator.py allocator
 BOTH_ENV=ALLOC=managed both change_allocator.py allocator
+both cuda_ipc_handles.py cuda_ipc
+both cuda_ipc_handles.py cuda_ipc $FIXED
 # Tensors in expandable segments (mapped memory, shared through POSIX file descriptors): natively
 # with PyTorch's expandable segments, under the shim with its own; each run first checks that its
 # tensor lies in mapped memory.
