@@ -27,3 +27,25 @@ class Checks:
     def summary(self):
         """The last line: how many checks passed."""
         print(f"{self.tag} label={self.label} passed={sum(self.results)}/{len(self.results)}", flush=True)
+
+
+def run_ranks(prefix, target, args, world=2, timeout=240):
+    """Run `target(rank, world, *args)` in `world` spawned processes (a rank a GPU, as the
+    multi-GPU scripts run them) and print `PREFIX passed=N/WORLD`, N the ranks that exited with
+    0, or `PREFIX skipped: K GPU(s)` on a machine with fewer GPUs. Returns the exit code."""
+    import multiprocessing as mp
+
+    import torch
+
+    if torch.cuda.device_count() < world:
+        print(f"{prefix} skipped: {torch.cuda.device_count()} GPU(s)", flush=True)
+        return 0
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, world, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    passed = sum(p.exitcode == 0 for p in procs)
+    print(f"{prefix} passed={passed}/{world}", flush=True)
+    return 0 if passed == world else 1

@@ -24,7 +24,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import run_ranks  # noqa: E402
 
 warnings.simplefilter("ignore")
 label = os.environ.get("LABEL", "-")
@@ -109,24 +111,11 @@ def run(rank, world, init_file, out_dir):
 
 
 def main():
-    world = 2
-    if torch.cuda.device_count() < world:
-        print(f"nccl label={label} mode={MODE} skipped: {torch.cuda.device_count()} GPU(s)")
-        return 0
     if MODE == "all":
         # Set for the whole process, as a launcher sets it: the shim reads it when it starts.
         os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
     out_dir = tempfile.mkdtemp(prefix="nccl-reg-")
-    init_file = os.path.join(out_dir, "init")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, world, init_file, out_dir)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    passed = sum(p.exitcode == 0 for p in procs)
-    print(f"nccl label={label} mode={MODE} passed={passed}/{world}", flush=True)
-    return 0 if passed == world else 1
+    return run_ranks(f"nccl label={label} mode={MODE}", run, (os.path.join(out_dir, "init"), out_dir))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import run_ranks  # noqa: E402
 
 warnings.simplefilter("ignore")
 label = os.environ.get("LABEL", "-")
@@ -105,20 +107,8 @@ def run(rank, world, init_file):
 
 
 def main():
-    world = 2
-    if torch.cuda.device_count() < world:
-        print(f"symm label={label} skipped: {torch.cuda.device_count()} GPU(s)")
-        return 0
     init_file = os.path.join(tempfile.mkdtemp(prefix="symm-"), "init")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, world, init_file)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(200)
-    passed = sum(p.exitcode == 0 for p in procs)
-    print(f"symm label={label} passed={passed}/{world}", flush=True)
-    return 0 if passed == world else 1
+    return run_ranks(f"symm label={label}", run, (init_file,), timeout=200)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Once, OnceLock};
 
-use super::{IpcShare, Shared, ipc_close_shared, ipc_open_shared};
+use cachealloc_core::BlockState;
+
+use super::{Held, IpcShare, Shared, ipc_close_shared, ipc_open_shared};
 use crate::cuda::{self, CudaError};
 use crate::log;
+use crate::process::Shim;
 
 /// What a handle of ours starts with.
 pub const MAGIC: [u8; 8] = *b"cacheIPC";
@@ -114,6 +117,54 @@ impl HandleShare {
     /// Remove the description file (the share itself is taken back by the caller).
     pub fn withdraw(&self) {
         let _ = std::fs::remove_file(file(std::process::id(), self.token));
+    }
+}
+
+impl Shim {
+    /// `cudaIpcGetMemHandle(address)` (Note [CUDA's IPC handles for pooled blocks]): `None` where
+    /// the driver's handle is the right one (not pooled memory, or a fixed segment's first
+    /// block, which the handle maps from its base), else a handle of ours for the block, the
+    /// same one each time while the program holds the block.
+    pub fn ipc_handle(&self, address: u64) -> Result<Option<[u8; 64]>, String> {
+        let Some(info) = self.block_at(address) else {
+            return Ok(None);
+        };
+        if info.state != BlockState::Active {
+            return Err(format!(
+                "cudaIpcGetMemHandle({address:#x}) refused: the pointer lies in a pooled block \
+                 that is not allocated"
+            ));
+        }
+        if !info.expandable && info.block_address == info.segment_address {
+            return Ok(None);
+        }
+        let offset = address - info.block_address;
+        let known = |held: &Held| {
+            held.handles
+                .get(&info.block_address)
+                .map(|h| h.handle(offset))
+        };
+        if let Some(handle) = known(&self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner())) {
+            return Ok(Some(handle));
+        }
+        let share = self.ipc_share(info.block_address, true)?;
+        let published = match HandleShare::publish(share.clone()) {
+            Ok(published) => published,
+            Err(why) => {
+                self.ipc_unshare(&share);
+                return Err(why);
+            }
+        };
+        let mut held = self.ipc.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(handle) = known(&held) {
+            // Another thread gave the block a handle meanwhile: that one stays.
+            published.withdraw();
+            held.take_back(share.block, share.id);
+            return Ok(Some(handle));
+        }
+        let handle = published.handle(offset);
+        held.handles.insert(info.block_address, published);
+        Ok(Some(handle))
     }
 }
 
