@@ -10,7 +10,8 @@
  *  - `mapped`, a stream-ordered block (an expandable segment under the default): a handle of the
  *    shim's, its memory mapped in the receiver from the sender's file descriptors.
  * The shim's handle is the same when asked again; the block's free takes it back (its
- * description file goes) and the block is reused at once (nothing waits in limbo).
+ * description file goes: a receiver that opens it then gets an error, "stale ...") and the block
+ * is reused at once (nothing waits in limbo).
  * Which blocks get the shim's handle (`first`, `inside`, `mapped`) follows CACHEALLOC_CONF:
  * "011" by default, every one with expandable_segments:True ("111"), none but `inside` with
  * expandable_segments:False ("010": `mapped` is then its own segment's first block).
@@ -79,8 +80,32 @@ static int receive(char **argv) {
     return 0;
 }
 
+/* A handle of a block the sender has freed: opening it fails with an error, nothing mapped. */
+static int receive_stale(const char *hexed) {
+    cudaIpcMemHandle_t h;
+    unhex(hexed, (unsigned char *)&h);
+    void *base = NULL;
+    EXPECT(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess,
+           "a handle of a freed block was opened at %p", base);
+    (void)cudaGetLastError();
+    printf("OK cuda_ipc_handles stale\n");
+    return 0;
+}
+
+static void run_child(char **args) {
+    pid_t child = fork();
+    if (child == 0) {
+        execv("/proc/self/exe", args);
+        _exit(127);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the receiver (%s) failed (status %d)", args[1], status);
+}
+
 int main(int argc, char **argv) {
     if (argc == 2 + 2 * BLOCKS && strcmp(argv[1], "receive") == 0) return receive(argv);
+    if (argc == 3 && strcmp(argv[1], "stale") == 0) return receive_stale(argv[2]);
     void *blocks[BLOCKS];
     CHECK(cudaMalloc(&blocks[0], sizes[0]));
     CHECK(cudaMalloc(&blocks[1], sizes[1]));
@@ -118,14 +143,7 @@ int main(int argc, char **argv) {
     EXPECT(handle_files(getpid()) == expected_files, "%d description files, expected %d", handle_files(getpid()),
            expected_files);
 
-    pid_t child = fork();
-    if (child == 0) {
-        execv("/proc/self/exe", args);
-        _exit(127);
-    }
-    int status = 0;
-    waitpid(child, &status, 0);
-    EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the receiver failed (status %d)", status);
+    run_child(args);
     for (int i = 0; i < BLOCKS; i++) {
         long bad = first_wrong_byte((char *)blocks[i] + OFFSET, 0x7e, sizes[i] - OFFSET);
         EXPECT(bad < 0, "block %d: the sender does not see the receiver's byte %ld", i, bad);
@@ -137,6 +155,8 @@ int main(int argc, char **argv) {
     CHECK(cudaStreamSynchronize(0));
     EXPECT(handle_files(getpid()) == (expect_ours[0] == '1'), "%d description files left after the frees",
            handle_files(getpid()));
+    char *stale[] = {argv[0], "stale", hexed[1], NULL};
+    run_child(stale);
     void *inside, *mapped;
     CHECK(cudaMalloc(&inside, sizes[1]));
     CHECK(cudaMallocAsync(&mapped, sizes[2], 0));

@@ -20,6 +20,12 @@ fn cuda_ipc_handles_of_pooled_blocks_open_in_another_process_and_go_with_the_blo
             out.stderr
         );
         assert!(
+            out.stdout.contains("OK cuda_ipc_handles stale"),
+            "CACHEALLOC_CONF={conf}: a freed block's handle was not refused\n{}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        assert!(
             !out.stderr.contains("internal failure") && !out.stderr.contains("refused"),
             "CACHEALLOC_CONF={conf}: {}",
             out.stderr
