@@ -15,6 +15,7 @@
  * Which blocks get the shim's handle (`first`, `inside`, `mapped`) follows CACHEALLOC_CONF:
  * "011" by default, every one with expandable_segments:True ("111"), none but `inside` with
  * expandable_segments:False ("010": `mapped` is then its own segment's first block).
+ * RECEIVER_DEVICE=N: the receiver opens and uses the handles on device N.
  * Usage: cuda_ipc_handles (under the shim). */
 #include <dirent.h>
 #include <dlfcn.h>
@@ -62,6 +63,9 @@ static int handle_files(int pid) {
 }
 
 static int receive(char **argv) {
+    /* RECEIVER_DEVICE=1: the receiver works on another device, as each rank of a custom
+     * all-reduce opens its peers' buffers on its own GPU. */
+    if (getenv("RECEIVER_DEVICE")) CHECK(cudaSetDevice(atoi(getenv("RECEIVER_DEVICE"))));
     for (int i = 0; i < BLOCKS; i++) {
         cudaIpcMemHandle_t h;
         unhex(argv[2 + 2 * i], (unsigned char *)&h);

@@ -8,10 +8,24 @@ use cachealloc_tests::Run;
 
 #[test]
 fn cuda_ipc_handles_of_pooled_blocks_open_in_another_process_and_go_with_the_blocks_free() {
-    for conf in ["", "expandable_segments:True", "expandable_segments:False"] {
-        let out = Run::c("cuda_ipc_handles", &[])
-            .env("CACHEALLOC_CONF", conf)
-            .output();
+    let runs = [
+        ("", None),
+        ("expandable_segments:True", None),
+        ("expandable_segments:False", None),
+        // Each rank of a custom all-reduce opens its peers' buffers on its own GPU: the opens
+        // and copies must work from device 1 (fakecuda's copies do not check which device may
+        // access mapped memory; on the GPU `ipc_torch.py CONSUMER_DEVICE=1` does).
+        ("", Some("1")),
+        ("expandable_segments:False", Some("1")),
+    ];
+    for (conf, receiver_device) in runs {
+        let mut run = Run::c("cuda_ipc_handles", &[]).env("CACHEALLOC_CONF", conf);
+        if let Some(device) = receiver_device {
+            run = run
+                .env("FAKECUDA_DEVICES", "2")
+                .env("RECEIVER_DEVICE", device);
+        }
+        let out = run.output();
         out.assert_pooled("cuda_ipc_handles");
         assert!(
             out.stdout.contains("OK cuda_ipc_handles receiver"),
