@@ -21,6 +21,9 @@ Checks (`allocator label=L alloc=A check=NAME ok=True|False detail=...`, then `p
 * `freed`: once a second round's tensors are gone, every pointer the allocator gave for them
   was given back (a pluggable allocator is not cached by PyTorch; the first round leaves what
   PyTorch keeps, cuBLAS's workspaces);
+* `transformers_model`: a small transformers GPT-2 (2 layers, random weights, seeded) trains
+  three steps with AdamW on the GPU, its tensors from the program's allocator, and its losses
+  match the same steps on the CPU (skipped, and said so, where transformers is missing);
 * `late_swap_refused` (a second process): after CUDA is used, the swap raises, as natively.
 
 Also printed, not judged (compare the sides' lines): what `MemPool()`, `_snapshot()` and a CUDA
@@ -115,6 +118,40 @@ def _capture(torch):
     return y.sum().item()
 
 
+def transformers_model(torch, counts):
+    """Three AdamW steps of a small transformers GPT-2 on the GPU (the program's allocator
+    serving it) and on the CPU: the same losses."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        print(f"allocator label={label} alloc={ALLOC} info=transformers_model value=skipped (no transformers)")
+        return True
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=1000, n_positions=128,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    cpu_model = GPT2LMHeadModel(config)
+    gpu_model = GPT2LMHeadModel(config).cuda()
+    gpu_model.load_state_dict(cpu_model.state_dict())
+    ids = torch.randint(0, 1000, (4, 64))
+    before = counts.program_mallocs()
+    losses = []
+    for model, device in ((gpu_model, "cuda"), (cpu_model, "cpu")):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        run = []
+        for _ in range(3):
+            loss = model(ids.to(device), labels=ids.to(device)).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            run.append(loss.item())
+        losses.append(run)
+    served = counts.program_mallocs() - before
+    same = all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(*losses))
+    return report("transformers_model", same and served > 0,
+                  f"gpu {[round(x, 5) for x in losses[0]]} cpu {[round(x, 5) for x in losses[1]]} "
+                  f"program mallocs {served}")
+
+
 def main():
     lib_path = os.environ.get("PROGRAM_ALLOCATOR") or build()
     if os.environ.get("LATE") == "1":
@@ -169,6 +206,7 @@ def main():
     torch.cuda.synchronize()
     results.append(report("freed", live() == baseline,
                           f"live={live()} baseline={baseline} mallocs={counts.program_mallocs()}"))
+    results.append(transformers_model(torch, counts))
     for name, fn in (("mem_pool", lambda: torch.cuda.MemPool().id),
                      ("snapshot", lambda: len(torch.cuda.memory._snapshot()["segments"])),
                      ("graph", lambda: _capture(torch))):

@@ -13,6 +13,8 @@
 # Prints one PASS/FAIL line per check and exits non-zero if any failed. PARTS (default: all of
 # "programs python tools torch multi categories compile training") picks the sections to run, so that
 # they can be split over device calls; the multi-GPU checks skip themselves on one GPU.
+# PROGRAMS (default: all) names the C programs the programs part builds and runs, e.g.
+# PROGRAMS="cuda_ipc_handles ipc" to check a change to them alone.
 set -uo pipefail
 PARTS=${PARTS:-programs python tools torch multi categories compile training}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -22,6 +24,7 @@ WORK="$(realpath "$2")"
 BIN=$(mktemp -d)
 FAILED=0
 pass() { echo "PASS $*"; }
+chosen() { [ -z "${PROGRAMS:-}" ] || [[ " $PROGRAMS " == *" $1 "* ]]; }
 fail() { echo "FAIL $*"; FAILED=1; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -43,6 +46,7 @@ judge() {
 # run NAME [ENV...] -- ARGS: the C program NAME under the shim.
 run() {
     local name=$1; shift
+    chosen "$name" || return 0
     local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
     local out
     out=$(env "${envs[@]}" LD_PRELOAD="$LIB" timeout 120 "$BIN/$name" "$@" 2>&1)
@@ -83,6 +87,7 @@ for src in tests/programs/*.c; do
         mem_pools) continue;;                       # its use_on_oom part needs fakecuda's device-wide capacity; mem_pools.py covers MemPool here
     esac
     if ! part programs; then case "$name" in multi_gpu|peer_access) ;; *) continue;; esac; fi
+    chosen "$name" || continue
     nvcc -cudart shared -O2 -Itests/programs -o "$BIN/$name" "$src" tests/programs/slow_fill.cu -lpthread \
         || fail "build $name"
 done
@@ -97,8 +102,10 @@ run race "$FIXED" -- nonblocking
 run race "$FIXED" -- blocking
 run race "$FIXED" -- nonblocking late
 # Control (the race program is built with the programs): without fences the race must be caught.
+if chosen race; then
 out=$(CACHEALLOC_CONF=reuse:immediate,expandable_segments:False LD_PRELOAD="$LIB" timeout 120 "$BIN/race" nonblocking 2>&1)
 if grep -q "overwritten by the old work" <<< "$out"; then pass "race control (reuse:immediate is caught)"; else fail "race control"; echo "$out" | tail -3; fi
+fi
 run threads "$FIXED" -- 8 300
 run oom CACHEALLOC_CONF=expandable_segments:False,per_process_memory_fraction:0.001 --
 run badfree "$FIXED" --
@@ -108,6 +115,7 @@ run exit_nofree "$FIXED" --
 run ipc "$FIXED" --
 run ipc_share "$FIXED" --
 run ipc_share "$FIXED" -- desc
+run cuda_ipc_handles "$FIXED" --
 run device_reset "$FIXED" --
 run stream_ordered "$FIXED" --
 run graph_capture "$FIXED" --
@@ -130,6 +138,8 @@ run segment_trackers X=1 --
 run basic X=1 --
 run ipc X=1 --
 run ipc_share X=1 --
+run cuda_ipc_handles X=1 --
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] && run cuda_ipc_handles RECEIVER_DEVICE=1 --
 run stream_ordered X=1 --
 run graph_capture X=1 --
 run capture_streams X=1 --
@@ -145,11 +155,14 @@ run graph_capture "$EXP" --
 run capture_streams "$EXP" --
 run ipc_share "$EXP" -- desc
 run ipc_share "$EXP" -- desc big
+run cuda_ipc_handles "$EXP" --
 run device_reset "$EXP" --
 run fork "$EXP" --
 run oom CACHEALLOC_CONF=expandable_segments:True,per_process_memory_fraction:0.001 --
+if chosen threads; then
 out=$(CACHEALLOC_CONF=expandable_segments:True LD_PRELOAD="$LIB" "$BIN/threads" 4 100 2>&1)
 if grep -q "maps into expandable segments" <<< "$out"; then pass "expandable segments engaged"; else fail "expandable segments engaged"; echo "$out" | tail -3; fi
+fi
 
 fi
 

@@ -8,6 +8,8 @@ capture (a graph pool's), each at an offset into its storage (a view). A spawned
 the shim too: it inherits `LD_PRELOAD`) opens each handle, checks the sender's bytes, writes its
 own and closes it; the sender then sees them. Checks print as
 `cuda_ipc label=L check=NAME ok=True|False detail=...`, then `cuda_ipc label=L passed=N/M`.
+`RECEIVER_DEVICE=1` (two GPUs): the receiver opens the handles from device 1, as each rank of a
+custom all-reduce opens its peers' buffers from its own GPU (peer access between the devices).
 """
 import ctypes
 import multiprocessing as mp
@@ -18,6 +20,7 @@ import traceback
 import torch
 
 label = os.environ.get("LABEL", "-")
+RECEIVER_DEVICE = int(os.environ.get("RECEIVER_DEVICE", "0"))
 RANGE_START_ADDR = 11
 
 
@@ -50,6 +53,8 @@ def report(name, ok, detail=""):
 def receiver(items, answers):
     g = libs()
     torch.cuda.init()
+    torch.cuda.set_device(RECEIVER_DEVICE)
+    g.cudaSetDevice(RECEIVER_DEVICE)
     for name, handle, offset, nbytes, value in items:
         try:
             base = ctypes.c_void_p()
