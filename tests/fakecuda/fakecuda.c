@@ -92,8 +92,10 @@
  *    CUDA_ERROR_NOT_SUPPORTED), granule-aligned, inside one reservation (CUDA lets a mapping
  *    run past a reservation's end, into its own slack: fakecuda refuses), over nothing mapped,
  *    with no access: touching it faults, as on a GPU, and copies and memsets refuse it, until
- *    cuMemSetAccess grants access (READ: readable, READWRITE: writable too, for the devices
- *    together) over adjacent whole mappings, no part of one and no gap. cuMemUnmap unmaps the
+ *    cuMemSetAccess grants access (READ: readable, READWRITE: writable too) over adjacent whole
+ *    mappings, no part of one and no gap. Host touches need some device's access (the pages'
+ *    protection is the devices' together); a copy or memset needs the access of the device
+ *    whose stream runs it, as a GPU's copy engine does (CUDA_ERROR_INVALID_VALUE otherwise). cuMemUnmap unmaps the
  *    mappings inside a range of one reservation, which must cut none (CUDA cannot unmap part of
  *    a mapping); unmapped stretches in it are fine, so a range with nothing mapped succeeds; an
  *    unmapped range is reserved and PROT_NONE again. Like CUDA's, cuMemUnmap and cuMemRelease

@@ -13,8 +13,9 @@ fn cuda_ipc_handles_of_pooled_blocks_open_in_another_process_and_go_with_the_blo
         ("expandable_segments:True", None),
         ("expandable_segments:False", None),
         // Each rank of a custom all-reduce opens its peers' buffers on its own GPU: the opens
-        // and copies must work from device 1 (fakecuda's copies do not check which device may
-        // access mapped memory; on the GPU `ipc_torch.py CONSUMER_DEVICE=1` does).
+        // and copies must work from device 1 (fakecuda's copies and memsets, like a GPU's,
+        // reach mapped memory only from the devices `cuMemSetAccess` named: a receiver that
+        // granted the sender's device instead of its own fails here).
         ("", Some("1")),
         ("expandable_segments:False", Some("1")),
     ];
