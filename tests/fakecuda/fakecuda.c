@@ -95,12 +95,13 @@
  *    cuMemSetAccess grants access (READ: readable, READWRITE: writable too) over adjacent whole
  *    mappings, no part of one and no gap. Host touches need some device's access (the pages'
  *    protection is the devices' together); a copy or memset needs the access of the device
- *    whose stream runs it, as a GPU's copy engine does (CUDA_ERROR_INVALID_VALUE otherwise). cuMemUnmap unmaps the
- *    mappings inside a range of one reservation, which must cut none (CUDA cannot unmap part of
- *    a mapping); unmapped stretches in it are fine, so a range with nothing mapped succeeds; an
- *    unmapped range is reserved and PROT_NONE again. Like CUDA's, cuMemUnmap and cuMemRelease
- *    do not wait for queued work on the memory: such work then faults (SIGSEGV). Copies and
- *    memsets accept device ranges that run across adjacent mappings; cuMemGetAddressRange_v2
+ *    whose stream runs it, as a GPU's copy engine does (CUDA_ERROR_INVALID_VALUE otherwise).
+ *    cuMemUnmap unmaps the mappings inside a range of one reservation, which must cut none
+ *    (CUDA cannot unmap part of a mapping); unmapped stretches in it are fine, so a range with
+ *    nothing mapped succeeds; an unmapped range is reserved and PROT_NONE again. Like CUDA's,
+ *    cuMemUnmap and cuMemRelease do not wait for queued work on the memory: such work then
+ *    faults (SIGSEGV). Copies and memsets accept device ranges that run across adjacent
+ *    mappings; cuMemGetAddressRange_v2
  *    and cuPointerGetAttribute answer a mapping's range (no context: NULL;
  *    CU_POINTER_ATTRIBUTE_MAPPED: 1; a buffer id per mapping), and an unmapped address of a
  *    reservation is CUDA_ERROR_NOT_FOUND for cuMemGetAddressRange_v2. VMM memory belongs to no
