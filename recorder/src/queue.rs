@@ -11,11 +11,17 @@
 //!
 //! Here a send claims an index with one `fetch_add` on the tail, then writes the record's words
 //! and the slot's sequence number with plain stores (relaxed and release atomics compile to
-//! plain moves on x86-64): a store to a line the worker read waits in the store buffer, not in
-//! the pipeline, so the miss is paid off the program's path. (The `fetch_add`, a locked
-//! instruction, waits only for the previous send's stores, long drained when records come
-//! microseconds apart.) The worker reads slots in index order, each once its sequence number
-//! says it is written, and publishes how far it has read once per batch.
+//! plain moves on x86-64), and never loads a line the worker writes. The worker reads slots in
+//! index order, each once its sequence number says it is written, and publishes how far it has
+//! read once per batch.
+//!
+//! What is left is the slot's own line: last written one lap of the ring earlier, it misses at
+//! every send. A store that misses waits in the store buffer, but the program's next locked
+//! instruction waits for it (most likely the allocator's unlock right after the send), so the
+//! miss is paid on the program's path after all: on mlp, records stored into a second ring that
+//! no thread reads cost the step as much as the whole hand-off (~0.5 %), while the worker's
+//! reading costs nothing measurable and the claim's locked `fetch_add` at most ~0.1 %
+//! (design.md, "mlp's trace, by half"; BENCHMARKS.md, thirty-fourth session).
 //!
 //! A send touches two lines of the queue: the *claims* line, which holds the tail, where the
 //! slots are, and the worker's head as a sender last saw it, and the slot. In a real step the
