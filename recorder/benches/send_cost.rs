@@ -120,13 +120,18 @@ fn main() {
 /// misses it. Each iteration does fixed work (`WORK_LINES` lines of 32 MiB walked, an atomic
 /// add every 64 lines), then sends a record or not: blocks of `BLOCK` iterations with sends and
 /// without alternate, `ROUNDS` pairs; printed: the median over pairs of the added ns per
-/// iteration, and the iteration's ns without sends.
+/// iteration, and the iteration's ns without sends. `RANDOM=1` and `LOCKED=1`: below.
 fn program() {
     use std::sync::atomic::{AtomicU64, Ordering};
     let lines = env("WORK_LINES", 256) as usize;
     let block = env("BLOCK", 2000);
     let rounds = env("ROUNDS", 200);
+    // RANDOM=1: the work's lines in a scattered order, as a program's heap is touched, not a
+    // stream the hardware prefetcher follows; LOCKED=1: each iteration takes a mutex, and a
+    // send happens under it, as the allocator's do (the unlock is a locked instruction).
+    let (random, locked) = (env("RANDOM", 0) == 1, env("LOCKED", 0) == 1);
     let (recorder, dir) = start();
+    let mutex = std::sync::Mutex::new(0u64);
     let mut work = vec![0u64; 4 << 20];
     let counts: Vec<AtomicU64> = (0..64).map(|_| AtomicU64::new(0)).collect();
     let mut cursor = 0usize;
@@ -136,11 +141,21 @@ fn program() {
         for _ in 0..block {
             for l in 0..lines {
                 work[cursor] = work[cursor].wrapping_add(i);
-                cursor = (cursor + 8) % work.len();
+                cursor = if random {
+                    // A walk of all 2^19 lines in a scattered order: line x, then 5x + 1.
+                    ((cursor / 8 * 5 + 1) % (work.len() / 8)) * 8
+                } else {
+                    (cursor + 8) % work.len()
+                };
                 if l % 64 == 63 {
                     counts[(l / 64) % 64].fetch_add(1, Ordering::AcqRel);
                 }
             }
+            let _guard = locked.then(|| {
+                let mut guard = mutex.lock().unwrap();
+                *guard += 1;
+                guard
+            });
             if send {
                 recorder.send(black_box(record(i)));
             }

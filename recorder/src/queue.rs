@@ -18,9 +18,9 @@
 //! What is left is the slot's own line: last written one lap of the ring earlier, it misses at
 //! every send. A store that misses waits in the store buffer, but the program's next locked
 //! instruction waits for it (most likely the allocator's unlock right after the send), so the
-//! miss is paid on the program's path after all: on mlp, records stored into a second ring that
-//! no thread reads cost the step as much as the whole hand-off (~0.5 %), while the worker's
-//! reading costs nothing measurable and the claim's locked `fetch_add` at most ~0.1 %
+//! miss is paid on the program's path after all. On mlp, records claimed and stored into a
+//! second ring that no thread reads cost the step as much as the whole hand-off (~0.5 %), the
+//! claim's locked `fetch_add` at most ~0.1 % of it, and the worker's reading nothing measurable
 //! (design.md, "mlp's trace, by half"; BENCHMARKS.md, thirty-fourth session).
 //!
 //! A send touches two lines of the queue: the *claims* line, which holds the tail, where the
