@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # PyTorch's own allocator, graph and MemPool tests from its test/test_cuda.py, natively and under
-# the shim, each test in its own process but the serial ones (an abort kills only that test):
+# the shim, each test in its own process (an abort kills only that test):
 #   scripts/gpu/pytorch_allocator_tests.sh TEST_CUDA_PY LIBDIR [JOBS]
 # TEST_CUDA_PY is PyTorch's test/test_cuda.py (at the machine's torch version where it can be
 # had); LIBDIR holds the release libcachealloc.so and the cachealloc binary. Selection: every
@@ -13,12 +13,15 @@
 # shim) and prints the table's counts last. Outcomes: pass, fail, skip, abort (killed by a
 # signal), timeout (TEST_TIMEOUT seconds a test's process, 150 by default; PyTorch's slow tests,
 # run with PYTORCH_TEST_WITH_SLOW=1, take longer on both sides: test_multiprocessing.py's
-# test_cuda_send_many ~140 s). Tests PyTorch marks serial (they read the whole device's memory)
-# run after the rest, nothing else on their GPU: in one pytest process a side, as `BATCH` runs a
-# shard, whose tests after one that kills the process go on in another (SERIAL_EACH=1: a process
-# each, one at a time a GPU; the twenty-two of test_cuda.py's selection did not all fit a device
-# command that way). The whole run stops after DEADLINE seconds (520), so that it fits one device
-# command; the table then has what finished. GPUS=N (1) spreads the tests over the machine's
+# test_cuda_send_many ~140 s). Tests PyTorch marks serial (they read the whole device's memory or
+# set the process's memory fraction) run after the rest, nothing else on their GPU, each in a
+# process of its own, one at a time a GPU. (Run in one process a side, ten of test_cuda.py's 22
+# changed outcome on both sides: a memory fraction one test set, memory another kept.) Their
+# processes take longer than the tests: test_cuda.py's 22 a side took 481 s on two GPUs, the
+# other 132 ~250 s, so the whole selection takes two device commands: SERIAL=skip runs all but
+# the serial tests, SERIAL=only the serial tests alone. The whole run stops after DEADLINE
+# seconds (520), so that it fits one device command; the table then has what finished. GPUS=N
+# (1) spreads the tests over the machine's
 # first N GPUs, each process seeing one of them (CUDA_VISIBLE_DEVICES by the job's slot): JOBS
 # run at once in all, and the serial tests' processes one a GPU (the first N of
 # CUDA_VISIBLE_DEVICES when it is set). SIDES="shim" (default "native shim") runs one side only:
@@ -176,33 +179,23 @@ fi
 # (`mem_get_info`): they run one at a time after the others, with nothing else on the GPU.
 [ -z "${SKIP_SINGLE:-}" ] && python3 -m pytest --collect-only -q -p no:cacheprovider "$(basename "$TEST")" -k "$EXPR" -m serial 2>/dev/null \
     | grep '::' | grep -xFf "$OUT/selected.txt" > "$OUT/serial.txt"
+case "${SERIAL:-}" in
+    skip) grep -vxFf "$OUT/serial.txt" "$OUT/selected.txt" > "$OUT/listed.txt"; mv "$OUT/listed.txt" "$OUT/selected.txt"
+          : > "$OUT/serial.txt" ;;
+    only) cp "$OUT/serial.txt" "$OUT/selected.txt" ;;
+    "") ;;
+    *) echo "SERIAL=$SERIAL: expected skip or only"; exit 1 ;;
+esac
+[ -z "${SKIP_SINGLE:-}" ] && echo "running $(wc -l < "$OUT/selected.txt") tests, $(wc -l < "$OUT/serial.txt") of them serial"
 SIDES=${SIDES:-native shim}
 pairs() { while read -r id; do for side in $SIDES; do printf '%s %s\n' "$id" "$side"; done; done; }
 left() { local l=$(( ${DEADLINE:-520} - (SECONDS - start) )); echo $(( l > 1 ? l : 1 )); }
-# The serial tests keep a third of the time left (when there are any).
-reserve=0; [ -s "$OUT/serial.txt" ] && reserve=$(( $(left) / 3 ))
 if [ -z "${SKIP_SINGLE:-}" ]; then
-grep -vxFf "$OUT/serial.txt" "$OUT/selected.txt" | pairs \
-    | timeout "$(( $(left) - reserve ))" xargs -r -P "$JOBS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
-if [ -n "${SERIAL_EACH:-}" ] || [ ! -s "$OUT/serial.txt" ]; then
+    # The serial tests keep a third of the time left (when there are any).
+    reserve=0; [ -s "$OUT/serial.txt" ] && reserve=$(( $(left) / 3 ))
+    grep -vxFf "$OUT/serial.txt" "$OUT/selected.txt" | pairs \
+        | timeout "$(( $(left) - reserve ))" xargs -r -P "$JOBS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' > "$OUT/raw.tsv"
     pairs < "$OUT/serial.txt" | timeout "$(left)" xargs -r -P "$GPUS" --process-slot-var=SLOT -L 1 bash -c 'one "$0" "$1"' >> "$OUT/raw.tsv"
-else
-    # One pytest process a side runs them all, one after another (each process of its own would
-    # spend more time importing torch and collecting the file than in its test): the sides at
-    # once, each on a GPU of its own, where there are GPUs enough, else one after the other.
-    k=0
-    for side in $SIDES; do
-        cp "$OUT/serial.txt" "$OUT/shard_$k.txt"
-        if [ "$GPUS" -ge "$(echo $SIDES | wc -w)" ]; then
-            batch "$side" "$k" > "$OUT/raw_serial_$k.tsv" &
-        else
-            batch "$side" "$k" > "$OUT/raw_serial_$k.tsv"
-        fi
-        k=$(( k + 1 ))
-    done
-    wait
-    cat "$OUT"/raw_serial_*.tsv >> "$OUT/raw.tsv"
-fi
 fi
 python3 - "$OUT/raw.tsv" "$OUT/pytorch_tests.tsv" "${NATIVE_FROM:-}" <<'PY'
 import collections, sys
