@@ -15,13 +15,15 @@
 //! index order, each once its sequence number says it is written, and publishes how far it has
 //! read once per batch.
 //!
-//! What is left is the slot's own line: last written one lap of the ring earlier, it misses at
-//! every send. A store that misses waits in the store buffer, but the program's next locked
-//! instruction waits for it (most likely the allocator's unlock right after the send), so the
-//! miss is paid on the program's path after all. On mlp, records claimed and stored into a
-//! second ring that no thread reads cost the step as much as the whole hand-off (~0.5 %), the
-//! claim's locked `fetch_add` at most ~0.1 % of it, and the worker's reading nothing measurable
-//! (design.md, "mlp's trace, by half"; BENCHMARKS.md, thirty-fourth session).
+//! What is left is the sender's own part. On mlp, records claimed and stored into a second ring
+//! that no thread reads cost the step as much as the whole hand-off (~0.5 %), the claim's locked
+//! `fetch_add` at most ~0.1 % of it, and the worker's reading nothing measurable (design.md,
+//! "mlp's trace, by half"; BENCHMARKS.md, thirty-fourth session). The likeliest cause is the
+//! slot's line: last written one lap of the ring earlier, it misses at every send, and although
+//! a store that misses waits in the store buffer, the program's next locked instruction waits
+//! for it (most likely the allocator's unlock right after the send). That is inferred (the GPU
+//! machines have no hardware counters), and a prefetch of the slot 16 sends ahead changed
+//! nothing measurable (branch `prefetch-ahead`; BENCHMARKS.md, thirty-fifth session).
 //!
 //! A send touches two lines of the queue: the *claims* line, which holds the tail, where the
 //! slots are, and the worker's head as a sender last saw it, and the slot. In a real step the
