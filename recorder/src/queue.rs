@@ -22,8 +22,9 @@
 //! slot's line: last written one lap of the ring earlier, it misses at every send, and although
 //! a store that misses waits in the store buffer, the program's next locked instruction waits
 //! for it (most likely the allocator's unlock right after the send). That is inferred (the GPU
-//! machines have no hardware counters), and a prefetch of the slot 16 sends ahead changed
-//! nothing measurable (branch `prefetch-ahead`; BENCHMARKS.md, thirty-fifth session).
+//! machines have no hardware counters), and prefetching the slot 16 or 2 sends ahead changed
+//! nothing measurable (branches `prefetch-ahead`, `prefetch-near`; BENCHMARKS.md, thirty-fifth
+//! session), which makes the miss the less likely reading: what the sender's part costs is open.
 //!
 //! A send touches two lines of the queue: the *claims* line, which holds the tail, where the
 //! slots are, and the worker's head as a sender last saw it, and the slot. In a real step the
