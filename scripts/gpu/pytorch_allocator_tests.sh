@@ -107,6 +107,7 @@ if [[ " ${SIDES:-native shim} " == *" shim "* ]]; then
 fi
 # Where the tests' C++ extensions are built: outside $OUT, which callers pack and send back.
 EXTENSIONS=$(mktemp -d)
+trap 'rm -rf "$EXTENSIONS"' EXIT
 export LIB OUT EXTENSIONS GPUS=${GPUS:-1} GPU_LIST=${CUDA_VISIBLE_DEVICES:-}
 # batch SIDE SHARD: run the tests of $OUT/shard_SHARD.txt in one pytest process on one GPU, as
 # PyTorch's CI runs a file, and print "ID<TAB>SIDE<TAB>OUTCOME" for each test it reached, read
