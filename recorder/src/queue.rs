@@ -18,13 +18,12 @@
 //! What is left is the sender's own part. On mlp, records claimed and stored into a second ring
 //! that no thread reads cost the step as much as the whole hand-off (~0.5 %), the claim's locked
 //! `fetch_add` at most ~0.1 % of it, and the worker's reading nothing measurable (design.md,
-//! "mlp's trace, by half"; BENCHMARKS.md, thirty-fourth session). The likeliest cause is the
-//! slot's line: last written one lap of the ring earlier, it misses at every send, and although
-//! a store that misses waits in the store buffer, the program's next locked instruction waits
-//! for it (most likely the allocator's unlock right after the send). That is inferred (the GPU
-//! machines have no hardware counters), and prefetching the slot 16 or 2 sends ahead changed
+//! "mlp's trace, by half"; BENCHMARKS.md, thirty-fourth session). It was inferred (the GPU
+//! machines have no hardware counters) to be the slot's line: last written one lap of the ring
+//! earlier, it misses at every send, and the program's next locked instruction (most likely the
+//! allocator's unlock) waits for the store. But prefetching the slot 16 or 2 sends ahead changed
 //! nothing measurable (branches `prefetch-ahead`, `prefetch-near`; BENCHMARKS.md, thirty-fifth
-//! session), which makes the miss the less likely reading: what the sender's part costs is open.
+//! session), so that reading is now the less likely one: what the sender's part costs is open.
 //!
 //! A send touches two lines of the queue: the *claims* line, which holds the tail, where the
 //! slots are, and the worker's head as a sender last saw it, and the slot. In a real step the

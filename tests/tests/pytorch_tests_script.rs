@@ -64,7 +64,8 @@ fn pytest_available() -> bool {
     ready
 }
 
-/// Run the script over `test_file` with `SERIAL=serial`; its table as test name → (native, shim).
+/// Run the script over `test_file` with the variable `SERIAL` set to `serial`; its table as test
+/// name → (native, shim).
 fn run_script(test_file: &Path, serial: &str) -> BTreeMap<String, (String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let lib = cachealloc_tests::shim_library();
@@ -107,8 +108,7 @@ fn row(native: &str, shim: &str) -> (String, String) {
 }
 
 #[test]
-fn the_pytorch_test_script_runs_each_serial_test_in_a_fresh_process_and_counts_expected_failures_as_skips()
- {
+fn pytorch_test_script_runs_serial_tests_alone_and_reads_xfail_as_skip() {
     if !pytest_available() {
         return;
     }
